@@ -1,0 +1,130 @@
+//! `mamba2 generate`: stream a continuation of a prompt.
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use mamba2_wgpu::tokenizer::Tokenizer;
+use mamba2_wgpu::{CpuBackend, CpuModel, GenerateOptions, Model, Sampling, Session};
+
+use super::ModelArgs;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text (or use --prompt).
+    #[arg(value_name = "PROMPT")]
+    text: Option<String>,
+    /// The prompt text.
+    #[arg(long, short = 'p', conflicts_with = "text")]
+    prompt: Option<String>,
+    /// The prompt as token ids, e.g. 1,2,3 (for models without a tokenizer; prints ids).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["text", "prompt"])]
+    prompt_ids: Option<Vec<u32>>,
+    /// How many tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Keep the most likely tokens up to this probability mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampler; the same seed gives the same text.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating past the end-of-sequence token.
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let dir = &args.model.model;
+    let model = Model::load(dir)?;
+    let tokenizer = Tokenizer::from_dir(dir)?;
+    let text = args.text.clone().or(args.prompt.clone());
+    let (prompt, tokenizer) = match (&args.prompt_ids, text) {
+        (Some(ids), _) => (ids.clone(), None),
+        (None, Some(text)) => {
+            let tok = tokenizer.with_context(|| {
+                format!("{} has no tokenizer.json: pass the prompt as --prompt-ids", dir.display())
+            })?;
+            (tok.encode(&text)?, Some(tok))
+        }
+        (None, None) => bail!("give a prompt: `generate \"text\"`, --prompt TEXT or --prompt-ids 1,2,3"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let stop = match (&tokenizer, args.ignore_eos) {
+        (Some(t), false) => t.eos.into_iter().collect(),
+        _ => Vec::new(),
+    };
+    let opts = GenerateOptions {
+        max_new_tokens: args.max_tokens,
+        sampling,
+        stop,
+    };
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let mut session = Session::new(Box::new(CpuBackend::new(cpu)));
+
+    let mut out = std::io::stdout().lock();
+    let mut decoder = tokenizer.as_ref().map(|t| t.stream());
+    match &tokenizer {
+        Some(t) => write!(out, "{}", t.decode(&prompt)?)?,
+        None => write!(out, "{}", join_ids(&prompt))?,
+    }
+    out.flush()?;
+    let start = Instant::now();
+    let mut first_at = None;
+    let mut failure = None;
+    let (reply, finish) = session.generate(&prompt, &opts, |id| {
+        first_at.get_or_insert_with(Instant::now);
+        let piece = match (&tokenizer, decoder.as_mut()) {
+            (Some(t), Some(d)) => match d.step(t, id) {
+                Ok(p) => p,
+                Err(e) => {
+                    failure = Some(e);
+                    return false;
+                }
+            },
+            _ => Some(format!(",{id}")),
+        };
+        if let Some(p) = piece {
+            let _ = write!(out, "{p}");
+            let _ = out.flush();
+        }
+        true
+    })?;
+    writeln!(out)?;
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    let total = start.elapsed().as_secs_f64();
+    let decode_s = first_at.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let rate = if reply.len() > 1 { (reply.len() - 1) as f64 / decode_s } else { 0.0 };
+    eprintln!(
+        "[{} prompt + {} generated tokens in {:.2} s, {:.1} tok/s decode, {finish:?}, {}]",
+        prompt.len(),
+        reply.len(),
+        total,
+        rate,
+        session.describe()
+    );
+    Ok(())
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}

@@ -1,0 +1,663 @@
+//! `ModelConfig`: one normalized description of a Mamba2 model, parsed from any of the
+//! config formats in the wild (HF transformers `mamba2`, mamba_ssm, Mistral `params.json`,
+//! HF `nemotron_h` with an all-Mamba layer pattern), with every derived size in one place.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+/// Which on-disk convention a model directory follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// HF transformers, `config.json` with `model_type: mamba2`.
+    HfMamba2,
+    /// state-spaces/mamba (mamba_ssm), `config.json` with `d_model`, `n_layer`, `ssm_cfg`.
+    MambaSsm,
+    /// Mistral's Mamba-Codestral, `params.json`.
+    Mistral,
+    /// HF transformers `nemotron_h` whose layers are all Mamba.
+    NemotronH,
+}
+
+impl ModelFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelFormat::HfMamba2 => "HF transformers mamba2",
+            ModelFormat::MambaSsm => "mamba_ssm",
+            ModelFormat::Mistral => "Mistral params.json",
+            ModelFormat::NemotronH => "HF transformers nemotron_h (all Mamba)",
+        }
+    }
+}
+
+/// The normalized model description. Field names follow MAMBA2.md: `d` model width,
+/// `H` heads of `P` channels, `G` groups, `N` state size, `K` conv width.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub format: ModelFormat,
+    /// `d`
+    pub d_model: usize,
+    pub n_layer: usize,
+    /// Rows of the embedding (and of lm_head): the vocabulary after any padding.
+    pub vocab_size: usize,
+    /// `H·P`
+    pub d_inner: usize,
+    /// `H`
+    pub n_heads: usize,
+    /// `P`
+    pub head_dim: usize,
+    /// `G`
+    pub n_groups: usize,
+    /// `N`
+    pub d_state: usize,
+    /// `K`
+    pub d_conv: usize,
+    /// `Q`, the SSD chunk length of prefill.
+    pub chunk_size: usize,
+    pub norm_eps: f64,
+    pub tie_embeddings: bool,
+    pub conv_bias: bool,
+    /// `(min, max)` clamp on dt. Applied in prefill and decode alike (as HF does; mamba_ssm
+    /// clamps in prefill only), so both paths agree. The default `(0, inf)` is a no-op.
+    pub time_step_limit: (f64, f64),
+}
+
+impl ModelConfig {
+    /// `conv_dim = d_inner + 2·G·N`
+    pub fn conv_dim(&self) -> usize {
+        self.d_inner + 2 * self.n_groups * self.d_state
+    }
+    /// `d_in_proj = 2·d_inner + 2·G·N + H` (order: z | xBC | dt).
+    pub fn d_in_proj(&self) -> usize {
+        2 * self.d_inner + 2 * self.n_groups * self.d_state + self.n_heads
+    }
+    /// Channels per group of the gated norm, `d_inner / G`.
+    pub fn group_size(&self) -> usize {
+        self.d_inner / self.n_groups
+    }
+    /// Heads sharing one B/C group, `H / G`.
+    pub fn heads_per_group(&self) -> usize {
+        self.n_heads / self.n_groups
+    }
+    /// f32 values of SSM state per layer, `H·P·N`.
+    pub fn ssm_state_len(&self) -> usize {
+        self.n_heads * self.head_dim * self.d_state
+    }
+    /// f32 values of conv state per layer, `conv_dim·(K−1)`.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_dim() * (self.d_conv - 1)
+    }
+    /// Bytes of recurrent state one sequence carries (f32, all layers).
+    pub fn state_bytes(&self) -> usize {
+        4 * self.n_layer * (self.ssm_state_len() + self.conv_state_len())
+    }
+    /// Parameter count implied by the config (lm_head counted once when tied).
+    pub fn param_count(&self) -> usize {
+        let per_layer = self.d_model // block norm
+            + self.d_in_proj() * self.d_model
+            + self.conv_dim() * self.d_conv
+            + if self.conv_bias { self.conv_dim() } else { 0 }
+            + 3 * self.n_heads
+            + self.d_inner
+            + self.d_model * self.d_inner;
+        let head = if self.tie_embeddings { 0 } else { self.vocab_size * self.d_model };
+        self.vocab_size * self.d_model + self.n_layer * per_layer + self.d_model + head
+    }
+
+    /// This config as an HF transformers `mamba2` `config.json` (what `Model::save` writes).
+    /// Nemotron-H configs with G > 1 stay exact: HF's own Mamba2 would normalize over all of
+    /// d_inner, but this engine reads the field back with its per-group meaning.
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        let limit = |x: f64| if x.is_finite() { serde_json::json!(x) } else { serde_json::json!({"__float__": "Infinity"}) };
+        serde_json::json!({
+            "model_type": "mamba2",
+            "architectures": ["Mamba2ForCausalLM"],
+            "hidden_size": self.d_model,
+            "num_hidden_layers": self.n_layer,
+            "vocab_size": self.vocab_size,
+            "expand": if self.d_inner % self.d_model == 0 {
+                serde_json::json!(self.d_inner / self.d_model)
+            } else {
+                serde_json::json!(self.d_inner as f64 / self.d_model as f64)
+            },
+            "num_heads": self.n_heads,
+            "head_dim": self.head_dim,
+            "n_groups": self.n_groups,
+            "state_size": self.d_state,
+            "conv_kernel": self.d_conv,
+            "chunk_size": self.chunk_size,
+            "layer_norm_epsilon": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "use_conv_bias": self.conv_bias,
+            "use_bias": false,
+            "time_step_limit": [limit(self.time_step_limit.0), limit(self.time_step_limit.1)],
+        })
+    }
+
+    /// Reads the config of a model directory: `config.json` (HF, mamba_ssm, nemotron_h) or
+    /// `params.json` (Mistral).
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let config = dir.join("config.json");
+        let params = dir.join("params.json");
+        if config.is_file() {
+            Self::from_file(&config)
+        } else if params.is_file() {
+            Self::from_file(&params)
+        } else {
+            Err(Error::format(
+                dir,
+                "no config.json or params.json in this model directory",
+            ))
+        }
+    }
+
+    /// Parses one config file, detecting its format from its fields.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_json_str(&text, path)
+    }
+
+    /// Parses config JSON text; `path` is only used in error messages.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let value: Value = serde_json::from_str(&quote_non_finite(text))
+            .map_err(|e| Error::format(path, format!("not valid JSON: {e}")))?;
+        let Value::Object(obj) = value else {
+            return Err(Error::format(path, "expected a JSON object at the top level"));
+        };
+        let f = Fields {
+            obj: &obj,
+            path: path.to_path_buf(),
+            prefix: String::new(),
+        };
+        let model_type = f.opt_str("model_type")?;
+        let config = match model_type.as_deref() {
+            Some("mamba2") => parse_hf_mamba2(&f)?,
+            Some("nemotron_h") => parse_nemotron_h(&f)?,
+            Some("mamba") if obj.contains_key("dim") => parse_mistral(&f)?,
+            _ if obj.contains_key("d_model") && obj.contains_key("n_layer") => parse_mamba_ssm(&f)?,
+            _ if obj.contains_key("dim") && obj.contains_key("n_layers") => parse_mistral(&f)?,
+            Some(other) => {
+                return Err(Error::Unsupported(format!(
+                    "{}: model_type `{other}` (supported: mamba2, nemotron_h with only Mamba layers, mamba_ssm and Mistral Mamba2 configs)",
+                    path.display()
+                )));
+            }
+            None => {
+                return Err(Error::format(
+                    path,
+                    "unrecognised config: expected an HF `model_type`, mamba_ssm `d_model`/`n_layer` or Mistral `dim`/`n_layers`",
+                ));
+            }
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Checks the invariants every kernel relies on; errors name the offending field.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let err = |field: &str, message: String| Error::Config {
+            path: path.to_path_buf(),
+            field: field.into(),
+            message,
+        };
+        let positive = [
+            ("d_model", self.d_model),
+            ("n_layer", self.n_layer),
+            ("vocab_size", self.vocab_size),
+            ("d_inner", self.d_inner),
+            ("n_heads", self.n_heads),
+            ("head_dim", self.head_dim),
+            ("n_groups", self.n_groups),
+            ("d_state", self.d_state),
+            ("chunk_size", self.chunk_size),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(err(field, "must be positive".into()));
+            }
+        }
+        if self.d_conv < 2 {
+            return Err(err("d_conv", format!("must be at least 2, found {}", self.d_conv)));
+        }
+        if self.n_heads * self.head_dim != self.d_inner {
+            return Err(err(
+                "head_dim",
+                format!(
+                    "heads × head_dim = {} × {} must equal d_inner = {}",
+                    self.n_heads, self.head_dim, self.d_inner
+                ),
+            ));
+        }
+        if self.n_heads % self.n_groups != 0 {
+            return Err(err(
+                "n_groups",
+                format!("{} heads cannot be split into {} groups", self.n_heads, self.n_groups),
+            ));
+        }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+            return Err(err("norm_eps", format!("must be a positive number, found {}", self.norm_eps)));
+        }
+        let (lo, hi) = self.time_step_limit;
+        if lo.is_nan() || hi.is_nan() || lo < 0.0 || hi < lo {
+            return Err(err(
+                "time_step_limit",
+                format!("must be 0 ≤ min ≤ max, found ({lo}, {hi})"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// serde_json rejects the bare `Infinity`/`NaN` tokens Python's json writes; quote them
+/// (outside string literals) so they parse as strings that `Fields::f64` understands.
+fn quote_non_finite(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 16);
+    let mut in_string = false;
+    let mut escaped = false;
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            out.push(c);
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+            rest = &rest[c.len_utf8()..];
+            continue;
+        }
+        if c == '"' {
+            in_string = true;
+        }
+        let token = ["-Infinity", "Infinity", "NaN"]
+            .into_iter()
+            .find(|t| rest.starts_with(t));
+        if let Some(t) = token {
+            out.push('"');
+            out.push_str(t);
+            out.push('"');
+            rest = &rest[t.len()..];
+        } else {
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    out
+}
+
+/// Typed access to a JSON object with errors that name the file and field.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    path: PathBuf,
+    prefix: String,
+}
+
+impl<'a> Fields<'a> {
+    fn err(&self, field: &str, message: impl Into<String>) -> Error {
+        Error::Config {
+            path: self.path.clone(),
+            field: format!("{}{field}", self.prefix),
+            message: message.into(),
+        }
+    }
+
+    fn get(&self, field: &str) -> Option<&'a Value> {
+        self.obj.get(field).filter(|v| !v.is_null())
+    }
+
+    fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
+        let Some(v) = self.get(field) else { return Ok(None) };
+        match v.as_u64() {
+            Some(n) => Ok(Some(n as usize)),
+            None => match v.as_f64() {
+                Some(x) if x >= 0.0 && x.fract() == 0.0 => Ok(Some(x as usize)),
+                _ => Err(self.err(field, format!("expected a non-negative integer, found {v}"))),
+            },
+        }
+    }
+
+    fn usize(&self, field: &str) -> Result<usize> {
+        self.opt_usize(field)?
+            .ok_or_else(|| self.err(field, "missing (required)"))
+    }
+
+    fn usize_or(&self, field: &str, default: usize) -> Result<usize> {
+        Ok(self.opt_usize(field)?.unwrap_or(default))
+    }
+
+    fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
+        self.get(field).map(|v| json_f64(v).ok_or_else(|| self.err(field, format!("expected a number, found {v}")))).transpose()
+    }
+
+    fn f64_or(&self, field: &str, default: f64) -> Result<f64> {
+        Ok(self.opt_f64(field)?.unwrap_or(default))
+    }
+
+    fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(self.err(field, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    fn opt_str(&self, field: &str) -> Result<Option<String>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(self.err(field, format!("expected a string, found {v}"))),
+        }
+    }
+
+    /// A `[min, max]` pair of numbers (either may be `Infinity` in any JSON spelling).
+    fn pair_or(&self, field: &str, default: (f64, f64)) -> Result<(f64, f64)> {
+        let Some(v) = self.get(field) else { return Ok(default) };
+        let bad = || self.err(field, format!("expected [min, max], found {v}"));
+        let Value::Array(items) = v else { return Err(bad()) };
+        if items.len() != 2 {
+            return Err(bad());
+        }
+        let lo = json_f64(&items[0]).ok_or_else(bad)?;
+        let hi = json_f64(&items[1]).ok_or_else(bad)?;
+        Ok((lo, hi))
+    }
+
+    fn nested(&self, field: &str) -> Result<Option<Fields<'a>>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Object(obj)) => Ok(Some(Fields {
+                obj,
+                path: self.path.clone(),
+                prefix: format!("{}{field}.", self.prefix),
+            })),
+            Some(v) => Err(self.err(field, format!("expected an object, found {v}"))),
+        }
+    }
+
+    /// Rejects options that change the math in ways this engine does not implement.
+    fn reject_if(&self, field: &str, bad: bool, why: &str) -> Result<()> {
+        if bad {
+            Err(Error::Unsupported(format!(
+                "{}: `{}{field}`: {why}",
+                self.path.display(),
+                self.prefix
+            )))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// A JSON number, or one of the spellings of a non-finite float seen in the wild:
+/// `Infinity` (bare, quoted by `quote_non_finite`) and `{"__float__": "Infinity"}`.
+fn json_f64(v: &Value) -> Option<f64> {
+    match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => match s.as_str() {
+            "Infinity" | "inf" | "+inf" => Some(f64::INFINITY),
+            "-Infinity" | "-inf" => Some(f64::NEG_INFINITY),
+            "NaN" | "nan" => Some(f64::NAN),
+            other => other.parse().ok(),
+        },
+        Value::Object(o) if o.len() == 1 => o.get("__float__").and_then(json_f64),
+        _ => None,
+    }
+}
+
+const NO_LIMIT: (f64, f64) = (0.0, f64::INFINITY);
+
+fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
+    let d_model = f.usize("hidden_size")?;
+    let expand = f.f64_or("expand", 2.0)?;
+    let head_dim = f.usize_or("head_dim", 64)?;
+    if !(expand > 0.0 && expand.is_finite()) {
+        return Err(f.err("expand", format!("must be a positive number, found {expand}")));
+    }
+    // HF: intermediate_size = int(expand * hidden_size)
+    let d_inner = (expand * d_model as f64) as usize;
+    let n_heads = match f.opt_usize("num_heads")? {
+        Some(h) => h,
+        None => d_inner / head_dim.max(1),
+    };
+    f.reject_if("use_bias", f.bool_or("use_bias", false)?, "in_proj/out_proj biases")?;
+    f.reject_if("rms_norm", !f.bool_or("rms_norm", true)?, "LayerNorm blocks (only RMSNorm)")?;
+    f.reject_if(
+        "norm_before_gate",
+        f.bool_or("norm_before_gate", false)?,
+        "norm before gate (every released checkpoint gates first)",
+    )?;
+    Ok(ModelConfig {
+        format: ModelFormat::HfMamba2,
+        d_model,
+        n_layer: f.usize("num_hidden_layers")?,
+        vocab_size: f.usize("vocab_size")?,
+        d_inner,
+        n_heads,
+        head_dim,
+        n_groups: f.usize_or("n_groups", 1)?,
+        d_state: f.usize_or("state_size", 128)?,
+        d_conv: f.usize_or("conv_kernel", 4)?,
+        chunk_size: f.usize_or("chunk_size", 256)?,
+        norm_eps: f.f64_or("layer_norm_epsilon", 1e-5)?,
+        tie_embeddings: f.bool_or("tie_word_embeddings", true)?,
+        conv_bias: f.bool_or("use_conv_bias", true)?,
+        time_step_limit: f.pair_or("time_step_limit", NO_LIMIT)?,
+    })
+}
+
+fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
+    let n_layer = f.usize("num_hidden_layers")?;
+    let kinds: Vec<String> = if let Some(pattern) = f.opt_str("hybrid_override_pattern")? {
+        pattern.chars().map(|c| c.to_string()).collect()
+    } else if let Some(Value::Array(items)) = f.get("layers_block_type") {
+        items
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<_>>()
+            .ok_or_else(|| f.err("layers_block_type", "expected a list of strings"))?
+    } else {
+        return Err(f.err(
+            "hybrid_override_pattern",
+            "missing: a nemotron_h config needs `hybrid_override_pattern` or `layers_block_type`",
+        ));
+    };
+    if kinds.len() != n_layer {
+        return Err(f.err(
+            "hybrid_override_pattern",
+            format!("describes {} layers but num_hidden_layers is {n_layer}", kinds.len()),
+        ));
+    }
+    if let Some((i, kind)) = kinds
+        .iter()
+        .enumerate()
+        .find(|(_, k)| !matches!(k.as_str(), "M" | "mamba"))
+    {
+        let what = match kind.as_str() {
+            "*" | "attention" => "attention",
+            "-" | "mlp" => "MLP",
+            "E" | "moe" => "mixture-of-experts",
+            _ => "unknown",
+        };
+        return Err(Error::Unsupported(format!(
+            "{}: layer {i} is a{} {what} layer (`{kind}`); only all-Mamba nemotron_h models run today",
+            f.path.display(),
+            if what.starts_with(['a', 'e', 'i', 'o', 'u', 'M']) { "n" } else { "" },
+        )));
+    }
+    let n_heads = f.usize("mamba_num_heads")?;
+    let head_dim = f.usize("mamba_head_dim")?;
+    f.reject_if("mamba_proj_bias", f.bool_or("mamba_proj_bias", false)?, "in_proj/out_proj biases")?;
+    if let Some(act) = f.opt_str("mamba_hidden_act")? {
+        f.reject_if("mamba_hidden_act", act != "silu", "activations other than silu")?;
+    }
+    Ok(ModelConfig {
+        format: ModelFormat::NemotronH,
+        d_model: f.usize("hidden_size")?,
+        n_layer,
+        vocab_size: f.usize("vocab_size")?,
+        d_inner: n_heads * head_dim,
+        n_heads,
+        head_dim,
+        n_groups: f.usize_or("n_groups", 1)?,
+        d_state: f.usize_or("ssm_state_size", 128)?,
+        d_conv: f.usize_or("conv_kernel", 4)?,
+        chunk_size: f.usize_or("chunk_size", 128)?,
+        norm_eps: f.f64_or("layer_norm_epsilon", 1e-5)?,
+        tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
+        conv_bias: f.bool_or("use_conv_bias", true)?,
+        time_step_limit: f.pair_or("time_step_limit", NO_LIMIT)?,
+    })
+}
+
+/// mamba_ssm's `MambaConfig`: the mixer options live in `ssm_cfg` with `Mamba2`'s
+/// constructor defaults (d_state 128, d_conv 4, expand 2, headdim 64, ngroups 1, chunk 256).
+fn parse_mamba_ssm(f: &Fields) -> Result<ModelConfig> {
+    let d_model = f.usize("d_model")?;
+    let vocab = f.usize("vocab_size")?;
+    let pad = f.usize_or("pad_vocab_size_multiple", 8)?.max(1);
+    if let Some(Value::Array(a)) = f.get("attn_layer_idx") {
+        f.reject_if("attn_layer_idx", !a.is_empty(), "hybrid models with attention layers")?;
+    }
+    f.reject_if("rms_norm", !f.bool_or("rms_norm", true)?, "LayerNorm blocks (only RMSNorm)")?;
+    let empty = Map::new();
+    let ssm = f.nested("ssm_cfg")?.unwrap_or(Fields {
+        obj: &empty,
+        path: f.path.clone(),
+        prefix: "ssm_cfg.".into(),
+    });
+    match ssm.opt_str("layer")?.as_deref() {
+        Some("Mamba2") => {}
+        Some(other) => ssm.reject_if("layer", true, &format!("`{other}` layers (only Mamba2)"))?,
+        None => ssm.reject_if("layer", true, "no layer given, which means Mamba1 (only Mamba2)")?,
+    }
+    ssm.reject_if("bias", ssm.bool_or("bias", false)?, "in_proj/out_proj biases")?;
+    ssm.reject_if("rmsnorm", !ssm.bool_or("rmsnorm", true)?, "an ungated mixer norm")?;
+    ssm.reject_if("norm_before_gate", ssm.bool_or("norm_before_gate", false)?, "norm before gate")?;
+    ssm.reject_if("D_has_hdim", ssm.bool_or("D_has_hdim", false)?, "D per channel")?;
+    ssm.reject_if("d_ssm", ssm.get("d_ssm").is_some(), "a partial SSM with an MLP branch")?;
+    let expand = ssm.usize_or("expand", 2)?;
+    let head_dim = ssm.usize_or("headdim", 64)?;
+    let d_inner = expand * d_model;
+    Ok(ModelConfig {
+        format: ModelFormat::MambaSsm,
+        d_model,
+        n_layer: f.usize("n_layer")?,
+        vocab_size: vocab.div_ceil(pad) * pad,
+        d_inner,
+        n_heads: d_inner / head_dim.max(1),
+        head_dim,
+        n_groups: ssm.usize_or("ngroups", 1)?,
+        d_state: ssm.usize_or("d_state", 128)?,
+        d_conv: ssm.usize_or("d_conv", 4)?,
+        chunk_size: ssm.usize_or("chunk_size", 256)?,
+        norm_eps: f.f64_or("norm_epsilon", 1e-5)?,
+        tie_embeddings: f.bool_or("tie_embeddings", true)?,
+        conv_bias: ssm.bool_or("conv_bias", true)?,
+        time_step_limit: ssm.pair_or("dt_limit", NO_LIMIT)?,
+    })
+}
+
+/// Mistral's `params.json` (mistral-inference `MambaArgs`): a mamba_ssm model built with
+/// `ssm_cfg = {ngroups: n_groups, layer: Mamba2}` and the Mamba2 defaults otherwise.
+fn parse_mistral(f: &Fields) -> Result<ModelConfig> {
+    let d_model = f.usize("dim")?;
+    let vocab = f.usize("vocab_size")?;
+    let pad = f.usize_or("pad_vocab_size_multiple", 1)?.max(1);
+    f.reject_if("rms_norm", !f.bool_or("rms_norm", true)?, "LayerNorm blocks (only RMSNorm)")?;
+    let head_dim = 64;
+    let d_inner = 2 * d_model;
+    Ok(ModelConfig {
+        format: ModelFormat::Mistral,
+        d_model,
+        n_layer: f.usize("n_layers")?,
+        vocab_size: vocab.div_ceil(pad) * pad,
+        d_inner,
+        n_heads: d_inner / head_dim,
+        head_dim,
+        n_groups: f.usize_or("n_groups", 1)?,
+        d_state: 128,
+        d_conv: 4,
+        chunk_size: 256,
+        norm_eps: f.f64_or("norm_eps", 1e-5)?,
+        tie_embeddings: f.bool_or("tie_embeddings", false)?,
+        conv_bias: true,
+        time_step_limit: NO_LIMIT,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ModelConfig> {
+        ModelConfig::from_json_str(text, Path::new("config.json"))
+    }
+
+    #[test]
+    fn infinity_spellings() {
+        let base = r#"{"model_type":"mamba2","hidden_size":64,"num_hidden_layers":2,"vocab_size":100,
+            "num_heads":8,"head_dim":16,"state_size":16,"time_step_limit":LIMIT}"#;
+        for limit in ["[0.0, Infinity]", r#"[0.0, {"__float__": "Infinity"}]"#] {
+            let c = parse(&base.replace("LIMIT", limit)).unwrap();
+            assert_eq!(c.time_step_limit, (0.0, f64::INFINITY));
+        }
+    }
+
+    #[test]
+    fn infinity_inside_strings_is_untouched() {
+        assert_eq!(quote_non_finite(r#"{"a":"Infinity x","b":Infinity}"#), r#"{"a":"Infinity x","b":"Infinity"}"#);
+    }
+
+    #[test]
+    fn mamba_ssm_defaults_and_vocab_padding() {
+        let c = parse(r#"{"d_model":768,"n_layer":24,"vocab_size":50277,"ssm_cfg":{"layer":"Mamba2"},
+            "pad_vocab_size_multiple":16,"tie_embeddings":true}"#)
+        .unwrap();
+        assert_eq!((c.vocab_size, c.n_heads, c.head_dim, c.d_state), (50288, 24, 64, 128));
+        assert_eq!((c.conv_dim(), c.d_in_proj()), (1792, 3352));
+    }
+
+    #[test]
+    fn mistral_codestral_shapes() {
+        let c = parse(r#"{"dim":4096,"n_layers":64,"vocab_size":32768,"n_groups":8,"rms_norm":true,
+            "residual_in_fp32":true,"fused_add_norm":true,"pad_vocab_size_multiple":1,
+            "tie_embeddings":false,"model_type":"mamba"}"#)
+        .unwrap();
+        assert_eq!((c.n_heads, c.conv_dim(), c.d_in_proj()), (128, 10240, 18560));
+        assert_eq!(c.ssm_state_len() * 4, 4 << 20);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = parse(r#"{"model_type":"mamba2","num_hidden_layers":2,"vocab_size":100}"#).unwrap_err();
+        assert!(e.to_string().contains("`hidden_size`: missing"), "{e}");
+        let e = parse(r#"{"model_type":"mamba2","hidden_size":"big","num_hidden_layers":2,"vocab_size":100}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("`hidden_size`: expected a non-negative integer"), "{e}");
+        let e = parse(r#"{"model_type":"mamba2","hidden_size":64,"num_hidden_layers":2,"vocab_size":100,
+            "num_heads":7,"head_dim":16}"#)
+        .unwrap_err();
+        assert!(e.to_string().contains("`head_dim`: heads × head_dim = 7 × 16 must equal d_inner = 128"), "{e}");
+        let e = parse(r#"{"d_model":64,"n_layer":2,"vocab_size":10,"ssm_cfg":{"ngroups":3,"layer":"Mamba2"}}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("`n_groups`: 2 heads cannot be split into 3 groups"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_configs_say_why() {
+        let e = parse(r#"{"model_type":"nemotron_h","hidden_size":48,"num_hidden_layers":3,"vocab_size":100,
+            "hybrid_override_pattern":"M*M","mamba_num_heads":8,"mamba_head_dim":12}"#)
+        .unwrap_err();
+        assert!(e.to_string().contains("layer 1 is an attention layer"), "{e}");
+        let e = parse(r#"{"d_model":64,"n_layer":2,"vocab_size":10,"ssm_cfg":{}}"#).unwrap_err();
+        assert!(e.to_string().contains("Mamba1"), "{e}");
+        let e = parse(r#"{"model_type":"llama","hidden_size":64}"#).unwrap_err();
+        assert!(e.to_string().contains("model_type `llama`"), "{e}");
+        let e = parse("{not json").unwrap_err();
+        assert!(e.to_string().starts_with("config.json: not valid JSON"), "{e}");
+    }
+}

@@ -1,0 +1,1 @@
+//! q8_0 quantization (GPU issue).

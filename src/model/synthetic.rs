@@ -1,0 +1,87 @@
+//! Deterministic random weights at any config's shapes: for tests, benchmarks and bad-input
+//! experiments. Scales keep activations and state in a realistic range, so a forward pass
+//! over hundreds of tokens neither explodes nor vanishes.
+
+use crate::config::ModelConfig;
+use crate::model::{LayerWeights, Mamba2Weights, Tensor};
+use crate::sampling::uniform;
+
+/// A counter-based stream of uniform numbers (the sampler's hash, keyed by `seed`).
+struct Stream {
+    seed: u64,
+    next: u64,
+}
+
+impl Stream {
+    /// `count` values uniform in `[lo, hi)`.
+    fn fill(&mut self, count: usize, lo: f32, hi: f32) -> Vec<f32> {
+        let start = self.next;
+        self.next += count as u64;
+        (0..count as u64)
+            .map(|i| lo + (hi - lo) * uniform(self.seed, start + i))
+            .collect()
+    }
+}
+
+/// Random weights named as HF transformers names them, f32.
+pub fn random_weights(c: &ModelConfig, seed: u64) -> Mamba2Weights {
+    let mut s = Stream { seed, next: 0 };
+    let mut t = |name: String, shape: Vec<usize>, lo: f32, hi: f32| {
+        let values = s.fill(shape.iter().product(), lo, hi);
+        Tensor::from_f32(name, shape, &values)
+    };
+    let (d, di, h) = (c.d_model, c.d_inner, c.n_heads);
+    let in_scale = (3.0 / d as f32).sqrt();
+    let out_scale = (3.0 / di as f32).sqrt() * 0.5;
+    let layers = (0..c.n_layer)
+        .map(|i| {
+            let p = |n: &str| format!("backbone.layers.{i}.{n}");
+            LayerWeights {
+                norm: t(p("norm.weight"), vec![d], 0.6, 1.4),
+                in_proj: t(p("mixer.in_proj.weight"), vec![c.d_in_proj(), d], -in_scale, in_scale),
+                conv_weight: t(p("mixer.conv1d.weight"), vec![c.conv_dim(), 1, c.d_conv], -0.6, 0.6),
+                conv_bias: c
+                    .conv_bias
+                    .then(|| t(p("mixer.conv1d.bias"), vec![c.conv_dim()], -0.2, 0.2)),
+                dt_bias: t(p("mixer.dt_bias"), vec![h], -4.0, -1.0),
+                a_log: t(p("mixer.A_log"), vec![h], 0.0, 2.5),
+                d_skip: t(p("mixer.D"), vec![h], 0.5, 1.5),
+                mixer_norm: t(p("mixer.norm.weight"), vec![di], 0.6, 1.4),
+                out_proj: t(p("mixer.out_proj.weight"), vec![d, di], -out_scale, out_scale),
+            }
+        })
+        .collect();
+    let embedding = t("backbone.embeddings.weight".into(), vec![c.vocab_size, d], -1.0, 1.0);
+    let final_norm = t("backbone.norm_f.weight".into(), vec![d], 0.6, 1.4);
+    let head_scale = (3.0 / d as f32).sqrt() * 2.0;
+    let lm_head = (!c.tie_embeddings).then(|| t("lm_head.weight".into(), vec![c.vocab_size, d], -head_scale, head_scale));
+    Mamba2Weights {
+        embedding,
+        layers,
+        final_norm,
+        lm_head,
+    }
+}
+
+/// A tiny HF-style config with the given groups and head dim (4 heads per group, expand 2),
+/// for tests.
+pub fn tiny_config(n_groups: usize, head_dim: usize) -> ModelConfig {
+    let n_heads = 4 * n_groups;
+    ModelConfig {
+        format: crate::config::ModelFormat::HfMamba2,
+        d_model: n_heads * head_dim / 2,
+        n_layer: 2,
+        vocab_size: 77,
+        d_inner: n_heads * head_dim,
+        n_heads,
+        head_dim,
+        n_groups,
+        d_state: 12,
+        d_conv: 4,
+        chunk_size: 16,
+        norm_eps: 1e-5,
+        tie_embeddings: n_groups == 1,
+        conv_bias: true,
+        time_step_limit: (0.0, f64::INFINITY),
+    }
+}

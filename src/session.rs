@@ -1,0 +1,299 @@
+//! `Session`: one sequence's conversation with a model on some device — prompt → prefill →
+//! decode loop → streamed tokens — with the state carried between calls so a new turn
+//! only feeds its new tokens. Devices plug in through the `Backend` trait.
+
+use std::any::Any;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::reference::{CpuModel, Logits, Scan, State};
+use crate::sampling::{Sampling, sample};
+
+/// What a device must do for a `Session`. Positions count tokens fed since the state was
+/// zero; they seed sampling (see `sampling`).
+pub trait Backend: Send {
+    fn config(&self) -> &ModelConfig;
+    /// One line naming the device, e.g. "cpu (f32 reference)".
+    fn describe(&self) -> String;
+    /// Zeroes the state (a fresh sequence).
+    fn reset(&mut self) -> Result<()>;
+    /// Feeds `tokens` (at least one) and returns the token sampled after the last of them,
+    /// which is not fed. `pos` is the position of that sampled token.
+    fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32>;
+    /// Feeds `tokens` and returns the logits after every one of them (perplexity).
+    fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>>;
+    /// Feeds `first` (at position `pos − 1`), samples the next token at `pos`, feeds it, and
+    /// so on, for at most `max_new` sampled tokens. `on_token` sees every sampled token in
+    /// order, a stop token too, and returns false to stop early. A sampled token in `stop`
+    /// ends the loop. The last sampled token is never fed; all earlier ones are.
+    /// Returns how many tokens were sampled.
+    fn decode(
+        &mut self,
+        first: u32,
+        pos: u64,
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize>;
+    /// A copy of the state, to restore later.
+    fn snapshot(&self) -> Result<Box<dyn Any + Send>>;
+    fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()>;
+}
+
+/// The CPU device: the f32 reference.
+pub struct CpuBackend {
+    model: CpuModel<f32>,
+    state: State<f32>,
+    scan: Scan,
+}
+
+impl CpuBackend {
+    pub fn new(model: CpuModel<f32>) -> Self {
+        let state = model.new_state();
+        let scan = Scan::Chunked(model.config.chunk_size);
+        CpuBackend { model, state, scan }
+    }
+
+    pub fn state(&self) -> &State<f32> {
+        &self.state
+    }
+}
+
+impl Backend for CpuBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn describe(&self) -> String {
+        "cpu (f32 reference)".into()
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        self.state = self.model.new_state();
+        Ok(())
+    }
+
+    fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
+        let logits = self.model.forward(&mut self.state, tokens, self.scan, Logits::Last)?;
+        Ok(sample(&logits[0], sampling, pos))
+    }
+
+    fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.model.forward(&mut self.state, tokens, self.scan, Logits::All)
+    }
+
+    fn decode(
+        &mut self,
+        first: u32,
+        pos: u64,
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        let mut token = first;
+        for i in 0..max_new {
+            let logits = self.model.forward(&mut self.state, &[token], Scan::Sequential, Logits::Last)?;
+            token = sample(&logits[0], sampling, pos + i as u64);
+            let go = on_token(token);
+            if !go || stop.contains(&token) || i + 1 == max_new {
+                return Ok(i + 1);
+            }
+        }
+        Ok(max_new)
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn Any + Send>> {
+        Ok(Box::new(self.state.clone()))
+    }
+
+    fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()> {
+        let state = snapshot
+            .downcast_ref::<State<f32>>()
+            .ok_or_else(|| Error::InvalidInput("snapshot was taken on another device".into()))?;
+        self.state = state.clone();
+        Ok(())
+    }
+}
+
+/// Options of one `generate` call.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    /// Tokens that end the reply (typically the tokenizer's EOS); they are not reported.
+    pub stop: Vec<u32>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 64,
+            sampling: Sampling::default(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// Why a `generate` call returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// `max_new_tokens` were produced.
+    Length,
+    /// A stop token was sampled.
+    Stop,
+    /// The callback asked to stop.
+    Cancelled,
+}
+
+/// A saved point of a session: state plus bookkeeping, to branch or regenerate.
+pub struct Snapshot {
+    state: Box<dyn Any + Send>,
+    pos: u64,
+    pending: Option<u32>,
+}
+
+/// One sequence on one device. The state persists across `generate` calls: each call
+/// feeds only its new tokens (plus the last token of the previous reply, which was
+/// sampled but not yet fed).
+pub struct Session {
+    backend: Box<dyn Backend>,
+    pos: u64,
+    pending: Option<u32>,
+}
+
+impl Session {
+    pub fn new(backend: Box<dyn Backend>) -> Self {
+        Session {
+            backend,
+            pos: 0,
+            pending: None,
+        }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.backend.config()
+    }
+
+    pub fn describe(&self) -> String {
+        self.backend.describe()
+    }
+
+    /// Tokens fed into the state so far.
+    pub fn position(&self) -> u64 {
+        self.pos
+    }
+
+    pub fn backend_mut(&mut self) -> &mut dyn Backend {
+        self.backend.as_mut()
+    }
+
+    /// Forgets everything: a fresh sequence.
+    pub fn reset(&mut self) -> Result<()> {
+        self.pos = 0;
+        self.pending = None;
+        self.backend.reset()
+    }
+
+    /// Feeds `prompt` and samples up to `max_new_tokens` tokens, calling `on_token` with
+    /// each (return false to stop). Returns the reply's tokens and why it ended.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<(Vec<u32>, Finish)> {
+        opts.sampling.validate()?;
+        let mut input: Vec<u32> = self.pending.into_iter().collect();
+        input.extend_from_slice(prompt);
+        if prompt.is_empty() {
+            return Err(Error::InvalidInput("the prompt is empty".into()));
+        }
+        let vocab = self.config().vocab_size;
+        if let Some(&bad) = input.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidInput(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        let mut reply = Vec::new();
+        if opts.max_new_tokens == 0 {
+            let _ = self.backend.prefill_logits(&input)?;
+            self.pos += input.len() as u64;
+            self.pending = None;
+            return Ok((reply, Finish::Length));
+        }
+        let first_pos = self.pos + input.len() as u64;
+        let first = self.backend.prefill_sample(&input, &opts.sampling, first_pos)?;
+        self.pos = first_pos;
+        self.pending = Some(first);
+        if opts.stop.contains(&first) {
+            return Ok((reply, Finish::Stop));
+        }
+        reply.push(first);
+        if !on_token(first) {
+            return Ok((reply, Finish::Cancelled));
+        }
+        if opts.max_new_tokens == 1 {
+            return Ok((reply, Finish::Length));
+        }
+        let mut cancelled = false;
+        let mut last = first;
+        let sampled = self.backend.decode(
+            first,
+            first_pos + 1,
+            opts.max_new_tokens - 1,
+            &opts.sampling,
+            &opts.stop,
+            &mut |t| {
+                last = t;
+                if opts.stop.contains(&t) {
+                    return false;
+                }
+                reply.push(t);
+                let go = on_token(t);
+                cancelled |= !go;
+                go
+            },
+        )?;
+        // Every sampled token but the last has been fed.
+        self.pos += sampled as u64;
+        self.pending = Some(last);
+        let finish = if opts.stop.contains(&last) {
+            Finish::Stop
+        } else if cancelled {
+            Finish::Cancelled
+        } else {
+            Finish::Length
+        };
+        Ok((reply, finish))
+    }
+
+    /// Logits after every token of `tokens`, fed from the current state (perplexity).
+    pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidInput("no tokens to score".into()));
+        }
+        let mut input: Vec<u32> = self.pending.take().into_iter().collect();
+        let skip = input.len();
+        input.extend_from_slice(tokens);
+        let mut logits = self.backend.prefill_logits(&input)?;
+        self.pos += input.len() as u64;
+        Ok(logits.split_off(skip))
+    }
+
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        Ok(Snapshot {
+            state: self.backend.snapshot()?,
+            pos: self.pos,
+            pending: self.pending,
+        })
+    }
+
+    pub fn restore(&mut self, s: &Snapshot) -> Result<()> {
+        self.backend.restore(s.state.as_ref())?;
+        self.pos = s.pos;
+        self.pending = s.pending;
+        Ok(())
+    }
+}
