@@ -450,7 +450,6 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
 }
 
 fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
-    let n_layer = f.usize("num_hidden_layers")?;
     let kinds: Vec<String> = if let Some(pattern) = f.opt_str("hybrid_override_pattern")? {
         pattern.chars().map(|c| c.to_string()).collect()
     } else if let Some(Value::Array(items)) = f.get("layers_block_type") {
@@ -465,16 +464,20 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
             "missing: a nemotron_h config needs `hybrid_override_pattern` or `layers_block_type`",
         ));
     };
+    // transformers 5.x writes no num_hidden_layers: the pattern is the layer list.
+    let n_layer = f.usize_or("num_hidden_layers", kinds.len())?;
     if kinds.len() != n_layer {
         return Err(f.err(
             "hybrid_override_pattern",
             format!("describes {} layers but num_hidden_layers is {n_layer}", kinds.len()),
         ));
     }
+    // A Mamba layer is `M` in released configs, `mamba` in newer ones and
+    // `linear_attention` in what transformers 5.17 writes.
     if let Some((i, kind)) = kinds
         .iter()
         .enumerate()
-        .find(|(_, k)| !matches!(k.as_str(), "M" | "mamba"))
+        .find(|(_, k)| !matches!(k.as_str(), "M" | "mamba" | "linear_attention"))
     {
         let what = match kind.as_str() {
             "*" | "attention" => "attention",
@@ -509,7 +512,9 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
         norm_eps: f.f64_or("layer_norm_epsilon", 1e-5)?,
         tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
         conv_bias: f.bool_or("use_conv_bias", true)?,
-        time_step_limit: f.pair_or("time_step_limit", NO_LIMIT)?,
+        // HF's NemotronH mixer ignores `time_step_limit` and clamps δ to
+        // (time_step_min, inf); follow the implementation the checkpoints come from.
+        time_step_limit: (f.f64_or("time_step_min", 0.001)?, f64::INFINITY),
     })
 }
 

@@ -12,7 +12,9 @@
 
 pub mod config;
 pub mod error;
+pub mod gpu;
 pub mod model;
+pub mod progress;
 pub mod reference;
 pub mod sampling;
 pub mod session;

@@ -1,1 +1,227 @@
-//! q8_0 quantization (GPU issue).
+//! Device weight layouts and q8_0 quantization. Big matrices are stored row-major with each
+//! row zero-padded to `kp` columns so kernels can load whole vectors:
+//! - f32: `kp = ceil(K/4)·4`; f16: `kp = ceil(K/8)·8` (halves packed two per u32);
+//! - q8_0: `kp = ceil(K/32)·32`; 32-weight blocks, `w = d·q` with `d = max|w|/127` stored as
+//!   f16 and `q = round(w/d)` (ggml's rule), int8 packed four per u32; scales in their own
+//!   array, two f16 per u32, block `b` of row `r` at index `r·kp/32 + b`.
+
+use half::f16;
+
+/// How a big matrix is stored on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    Q8_0,
+}
+
+impl WeightFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "f32",
+            WeightFormat::F16 => "f16",
+            WeightFormat::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Columns a row is padded to.
+    pub fn padded_cols(self, k: usize) -> usize {
+        match self {
+            WeightFormat::F32 => k.next_multiple_of(4),
+            WeightFormat::F16 => k.next_multiple_of(8),
+            WeightFormat::Q8_0 => k.next_multiple_of(32),
+        }
+    }
+
+    /// Bytes of a `[rows, k]` matrix in this format (data + scales).
+    pub fn bytes(self, rows: usize, k: usize) -> usize {
+        let kp = self.padded_cols(k);
+        match self {
+            WeightFormat::F32 => 4 * rows * kp,
+            WeightFormat::F16 => 2 * rows * kp,
+            WeightFormat::Q8_0 => rows * kp + 2 * rows * (kp / 32),
+        }
+    }
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(WeightFormat::F32),
+            "f16" => Ok(WeightFormat::F16),
+            "q8_0" | "q8" => Ok(WeightFormat::Q8_0),
+            _ => Err(format!("`{s}`: expected f32, f16 or q8_0")),
+        }
+    }
+}
+
+/// A matrix converted to a device layout: `data` (and `scales` for q8_0) as bytes.
+pub struct Packed {
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    pub kp: usize,
+    pub data: Vec<u8>,
+    pub scales: Vec<u8>,
+}
+
+/// Converts a row-major `[rows, cols]` f32 matrix to `format`'s device layout.
+pub fn pack(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> Packed {
+    assert_eq!(values.len(), rows * cols, "matrix data and shape disagree");
+    let kp = format.padded_cols(cols);
+    let row = |r: usize| &values[r * cols..(r + 1) * cols];
+    let (data, scales) = match format {
+        WeightFormat::F32 => {
+            let mut out = vec![0f32; rows * kp];
+            for r in 0..rows {
+                out[r * kp..r * kp + cols].copy_from_slice(row(r));
+            }
+            (bytemuck::cast_slice(&out).to_vec(), Vec::new())
+        }
+        WeightFormat::F16 => {
+            let mut out = vec![f16::ZERO; rows * kp];
+            for r in 0..rows {
+                for (o, &v) in out[r * kp..].iter_mut().zip(row(r)) {
+                    *o = f16::from_f32(v);
+                }
+            }
+            (bytemuck::cast_slice(&out).to_vec(), Vec::new())
+        }
+        WeightFormat::Q8_0 => {
+            let mut q = vec![0i8; rows * kp];
+            let mut d = vec![f16::ZERO; rows * kp / 32];
+            let mut block = [0f32; 32];
+            for r in 0..rows {
+                for b in 0..kp / 32 {
+                    for (j, slot) in block.iter_mut().enumerate() {
+                        *slot = row(r).get(b * 32 + j).copied().unwrap_or(0.0);
+                    }
+                    let (scale, qs) = quantize_block(&block);
+                    d[r * kp / 32 + b] = scale;
+                    q[r * kp + b * 32..r * kp + b * 32 + 32].copy_from_slice(&qs);
+                }
+            }
+            (bytemuck::cast_slice(&q).to_vec(), bytemuck::cast_slice(&d).to_vec())
+        }
+    };
+    Packed {
+        format,
+        rows,
+        cols,
+        kp,
+        data,
+        scales,
+    }
+}
+
+/// ggml's q8_0 block rule: `d = amax/127`, `q = round(w/d)`, `d` stored as f16.
+pub fn quantize_block(block: &[f32; 32]) -> (f16, [i8; 32]) {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut q = [0i8; 32];
+    for (o, &v) in q.iter_mut().zip(block) {
+        *o = (v * id).round().clamp(-127.0, 127.0) as i8;
+    }
+    (f16::from_f32(d), q)
+}
+
+/// The activation side of the q8_0 GEMV kernel, mirrored exactly: per 32-block, a
+/// power-of-two scale `2^(e−7)` where `amax = f·2^e` (`f` in [0.5, 1)), and
+/// `q = clamp(round_ties_even(x / scale), −127, 127)`. Returns (q, scale) per block.
+pub fn quantize_activation_block(x: &[f32; 32]) -> ([i8; 32], f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (bits, mut q) = (amax.to_bits(), [0i8; 32]);
+    let biased = ((bits >> 23) & 0xff) as i32;
+    // frexp's exponent for normal numbers; the kernel treats tiny blocks as zero.
+    let e = biased - 126;
+    if amax == 0.0 || biased == 0 || e <= -100 {
+        return (q, 0.0);
+    }
+    let inv = 2f32.powi(7 - e);
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    (q, 2f32.powi(e - 7))
+}
+
+/// The CPU reference of the q8_0 GEMV kernel: `y[r] = Σ_blocks d_w·d_x·Σ q_w·q_x` over a
+/// packed matrix and a `K`-vector `x` (already normalized/scaled as the kernel's x).
+pub fn q8_0_gemv_reference(p: &Packed, x: &[f32]) -> Vec<f32> {
+    assert_eq!(p.format, WeightFormat::Q8_0);
+    assert_eq!(x.len(), p.cols);
+    let q: &[i8] = bytemuck::cast_slice(&p.data);
+    let d: &[f16] = bytemuck::cast_slice(&p.scales);
+    let blocks: Vec<([i8; 32], f32)> = (0..p.kp / 32)
+        .map(|b| {
+            let mut blk = [0f32; 32];
+            for (j, slot) in blk.iter_mut().enumerate() {
+                *slot = x.get(b * 32 + j).copied().unwrap_or(0.0);
+            }
+            quantize_activation_block(&blk)
+        })
+        .collect();
+    (0..p.rows)
+        .map(|r| {
+            let mut acc = 0f32;
+            for (b, (xq, xs)) in blocks.iter().enumerate() {
+                // The kernel sums 16 weights (one vec4<u32>) per step.
+                for half in 0..2 {
+                    let base = r * p.kp + b * 32 + half * 16;
+                    let dot: i32 = (0..16).map(|j| q[base + j] as i32 * xq[half * 16 + j] as i32).sum();
+                    acc += dot as f32 * (d[r * p.kp / 32 + b].to_f32() * xs);
+                }
+            }
+            acc
+        })
+        .collect()
+}
+
+/// Dequantizes a packed matrix back to `[rows, cols]` f32 (what the kernels compute with).
+pub fn unpack(p: &Packed) -> Vec<f32> {
+    let mut out = Vec::with_capacity(p.rows * p.cols);
+    for r in 0..p.rows {
+        for c in 0..p.cols {
+            let i = r * p.kp + c;
+            out.push(match p.format {
+                WeightFormat::F32 => bytemuck::cast_slice::<u8, f32>(&p.data)[i],
+                WeightFormat::F16 => bytemuck::cast_slice::<u8, f16>(&p.data)[i].to_f32(),
+                WeightFormat::Q8_0 => {
+                    let q = bytemuck::cast_slice::<u8, i8>(&p.data)[i] as f32;
+                    q * bytemuck::cast_slice::<u8, f16>(&p.scales)[r * p.kp / 32 + c / 32].to_f32()
+                }
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_0_round_trip_is_close() {
+        let vals: Vec<f32> = (0..3 * 70).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let p = pack(WeightFormat::Q8_0, &vals, 3, 70);
+        assert_eq!((p.kp, p.data.len(), p.scales.len()), (96, 3 * 96, 2 * 3 * 3));
+        let back = unpack(&p);
+        for (a, b) in vals.iter().zip(&back) {
+            assert!((a - b).abs() <= 50.0 / 17.0 / 127.0 * 0.51 + 1e-3, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn activation_scale_is_a_power_of_two_in_range() {
+        let mut x = [0f32; 32];
+        x[3] = -5.0;
+        x[7] = 2.5;
+        let (q, s) = quantize_activation_block(&x);
+        // amax 5 = 0.625·2^3 → scale 2^-4, q = x·16
+        assert_eq!(s, 1.0 / 16.0);
+        assert_eq!((q[3], q[7]), (-80, 40));
+        let (q, s) = quantize_activation_block(&[0.0; 32]);
+        assert_eq!((q, s), ([0; 32], 0.0));
+    }
+}

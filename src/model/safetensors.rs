@@ -146,11 +146,18 @@ pub struct TensorStore {
 }
 
 impl TensorStore {
-    /// Opens `model.safetensors.index.json` if present, else every `*.safetensors` file.
+    /// Opens the shards named by `model.safetensors.index.json`, else `model.safetensors`
+    /// or `consolidated.safetensors`, else every `*.safetensors` file of the directory.
     pub fn open_dir(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
+        let single = ["model.safetensors", "consolidated.safetensors"]
+            .into_iter()
+            .map(|f| dir.join(f))
+            .find(|p| p.is_file());
         let files: Vec<PathBuf> = if index.is_file() {
             shard_files(&index)?
+        } else if let Some(file) = single {
+            vec![file]
         } else {
             let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
             let mut files: Vec<PathBuf> = entries

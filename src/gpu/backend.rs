@@ -1,0 +1,274 @@
+//! `GpuBackend`: the session's device on a GPU. A decode token is one encoder, one pass,
+//! one submit; the token id stays on the device (the sampler writes it, the next embed
+//! reads it) and comes back to the host through a ring of small staging buffers mapped
+//! asynchronously, so the host never waits on the token it just submitted.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::gpu::engine::{Engine, PROMPT_WINDOW};
+use crate::gpu::graph::{Ctrl, Tail};
+use crate::gpu::profiler::{Profiler, TokenProfile};
+use crate::sampling::{Sampling, seed_key};
+use crate::session::Backend;
+
+/// Tokens in flight in the decode loop.
+pub const RING: usize = 3;
+/// Prompt positions whose logits are read back per submit.
+const LOGITS_WINDOW: usize = 32;
+
+type MapResult = mpsc::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>;
+
+/// A GPU device for `Session`.
+pub struct GpuBackend {
+    pub engine: Engine,
+    ring: Vec<wgpu::Buffer>,
+    profiler: Option<Profiler>,
+    /// Profiles of the decoded tokens while profiling is on (most recent last).
+    pub profiles: Vec<TokenProfile>,
+}
+
+impl GpuBackend {
+    pub fn new(engine: Engine) -> Result<Self> {
+        let ctx = engine.ctx().clone();
+        let ring = (0..RING)
+            .map(|i| ctx.buffer(&format!("token ring {i}"), 64, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST))
+            .collect::<Result<_>>()?;
+        Ok(GpuBackend {
+            engine,
+            ring,
+            profiler: None,
+            profiles: Vec::new(),
+        })
+    }
+
+    /// Turns per-kernel GPU timing on or off (off costs nothing). Returns false when the
+    /// adapter has no timestamp queries.
+    pub fn set_profiling(&mut self, on: bool) -> Result<bool> {
+        if !on {
+            self.profiler = None;
+            return Ok(true);
+        }
+        let max = self.engine.graph(Tail::Sample).len().max(self.engine.graph(Tail::Greedy).len());
+        self.profiler = Profiler::new(self.engine.ctx(), max)?;
+        Ok(self.profiler.is_some())
+    }
+
+    fn ctrl(&self, token: u32, pos: u64, sampling: &Sampling, stop: &[u32]) -> Result<Ctrl> {
+        if stop.len() > 4 {
+            return Err(Error::InvalidInput(format!("at most 4 stop tokens on the GPU, got {}", stop.len())));
+        }
+        let mut stop_ids = [0u32; 4];
+        stop_ids[..stop.len()].copy_from_slice(stop);
+        Ok(Ctrl {
+            token,
+            pos: pos as u32,
+            stopped: 0,
+            n_stop: stop.len() as u32,
+            stop_ids,
+            seed_key: seed_key(sampling.seed),
+            temperature: sampling.temperature,
+            top_k: sampling.top_k as u32,
+            top_p: sampling.top_p,
+            cursor: 0,
+            prompt_len: 0,
+            pad: [0; 2],
+        })
+    }
+
+    /// Feeds `tokens` window by window through the decode graph; the last token gets
+    /// `last` as its tail. With `logits`, each position's logits are copied out.
+    fn feed(&mut self, tokens: &[u32], mut ctrl: Ctrl, last: Tail, mut logits: Option<&mut Vec<Vec<f32>>>) -> Result<()> {
+        let ctx = self.engine.ctx().clone();
+        let vocab = self.engine.config.vocab_size;
+        let window = if logits.is_some() { LOGITS_WINDOW } else { PROMPT_WINDOW };
+        let readback = match logits {
+            Some(_) => Some(ctx.buffer(
+                "logits readback",
+                (4 * vocab * window) as u64,
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            )?),
+            None => None,
+        };
+        for (wi, chunk) in tokens.chunks(window).enumerate() {
+            ctx.queue.write_buffer(&self.engine.scratch.prompt, 0, bytemuck::cast_slice(chunk));
+            ctrl.token = chunk[0];
+            ctrl.cursor = 0;
+            ctrl.prompt_len = chunk.len() as u32;
+            self.engine.write_ctrl(&ctrl);
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            for (i, _) in chunk.iter().enumerate() {
+                let is_last = wi * window + i + 1 == tokens.len();
+                let tail = match (is_last, &readback) {
+                    (true, _) => last,
+                    (false, Some(_)) => Tail::FeedLogits,
+                    (false, None) => Tail::Feed,
+                };
+                {
+                    let mut pass = enc.begin_compute_pass(&Default::default());
+                    self.engine.graph(tail).record(&mut pass, None);
+                }
+                if let Some(rb) = &readback {
+                    let off = (4 * vocab * i) as u64;
+                    enc.copy_buffer_to_buffer(&self.engine.scratch.logits, 0, rb, off, Some(4 * vocab as u64));
+                }
+            }
+            ctx.queue.submit([enc.finish()]);
+            if let (Some(rb), Some(out)) = (&readback, logits.as_deref_mut()) {
+                let (tx, rx) = mpsc::channel();
+                let bytes = (4 * vocab * chunk.len()) as u64;
+                rb.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
+                    let _ = tx.send(r);
+                });
+                ctx.wait()?;
+                recv(rx)?;
+                {
+                    let view = rb.get_mapped_range(..bytes).map_err(|e| Error::Gpu(format!("logits readback: {e}")))?;
+                    let all: &[f32] = bytemuck::cast_slice(&view);
+                    out.extend(all.chunks(vocab).map(<[f32]>::to_vec));
+                }
+                rb.unmap();
+            }
+        }
+        ctx.check()
+    }
+
+    /// Records one decode token (+ the ring copy) and submits it; with the profiler on,
+    /// waits and keeps its profile.
+    fn submit_token(&mut self, tail: Tail, slot: usize) -> Result<wgpu::SubmissionIndex> {
+        let ctx = self.engine.ctx().clone();
+        let t0 = Instant::now();
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        match &self.profiler {
+            Some(p) => p.record(&mut enc, self.engine.graph(tail))?,
+            None => {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                self.engine.graph(tail).record(&mut pass, None);
+            }
+        }
+        enc.copy_buffer_to_buffer(&self.engine.scratch.ctrl, 0, &self.ring[slot], 0, Some(64));
+        let cmd = enc.finish();
+        let t1 = Instant::now();
+        let index = ctx.queue.submit([cmd]);
+        let t2 = Instant::now();
+        if let Some(p) = &self.profiler {
+            let kernels = p.read(&ctx, self.engine.graph(tail))?;
+            self.profiles.push(TokenProfile {
+                kernels,
+                encode_ns: (t1 - t0).as_nanos() as f64,
+                submit_ns: (t2 - t1).as_nanos() as f64,
+            });
+        }
+        Ok(index)
+    }
+
+    fn read_slot(&self, slot: usize, index: wgpu::SubmissionIndex, rx: MapResult) -> Result<Ctrl> {
+        let ctx = self.engine.ctx();
+        ctx.device
+            .poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: None })
+            .map_err(|e| Error::Gpu(format!("waiting for a token: {e}")))?;
+        recv(rx)?;
+        let ctrl = {
+            let view = self.ring[slot].get_mapped_range(..).map_err(|e| Error::Gpu(format!("token readback: {e}")))?;
+            bytemuck::pod_read_unaligned::<Ctrl>(&view[..std::mem::size_of::<Ctrl>()])
+        };
+        self.ring[slot].unmap();
+        ctx.check()?;
+        Ok(ctrl)
+    }
+}
+
+fn recv(rx: MapResult) -> Result<()> {
+    rx.recv()
+        .map_err(|_| Error::Gpu("buffer map callback dropped (device lost?)".into()))?
+        .map_err(|e| Error::Gpu(format!("buffer map failed: {e}")))
+}
+
+impl Backend for GpuBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.engine.config
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} ({}, {})",
+            self.engine.ctx().describe(),
+            self.engine.format.name(),
+            if self.engine.fused { "fused" } else { "unfused" }
+        )
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        self.engine.reset_state()
+    }
+
+    fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
+        let tail = if sampling.is_greedy() { Tail::Greedy } else { Tail::Sample };
+        let ctrl = self.ctrl(tokens[0], pos, sampling, &[])?;
+        self.feed(tokens, ctrl, tail, None)?;
+        Ok(self.engine.read_ctrl()?.token)
+    }
+
+    fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
+        let mut out = Vec::with_capacity(tokens.len());
+        self.feed(tokens, ctrl, Tail::FeedLogits, Some(&mut out))?;
+        Ok(out)
+    }
+
+    fn decode(
+        &mut self,
+        first: u32,
+        pos: u64,
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        let tail = if sampling.is_greedy() { Tail::Greedy } else { Tail::Sample };
+        let ctrl = self.ctrl(first, pos, sampling, stop)?;
+        self.engine.write_ctrl(&ctrl);
+        let mut inflight: VecDeque<(usize, wgpu::SubmissionIndex, MapResult)> = VecDeque::new();
+        let (mut sampled, mut submitted) = (0usize, 0usize);
+        let mut done = false;
+        while !(done || submitted == max_new) || !inflight.is_empty() {
+            if !done && submitted < max_new && inflight.len() < RING {
+                let slot = submitted % RING;
+                let index = self.submit_token(tail, slot)?;
+                let (tx, rx) = mpsc::channel();
+                self.ring[slot].map_async(wgpu::MapMode::Read, .., move |r| {
+                    let _ = tx.send(r);
+                });
+                inflight.push_back((slot, index, rx));
+                submitted += 1;
+                continue;
+            }
+            let Some((slot, index, rx)) = inflight.pop_front() else { break };
+            let c = self.read_slot(slot, index, rx)?;
+            if done && c.stopped != 0 {
+                continue; // a no-op step after the stop token
+            }
+            sampled += 1;
+            let go = on_token(c.token);
+            if c.stopped != 0 || !go {
+                done = true;
+            }
+        }
+        Ok(sampled)
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn Any + Send>> {
+        Ok(Box::new(self.engine.read_state()?))
+    }
+
+    fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()> {
+        let state = snapshot
+            .downcast_ref::<crate::reference::State<f32>>()
+            .ok_or_else(|| Error::InvalidInput("snapshot was taken on another kind of device".into()))?;
+        self.engine.write_state(state)
+    }
+}

@@ -1,0 +1,76 @@
+//! The fixed dispatch lists of a token (fused and unfused), built once at load from the
+//! engine's resident buffers, and their recording into one compute pass.
+//!
+//! Fused, per layer (3 dispatches):
+//!   1. `gemv` in_proj with the block pre-norm in its prologue and the conv step + dt
+//!      softplus in its epilogue (each conv channel has exactly one writer);
+//!   2. `ssd_step` (gated): state update, y = C·S + D·x, v = y·silu(z), Σv² per block;
+//!   3. `gemv` out_proj with the gated group norm in its prologue, residual add epilogue.
+//! Unfused (7): rmsnorm, gemv, conv_step, ssd_step, gated_norm, gemv, residual_add.
+//! Around the layers: embed first; final norm + lm_head (fused: one gemv) and the sampler
+//! last, or `advance` when the token only feeds the state (prefill through decode).
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::gpu::kernels::Dispatch;
+
+/// The control block (`Ctrl` in common.wgsl): 16 words.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable, PartialEq)]
+pub struct Ctrl {
+    pub token: u32,
+    pub pos: u32,
+    pub stopped: u32,
+    pub n_stop: u32,
+    pub stop_ids: [u32; 4],
+    pub seed_key: u32,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub cursor: u32,
+    pub prompt_len: u32,
+    pub pad: [u32; 2],
+}
+
+/// What ends a token's dispatch list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tail {
+    /// lm_head + argmax: the next token chosen greedily on the device.
+    Greedy,
+    /// lm_head + the sampling kernel.
+    Sample,
+    /// No logits: the next prompt token is loaded (prefill through the decode graph).
+    Feed,
+    /// lm_head, then the next prompt token (logits of every position).
+    FeedLogits,
+}
+
+/// A token's dispatches, in order.
+#[derive(Clone, Default)]
+pub struct Graph {
+    pub dispatches: Vec<Dispatch>,
+}
+
+impl Graph {
+    pub fn len(&self) -> usize {
+        self.dispatches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.dispatches.is_empty()
+    }
+
+    /// Records every dispatch into `pass`; with a query set, a timestamp before the first
+    /// dispatch and after each (timestamps inside one pass).
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>, timestamps: Option<(&wgpu::QuerySet, u32)>) {
+        if let Some((qs, base)) = timestamps {
+            pass.write_timestamp(qs, base);
+        }
+        for (i, d) in self.dispatches.iter().enumerate() {
+            d.record(pass);
+            if let Some((qs, base)) = timestamps {
+                pass.write_timestamp(qs, base + 1 + i as u32);
+            }
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! `argmax.wgsl`: greedy choice over `logits [V]` into the control block.
+
+use super::{Dispatch, Kernels, Section, check_len};
+use crate::error::Result;
+use crate::gpu::shader::Const;
+
+const SOURCES: super::Sources = &[include_str!("../../../shaders/emit.wgsl"), include_str!("../../../shaders/argmax.wgsl")];
+
+pub fn argmax(k: &Kernels, vocab: usize, logits: &wgpu::Buffer, ctrl: &wgpu::Buffer) -> Result<Dispatch> {
+    check_len("argmax: logits", logits, vocab)?;
+    let consts = [("WG", Const::U32(256)), ("V", Const::U32(vocab as u32))];
+    let pipeline = k.pipeline("argmax", SOURCES, &consts, &[], false)?;
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, "argmax", &[(0, logits), (1, ctrl)]),
+        pipeline,
+        workgroups: (1, 1, 1),
+        name: "argmax".into(),
+        section: Section::Other,
+    })
+}

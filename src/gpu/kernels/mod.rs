@@ -1,0 +1,152 @@
+//! One Rust file per WGSL kernel: its specialization constants, bindings, dispatch size and
+//! the shape checks done before anything is recorded. Every constructor returns a
+//! `Dispatch` that the graph replays each token.
+
+pub mod advance;
+pub mod argmax;
+pub mod conv_step;
+pub mod embed;
+pub mod fill;
+pub mod gated_norm;
+pub mod gemv;
+pub mod residual_add;
+pub mod rmsnorm;
+pub mod sample;
+pub mod ssd_step;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+use crate::gpu::context::GpuContext;
+use crate::gpu::shader::{self, Const};
+
+/// Where a kernel's time is reported in the profile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Section {
+    Matmul,
+    Conv,
+    Ssd,
+    Norm,
+    Other,
+}
+
+impl Section {
+    pub const ALL: [Section; 5] = [Section::Matmul, Section::Conv, Section::Ssd, Section::Norm, Section::Other];
+    pub fn name(self) -> &'static str {
+        match self {
+            Section::Matmul => "MATMUL",
+            Section::Conv => "CONV",
+            Section::Ssd => "SSD",
+            Section::Norm => "NORM",
+            Section::Other => "OTHER",
+        }
+    }
+}
+
+/// One recorded dispatch: pipeline, bindings and grid, plus a label for the profiler.
+#[derive(Clone)]
+pub struct Dispatch {
+    pub pipeline: wgpu::ComputePipeline,
+    pub bind_group: wgpu::BindGroup,
+    pub workgroups: (u32, u32, u32),
+    pub name: String,
+    pub section: Section,
+}
+
+impl Dispatch {
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind_group, &[]);
+        let (x, y, z) = self.workgroups;
+        pass.dispatch_workgroups(x, y, z);
+    }
+}
+
+/// Compiles and caches pipelines by specialization, and builds bind groups.
+#[derive(Clone)]
+pub struct Kernels {
+    pub ctx: Arc<GpuContext>,
+    cache: Arc<Mutex<HashMap<String, wgpu::ComputePipeline>>>,
+}
+
+/// A kernel's source files after `common.wgsl`.
+pub type Sources = &'static [&'static str];
+
+impl Kernels {
+    pub fn new(ctx: Arc<GpuContext>) -> Self {
+        Kernels {
+            ctx,
+            cache: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// The pipeline of `name` specialized by `consts` and `flags` (SUBGROUP is added when
+    /// the device has subgroups and `subgroups` is true).
+    pub fn pipeline(
+        &self,
+        name: &str,
+        sources: Sources,
+        consts: &[(&str, Const)],
+        flags: &[&str],
+        subgroups: bool,
+    ) -> Result<wgpu::ComputePipeline> {
+        let mut flags: Vec<&str> = flags.to_vec();
+        if subgroups && self.ctx.caps.subgroups {
+            flags.push("SUBGROUP");
+        }
+        let key = format!("{name}|{consts:?}|{flags:?}");
+        let mut cache = self.cache.lock().map_err(|_| Error::Gpu("pipeline cache poisoned".into()))?;
+        if let Some(p) = cache.get(&key) {
+            return Ok(p.clone());
+        }
+        let p = shader::pipeline(&self.ctx.device, name, sources, consts, &flags)?;
+        cache.insert(key, p.clone());
+        Ok(p)
+    }
+
+    /// A bind group for group 0 of `pipeline` from `(binding, buffer)` pairs.
+    pub fn bind(&self, pipeline: &wgpu::ComputePipeline, label: &str, entries: &[(u32, &wgpu::Buffer)]) -> wgpu::BindGroup {
+        let entries: Vec<wgpu::BindGroupEntry> = entries
+            .iter()
+            .map(|(binding, buffer)| wgpu::BindGroupEntry {
+                binding: *binding,
+                resource: buffer.as_entire_binding(),
+            })
+            .collect();
+        self.ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(label),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        })
+    }
+}
+
+/// Checks that `buffer` holds at least `count` 4-byte values; `what` names it.
+pub fn check_len(what: &str, buffer: &wgpu::Buffer, count: usize) -> Result<()> {
+    let need = 4 * count as u64;
+    if buffer.size() < need {
+        return Err(Error::Gpu(format!(
+            "{what}: buffer of {} bytes is smaller than the {} values the kernel reads",
+            buffer.size(),
+            count
+        )));
+    }
+    Ok(())
+}
+
+/// A workgroup grid covering `n` workgroups, folded into 2-D past the 65535 limit.
+pub fn grid(n: u32) -> (u32, u32, u32) {
+    const MAX: u32 = 65535;
+    if n <= MAX { (n.max(1), 1, 1) } else { (MAX, n.div_ceil(MAX), 1) }
+}
+
+/// The smallest power of two ≥ n, clamped to [lo, hi].
+pub fn pow2_clamp(n: usize, lo: u32, hi: u32) -> u32 {
+    (n.max(1).next_power_of_two() as u32).clamp(lo, hi)
+}
+
+/// `f32` constant for WGSL, with infinities replaced by the largest finite value.
+pub fn finite(x: f64) -> Const {
+    Const::F32(x.clamp(-3.4e38, 3.4e38) as f32)
+}

@@ -1,0 +1,22 @@
+//! `sample.wgsl`: seeded temperature / top-k / top-p sampling over `logits [V]` into the
+//! control block (which carries the options); `probs [V]` is scratch.
+
+use super::{Dispatch, Kernels, Section, check_len};
+use crate::error::Result;
+use crate::gpu::shader::Const;
+
+const SOURCES: super::Sources = &[include_str!("../../../shaders/emit.wgsl"), include_str!("../../../shaders/sample.wgsl")];
+
+pub fn sample(k: &Kernels, vocab: usize, logits: &wgpu::Buffer, ctrl: &wgpu::Buffer, probs: &wgpu::Buffer) -> Result<Dispatch> {
+    check_len("sample: logits", logits, vocab)?;
+    check_len("sample: probs", probs, vocab)?;
+    let consts = [("WG", Const::U32(256)), ("V", Const::U32(vocab as u32))];
+    let pipeline = k.pipeline("sample", SOURCES, &consts, &[], false)?;
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, "sample", &[(0, logits), (1, ctrl), (2, probs)]),
+        pipeline,
+        workgroups: (1, 1, 1),
+        name: "sample".into(),
+        section: Section::Other,
+    })
+}

@@ -1,0 +1,16 @@
+//! The wgpu engine: device setup, WGSL kernels, the per-token graph, profiling and the
+//! `Backend` the session drives.
+
+pub mod backend;
+pub mod context;
+pub mod engine;
+pub mod graph;
+pub mod kernels;
+pub mod profiler;
+pub mod shader;
+pub mod synthetic;
+pub mod weights;
+
+pub use backend::GpuBackend;
+pub use context::{DeviceChoice, GpuContext};
+pub use engine::{Engine, EngineOptions};

@@ -1,0 +1,110 @@
+//! WGSL assembly: a kernel's source is `common.wgsl` + its own file, specialized by
+//! constants (prepended as `const NAME = value;`) and by `#if FLAG` / `#else` / `#endif`
+//! lines (for code that must not even be compiled without a feature, like subgroup
+//! built-ins). Pipelines are built once per specialization at load.
+
+use crate::error::{Error, Result};
+
+pub const COMMON: &str = include_str!("../../shaders/common.wgsl");
+
+/// A compile-time constant of a kernel.
+#[derive(Clone, Copy, Debug)]
+pub enum Const {
+    U32(u32),
+    F32(f32),
+}
+
+/// Builds the final WGSL text of a kernel from its sources (after `common.wgsl`).
+pub fn assemble(name: &str, sources: &[&str], consts: &[(&str, Const)], flags: &[&str]) -> Result<String> {
+    let mut out = String::with_capacity(COMMON.len() + sources.iter().map(|s| s.len()).sum::<usize>() + 512);
+    for (k, v) in consts {
+        match v {
+            Const::U32(x) => out.push_str(&format!("const {k}: u32 = {x}u;\n")),
+            Const::F32(x) => out.push_str(&format!("const {k}: f32 = {x:e};\n")),
+        }
+    }
+    // (active, seen_else) per open #if
+    let mut stack: Vec<(bool, bool)> = Vec::new();
+    for (n, line) in std::iter::once(COMMON).chain(sources.iter().copied()).flat_map(str::lines).enumerate() {
+        let t = line.trim_start();
+        let active = stack.iter().all(|(a, _)| *a);
+        if let Some(cond) = t.strip_prefix("#if ") {
+            let cond = cond.trim();
+            let v = match cond.strip_prefix('!') {
+                Some(c) => !flags.contains(&c),
+                None => flags.contains(&cond),
+            };
+            stack.push((v, false));
+        } else if t.starts_with("#else") {
+            match stack.last_mut() {
+                Some((v, seen)) if !*seen => {
+                    *v = !*v;
+                    *seen = true;
+                }
+                _ => return Err(Error::Gpu(format!("{name}.wgsl:{}: stray #else", n + 1))),
+            }
+        } else if t.starts_with("#endif") {
+            if stack.pop().is_none() {
+                return Err(Error::Gpu(format!("{name}.wgsl:{}: stray #endif", n + 1)));
+            }
+        } else if active {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    if !stack.is_empty() {
+        return Err(Error::Gpu(format!("{name}.wgsl: unterminated #if")));
+    }
+    Ok(out)
+}
+
+/// Compiles a kernel into a compute pipeline (entry point `main`, layout from the shader).
+pub fn pipeline(
+    device: &wgpu::Device,
+    name: &str,
+    sources: &[&str],
+    consts: &[(&str, Const)],
+    flags: &[&str],
+) -> Result<wgpu::ComputePipeline> {
+    let text = assemble(name, sources, consts, flags)?;
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(name),
+        source: wgpu::ShaderSource::Wgsl(text.into()),
+    });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(name),
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: wgpu::PipelineCompilationOptions {
+            constants: &[],
+            zero_initialize_workgroup_memory: false,
+        },
+        cache: None,
+    });
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(Error::Gpu(format!("kernel `{name}` failed to compile: {e}")));
+    }
+    Ok(pipeline)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_select_lines() {
+        let src = "@a\n#if X\n@b\n#if !Y\n@c\n#else\n@d\n#endif\n#else\n@e\n#endif\n@f";
+        let body = |flags: &[&str]| {
+            let s = assemble("t", &[src], &[("Q", Const::U32(3))], flags).unwrap();
+            assert!(s.starts_with("const Q: u32 = 3u;\n"));
+            s.lines().filter_map(|l| l.strip_prefix('@')).collect::<String>()
+        };
+        assert_eq!(body(&["X"]), "abcf");
+        assert_eq!(body(&["X", "Y"]), "abdf");
+        assert_eq!(body(&[]), "aef");
+        assert!(assemble("t", &["#if X\n"], &[], &[]).is_err());
+        assert!(assemble("t", &["#endif\n"], &[], &[]).is_err());
+    }
+}

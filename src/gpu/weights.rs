@@ -1,0 +1,60 @@
+//! Matrices on the device in their storage format (see `model::quant` for the layouts).
+
+use crate::error::Result;
+use crate::gpu::context::GpuContext;
+use crate::model::quant::{Packed, WeightFormat};
+
+/// A `[rows, cols]` matrix resident on the device.
+pub struct DeviceMatrix {
+    pub name: String,
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+    /// Columns each row is padded to.
+    pub kp: usize,
+    pub data: wgpu::Buffer,
+    /// q8_0 block scales (two f16 per u32).
+    pub scales: Option<wgpu::Buffer>,
+}
+
+impl DeviceMatrix {
+    pub fn upload(ctx: &GpuContext, name: &str, p: &Packed) -> Result<Self> {
+        let data = ctx.storage_with(name, &p.data)?;
+        let scales = match p.format {
+            WeightFormat::Q8_0 => Some(ctx.storage_with(&format!("{name}.scales"), &p.scales)?),
+            _ => None,
+        };
+        Ok(DeviceMatrix {
+            name: name.to_string(),
+            format: p.format,
+            rows: p.rows,
+            cols: p.cols,
+            kp: p.kp,
+            data,
+            scales,
+        })
+    }
+
+    /// Device bytes (data + scales).
+    pub fn bytes(&self) -> u64 {
+        self.data.size() + self.scales.as_ref().map_or(0, |s| s.size())
+    }
+
+    /// The WGSL flag selecting this format.
+    pub fn flag(&self) -> &'static str {
+        match self.format {
+            WeightFormat::F32 => "W_F32",
+            WeightFormat::F16 => "W_F16",
+            WeightFormat::Q8_0 => "W_Q8",
+        }
+    }
+
+    /// `(binding, buffer)` pairs of the weight bindings 0 (data) and 1 (scales).
+    pub fn bindings(&self) -> Vec<(u32, &wgpu::Buffer)> {
+        let mut v = vec![(0, &self.data)];
+        if let Some(s) = &self.scales {
+            v.push((1, s));
+        }
+        v
+    }
+}

@@ -1,0 +1,113 @@
+//! The external oracles: HF transformers' Mamba2ForCausalLM (G = 1, tied) and
+//! NemotronHForCausalLM (G = 2, head dim 12, per-group gated norm), run on the CPU in
+//! float32 by scripts/make_fixtures.py. Our CPU reference must match their logits at every
+//! prompt position and their 24 greedy tokens.
+
+mod common;
+
+use std::path::Path;
+
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
+use mamba2_wgpu::sampling::argmax;
+use mamba2_wgpu::{CpuBackend, GenerateOptions, Session};
+use safetensors::SafeTensors;
+
+/// What the oracle saved.
+pub struct Oracle {
+    pub prompt: Vec<u32>,
+    pub prompt_logits: Vec<Vec<f32>>,
+    pub greedy: Vec<u32>,
+    pub greedy_logits: Vec<Vec<f32>>,
+    pub prompt_nll: f64,
+}
+
+pub fn oracle(dir: &Path) -> Oracle {
+    let bytes = std::fs::read(dir.join("oracle.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ids = |name: &str| -> Vec<u32> {
+        let t = st.tensor(name).unwrap();
+        t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+    };
+    let rows = |name: &str| -> Vec<Vec<f32>> {
+        let t = st.tensor(name).unwrap();
+        let v: Vec<f32> = t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        v.chunks(t.shape()[1]).map(<[f32]>::to_vec).collect()
+    };
+    let nll = st.tensor("prompt_nll").unwrap();
+    Oracle {
+        prompt: ids("prompt_ids"),
+        prompt_logits: rows("prompt_logits"),
+        greedy: ids("greedy_ids"),
+        greedy_logits: rows("greedy_logits"),
+        prompt_nll: f64::from_le_bytes(nll.data()[..8].try_into().unwrap()),
+    }
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn check_fixture(name: &str) {
+    let dir = common::fixture(name);
+    let model = Model::load(&dir).unwrap();
+    let o = oracle(&dir);
+    assert_eq!(o.greedy.len(), 24);
+    assert!(o.prompt.len() % model.config.chunk_size != 0, "the prompt must end mid-chunk");
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    // Chunked prefill: logits at every prompt position.
+    let mut state = cpu.new_state();
+    let logits = cpu.forward(&mut state, &o.prompt, Scan::Chunked(model.config.chunk_size), Logits::All).unwrap();
+    for (t, (got, want)) in logits.iter().zip(&o.prompt_logits).enumerate() {
+        let e = max_abs(got, want);
+        assert!(e <= 1e-4, "{name}: prompt position {t}: max |Δlogit| {e:e}");
+    }
+    // Greedy continuation, one token at a time, compared with the oracle's logits.
+    let mut next = argmax(logits.last().unwrap());
+    // greedy_logits[i] are the logits that chose greedy_ids[i] (so [0] is the prompt's last).
+    assert!(max_abs(logits.last().unwrap(), &o.greedy_logits[0]) <= 1e-4);
+    for (i, &want_id) in o.greedy.iter().enumerate() {
+        assert_eq!(next, want_id, "{name}: greedy token {i}");
+        let l = cpu.forward(&mut state, &[next], Scan::Sequential, Logits::Last).unwrap();
+        if let Some(w) = o.greedy_logits.get(i + 1) {
+            let e = max_abs(&l[0], w);
+            assert!(e <= 1e-4, "{name}: greedy step {}: max |Δlogit| {e:e}", i + 1);
+        }
+        next = argmax(&l[0]);
+    }
+    // The same through the Session API (CPU device).
+    let mut s = Session::new(Box::new(CpuBackend::new(cpu)));
+    let opts = GenerateOptions { max_new_tokens: 24, ..Default::default() };
+    let (ids, _) = s.generate(&o.prompt, &opts, |_| true).unwrap();
+    assert_eq!(ids, o.greedy, "{name}: session greedy ids");
+}
+
+#[test]
+fn hf_mamba2_g1_matches_transformers() {
+    check_fixture("hf_mamba2_g1");
+}
+
+#[test]
+fn nemotron_h_g2_matches_transformers() {
+    check_fixture("nemotron_h_g2");
+}
+
+#[test]
+fn oracle_prompt_nll_is_what_its_logits_say() {
+    // The fixture's own NLL figure agrees with its logits (guards the perplexity tests).
+    for name in ["hf_mamba2_g1", "nemotron_h_g2"] {
+        let o = oracle(&common::fixture(name));
+        let nll: f64 = o
+            .prompt_logits
+            .iter()
+            .zip(&o.prompt[1..])
+            .map(|(l, &t)| {
+                let m = l.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
+                let z: f64 = l.iter().map(|&v| (v as f64 - m).exp()).sum();
+                m + z.ln() - l[t as usize] as f64
+            })
+            .sum::<f64>()
+            / (o.prompt.len() - 1) as f64;
+        assert!((nll - o.prompt_nll).abs() < 1e-5, "{name}: {nll} vs {}", o.prompt_nll);
+    }
+}
