@@ -1,0 +1,29 @@
+//! `mamba2 app`: the desktop chat window (the embedded model unless `--model`).
+
+use anyhow::anyhow;
+use clap::Args;
+use mamba2_wgpu::ui::{LoadRequest, ModelSource};
+
+use super::{DeviceArgs, ModelArgs};
+
+#[derive(Args)]
+pub struct AppArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+}
+
+pub fn run(args: AppArgs) -> anyhow::Result<()> {
+    let source = match args.model.model {
+        Some(dir) => ModelSource::Dir(dir),
+        None => ModelSource::Embedded,
+    };
+    let opts = args.device.engine_options();
+    let mut req = LoadRequest::new(source, args.device.device);
+    req.format = opts.format;
+    req.fused = opts.fused;
+    // Model errors (a bad directory, a lost device) are shown in the window; only a
+    // window that cannot open at all fails here.
+    mamba2_wgpu::ui::run_chat(req).map_err(|e| anyhow!(e))
+}

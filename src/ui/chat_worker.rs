@@ -1,0 +1,485 @@
+//! The chat's worker thread: it owns the `Session` (and so the device), takes commands
+//! from the window over a channel and streams events back. The window never blocks on
+//! it; Stop is an atomic the decode callback reads, so it works mid-reply.
+//!
+//! A turn feeds only its new tokens: the state carries the whole conversation. Without a
+//! chat template a turn is `[eos] + text` (documents are separated by the end-of-text
+//! token, as base Mamba2 models and the embedded model were trained), the separator left
+//! out when the previous reply ended on it (it is then already pending in the session).
+//! Regenerate restores the snapshot taken before the last turn and samples again with the
+//! next seed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::time::Instant;
+
+use crate::gpu::profiler::TokenProfile;
+use crate::sampling::Sampling;
+use crate::session::{Finish, GenerateOptions, Session, Snapshot};
+use crate::tokenizer::Tokenizer;
+use crate::ui::load::{LoadRequest, ModelInfo, open};
+use crate::ui::state_view::StateSummary;
+use crate::ui::worker::{
+    Outbox, SHUTDOWN_WAIT, StateReader, Summarizer, Waker, WorkerThread, guarded, take_profiles,
+};
+
+/// Sampling settings of a reply.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GenSettings {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub seed: u64,
+    pub max_tokens: usize,
+    /// Keep sampling past the end-of-text token.
+    pub ignore_eos: bool,
+}
+
+impl Default for GenSettings {
+    fn default() -> Self {
+        GenSettings {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 0,
+            max_tokens: 200,
+            ignore_eos: false,
+        }
+    }
+}
+
+impl GenSettings {
+    /// The sampler for the `variation`-th regeneration (the seed moves on, so a sampled
+    /// reply changes).
+    pub fn sampling(&self, variation: u64) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed.wrapping_add(variation),
+        }
+    }
+}
+
+/// What the window asks of the worker.
+pub enum ChatCommand {
+    Load(LoadRequest),
+    Send {
+        id: u64,
+        text: String,
+        settings: GenSettings,
+    },
+    Regenerate {
+        id: u64,
+        settings: GenSettings,
+    },
+    Reset,
+    Profiling(bool),
+    LiveState {
+        on: bool,
+        hz: f32,
+    },
+    ReadState,
+}
+
+/// What the worker tells the window.
+pub enum ChatEvent {
+    Loading(String),
+    Loaded(Box<ModelInfo>),
+    LoadFailed(String),
+    Notice(String),
+    ReplyStarted {
+        id: u64,
+        prompt_tokens: usize,
+    },
+    /// A token of reply `id`; `piece` is its text once whole characters are complete.
+    Token {
+        id: u64,
+        piece: Option<String>,
+        at: Instant,
+    },
+    ReplyDone {
+        id: u64,
+        finish: Finish,
+        tokens: usize,
+        seconds: f64,
+    },
+    ReplyFailed {
+        id: u64,
+        error: String,
+    },
+    Profiles(Vec<TokenProfile>),
+    State(Result<StateSummary, String>),
+    Cleared,
+    Error(String),
+}
+
+/// The window's side: commands out, events in, and the stop switch.
+pub struct ChatHandle {
+    tx: Option<Sender<ChatCommand>>,
+    rx: Receiver<ChatEvent>,
+    stop: Arc<AtomicU64>,
+    pub waker: Waker,
+    thread: WorkerThread,
+}
+
+impl ChatHandle {
+    pub fn spawn() -> Self {
+        let (tx, cmd_rx) = channel();
+        let (ev_tx, rx) = channel();
+        let stop = Arc::new(AtomicU64::new(0));
+        let waker = Waker::default();
+        let fail_tx = ev_tx.clone();
+        let outbox = Outbox::new(ev_tx, waker.clone());
+        let worker_stop = stop.clone();
+        let thread = match WorkerThread::spawn("mamba2-chat-worker", move || {
+            worker_loop(cmd_rx, outbox, worker_stop)
+        }) {
+            Ok(t) => t,
+            Err(e) => {
+                // The window still opens and says why nothing works.
+                let _ = fail_tx.send(ChatEvent::LoadFailed(format!(
+                    "could not start the worker thread: {e}"
+                )));
+                WorkerThread::none()
+            }
+        };
+        ChatHandle {
+            tx: Some(tx),
+            rx,
+            stop,
+            waker,
+            thread,
+        }
+    }
+
+    /// Sends a command; false when the worker is gone.
+    pub fn send(&self, cmd: ChatCommand) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.send(cmd).is_ok())
+    }
+
+    /// Stops reply `id` (and any earlier one) at its next token.
+    pub fn stop(&self, id: u64) {
+        self.stop.fetch_max(id, Ordering::SeqCst);
+    }
+
+    pub fn try_recv(&self) -> Result<ChatEvent, TryRecvError> {
+        self.rx.try_recv()
+    }
+}
+
+impl Drop for ChatHandle {
+    fn drop(&mut self) {
+        // Ends any reply in flight; the worker exits when it sees the channel closed, and
+        // releases the device on its way out.
+        self.stop.store(u64::MAX, Ordering::SeqCst);
+        self.tx = None;
+        self.thread.finish(SHUTDOWN_WAIT);
+    }
+}
+
+struct Turn {
+    snapshot: Snapshot,
+    prompt: Vec<u32>,
+    /// Whether the reply before this turn ended on the separator.
+    after_stop: bool,
+    variation: u64,
+}
+
+struct Live {
+    session: Session,
+    tokenizer: Tokenizer,
+    reader: StateReader,
+    last_turn: Option<Turn>,
+    /// The last reply ended on the end-of-text token (pending in the session).
+    after_stop: bool,
+}
+
+struct Worker {
+    out: Outbox<ChatEvent>,
+    stop: Arc<AtomicU64>,
+    live: Option<Live>,
+    profiling: bool,
+    live_state: (bool, f32),
+}
+
+fn worker_loop(rx: Receiver<ChatCommand>, out: Outbox<ChatEvent>, stop: Arc<AtomicU64>) {
+    let mut w = Worker {
+        out,
+        stop,
+        live: None,
+        profiling: false,
+        live_state: (true, 2.0),
+    };
+    while let Ok(cmd) = rx.recv() {
+        let what = match &cmd {
+            ChatCommand::Load(_) => "loading the model",
+            ChatCommand::Send { .. } | ChatCommand::Regenerate { .. } => "generating",
+            _ => "handling a command",
+        };
+        let id = match &cmd {
+            ChatCommand::Send { id, .. } | ChatCommand::Regenerate { id, .. } => Some(*id),
+            _ => None,
+        };
+        if let Err(e) = guarded(what, || w.handle(cmd)) {
+            let e = if e.starts_with("internal error") {
+                // The session may be half-updated: drop it; the user reopens the model.
+                w.live = None;
+                format!("{e} (the model was closed; open it again)")
+            } else {
+                e
+            };
+            match id {
+                Some(id) => w.out.send(ChatEvent::ReplyFailed { id, error: e }),
+                None => w.out.send(ChatEvent::Error(e)),
+            };
+        }
+    }
+}
+
+impl Worker {
+    fn handle(&mut self, cmd: ChatCommand) -> Result<(), String> {
+        match cmd {
+            ChatCommand::Load(req) => self.load(req),
+            ChatCommand::Send { id, text, settings } => self.send(id, &text, settings),
+            ChatCommand::Regenerate { id, settings } => self.regenerate(id, settings),
+            ChatCommand::Reset => {
+                if let Some(live) = self.live.as_mut() {
+                    live.session.reset().map_err(|e| e.to_string())?;
+                    live.last_turn = None;
+                    live.after_stop = false;
+                    let _ = take_profiles(live.session.backend_mut());
+                    self.out.send(ChatEvent::Cleared);
+                    self.read_state_idle()?;
+                }
+                Ok(())
+            }
+            ChatCommand::Profiling(on) => {
+                self.profiling = on;
+                self.apply_profiling()
+            }
+            ChatCommand::LiveState { on, hz } => {
+                self.live_state = (on, hz);
+                if let Some(live) = self.live.as_mut() {
+                    live.reader.set(on, hz)?;
+                }
+                if on { self.read_state_idle() } else { Ok(()) }
+            }
+            ChatCommand::ReadState => self.read_state_idle(),
+        }
+    }
+
+    fn apply_profiling(&mut self) -> Result<(), String> {
+        let Some(live) = self.live.as_mut() else {
+            return Ok(());
+        };
+        match live.session.backend_mut().gpu() {
+            Some(g) => {
+                let ok = g.set_profiling(self.profiling).map_err(|e| e.to_string())?;
+                if !ok {
+                    self.out.send(ChatEvent::Notice(
+                        "this adapter has no timestamp queries: no GPU timings".into(),
+                    ));
+                }
+            }
+            None if self.profiling => {
+                self.out.send(ChatEvent::Notice(
+                    "GPU timings need a GPU device (this is the CPU reference)".into(),
+                ));
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn load(&mut self, req: LoadRequest) -> Result<(), String> {
+        self.out.send(ChatEvent::Loading(req.source.label()));
+        // Free the old model's device memory before loading the next.
+        self.live = None;
+        let out = self.out.clone();
+        let loaded = match open(req, &mut |n| {
+            out.send(ChatEvent::Notice(n.to_string()));
+        }) {
+            Ok(l) => l,
+            Err(e) => {
+                self.out.send(ChatEvent::LoadFailed(e));
+                return Ok(());
+            }
+        };
+        let Some(tokenizer) = loaded.tokenizer else {
+            self.out.send(ChatEvent::LoadFailed(format!(
+                "{} has no tokenizer.json: the chat needs one (`mamba2 inspect` works without)",
+                loaded.info.source
+            )));
+            return Ok(());
+        };
+        let mut session = Session::new(loaded.backend);
+        let out = self.out.clone();
+        let summarizer = Summarizer::spawn(loaded.info.config.clone(), move |s| {
+            out.send(ChatEvent::State(s));
+        });
+        let mut reader = StateReader::new(session.backend_mut(), summarizer);
+        reader.set(self.live_state.0, self.live_state.1)?;
+        self.out.send(ChatEvent::Loaded(Box::new(loaded.info)));
+        self.live = Some(Live {
+            session,
+            tokenizer,
+            reader,
+            last_turn: None,
+            after_stop: false,
+        });
+        self.apply_profiling()?;
+        self.read_state_idle()
+    }
+
+    fn live(&mut self) -> Result<&mut Live, String> {
+        self.live
+            .as_mut()
+            .ok_or_else(|| "no model is open".to_string())
+    }
+
+    fn send(&mut self, id: u64, text: &str, settings: GenSettings) -> Result<(), String> {
+        if text.trim().is_empty() {
+            return Err("type a message first".into());
+        }
+        let live = self.live()?;
+        let mut prompt = Vec::new();
+        if let Some(eos) = live.tokenizer.eos
+            && !live.after_stop
+        {
+            prompt.push(eos);
+        }
+        prompt.extend(
+            live.tokenizer
+                .encode_with(text, false)
+                .map_err(|e| e.to_string())?,
+        );
+        let snapshot = live.session.snapshot().map_err(|e| e.to_string())?;
+        live.last_turn = Some(Turn {
+            snapshot,
+            prompt: prompt.clone(),
+            after_stop: live.after_stop,
+            variation: 0,
+        });
+        self.generate(id, &prompt, settings, 0)
+    }
+
+    fn regenerate(&mut self, id: u64, settings: GenSettings) -> Result<(), String> {
+        let live = self.live()?;
+        let Some(turn) = live.last_turn.as_mut() else {
+            return Err("nothing to regenerate yet".into());
+        };
+        live.session
+            .restore(&turn.snapshot)
+            .map_err(|e| e.to_string())?;
+        live.after_stop = turn.after_stop;
+        turn.variation += 1;
+        let (prompt, variation) = (turn.prompt.clone(), turn.variation);
+        self.generate(id, &prompt, settings, variation)
+    }
+
+    fn generate(
+        &mut self,
+        id: u64,
+        prompt: &[u32],
+        settings: GenSettings,
+        variation: u64,
+    ) -> Result<(), String> {
+        if self.stop.load(Ordering::SeqCst) >= id {
+            self.out.send(ChatEvent::ReplyDone {
+                id,
+                finish: Finish::Cancelled,
+                tokens: 0,
+                seconds: 0.0,
+            });
+            return Ok(());
+        }
+        let out = self.out.clone();
+        let stop = self.stop.clone();
+        let live = self.live.as_mut().ok_or("no model is open")?;
+        let Live {
+            session,
+            tokenizer,
+            reader,
+            ..
+        } = live;
+        let opts = GenerateOptions {
+            max_new_tokens: settings.max_tokens.max(1),
+            sampling: settings.sampling(variation),
+            stop: if settings.ignore_eos {
+                Vec::new()
+            } else {
+                tokenizer.eos.into_iter().collect()
+            },
+        };
+        out.send(ChatEvent::ReplyStarted {
+            id,
+            prompt_tokens: prompt.len(),
+        });
+        let mut decoder = tokenizer.stream();
+        let start = Instant::now();
+        let mut position = session.position() + prompt.len() as u64;
+        let mut failure: Option<String> = None;
+        let result = session.generate(prompt, &opts, |tok| {
+            let piece = match decoder.step(tokenizer, tok) {
+                Ok(p) => p,
+                Err(e) => {
+                    failure = Some(e.to_string());
+                    return false;
+                }
+            };
+            out.send(ChatEvent::Token {
+                id,
+                piece,
+                at: Instant::now(),
+            });
+            position += 1;
+            if let Err(e) = reader.during_decode(position) {
+                failure = Some(e);
+                return false;
+            }
+            stop.load(Ordering::SeqCst) < id
+        });
+        let seconds = start.elapsed().as_secs_f64();
+        let profiles = take_profiles(session.backend_mut());
+        if !profiles.is_empty() {
+            out.send(ChatEvent::Profiles(profiles));
+        }
+        match (result, failure) {
+            (Err(e), _) => {
+                let msg = e.to_string();
+                let msg = if msg.contains("device lost") {
+                    format!("{msg}: the GPU device was lost; open the model again")
+                } else {
+                    msg
+                };
+                out.send(ChatEvent::ReplyFailed { id, error: msg });
+            }
+            (Ok(_), Some(e)) => {
+                out.send(ChatEvent::ReplyFailed { id, error: e });
+            }
+            (Ok((reply, finish)), None) => {
+                live.after_stop = finish == Finish::Stop;
+                out.send(ChatEvent::ReplyDone {
+                    id,
+                    finish,
+                    tokens: reply.len(),
+                    seconds,
+                });
+            }
+        }
+        self.read_state_idle()
+    }
+
+    fn read_state_idle(&mut self) -> Result<(), String> {
+        let Some(live) = self.live.as_mut() else {
+            return Ok(());
+        };
+        if !live.reader.on {
+            return Ok(());
+        }
+        let pos = live.session.position();
+        live.reader.now(live.session.backend_mut(), pos)
+    }
+}

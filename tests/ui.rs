@@ -1,0 +1,501 @@
+//! The chat app and the inspector driven headless with egui_kittest: clicks and typing go
+//! through egui's input (AccessKit nodes found by label), the model runs on the windows'
+//! own worker threads, and the assertions read both the window (labels) and the view
+//! models behind it.
+//!
+//! The chat uses the embedded model: a real trained model with a real tokenizer (byte-level
+//! BPE, end-of-text id 0), 5.3 M parameters, fast on lavapipe and on the CPU reference.
+//! A hand-made tokenizer over random weights would exercise the same code but prove less
+//! (a chat template, EOS handling and UTF-8 streaming all come with the real one).
+//!
+//! Screenshots for docs/ are rendered through wgpu (lavapipe here) by the screenshot tests;
+//! they are written to docs/ only with MAMBA2_UPDATE_SCREENSHOTS=1, and otherwise only
+//! checked to be real pictures.
+
+use std::time::{Duration, Instant};
+
+use egui_kittest::Harness;
+use egui_kittest::kittest::Queryable;
+use mamba2_wgpu::DeviceChoice;
+use mamba2_wgpu::reference::State;
+use mamba2_wgpu::session::Finish;
+use mamba2_wgpu::ui::chat::Role;
+use mamba2_wgpu::ui::{ChatApp, InspectorApp, LoadRequest, ModelSource};
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Steps the harness until `cond` holds (the workers run on their own threads).
+fn wait_until<S>(
+    h: &mut Harness<'_, S>,
+    what: &str,
+    cond: impl Fn(&S) -> bool,
+    errors: impl Fn(&S) -> String,
+) {
+    let start = Instant::now();
+    loop {
+        h.step();
+        if cond(h.state()) {
+            return;
+        }
+        assert!(
+            start.elapsed() < TIMEOUT,
+            "timed out waiting for {what}; window errors: {}",
+            errors(h.state())
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn chat_errors(a: &ChatApp) -> String {
+    format!("{:?} / notices {:?}", a.errors, a.notices)
+}
+
+fn inspector_errors(a: &InspectorApp) -> String {
+    format!("{:?} / notices {:?}", a.error, a.notices)
+}
+
+fn chat_harness(size: [f32; 2]) -> Harness<'static, ChatApp> {
+    let app = ChatApp::new(LoadRequest::new(ModelSource::Embedded, DeviceChoice::Auto));
+    let mut h = Harness::builder()
+        .with_size(size)
+        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
+    wait_until(&mut h, "the model to load", |a| a.ready(), chat_errors);
+    h
+}
+
+fn type_and_send(h: &mut Harness<'_, ChatApp>, text: &str) {
+    h.get_by_label("Message").focus();
+    h.step();
+    h.get_by_label("Message").type_text(text);
+    h.step();
+    assert_eq!(
+        h.state().input,
+        text,
+        "the typed text reached the input box"
+    );
+    h.get_by_label("Send").click();
+    h.step();
+}
+
+fn replies(a: &ChatApp) -> Vec<&mamba2_wgpu::ui::chat::Message> {
+    a.messages
+        .iter()
+        .filter(|m| m.role == Role::Assistant)
+        .collect()
+}
+
+#[test]
+fn chat_streams_stops_and_regenerates() {
+    let mut h = chat_harness([1100.0, 700.0]);
+
+    // A greedy reply that cannot end early: 12 tokens past any end-of-text.
+    {
+        let s = &mut h.state_mut().settings;
+        s.temperature = 0.0;
+        s.max_tokens = 12;
+        s.ignore_eos = true;
+    }
+    type_and_send(&mut h, "The best way to");
+    assert_eq!(
+        h.state().messages.len(),
+        2,
+        "user message and reply placeholder"
+    );
+    wait_until(
+        &mut h,
+        "the first reply",
+        |a| a.generating.is_none(),
+        chat_errors,
+    );
+    let first = replies(h.state())[0].clone();
+    assert_eq!(first.tokens, 12, "{first:?}");
+    assert_eq!(first.finish, Some(Finish::Length));
+    assert!(
+        !first.text.trim().is_empty(),
+        "the reply has text: {first:?}"
+    );
+    h.step();
+    let shown = first.text.trim();
+    assert!(
+        h.query_by_label_contains(&shown[..shown.len().min(12)])
+            .is_some(),
+        "the reply is shown in the window: {shown:?}"
+    );
+    assert!(
+        h.query_by_label_contains("12 tokens").is_some(),
+        "the reply's stats are shown"
+    );
+
+    // Regenerate restores the state from before the reply: greedy, so the same text again
+    // (had the reply stayed in the state, the continuation would differ).
+    h.get_by_label("Regenerate").click();
+    h.step();
+    wait_until(
+        &mut h,
+        "the regenerated reply",
+        |a| a.generating.is_none(),
+        chat_errors,
+    );
+    let again = replies(h.state())[0].clone();
+    assert_eq!(h.state().messages.len(), 2, "regenerate replaces the reply");
+    assert_ne!(again.id, first.id);
+    assert_eq!(
+        again.text, first.text,
+        "greedy regeneration from the restored state"
+    );
+
+    // A reply with no end: stream some tokens, see them in the window, then Stop.
+    h.state_mut().settings.max_tokens = 100_000;
+    type_and_send(&mut h, " Another");
+    wait_until(
+        &mut h,
+        "streamed tokens",
+        |a| {
+            replies(a)
+                .get(1)
+                .is_some_and(|m| m.tokens >= 3 && !m.text.trim().is_empty())
+        },
+        chat_errors,
+    );
+    assert!(h.state().generating.is_some(), "still streaming");
+    let partial = replies(h.state())[1].text.trim().to_string();
+    h.step();
+    assert!(
+        h.query_by_label_contains(&partial[..partial.len().min(6)])
+            .is_some(),
+        "streamed text is shown while generating: {partial:?}"
+    );
+    h.get_by_label("Stop").click();
+    h.step();
+    wait_until(&mut h, "the stop", |a| a.generating.is_none(), chat_errors);
+    let stopped = replies(h.state())[1].clone();
+    assert_eq!(stopped.finish, Some(Finish::Cancelled), "{stopped:?}");
+    assert!(stopped.tokens >= 3 && stopped.tokens < 100_000);
+
+    // The conversation goes on after a stop (the state carries over).
+    h.state_mut().settings.max_tokens = 4;
+    type_and_send(&mut h, " And");
+    wait_until(
+        &mut h,
+        "a third reply",
+        |a| a.generating.is_none(),
+        chat_errors,
+    );
+    assert_eq!(replies(h.state())[2].tokens, 4);
+    assert!(h.state().errors.is_empty(), "{:?}", h.state().errors);
+
+    // New chat empties the conversation.
+    h.get_by_label("New chat").click();
+    h.step();
+    assert!(h.state().messages.is_empty());
+}
+
+#[test]
+fn chat_shows_a_bad_model_dir_in_the_window() {
+    let dir = std::env::temp_dir().join(format!("mamba2-ui-missing-{}", std::process::id()));
+    let app = ChatApp::new(LoadRequest::new(
+        ModelSource::Dir(dir.clone()),
+        DeviceChoice::Cpu,
+    ));
+    let mut h = Harness::builder()
+        .with_size([900.0, 500.0])
+        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
+    wait_until(
+        &mut h,
+        "the load error",
+        |a| !a.errors.is_empty(),
+        chat_errors,
+    );
+    assert!(
+        h.state().errors[0].contains("is not a directory"),
+        "{:?}",
+        h.state().errors
+    );
+    assert!(h.state().model.is_none());
+    h.step();
+    assert!(
+        h.query_by_label_contains("is not a directory").is_some(),
+        "the error is in the window"
+    );
+    assert!(h.query_by_label_contains("no model open").is_some());
+    // Then open the embedded model from the window (empty path field).
+    h.state_mut().form.path.clear();
+    h.get_by_label("Open model").click();
+    h.step();
+    wait_until(&mut h, "the embedded model", |a| a.ready(), chat_errors);
+}
+
+fn inspector_harness(size: [f32; 2]) -> Harness<'static, InspectorApp> {
+    // Random weights at the `tiny` preset's shapes, made on the device.
+    let req = LoadRequest::new(
+        ModelSource::Preset {
+            name: "tiny".into(),
+            seed: 3,
+        },
+        DeviceChoice::Auto,
+    );
+    let app = InspectorApp::new(req, "The", false);
+    let mut h = Harness::builder()
+        .with_size(size)
+        .build_ui_state(|ui, app: &mut InspectorApp| app.show(ui), app);
+    wait_until(
+        &mut h,
+        "the model to load",
+        |a| a.panel.info.is_some() && a.loading.is_none(),
+        inspector_errors,
+    );
+    h
+}
+
+#[test]
+fn inspector_steps_times_and_flags_nan() {
+    let mut h = inspector_harness([1280.0, 820.0]);
+    let config = h
+        .state()
+        .panel
+        .info
+        .as_ref()
+        .map(|i| i.config.clone())
+        .expect("model info");
+    let gpu = h.state().panel.info.as_ref().and_then(|i| i.gpu.clone());
+    assert!(!h.state().running, "opened paused");
+
+    // Step three tokens, one at a time.
+    for n in 0..3 {
+        h.get_by_label("Step 1 token").click();
+        h.step();
+        wait_until(
+            &mut h,
+            "a stepped token",
+            |a| a.panel.timings.tokens_seen >= 2 + n,
+            inspector_errors,
+        );
+    }
+    assert_eq!(
+        h.state().panel.timings.tokens_seen,
+        4,
+        "the prefill's token and three steps"
+    );
+
+    // The heatmap has the model's layers and heads.
+    wait_until(
+        &mut h,
+        "a state summary",
+        |a| a.panel.state.is_some(),
+        inspector_errors,
+    );
+    let s = h.state().panel.state.clone().expect("summary");
+    assert_eq!(
+        (s.layers, s.heads, s.head_dim, s.d_state),
+        (
+            config.n_layer,
+            config.n_heads,
+            config.head_dim,
+            config.d_state
+        )
+    );
+    assert!(!s.has_nonfinite());
+    assert!(s.rms.iter().any(|&v| v > 0.0), "the state moved off zero");
+    let label = format!(
+        "SSM state: {} layers × {} heads",
+        config.n_layer, config.n_heads
+    );
+    assert!(
+        h.query_by_label_contains(&label).is_some(),
+        "heatmap caption `{label}`"
+    );
+
+    // The timing table fills (GPU with timestamp queries: lavapipe has them).
+    match gpu.as_ref().filter(|g| g.timestamps) {
+        Some(g) => {
+            wait_until(
+                &mut h,
+                "three profiles",
+                |a| a.panel.timings.profiles.len() >= 3,
+                inspector_errors,
+            );
+            let sum = h.state().panel.timings.summary();
+            assert_eq!(
+                sum.dispatches, g.dispatches_sample,
+                "one timing per dispatch"
+            );
+            assert!(sum.gpu_ns > 0.0);
+            h.step();
+            assert!(
+                h.query_by_label("ssd_step+gate").is_some(),
+                "kernel rows in the table"
+            );
+            assert!(
+                h.query_all_by_label("MATMUL").count() >= 2,
+                "a section bar and kernel rows"
+            );
+        }
+        None => eprintln!(
+            "\n!!!!!!!! no GPU with timestamp queries: timing table not checked !!!!!!!!\n"
+        ),
+    }
+
+    // Run, then pause.
+    h.get_by_label("Run").click();
+    h.step();
+    wait_until(
+        &mut h,
+        "running tokens",
+        |a| a.panel.timings.tokens_seen >= 24,
+        inspector_errors,
+    );
+    h.get_by_label("Pause").click();
+    h.step();
+    wait_until(&mut h, "the pause", |a| !a.running, inspector_errors);
+    let seen = h.state().panel.timings.tokens_seen;
+    std::thread::sleep(Duration::from_millis(200));
+    h.run_steps(3);
+    let after = h.state().panel.timings.tokens_seen;
+    assert!(
+        after <= seen + 8,
+        "paused: at most the burst in flight ({seen} → {after})"
+    );
+
+    // Export CSV: where it went is shown.
+    if gpu.as_ref().is_some_and(|g| g.timestamps) {
+        let dir = std::env::temp_dir().join(format!("mamba2-ui-{}", std::process::id()));
+        h.state_mut().panel.export_path = dir.join("timings").display().to_string();
+        h.get_by_label("Export CSV").click();
+        h.step();
+        let written = match &h.state().panel.export_result {
+            Some(Ok(p)) => p.clone(),
+            other => panic!("export failed: {other:?}"),
+        };
+        let csv = std::fs::read_to_string(&written).expect("exported file");
+        let rows =
+            h.state().panel.timings.profiles.len() * h.state().panel.timings.summary().dispatches;
+        assert_eq!(csv.lines().count(), 1 + rows);
+        assert!(h.query_by_label_contains("wrote ").is_some());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    // A NaN in the state raises the flag. Live reads off first, so no fresh read replaces
+    // the injected state.
+    h.get_by_label("live state").click();
+    h.step();
+    std::thread::sleep(Duration::from_millis(300));
+    h.run_steps(3);
+    assert_eq!(
+        h.query_all_by_label_contains("NaN/Inf in the state!")
+            .count(),
+        0
+    );
+    let mut st = State {
+        conv: vec![vec![0.5; config.conv_state_len()]; config.n_layer],
+        ssm: vec![vec![0.25; config.ssm_state_len()]; config.n_layer],
+    };
+    let head_len = config.head_dim * config.d_state;
+    st.ssm[2][5 * head_len + 7] = f32::NAN;
+    h.state_mut()
+        .panel
+        .inject_state(&st)
+        .expect("state of the model's shape");
+    h.run_steps(2);
+    assert!(h.state().panel.nonfinite());
+    assert!(
+        h.query_all_by_label_contains("NaN/Inf in the state!")
+            .count()
+            >= 1,
+        "the flag is up"
+    );
+    assert!(
+        h.query_all_by_label_contains("layer 2 head 5").count() >= 1,
+        "the flag names the head"
+    );
+    // A state of the wrong shape is refused, not shown.
+    st.ssm.pop();
+    assert!(h.state_mut().panel.inject_state(&st).is_err());
+}
+
+/// Renders the window through wgpu and checks it is a real picture; with
+/// MAMBA2_UPDATE_SCREENSHOTS=1 also writes it to docs/.
+fn screenshot<S>(h: &mut Harness<'_, S>, name: &str) {
+    h.remove_cursor();
+    h.run_steps(2);
+    let image = h.render().expect("wgpu render");
+    let (w, hgt) = image.dimensions();
+    assert!(w >= 800 && hgt >= 500, "{w}×{hgt}");
+    let first = *image.get_pixel(0, 0);
+    let distinct = image.pixels().filter(|p| **p != first).count();
+    assert!(
+        distinct > (w * hgt / 10) as usize,
+        "the picture has content"
+    );
+    if std::env::var_os("MAMBA2_UPDATE_SCREENSHOTS").is_some() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("docs")
+            .join(format!("{name}.png"));
+        std::fs::create_dir_all(path.parent().expect("docs/")).expect("docs/ folder");
+        image.save(&path).expect("save screenshot");
+        eprintln!("wrote {}", path.display());
+    }
+}
+
+#[test]
+fn screenshot_chat() {
+    let app = ChatApp::new(LoadRequest::new(ModelSource::Embedded, DeviceChoice::Auto));
+    let mut h = Harness::builder()
+        .with_size([1280.0, 800.0])
+        .wgpu()
+        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
+    wait_until(&mut h, "the model to load", |a| a.ready(), chat_errors);
+    h.state_mut().settings.max_tokens = 60;
+    h.state_mut().settings.temperature = 0.7;
+    h.state_mut().show_inspector = true;
+    h.run_steps(2);
+    h.get_by_label("GPU timings").click();
+    h.run_steps(2);
+    for (i, prompt) in ["The secret of", "Never"].into_iter().enumerate() {
+        h.state_mut().settings.seed = 7 + i as u64;
+        type_and_send(&mut h, prompt);
+        wait_until(&mut h, "a reply", |a| a.generating.is_none(), chat_errors);
+    }
+    wait_until(
+        &mut h,
+        "the state",
+        |a| a.inspector.state.is_some(),
+        chat_errors,
+    );
+    h.run_steps(4);
+    screenshot(&mut h, "chat");
+}
+
+#[test]
+fn screenshot_inspector() {
+    let req = LoadRequest::new(ModelSource::Embedded, DeviceChoice::Auto);
+    let app = InspectorApp::new(req, "The", false);
+    let mut h = Harness::builder()
+        .with_size([1280.0, 820.0])
+        .wgpu()
+        .build_ui_state(|ui, app: &mut InspectorApp| app.show(ui), app);
+    wait_until(
+        &mut h,
+        "the model to load",
+        |a| a.panel.info.is_some() && a.loading.is_none(),
+        inspector_errors,
+    );
+    h.get_by_label("Run").click();
+    h.step();
+    wait_until(
+        &mut h,
+        "tokens",
+        |a| a.panel.timings.tokens_seen >= 96,
+        inspector_errors,
+    );
+    h.get_by_label("Pause").click();
+    h.step();
+    wait_until(
+        &mut h,
+        "the pause and a state",
+        |a| !a.running && a.panel.state.is_some(),
+        inspector_errors,
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    h.run_steps(4);
+    screenshot(&mut h, "inspector");
+}
