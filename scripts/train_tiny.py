@@ -14,7 +14,7 @@ Pipeline
    random.Random(seed); the first 5% are the test split, the next 3% the validation split (used only to
    keep the best checkpoint), the rest the training split.
 3. Tokenizer: byte-level BPE (tokenizers library: ByteLevel pre-tokenizer without prefix space,
-   ByteLevel decoder, no normalizer, no post-processor), vocab 4096 including the special token
+   ByteLevel decoder, no normalizer; post-processor: <|endoftext|> as BOS with special tokens), vocab 4096 including the special token
    `<|endoftext|>` = id 0, trained on the training cookies only; saved as <out>/tokenizer.json.
 4. Token stream of a split (train, val, test alike): `<|endoftext|>` before every cookie and one after
    the last, i.e. the text EOT + EOT.join(cookies) + EOT, where EOT = "<|endoftext|>".
@@ -391,9 +391,17 @@ def main():
     tok = train_tokenizer(train_c, a.vocab)
     vocab = tok.get_vocab_size()
     os.makedirs(a.out, exist_ok=True)
-    tok.save(os.path.join(a.out, "tokenizer.json"))
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, processors
+    # The saved tokenizer adds <|endoftext|> (the BOS of every cookie) when asked for special
+    # tokens, so engines prompt the model the way it was trained; everything here encodes
+    # without it (the same ids as before), exactly as the held-out definition says.
+    saved = Tokenizer.from_str(tok.to_str())
+    saved.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B",
+        special_tokens=[("<|endoftext|>", 0)])
+    saved.save(os.path.join(a.out, "tokenizer.json"))
     tok = Tokenizer.from_file(os.path.join(a.out, "tokenizer.json"))  # use exactly what was saved
+    tok.post_processor = None
     train_ids = encode_stream(tok, train_c)
     val_ids = encode_stream(tok, val_c)
     heldout_ids = tok.encode(open(a.heldout_out, encoding="utf-8").read()).ids
@@ -592,7 +600,7 @@ def main():
                   "heldout_cookies": h_n, "train_tokens": len(train_ids), "val_tokens": len(val_ids)},
         "stream_format": "EOT + EOT.join(cookies) + EOT with EOT = '<|endoftext|>' (id 0)",
         "tokenizer": {"type": "byte-level BPE (tokenizers), ByteLevel pre-tokenizer add_prefix_space=False, "
-                              "ByteLevel decoder, no normalizer, no post-processor",
+                              "ByteLevel decoder, no normalizer, post-processor adding <|endoftext|> (id 0) as BOS when special tokens are requested",
                       "vocab_size": vocab, "special_tokens": {EOT: 0}},
         "training": {"steps": step, "planned_steps": planned, "warmup_steps": warmup,
                      "lr_schedule": "linear warmup, then cosine from lr to lr*min_lr_frac at planned_steps", "steps_per_epoch": steps_per_epoch,

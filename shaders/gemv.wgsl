@@ -6,8 +6,8 @@
 //   X_GROUP: x = src ⊙ params[NW_OFF..] ⊙ rstd[group], rstd from the SSD step's partial sums
 //   O_ADD:   dst[row] += y (residual);  O_MIXER: mixer_row (conv, dt) on each row
 // q8_0: 32-weight blocks, int8 weights packed 4 per u32, one f16 scale per block (`ws`).
-// The activation is quantized in the prologue to int8 with a power-of-two scale per block
-// (exactly reproducible on the host), then the dot is dot4I8Packed.
+// The activation is quantized in the prologue to int8 per 32-block (scale amax/127, as
+// ggml's q8_1 activations), then the dot is dot4I8Packed.
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
@@ -113,13 +113,11 @@ fn main(
             let v = abs(scale4(b * 32u + q * 4u, raw));
             amax = max(amax, max(max(v.x, v.y), max(v.z, v.w)));
         }
-        // Scale 2^(e-7) with amax = f·2^e, f in [0.5, 1): |x|/scale < 128, exact in f32.
-        let fe = frexp(amax);
+        // ggml's q8 activation rule: d = amax/127, q = round(x/d) (ties to even here).
+        let d = amax / 127.0;
         var inv = 0.0;
-        var d = 0.0;
-        if (amax > 0.0 && fe.exp > -100) {
-            inv = ldexp(1.0, 7 - fe.exp);
-            d = ldexp(1.0, fe.exp - 7);
+        if (d > 0.0) {
+            inv = 1.0 / d;
         }
         for (var q = 0u; q < 8u; q++) {
             let v = scale4(b * 32u + q * 4u, load4(b * 32u + q * 4u)) * inv;

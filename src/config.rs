@@ -102,7 +102,11 @@ impl ModelConfig {
             + 3 * self.n_heads
             + self.d_inner
             + self.d_model * self.d_inner;
-        let head = if self.tie_embeddings { 0 } else { self.vocab_size * self.d_model };
+        let head = if self.tie_embeddings {
+            0
+        } else {
+            self.vocab_size * self.d_model
+        };
         self.vocab_size * self.d_model + self.n_layer * per_layer + self.d_model + head
     }
 
@@ -110,14 +114,20 @@ impl ModelConfig {
     /// Nemotron-H configs with G > 1 stay exact: HF's own Mamba2 would normalize over all of
     /// d_inner, but this engine reads the field back with its per-group meaning.
     pub fn to_hf_json(&self) -> serde_json::Value {
-        let limit = |x: f64| if x.is_finite() { serde_json::json!(x) } else { serde_json::json!({"__float__": "Infinity"}) };
+        let limit = |x: f64| {
+            if x.is_finite() {
+                serde_json::json!(x)
+            } else {
+                serde_json::json!({"__float__": "Infinity"})
+            }
+        };
         serde_json::json!({
             "model_type": "mamba2",
             "architectures": ["Mamba2ForCausalLM"],
             "hidden_size": self.d_model,
             "num_hidden_layers": self.n_layer,
             "vocab_size": self.vocab_size,
-            "expand": if self.d_inner % self.d_model == 0 {
+            "expand": if self.d_inner.is_multiple_of(self.d_model) {
                 serde_json::json!(self.d_inner / self.d_model)
             } else {
                 serde_json::json!(self.d_inner as f64 / self.d_model as f64)
@@ -164,7 +174,10 @@ impl ModelConfig {
         let value: Value = serde_json::from_str(&quote_non_finite(text))
             .map_err(|e| Error::format(path, format!("not valid JSON: {e}")))?;
         let Value::Object(obj) = value else {
-            return Err(Error::format(path, "expected a JSON object at the top level"));
+            return Err(Error::format(
+                path,
+                "expected a JSON object at the top level",
+            ));
         };
         let f = Fields {
             obj: &obj,
@@ -219,7 +232,10 @@ impl ModelConfig {
             }
         }
         if self.d_conv < 2 {
-            return Err(err("d_conv", format!("must be at least 2, found {}", self.d_conv)));
+            return Err(err(
+                "d_conv",
+                format!("must be at least 2, found {}", self.d_conv),
+            ));
         }
         if self.n_heads * self.head_dim != self.d_inner {
             return Err(err(
@@ -230,14 +246,20 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.n_heads % self.n_groups != 0 {
+        if !self.n_heads.is_multiple_of(self.n_groups) {
             return Err(err(
                 "n_groups",
-                format!("{} heads cannot be split into {} groups", self.n_heads, self.n_groups),
+                format!(
+                    "{} heads cannot be split into {} groups",
+                    self.n_heads, self.n_groups
+                ),
             ));
         }
         if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
-            return Err(err("norm_eps", format!("must be a positive number, found {}", self.norm_eps)));
+            return Err(err(
+                "norm_eps",
+                format!("must be a positive number, found {}", self.norm_eps),
+            ));
         }
         let (lo, hi) = self.time_step_limit;
         if lo.is_nan() || hi.is_nan() || lo < 0.0 || hi < lo {
@@ -310,7 +332,9 @@ impl<'a> Fields<'a> {
     }
 
     fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
-        let Some(v) = self.get(field) else { return Ok(None) };
+        let Some(v) = self.get(field) else {
+            return Ok(None);
+        };
         match v.as_u64() {
             Some(n) => Ok(Some(n as usize)),
             None => match v.as_f64() {
@@ -330,7 +354,11 @@ impl<'a> Fields<'a> {
     }
 
     fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
-        self.get(field).map(|v| json_f64(v).ok_or_else(|| self.err(field, format!("expected a number, found {v}")))).transpose()
+        self.get(field)
+            .map(|v| {
+                json_f64(v).ok_or_else(|| self.err(field, format!("expected a number, found {v}")))
+            })
+            .transpose()
     }
 
     fn f64_or(&self, field: &str, default: f64) -> Result<f64> {
@@ -355,9 +383,13 @@ impl<'a> Fields<'a> {
 
     /// A `[min, max]` pair of numbers (either may be `Infinity` in any JSON spelling).
     fn pair_or(&self, field: &str, default: (f64, f64)) -> Result<(f64, f64)> {
-        let Some(v) = self.get(field) else { return Ok(default) };
+        let Some(v) = self.get(field) else {
+            return Ok(default);
+        };
         let bad = || self.err(field, format!("expected [min, max], found {v}"));
-        let Value::Array(items) = v else { return Err(bad()) };
+        let Value::Array(items) = v else {
+            return Err(bad());
+        };
         if items.len() != 2 {
             return Err(bad());
         }
@@ -415,7 +447,10 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
     let expand = f.f64_or("expand", 2.0)?;
     let head_dim = f.usize_or("head_dim", 64)?;
     if !(expand > 0.0 && expand.is_finite()) {
-        return Err(f.err("expand", format!("must be a positive number, found {expand}")));
+        return Err(f.err(
+            "expand",
+            format!("must be a positive number, found {expand}"),
+        ));
     }
     // HF: intermediate_size = int(expand * hidden_size)
     let d_inner = (expand * d_model as f64) as usize;
@@ -423,8 +458,16 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
         Some(h) => h,
         None => d_inner / head_dim.max(1),
     };
-    f.reject_if("use_bias", f.bool_or("use_bias", false)?, "in_proj/out_proj biases")?;
-    f.reject_if("rms_norm", !f.bool_or("rms_norm", true)?, "LayerNorm blocks (only RMSNorm)")?;
+    f.reject_if(
+        "use_bias",
+        f.bool_or("use_bias", false)?,
+        "in_proj/out_proj biases",
+    )?;
+    f.reject_if(
+        "rms_norm",
+        !f.bool_or("rms_norm", true)?,
+        "LayerNorm blocks (only RMSNorm)",
+    )?;
     f.reject_if(
         "norm_before_gate",
         f.bool_or("norm_before_gate", false)?,
@@ -469,7 +512,10 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
     if kinds.len() != n_layer {
         return Err(f.err(
             "hybrid_override_pattern",
-            format!("describes {} layers but num_hidden_layers is {n_layer}", kinds.len()),
+            format!(
+                "describes {} layers but num_hidden_layers is {n_layer}",
+                kinds.len()
+            ),
         ));
     }
     // A Mamba layer is `M` in released configs, `mamba` in newer ones and
@@ -488,14 +534,26 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
         return Err(Error::Unsupported(format!(
             "{}: layer {i} is a{} {what} layer (`{kind}`); only all-Mamba nemotron_h models run today",
             f.path.display(),
-            if what.starts_with(['a', 'e', 'i', 'o', 'u', 'M']) { "n" } else { "" },
+            if what.starts_with(['a', 'e', 'i', 'o', 'u', 'M']) {
+                "n"
+            } else {
+                ""
+            },
         )));
     }
     let n_heads = f.usize("mamba_num_heads")?;
     let head_dim = f.usize("mamba_head_dim")?;
-    f.reject_if("mamba_proj_bias", f.bool_or("mamba_proj_bias", false)?, "in_proj/out_proj biases")?;
+    f.reject_if(
+        "mamba_proj_bias",
+        f.bool_or("mamba_proj_bias", false)?,
+        "in_proj/out_proj biases",
+    )?;
     if let Some(act) = f.opt_str("mamba_hidden_act")? {
-        f.reject_if("mamba_hidden_act", act != "silu", "activations other than silu")?;
+        f.reject_if(
+            "mamba_hidden_act",
+            act != "silu",
+            "activations other than silu",
+        )?;
     }
     Ok(ModelConfig {
         format: ModelFormat::NemotronH,
@@ -525,9 +583,17 @@ fn parse_mamba_ssm(f: &Fields) -> Result<ModelConfig> {
     let vocab = f.usize("vocab_size")?;
     let pad = f.usize_or("pad_vocab_size_multiple", 8)?.max(1);
     if let Some(Value::Array(a)) = f.get("attn_layer_idx") {
-        f.reject_if("attn_layer_idx", !a.is_empty(), "hybrid models with attention layers")?;
+        f.reject_if(
+            "attn_layer_idx",
+            !a.is_empty(),
+            "hybrid models with attention layers",
+        )?;
     }
-    f.reject_if("rms_norm", !f.bool_or("rms_norm", true)?, "LayerNorm blocks (only RMSNorm)")?;
+    f.reject_if(
+        "rms_norm",
+        !f.bool_or("rms_norm", true)?,
+        "LayerNorm blocks (only RMSNorm)",
+    )?;
     let empty = Map::new();
     let ssm = f.nested("ssm_cfg")?.unwrap_or(Fields {
         obj: &empty,
@@ -537,13 +603,37 @@ fn parse_mamba_ssm(f: &Fields) -> Result<ModelConfig> {
     match ssm.opt_str("layer")?.as_deref() {
         Some("Mamba2") => {}
         Some(other) => ssm.reject_if("layer", true, &format!("`{other}` layers (only Mamba2)"))?,
-        None => ssm.reject_if("layer", true, "no layer given, which means Mamba1 (only Mamba2)")?,
+        None => ssm.reject_if(
+            "layer",
+            true,
+            "no layer given, which means Mamba1 (only Mamba2)",
+        )?,
     }
-    ssm.reject_if("bias", ssm.bool_or("bias", false)?, "in_proj/out_proj biases")?;
-    ssm.reject_if("rmsnorm", !ssm.bool_or("rmsnorm", true)?, "an ungated mixer norm")?;
-    ssm.reject_if("norm_before_gate", ssm.bool_or("norm_before_gate", false)?, "norm before gate")?;
-    ssm.reject_if("D_has_hdim", ssm.bool_or("D_has_hdim", false)?, "D per channel")?;
-    ssm.reject_if("d_ssm", ssm.get("d_ssm").is_some(), "a partial SSM with an MLP branch")?;
+    ssm.reject_if(
+        "bias",
+        ssm.bool_or("bias", false)?,
+        "in_proj/out_proj biases",
+    )?;
+    ssm.reject_if(
+        "rmsnorm",
+        !ssm.bool_or("rmsnorm", true)?,
+        "an ungated mixer norm",
+    )?;
+    ssm.reject_if(
+        "norm_before_gate",
+        ssm.bool_or("norm_before_gate", false)?,
+        "norm before gate",
+    )?;
+    ssm.reject_if(
+        "D_has_hdim",
+        ssm.bool_or("D_has_hdim", false)?,
+        "D per channel",
+    )?;
+    ssm.reject_if(
+        "d_ssm",
+        ssm.get("d_ssm").is_some(),
+        "a partial SSM with an MLP branch",
+    )?;
     let expand = ssm.usize_or("expand", 2)?;
     let head_dim = ssm.usize_or("headdim", 64)?;
     let d_inner = expand * d_model;
@@ -572,7 +662,11 @@ fn parse_mistral(f: &Fields) -> Result<ModelConfig> {
     let d_model = f.usize("dim")?;
     let vocab = f.usize("vocab_size")?;
     let pad = f.usize_or("pad_vocab_size_multiple", 1)?.max(1);
-    f.reject_if("rms_norm", !f.bool_or("rms_norm", true)?, "LayerNorm blocks (only RMSNorm)")?;
+    f.reject_if(
+        "rms_norm",
+        !f.bool_or("rms_norm", true)?,
+        "LayerNorm blocks (only RMSNorm)",
+    )?;
     let head_dim = 64;
     let d_inner = 2 * d_model;
     Ok(ModelConfig {
@@ -614,55 +708,93 @@ mod tests {
 
     #[test]
     fn infinity_inside_strings_is_untouched() {
-        assert_eq!(quote_non_finite(r#"{"a":"Infinity x","b":Infinity}"#), r#"{"a":"Infinity x","b":"Infinity"}"#);
+        assert_eq!(
+            quote_non_finite(r#"{"a":"Infinity x","b":Infinity}"#),
+            r#"{"a":"Infinity x","b":"Infinity"}"#
+        );
     }
 
     #[test]
     fn mamba_ssm_defaults_and_vocab_padding() {
-        let c = parse(r#"{"d_model":768,"n_layer":24,"vocab_size":50277,"ssm_cfg":{"layer":"Mamba2"},
-            "pad_vocab_size_multiple":16,"tie_embeddings":true}"#)
+        let c = parse(
+            r#"{"d_model":768,"n_layer":24,"vocab_size":50277,"ssm_cfg":{"layer":"Mamba2"},
+            "pad_vocab_size_multiple":16,"tie_embeddings":true}"#,
+        )
         .unwrap();
-        assert_eq!((c.vocab_size, c.n_heads, c.head_dim, c.d_state), (50288, 24, 64, 128));
+        assert_eq!(
+            (c.vocab_size, c.n_heads, c.head_dim, c.d_state),
+            (50288, 24, 64, 128)
+        );
         assert_eq!((c.conv_dim(), c.d_in_proj()), (1792, 3352));
     }
 
     #[test]
     fn mistral_codestral_shapes() {
-        let c = parse(r#"{"dim":4096,"n_layers":64,"vocab_size":32768,"n_groups":8,"rms_norm":true,
+        let c = parse(
+            r#"{"dim":4096,"n_layers":64,"vocab_size":32768,"n_groups":8,"rms_norm":true,
             "residual_in_fp32":true,"fused_add_norm":true,"pad_vocab_size_multiple":1,
-            "tie_embeddings":false,"model_type":"mamba"}"#)
+            "tie_embeddings":false,"model_type":"mamba"}"#,
+        )
         .unwrap();
-        assert_eq!((c.n_heads, c.conv_dim(), c.d_in_proj()), (128, 10240, 18560));
+        assert_eq!(
+            (c.n_heads, c.conv_dim(), c.d_in_proj()),
+            (128, 10240, 18560)
+        );
         assert_eq!(c.ssm_state_len() * 4, 4 << 20);
     }
 
     #[test]
     fn errors_name_the_field() {
-        let e = parse(r#"{"model_type":"mamba2","num_hidden_layers":2,"vocab_size":100}"#).unwrap_err();
+        let e =
+            parse(r#"{"model_type":"mamba2","num_hidden_layers":2,"vocab_size":100}"#).unwrap_err();
         assert!(e.to_string().contains("`hidden_size`: missing"), "{e}");
-        let e = parse(r#"{"model_type":"mamba2","hidden_size":"big","num_hidden_layers":2,"vocab_size":100}"#)
-            .unwrap_err();
-        assert!(e.to_string().contains("`hidden_size`: expected a non-negative integer"), "{e}");
-        let e = parse(r#"{"model_type":"mamba2","hidden_size":64,"num_hidden_layers":2,"vocab_size":100,
-            "num_heads":7,"head_dim":16}"#)
+        let e = parse(
+            r#"{"model_type":"mamba2","hidden_size":"big","num_hidden_layers":2,"vocab_size":100}"#,
+        )
         .unwrap_err();
-        assert!(e.to_string().contains("`head_dim`: heads × head_dim = 7 × 16 must equal d_inner = 128"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("`hidden_size`: expected a non-negative integer"),
+            "{e}"
+        );
+        let e = parse(
+            r#"{"model_type":"mamba2","hidden_size":64,"num_hidden_layers":2,"vocab_size":100,
+            "num_heads":7,"head_dim":16}"#,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("`head_dim`: heads × head_dim = 7 × 16 must equal d_inner = 128"),
+            "{e}"
+        );
         let e = parse(r#"{"d_model":64,"n_layer":2,"vocab_size":10,"ssm_cfg":{"ngroups":3,"layer":"Mamba2"}}"#)
             .unwrap_err();
-        assert!(e.to_string().contains("`n_groups`: 2 heads cannot be split into 3 groups"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("`n_groups`: 2 heads cannot be split into 3 groups"),
+            "{e}"
+        );
     }
 
     #[test]
     fn unsupported_configs_say_why() {
-        let e = parse(r#"{"model_type":"nemotron_h","hidden_size":48,"num_hidden_layers":3,"vocab_size":100,
-            "hybrid_override_pattern":"M*M","mamba_num_heads":8,"mamba_head_dim":12}"#)
+        let e = parse(
+            r#"{"model_type":"nemotron_h","hidden_size":48,"num_hidden_layers":3,"vocab_size":100,
+            "hybrid_override_pattern":"M*M","mamba_num_heads":8,"mamba_head_dim":12}"#,
+        )
         .unwrap_err();
-        assert!(e.to_string().contains("layer 1 is an attention layer"), "{e}");
+        assert!(
+            e.to_string().contains("layer 1 is an attention layer"),
+            "{e}"
+        );
         let e = parse(r#"{"d_model":64,"n_layer":2,"vocab_size":10,"ssm_cfg":{}}"#).unwrap_err();
         assert!(e.to_string().contains("Mamba1"), "{e}");
         let e = parse(r#"{"model_type":"llama","hidden_size":64}"#).unwrap_err();
         assert!(e.to_string().contains("model_type `llama`"), "{e}");
         let e = parse("{not json").unwrap_err();
-        assert!(e.to_string().starts_with("config.json: not valid JSON"), "{e}");
+        assert!(
+            e.to_string().starts_with("config.json: not valid JSON"),
+            "{e}"
+        );
     }
 }

@@ -10,7 +10,10 @@
 //! # Ok::<(), mamba2_wgpu::Error>(())
 //! ```
 
+pub mod assets;
+pub mod bench;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod gpu;
 pub mod model;
@@ -19,10 +22,15 @@ pub mod reference;
 pub mod sampling;
 pub mod session;
 pub mod tokenizer;
+#[cfg(feature = "ui")]
+pub mod ui;
 
 pub use config::{ModelConfig, ModelFormat};
+pub use device::open_backend;
 pub use error::{Error, Result};
+pub use gpu::{DeviceChoice, EngineOptions};
 pub use model::Model;
+pub use model::quant::WeightFormat;
 pub use reference::CpuModel;
 pub use sampling::Sampling;
 pub use session::{Backend, CpuBackend, Finish, GenerateOptions, Session, Snapshot};

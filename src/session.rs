@@ -39,6 +39,12 @@ pub trait Backend: Send {
     /// A copy of the state, to restore later.
     fn snapshot(&self) -> Result<Box<dyn Any + Send>>;
     fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()>;
+    /// The GPU backend behind this device, for front-ends that show timings and state.
+    fn gpu(&mut self) -> Option<&mut crate::gpu::GpuBackend> {
+        None
+    }
+    /// The recurrent state as the CPU reference lays it out (blocking; not for hot paths).
+    fn state(&self) -> Result<State<f32>>;
 }
 
 /// The CPU device: the f32 reference.
@@ -75,12 +81,15 @@ impl Backend for CpuBackend {
     }
 
     fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
-        let logits = self.model.forward(&mut self.state, tokens, self.scan, Logits::Last)?;
+        let logits = self
+            .model
+            .forward(&mut self.state, tokens, self.scan, Logits::Last)?;
         Ok(sample(&logits[0], sampling, pos))
     }
 
     fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        self.model.forward(&mut self.state, tokens, self.scan, Logits::All)
+        self.model
+            .forward(&mut self.state, tokens, self.scan, Logits::All)
     }
 
     fn decode(
@@ -94,7 +103,9 @@ impl Backend for CpuBackend {
     ) -> Result<usize> {
         let mut token = first;
         for i in 0..max_new {
-            let logits = self.model.forward(&mut self.state, &[token], Scan::Sequential, Logits::Last)?;
+            let logits =
+                self.model
+                    .forward(&mut self.state, &[token], Scan::Sequential, Logits::Last)?;
             token = sample(&logits[0], sampling, pos + i as u64);
             let go = on_token(token);
             if !go || stop.contains(&token) || i + 1 == max_new {
@@ -114,6 +125,10 @@ impl Backend for CpuBackend {
             .ok_or_else(|| Error::InvalidInput("snapshot was taken on another device".into()))?;
         self.state = state.clone();
         Ok(())
+    }
+
+    fn state(&self) -> Result<State<f32>> {
+        Ok(self.state.clone())
     }
 }
 
@@ -189,6 +204,10 @@ impl Session {
         self.backend.as_mut()
     }
 
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+
     /// Forgets everything: a fresh sequence.
     pub fn reset(&mut self) -> Result<()> {
         self.pos = 0;
@@ -224,7 +243,9 @@ impl Session {
             return Ok((reply, Finish::Length));
         }
         let first_pos = self.pos + input.len() as u64;
-        let first = self.backend.prefill_sample(&input, &opts.sampling, first_pos)?;
+        let first = self
+            .backend
+            .prefill_sample(&input, &opts.sampling, first_pos)?;
         self.pos = first_pos;
         self.pending = Some(first);
         if opts.stop.contains(&first) {

@@ -8,7 +8,9 @@ use mamba2_wgpu::{CpuBackend, CpuModel, GenerateOptions, Session};
 
 /// A fresh directory under the target dir, removed first if it exists.
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bad_input").join(name);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("bad_input")
+        .join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -30,7 +32,8 @@ fn resave(dir: &Path, model: &Model, edit: impl FnOnce(&mut Vec<Tensor>)) {
     let mut tensors: Vec<Tensor> = model.weights.all().into_iter().cloned().collect();
     edit(&mut tensors);
     let refs: Vec<&Tensor> = tensors.iter().collect();
-    mamba2_wgpu::model::safetensors::write_safetensors(&dir.join("model.safetensors"), &refs).unwrap();
+    mamba2_wgpu::model::safetensors::write_safetensors(&dir.join("model.safetensors"), &refs)
+        .unwrap();
 }
 
 #[test]
@@ -38,7 +41,10 @@ fn a_good_model_loads() {
     let (dir, model) = saved_model("good");
     let loaded = Model::load(&dir).unwrap();
     assert_eq!(loaded.config, model.config);
-    assert_eq!(loaded.weights.layers[1].out_proj.to_f32(), model.weights.layers[1].out_proj.to_f32());
+    assert_eq!(
+        loaded.weights.layers[1].out_proj.to_f32(),
+        model.weights.layers[1].out_proj.to_f32()
+    );
 }
 
 #[test]
@@ -48,7 +54,10 @@ fn truncated_safetensors() {
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
     let e = load_err(&dir);
-    assert!(e.contains("model.safetensors: not a valid safetensors file (truncated or corrupt?)"), "{e}");
+    assert!(
+        e.contains("model.safetensors: not a valid safetensors file (truncated or corrupt?)"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -59,7 +68,10 @@ fn corrupt_header() {
     bytes[8..16].copy_from_slice(b"{garbage");
     std::fs::write(&path, &bytes).unwrap();
     let e = load_err(&dir);
-    assert!(e.contains("not a valid safetensors file") && e.contains("invalid JSON in header"), "{e}");
+    assert!(
+        e.contains("not a valid safetensors file") && e.contains("invalid JSON in header"),
+        "{e}"
+    );
     // A file shorter than the 8-byte header length.
     std::fs::write(&path, b"abc").unwrap();
     assert!(load_err(&dir).contains("header too small"));
@@ -68,36 +80,62 @@ fn corrupt_header() {
 #[test]
 fn missing_tensor() {
     let (dir, model) = saved_model("missing");
-    resave(&dir, &model, |t| t.retain(|t| t.name != "backbone.layers.1.mixer.dt_bias"));
-    assert_eq!(load_err(&dir), "tensor `backbone.layers.1.mixer.dt_bias`: missing from the checkpoint");
+    resave(&dir, &model, |t| {
+        t.retain(|t| t.name != "backbone.layers.1.mixer.dt_bias")
+    });
+    assert_eq!(
+        load_err(&dir),
+        "tensor `backbone.layers.1.mixer.dt_bias`: missing from the checkpoint"
+    );
 }
 
 #[test]
 fn wrong_shape() {
     let (dir, model) = saved_model("shape");
     resave(&dir, &model, |t| {
-        let i = t.iter().position(|t| t.name == "backbone.layers.0.mixer.in_proj.weight").unwrap();
+        let i = t
+            .iter()
+            .position(|t| t.name == "backbone.layers.0.mixer.in_proj.weight")
+            .unwrap();
         let values = vec![0.0f32; 10 * 24];
-        t[i] = Tensor::from_f32("backbone.layers.0.mixer.in_proj.weight", vec![10, 24], &values);
+        t[i] = Tensor::from_f32(
+            "backbone.layers.0.mixer.in_proj.weight",
+            vec![10, 24],
+            &values,
+        );
     });
     let e = load_err(&dir);
     let (rows, d) = (model.config.d_in_proj(), model.config.d_model);
     assert_eq!(d, 24);
     assert_eq!(
         e,
-        format!("tensor `backbone.layers.0.mixer.in_proj.weight`: expected shape [{rows}, {d}], found [10, 24]")
+        format!(
+            "tensor `backbone.layers.0.mixer.in_proj.weight`: expected shape [{rows}, {d}], found [10, 24]"
+        )
     );
 }
 
 #[test]
 fn extra_tensor() {
     let (dir, model) = saved_model("extra");
-    resave(&dir, &model, |t| t.push(Tensor::from_f32("backbone.layers.0.mixer.in_proj.bias", vec![2], &[0.0, 1.0])));
+    resave(&dir, &model, |t| {
+        t.push(Tensor::from_f32(
+            "backbone.layers.0.mixer.in_proj.bias",
+            vec![2],
+            &[0.0, 1.0],
+        ))
+    });
     assert_eq!(
         load_err(&dir),
         "tensor `backbone.layers.0.mixer.in_proj.bias`: unexpected tensor: not part of a Mamba2 model"
     );
-    resave(&dir, &model, |t| t.push(Tensor::from_f32("backbone.layers.7.norm.weight", vec![2], &[0.0, 1.0])));
+    resave(&dir, &model, |t| {
+        t.push(Tensor::from_f32(
+            "backbone.layers.7.norm.weight",
+            vec![2],
+            &[0.0, 1.0],
+        ))
+    });
     assert_eq!(
         load_err(&dir),
         "tensor `backbone.layers.7.norm.weight`: layer 7 does not exist: the config has 2 layers"
@@ -107,7 +145,10 @@ fn extra_tensor() {
 #[test]
 fn missing_untied_head() {
     let (dir, model) = saved_model("head");
-    assert!(model.weights.lm_head.is_some(), "G = 2 tiny config is untied");
+    assert!(
+        model.weights.lm_head.is_some(),
+        "G = 2 tiny config is untied"
+    );
     resave(&dir, &model, |t| t.retain(|t| t.name != "lm_head.weight"));
     assert!(load_err(&dir).starts_with("tensor `lm_head.weight`: missing from the checkpoint"));
 }
@@ -117,7 +158,10 @@ fn malformed_and_unsupported_configs() {
     let (dir, _) = saved_model("config");
     let config = dir.join("config.json");
     let cases = [
-        ("{\"model_type\": \"mamba2\",", "config.json: not valid JSON"),
+        (
+            "{\"model_type\": \"mamba2\",",
+            "config.json: not valid JSON",
+        ),
         (
             r#"{"model_type":"mamba2","hidden_size":48,"num_hidden_layers":2,"vocab_size":-3}"#,
             "field `vocab_size`: expected a non-negative integer, found -3",
@@ -131,7 +175,10 @@ fn malformed_and_unsupported_configs() {
             "not supported yet: ",
         ),
         (r#"{"model_type":"gpt2"}"#, "not supported yet: "),
-        (r#"[1, 2]"#, "config.json: expected a JSON object at the top level"),
+        (
+            r#"[1, 2]"#,
+            "config.json: expected a JSON object at the top level",
+        ),
     ];
     for (text, want) in cases {
         std::fs::write(&config, text).unwrap();
@@ -154,7 +201,10 @@ fn empty_directory_and_missing_shard() {
     )
     .unwrap();
     let e = load_err(&dir);
-    assert!(e.contains("model-00002-of-00002.safetensors") && e.contains("No such file"), "{e}");
+    assert!(
+        e.contains("model-00002-of-00002.safetensors") && e.contains("No such file"),
+        "{e}"
+    );
     let _ = model;
 }
 
@@ -163,12 +213,22 @@ fn empty_prompt_and_bad_sampling() {
     let model = Model::synthetic(tiny_config(1, 8), 1);
     let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
     let mut s = Session::new(Box::new(CpuBackend::new(cpu)));
-    let e = s.generate(&[], &GenerateOptions::default(), |_| true).unwrap_err();
+    let e = s
+        .generate(&[], &GenerateOptions::default(), |_| true)
+        .unwrap_err();
     assert_eq!(e.to_string(), "invalid input: the prompt is empty");
     let mut opts = GenerateOptions::default();
     opts.sampling.top_p = 1.5;
     let e = s.generate(&[1], &opts, |_| true).unwrap_err();
-    assert_eq!(e.to_string(), "invalid input: top-p must be in (0, 1], found 1.5");
-    let e = s.generate(&[1, 99], &GenerateOptions::default(), |_| true).unwrap_err();
-    assert_eq!(e.to_string(), "invalid input: token id 99 is outside the vocabulary (size 77)");
+    assert_eq!(
+        e.to_string(),
+        "invalid input: top-p must be in (0, 1], found 1.5"
+    );
+    let e = s
+        .generate(&[1, 99], &GenerateOptions::default(), |_| true)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid input: token id 99 is outside the vocabulary (size 77)"
+    );
 }

@@ -27,11 +27,18 @@ pub fn oracle(dir: &Path) -> Oracle {
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let ids = |name: &str| -> Vec<u32> {
         let t = st.tensor(name).unwrap();
-        t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+        t.data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
     };
     let rows = |name: &str| -> Vec<Vec<f32>> {
         let t = st.tensor(name).unwrap();
-        let v: Vec<f32> = t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let v: Vec<f32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         v.chunks(t.shape()[1]).map(<[f32]>::to_vec).collect()
     };
     let nll = st.tensor("prompt_nll").unwrap();
@@ -45,7 +52,10 @@ pub fn oracle(dir: &Path) -> Oracle {
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn check_fixture(name: &str) {
@@ -53,11 +63,21 @@ fn check_fixture(name: &str) {
     let model = Model::load(&dir).unwrap();
     let o = oracle(&dir);
     assert_eq!(o.greedy.len(), 24);
-    assert!(o.prompt.len() % model.config.chunk_size != 0, "the prompt must end mid-chunk");
+    assert!(
+        o.prompt.len() % model.config.chunk_size != 0,
+        "the prompt must end mid-chunk"
+    );
     let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
     // Chunked prefill: logits at every prompt position.
     let mut state = cpu.new_state();
-    let logits = cpu.forward(&mut state, &o.prompt, Scan::Chunked(model.config.chunk_size), Logits::All).unwrap();
+    let logits = cpu
+        .forward(
+            &mut state,
+            &o.prompt,
+            Scan::Chunked(model.config.chunk_size),
+            Logits::All,
+        )
+        .unwrap();
     for (t, (got, want)) in logits.iter().zip(&o.prompt_logits).enumerate() {
         let e = max_abs(got, want);
         assert!(e <= 1e-4, "{name}: prompt position {t}: max |Δlogit| {e:e}");
@@ -68,16 +88,25 @@ fn check_fixture(name: &str) {
     assert!(max_abs(logits.last().unwrap(), &o.greedy_logits[0]) <= 1e-4);
     for (i, &want_id) in o.greedy.iter().enumerate() {
         assert_eq!(next, want_id, "{name}: greedy token {i}");
-        let l = cpu.forward(&mut state, &[next], Scan::Sequential, Logits::Last).unwrap();
+        let l = cpu
+            .forward(&mut state, &[next], Scan::Sequential, Logits::Last)
+            .unwrap();
         if let Some(w) = o.greedy_logits.get(i + 1) {
             let e = max_abs(&l[0], w);
-            assert!(e <= 1e-4, "{name}: greedy step {}: max |Δlogit| {e:e}", i + 1);
+            assert!(
+                e <= 1e-4,
+                "{name}: greedy step {}: max |Δlogit| {e:e}",
+                i + 1
+            );
         }
         next = argmax(&l[0]);
     }
     // The same through the Session API (CPU device).
     let mut s = Session::new(Box::new(CpuBackend::new(cpu)));
-    let opts = GenerateOptions { max_new_tokens: 24, ..Default::default() };
+    let opts = GenerateOptions {
+        max_new_tokens: 24,
+        ..Default::default()
+    };
     let (ids, _) = s.generate(&o.prompt, &opts, |_| true).unwrap();
     assert_eq!(ids, o.greedy, "{name}: session greedy ids");
 }
@@ -108,6 +137,10 @@ fn oracle_prompt_nll_is_what_its_logits_say() {
             })
             .sum::<f64>()
             / (o.prompt.len() - 1) as f64;
-        assert!((nll - o.prompt_nll).abs() < 1e-5, "{name}: {nll} vs {}", o.prompt_nll);
+        assert!(
+            (nll - o.prompt_nll).abs() < 1e-5,
+            "{name}: {nll} vs {}",
+            o.prompt_nll
+        );
     }
 }

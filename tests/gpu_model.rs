@@ -13,15 +13,30 @@ use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
 fn synthetic_decode_matches_reference() {
     for (groups, head_dim) in [(1, 8), (2, 6)] {
         let model = Model::synthetic(tiny_config(groups, head_dim), 3);
-        let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else { return };
+        let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
+            return;
+        };
         for fused in [true, false] {
-            let engine = Engine::new(ctx.clone(), &model, EngineOptions { format: WeightFormat::F32, fused }).unwrap();
+            let engine = Engine::new(
+                ctx.clone(),
+                &model,
+                EngineOptions {
+                    format: WeightFormat::F32,
+                    fused,
+                },
+            )
+            .unwrap();
             let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
             let mut state = cpu.new_state();
             let tokens = [5u32, 17, 3, 60, 2, 9, 9, 41];
             for &t in &tokens {
-                let want = &cpu.forward(&mut state, &[t], Scan::Sequential, Logits::Last).unwrap()[0];
-                engine.write_ctrl(&Ctrl { token: t, ..Default::default() });
+                let want = &cpu
+                    .forward(&mut state, &[t], Scan::Sequential, Logits::Last)
+                    .unwrap()[0];
+                engine.write_ctrl(&Ctrl {
+                    token: t,
+                    ..Default::default()
+                });
                 let mut enc = ctx.device.create_command_encoder(&Default::default());
                 {
                     let mut pass = enc.begin_compute_pass(&Default::default());
@@ -30,7 +45,10 @@ fn synthetic_decode_matches_reference() {
                 ctx.queue.submit([enc.finish()]);
                 let got = engine.read_logits().unwrap();
                 let e = common::nmse(&got, want);
-                assert!(e <= 1e-7, "G={groups} fused={fused} token {t}: logits NMSE {e:e}");
+                assert!(
+                    e <= 1e-7,
+                    "G={groups} fused={fused} token {t}: logits NMSE {e:e}"
+                );
                 let ctrl = engine.read_ctrl().unwrap();
                 assert_eq!(ctrl.token, mamba2_wgpu::sampling::argmax(want));
             }
@@ -40,5 +58,217 @@ fn synthetic_decode_matches_reference() {
                 assert!(common::nmse(&gpu_state.conv[l], &state.conv[l]) <= 1e-7);
             }
         }
+    }
+}
+
+mod fixtures_on_gpu {
+    use super::common;
+    use mamba2_wgpu::gpu::GpuBackend;
+    use mamba2_wgpu::gpu::engine::{Engine, EngineOptions};
+    use mamba2_wgpu::model::Model;
+    use mamba2_wgpu::model::quant::WeightFormat;
+    use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
+    use mamba2_wgpu::session::Backend;
+    use mamba2_wgpu::{GenerateOptions, Session};
+    use safetensors::SafeTensors;
+
+    fn oracle(name: &str) -> (Vec<u32>, Vec<Vec<f32>>, Vec<u32>) {
+        let bytes = std::fs::read(common::fixture(name).join("oracle.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let ids = |n: &str| -> Vec<u32> {
+            st.tensor(n)
+                .unwrap()
+                .data()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+                .collect()
+        };
+        let t = st.tensor("prompt_logits").unwrap();
+        let v: Vec<f32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        (
+            ids("prompt_ids"),
+            v.chunks(t.shape()[1]).map(<[f32]>::to_vec).collect(),
+            ids("greedy_ids"),
+        )
+    }
+
+    fn backend(model: &Model, format: WeightFormat, fused: bool) -> Option<GpuBackend> {
+        let ctx = common::gpu(&Engine::needs(&model.config, format))?;
+        Some(
+            GpuBackend::new(Engine::new(ctx, model, EngineOptions { format, fused }).unwrap())
+                .unwrap(),
+        )
+    }
+
+    fn check(name: &str) {
+        let model = Model::load(&common::fixture(name)).unwrap();
+        let (prompt, oracle_logits, greedy) = oracle(name);
+        let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+        let cpu_logits = cpu
+            .forward(&mut cpu.new_state(), &prompt, Scan::Sequential, Logits::All)
+            .unwrap();
+        let mut fused_logits = Vec::new();
+        for fused in [true, false] {
+            let Some(mut b) = backend(&model, WeightFormat::F32, fused) else {
+                return;
+            };
+            // Logits at every prompt position, token by token through the decode graph.
+            let logits = b.prefill_logits(&prompt).unwrap();
+            for (t, ((g, c), o)) in logits
+                .iter()
+                .zip(&cpu_logits)
+                .zip(&oracle_logits)
+                .enumerate()
+            {
+                let e = common::nmse(g, c);
+                assert!(
+                    e <= 1e-7,
+                    "{name} fused={fused} position {t}: NMSE vs CPU {e:e}"
+                );
+                let d = g
+                    .iter()
+                    .zip(o)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    d <= 1e-4,
+                    "{name} fused={fused} position {t}: max |Δ| vs oracle {d:e}"
+                );
+            }
+            if fused {
+                fused_logits = logits;
+            } else {
+                let e = common::nmse(&logits.concat(), &fused_logits.concat());
+                assert!(e <= 1e-10, "{name}: fused vs unfused NMSE {e:e}");
+            }
+            // 24 greedy tokens through the session, device-side argmax and token ring.
+            b.reset().unwrap();
+            let mut s = Session::new(Box::new(b));
+            let opts = GenerateOptions {
+                max_new_tokens: 24,
+                ..Default::default()
+            };
+            let (ids, _) = s.generate(&prompt, &opts, |_| true).unwrap();
+            assert_eq!(ids, greedy, "{name} fused={fused}: greedy ids");
+        }
+    }
+
+    #[test]
+    fn hf_mamba2_g1_on_gpu() {
+        check("hf_mamba2_g1");
+    }
+
+    #[test]
+    fn nemotron_h_g2_on_gpu() {
+        check("nemotron_h_g2");
+    }
+
+    #[test]
+    fn q8_0_keeps_the_logits() {
+        let model = Model::load(&common::fixture("hf_mamba2_g1")).unwrap();
+        let (prompt, _, _) = oracle("hf_mamba2_g1");
+        let Some(mut f32b) = backend(&model, WeightFormat::F32, true) else {
+            return;
+        };
+        let Some(mut q8b) = backend(&model, WeightFormat::Q8_0, true) else {
+            return;
+        };
+        let a = f32b.prefill_logits(&prompt).unwrap();
+        let b = q8b.prefill_logits(&prompt).unwrap();
+        for (t, (x, y)) in a.iter().zip(&b).enumerate() {
+            let dot: f64 = x.iter().zip(y).map(|(p, q)| *p as f64 * *q as f64).sum();
+            let nx: f64 = x.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
+            let ny: f64 = y.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
+            let cos = dot / (nx * ny);
+            assert!(
+                cos >= 0.999,
+                "position {t}: q8_0 vs f32 logits cosine {cos}"
+            );
+            // The top-1 may only change where f32's own margin is within the q8_0 error.
+            let best = mamba2_wgpu::sampling::argmax(x) as usize;
+            let second = x
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != best)
+                .map(|(_, v)| *v)
+                .fold(f32::MIN, f32::max);
+            let err = x
+                .iter()
+                .zip(y)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0f32, f32::max);
+            if x[best] - second > 2.0 * err {
+                assert_eq!(
+                    mamba2_wgpu::sampling::argmax(y) as usize,
+                    best,
+                    "position {t}: top-1 changed despite a clear margin"
+                );
+            }
+        }
+    }
+}
+
+mod device_errors {
+    use super::common;
+    use mamba2_wgpu::bench::preset;
+    use mamba2_wgpu::gpu::context::{DeviceChoice, GpuContext, pick_adapter};
+    use mamba2_wgpu::gpu::engine::Engine;
+    use mamba2_wgpu::model::quant::WeightFormat;
+
+    #[test]
+    fn a_model_too_big_for_the_adapter_is_a_clear_error() {
+        let Ok(Some(adapter)) = pick_adapter(&DeviceChoice::Auto) else {
+            assert!(
+                std::env::var_os("MAMBA2_REQUIRE_GPU").is_none(),
+                "no adapter"
+            );
+            eprintln!("!!!!!!!! SKIPPED: no GPU adapter !!!!!!!!");
+            return;
+        };
+        let limit = adapter.limits().max_storage_buffer_binding_size;
+        // mamba2-2.7b's f32 embedding is 515 MB: more than lavapipe's 128 MiB binding limit.
+        let config = preset("2.7b").unwrap();
+        let needs = Engine::needs(&config, WeightFormat::F32);
+        if needs.largest_buffer.1 <= limit {
+            eprintln!("adapter allows {limit} bytes per binding; nothing to provoke here");
+            return;
+        }
+        let err = GpuContext::new(adapter, &needs)
+            .err()
+            .expect("must not fit")
+            .to_string();
+        assert!(
+            err.contains("embedding / lm_head [50288, 2560] in f32")
+                && err.contains("MiB per storage binding"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn impossible_allocation_and_device_loss_are_errors() {
+        let Some(ctx) = common::gpu(&Default::default()) else {
+            return;
+        };
+        let err = ctx
+            .buffer("huge", 1 << 50, wgpu::BufferUsages::STORAGE)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`huge` needs a") && err.contains("the device allows"),
+            "{err}"
+        );
+        ctx.device.destroy();
+        let err = ctx
+            .wait()
+            .and_then(|_| {
+                ctx.buffer("after", 64, wgpu::BufferUsages::STORAGE)
+                    .map(|_| ())
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("device lost"), "{err}");
     }
 }

@@ -3,19 +3,27 @@
 
 use mamba2_wgpu::model::Model;
 use mamba2_wgpu::model::synthetic::tiny_config;
-use mamba2_wgpu::reference::{CpuModel, Logits, Real, Scan, ScanDims, ScanInputs, scan_chunked, scan_sequential};
+use mamba2_wgpu::reference::{
+    CpuModel, Logits, Real, Scan, ScanDims, ScanInputs, scan_chunked, scan_sequential,
+};
 use mamba2_wgpu::sampling::uniform;
 
 /// max |a − b| / max |b|
 fn rel_err<A: Real, B: Real>(a: &[A], b: &[B]) -> f64 {
     assert_eq!(a.len(), b.len());
-    let diff = a.iter().zip(b).map(|(x, y)| (x.f64() - y.f64()).abs()).fold(0.0, f64::max);
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x.f64() - y.f64()).abs())
+        .fold(0.0, f64::max);
     let scale = b.iter().map(|y| y.f64().abs()).fold(0.0, f64::max);
     diff / scale.max(1e-30)
 }
 
 fn rand_vec<T: Real>(seed: u64, n: usize, lo: f64, hi: f64) -> Vec<T> {
-    (0..n as u64).map(|i| T::of(lo + (hi - lo) * uniform(seed, i) as f64)).collect()
+    (0..n as u64)
+        .map(|i| T::of(lo + (hi - lo) * uniform(seed, i) as f64))
+        .collect()
 }
 
 struct ScanCase<T> {
@@ -31,7 +39,12 @@ struct ScanCase<T> {
 
 impl<T: Real> ScanCase<T> {
     fn new(len: usize, dims: ScanDims, seed: u64) -> Self {
-        let ScanDims { heads, head_dim, groups, d_state } = dims;
+        let ScanDims {
+            heads,
+            head_dim,
+            groups,
+            d_state,
+        } = dims;
         ScanCase {
             dims,
             x: rand_vec(seed, len * heads * head_dim, -1.0, 1.0),
@@ -59,7 +72,12 @@ impl<T: Real> ScanCase<T> {
 
 fn check_chunked_equals_sequential<T: Real>(tol: f64) {
     // G = 2 groups of 2 heads, a head dim that is not a power of two, N = 16.
-    let dims = ScanDims { heads: 4, head_dim: 6, groups: 2, d_state: 16 };
+    let dims = ScanDims {
+        heads: 4,
+        head_dim: 6,
+        groups: 2,
+        d_state: 16,
+    };
     for q in [8usize, 16, 32, 64, 128, 256] {
         for len in [1, q - 1, q, q + 1, 3 * q + 5] {
             let case = ScanCase::<T>::new(len, dims, (q * 1000 + len) as u64);
@@ -68,7 +86,10 @@ fn check_chunked_equals_sequential<T: Real>(tol: f64) {
             let mut s_chk = case.state.clone();
             let y_chk = scan_chunked(&case.inputs(), &mut s_chk, q);
             let (ey, es) = (rel_err(&y_chk, &y_seq), rel_err(&s_chk, &s_seq));
-            assert!(ey <= tol && es <= tol, "Q={q} L={len}: y rel err {ey:e}, state rel err {es:e} > {tol:e}");
+            assert!(
+                ey <= tol && es <= tol,
+                "Q={q} L={len}: y rel err {ey:e}, state rel err {es:e} > {tol:e}"
+            );
         }
     }
 }
@@ -87,7 +108,12 @@ fn chunked_scan_equals_sequential_f32() {
 fn zero_initial_state_and_strong_decay_are_stable() {
     // Large δ·A gives exp(Λ) far below f64's range inside a chunk: the min(·, 0) guard and
     // the masked tail must not produce NaN or Inf.
-    let dims = ScanDims { heads: 2, head_dim: 3, groups: 1, d_state: 4 };
+    let dims = ScanDims {
+        heads: 2,
+        head_dim: 3,
+        groups: 1,
+        d_state: 4,
+    };
     let mut case = ScanCase::<f64>::new(300, dims, 9);
     case.dt.iter_mut().for_each(|v| *v *= 400.0);
     case.state.iter_mut().for_each(|v| *v = 0.0);
@@ -105,7 +131,9 @@ fn models<T: Real>(groups: usize, head_dim: usize) -> CpuModel<T> {
 }
 
 fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
-    (0..n as u64).map(|i| (uniform(seed, i) * vocab as f32) as u32).collect()
+    (0..n as u64)
+        .map(|i| (uniform(seed, i) * vocab as f32) as u32)
+        .collect()
 }
 
 fn flat<T: Clone>(v: &[Vec<T>]) -> Vec<T> {
@@ -122,16 +150,29 @@ fn model_chunked_prefill_equals_sequential() {
                 let toks = tokens(len, len as u64, vocab);
                 // Start both from the same non-zero state: a previous turn.
                 let mut warm = m.new_state();
-                m.forward(&mut warm, &tokens(11, 99, vocab), Scan::Sequential, Logits::None).unwrap();
+                m.forward(
+                    &mut warm,
+                    &tokens(11, 99, vocab),
+                    Scan::Sequential,
+                    Logits::None,
+                )
+                .unwrap();
                 let mut s_seq = warm.clone();
-                let l_seq = m.forward(&mut s_seq, &toks, Scan::Sequential, Logits::All).unwrap();
+                let l_seq = m
+                    .forward(&mut s_seq, &toks, Scan::Sequential, Logits::All)
+                    .unwrap();
                 let mut s_chk = warm.clone();
-                let l_chk = m.forward(&mut s_chk, &toks, Scan::Chunked(q), Logits::All).unwrap();
+                let l_chk = m
+                    .forward(&mut s_chk, &toks, Scan::Chunked(q), Logits::All)
+                    .unwrap();
                 let e = rel_err(&flat(&l_chk), &flat(&l_seq));
                 assert!(e <= 1e-10, "G={groups} Q={q} L={len}: logits rel err {e:e}");
                 for layer in 0..m.config.n_layer {
                     assert!(rel_err(&s_chk.ssm[layer], &s_seq.ssm[layer]) <= 1e-10);
-                    assert!(rel_err(&s_chk.conv[layer], &s_seq.conv[layer]) <= 1e-10, "conv state, layer {layer}");
+                    assert!(
+                        rel_err(&s_chk.conv[layer], &s_seq.conv[layer]) <= 1e-10,
+                        "conv state, layer {layer}"
+                    );
                 }
             }
         }
@@ -148,13 +189,21 @@ fn prefill_then_decode_equals_token_by_token() {
     let mut s1 = m.new_state();
     let mut one_by_one = Vec::new();
     for &t in &all {
-        one_by_one.extend(m.forward(&mut s1, &[t], Scan::Sequential, Logits::Last).unwrap());
+        one_by_one.extend(
+            m.forward(&mut s1, &[t], Scan::Sequential, Logits::Last)
+                .unwrap(),
+        );
     }
     // Chunked prefill of the prompt, then decode the rest (teacher forced).
     let mut s2 = m.new_state();
-    let mut prefilled = m.forward(&mut s2, prompt, Scan::Chunked(16), Logits::All).unwrap();
+    let mut prefilled = m
+        .forward(&mut s2, prompt, Scan::Chunked(16), Logits::All)
+        .unwrap();
     for &t in rest {
-        prefilled.extend(m.forward(&mut s2, &[t], Scan::Sequential, Logits::Last).unwrap());
+        prefilled.extend(
+            m.forward(&mut s2, &[t], Scan::Sequential, Logits::Last)
+                .unwrap(),
+        );
     }
     let e = rel_err(&flat(&prefilled), &flat(&one_by_one));
     assert!(e <= 1e-5, "logits rel err {e:e}");
@@ -169,8 +218,12 @@ fn f32_reference_tracks_f64() {
     let m64 = models::<f64>(2, 6);
     let m32 = models::<f32>(2, 6);
     let toks = tokens(40, 8, m64.config.vocab_size);
-    let l64 = m64.forward(&mut m64.new_state(), &toks, Scan::Chunked(16), Logits::All).unwrap();
-    let l32 = m32.forward(&mut m32.new_state(), &toks, Scan::Chunked(16), Logits::All).unwrap();
+    let l64 = m64
+        .forward(&mut m64.new_state(), &toks, Scan::Chunked(16), Logits::All)
+        .unwrap();
+    let l32 = m32
+        .forward(&mut m32.new_state(), &toks, Scan::Chunked(16), Logits::All)
+        .unwrap();
     let e = rel_err(&flat(&l32), &flat(&l64));
     assert!(e <= 1e-5, "f32 vs f64 logits rel err {e:e}");
 }
@@ -178,6 +231,16 @@ fn f32_reference_tracks_f64() {
 #[test]
 fn bad_token_id_is_an_error() {
     let m = models::<f32>(1, 8);
-    let err = m.forward(&mut m.new_state(), &[3, 500], Scan::Sequential, Logits::Last).unwrap_err();
-    assert_eq!(err.to_string(), "invalid input: token id 500 is outside the vocabulary (size 77)");
+    let err = m
+        .forward(
+            &mut m.new_state(),
+            &[3, 500],
+            Scan::Sequential,
+            Logits::Last,
+        )
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid input: token id 500 is outside the vocabulary (size 77)"
+    );
 }

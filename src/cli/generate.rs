@@ -5,15 +5,20 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use mamba2_wgpu::tokenizer::Tokenizer;
-use mamba2_wgpu::{CpuBackend, CpuModel, GenerateOptions, Model, Sampling, Session};
+use mamba2_wgpu::gpu::kernels::Section;
+use mamba2_wgpu::{GenerateOptions, Sampling, Session};
 
-use super::ModelArgs;
+use super::{DeviceArgs, ModelArgs};
 
 #[derive(Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// Print GPU time per kernel section and host time per token at the end.
+    #[arg(long)]
+    profile: bool,
     /// The prompt text (or use --prompt).
     #[arg(value_name = "PROMPT")]
     text: Option<String>,
@@ -44,19 +49,22 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    let dir = &args.model.model;
-    let model = Model::load(dir)?;
-    let tokenizer = Tokenizer::from_dir(dir)?;
+    let (model, tokenizer) = args.model.load()?;
     let text = args.text.clone().or(args.prompt.clone());
     let (prompt, tokenizer) = match (&args.prompt_ids, text) {
         (Some(ids), _) => (ids.clone(), None),
         (None, Some(text)) => {
             let tok = tokenizer.with_context(|| {
-                format!("{} has no tokenizer.json: pass the prompt as --prompt-ids", dir.display())
+                format!(
+                    "{} has no tokenizer.json: pass the prompt as --prompt-ids",
+                    args.model.name()
+                )
             })?;
             (tok.encode(&text)?, Some(tok))
         }
-        (None, None) => bail!("give a prompt: `generate \"text\"`, --prompt TEXT or --prompt-ids 1,2,3"),
+        (None, None) => {
+            bail!("give a prompt: `generate \"text\"`, --prompt TEXT or --prompt-ids 1,2,3")
+        }
     };
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -76,8 +84,19 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         sampling,
         stop,
     };
-    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
-    let mut session = Session::new(Box::new(CpuBackend::new(cpu)));
+    let mut session = Session::new(args.device.open(&model)?);
+    if args.profile {
+        match session.backend_mut().gpu() {
+            Some(g) => {
+                if !g.set_profiling(true)? {
+                    eprintln!(
+                        "note: this adapter has no timestamp queries; --profile shows nothing"
+                    );
+                }
+            }
+            None => eprintln!("note: --profile times GPU kernels; the CPU device has none"),
+        }
+    }
 
     let mut out = std::io::stdout().lock();
     let mut decoder = tokenizer.as_ref().map(|t| t.stream());
@@ -113,7 +132,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let total = start.elapsed().as_secs_f64();
     let decode_s = first_at.map_or(0.0, |t| t.elapsed().as_secs_f64());
-    let rate = if reply.len() > 1 { (reply.len() - 1) as f64 / decode_s } else { 0.0 };
+    let rate = if reply.len() > 1 {
+        (reply.len() - 1) as f64 / decode_s
+    } else {
+        0.0
+    };
     eprintln!(
         "[{} prompt + {} generated tokens in {:.2} s, {:.1} tok/s decode, {finish:?}, {}]",
         prompt.len(),
@@ -122,7 +145,35 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         rate,
         session.describe()
     );
+    if let Some(g) = session.backend_mut().gpu() {
+        print_profile(&g.profiles);
+    }
     Ok(())
+}
+
+/// Median per-section GPU time and host time over the profiled tokens.
+fn print_profile(profiles: &[mamba2_wgpu::gpu::profiler::TokenProfile]) {
+    if profiles.is_empty() {
+        return;
+    }
+    let med = |f: &dyn Fn(&mamba2_wgpu::gpu::profiler::TokenProfile) -> f64| {
+        let mut v: Vec<f64> = profiles.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2] / 1e6
+    };
+    eprint!(
+        "[profile, median of {} tokens: GPU {:.3} ms =",
+        profiles.len(),
+        med(&|p| p.gpu_ns())
+    );
+    for s in Section::ALL {
+        eprint!(" {} {:.3}", s.name(), med(&|p| p.section_ns(s)));
+    }
+    eprintln!(
+        "; host encode {:.3} ms, submit {:.3} ms]",
+        med(&|p| p.encode_ns),
+        med(&|p| p.submit_ns)
+    );
 }
 
 fn join_ids(ids: &[u32]) -> String {

@@ -36,7 +36,13 @@ impl GpuBackend {
     pub fn new(engine: Engine) -> Result<Self> {
         let ctx = engine.ctx().clone();
         let ring = (0..RING)
-            .map(|i| ctx.buffer(&format!("token ring {i}"), 64, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST))
+            .map(|i| {
+                ctx.buffer(
+                    &format!("token ring {i}"),
+                    64,
+                    wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                )
+            })
             .collect::<Result<_>>()?;
         Ok(GpuBackend {
             engine,
@@ -53,14 +59,21 @@ impl GpuBackend {
             self.profiler = None;
             return Ok(true);
         }
-        let max = self.engine.graph(Tail::Sample).len().max(self.engine.graph(Tail::Greedy).len());
+        let max = self
+            .engine
+            .graph(Tail::Sample)
+            .len()
+            .max(self.engine.graph(Tail::Greedy).len());
         self.profiler = Profiler::new(self.engine.ctx(), max)?;
         Ok(self.profiler.is_some())
     }
 
     fn ctrl(&self, token: u32, pos: u64, sampling: &Sampling, stop: &[u32]) -> Result<Ctrl> {
         if stop.len() > 4 {
-            return Err(Error::InvalidInput(format!("at most 4 stop tokens on the GPU, got {}", stop.len())));
+            return Err(Error::InvalidInput(format!(
+                "at most 4 stop tokens on the GPU, got {}",
+                stop.len()
+            )));
         }
         let mut stop_ids = [0u32; 4];
         stop_ids[..stop.len()].copy_from_slice(stop);
@@ -82,10 +95,20 @@ impl GpuBackend {
 
     /// Feeds `tokens` window by window through the decode graph; the last token gets
     /// `last` as its tail. With `logits`, each position's logits are copied out.
-    fn feed(&mut self, tokens: &[u32], mut ctrl: Ctrl, last: Tail, mut logits: Option<&mut Vec<Vec<f32>>>) -> Result<()> {
+    fn feed(
+        &mut self,
+        tokens: &[u32],
+        mut ctrl: Ctrl,
+        last: Tail,
+        mut logits: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
         let ctx = self.engine.ctx().clone();
         let vocab = self.engine.config.vocab_size;
-        let window = if logits.is_some() { LOGITS_WINDOW } else { PROMPT_WINDOW };
+        let window = if logits.is_some() {
+            LOGITS_WINDOW
+        } else {
+            PROMPT_WINDOW
+        };
         let readback = match logits {
             Some(_) => Some(ctx.buffer(
                 "logits readback",
@@ -95,7 +118,8 @@ impl GpuBackend {
             None => None,
         };
         for (wi, chunk) in tokens.chunks(window).enumerate() {
-            ctx.queue.write_buffer(&self.engine.scratch.prompt, 0, bytemuck::cast_slice(chunk));
+            ctx.queue
+                .write_buffer(&self.engine.scratch.prompt, 0, bytemuck::cast_slice(chunk));
             ctrl.token = chunk[0];
             ctrl.cursor = 0;
             ctrl.prompt_len = chunk.len() as u32;
@@ -114,7 +138,13 @@ impl GpuBackend {
                 }
                 if let Some(rb) = &readback {
                     let off = (4 * vocab * i) as u64;
-                    enc.copy_buffer_to_buffer(&self.engine.scratch.logits, 0, rb, off, Some(4 * vocab as u64));
+                    enc.copy_buffer_to_buffer(
+                        &self.engine.scratch.logits,
+                        0,
+                        rb,
+                        off,
+                        Some(4 * vocab as u64),
+                    );
                 }
             }
             ctx.queue.submit([enc.finish()]);
@@ -127,7 +157,9 @@ impl GpuBackend {
                 ctx.wait()?;
                 recv(rx)?;
                 {
-                    let view = rb.get_mapped_range(..bytes).map_err(|e| Error::Gpu(format!("logits readback: {e}")))?;
+                    let view = rb
+                        .get_mapped_range(..bytes)
+                        .map_err(|e| Error::Gpu(format!("logits readback: {e}")))?;
                     let all: &[f32] = bytemuck::cast_slice(&view);
                     out.extend(all.chunks(vocab).map(<[f32]>::to_vec));
                 }
@@ -169,11 +201,16 @@ impl GpuBackend {
     fn read_slot(&self, slot: usize, index: wgpu::SubmissionIndex, rx: MapResult) -> Result<Ctrl> {
         let ctx = self.engine.ctx();
         ctx.device
-            .poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: None })
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: None,
+            })
             .map_err(|e| Error::Gpu(format!("waiting for a token: {e}")))?;
         recv(rx)?;
         let ctrl = {
-            let view = self.ring[slot].get_mapped_range(..).map_err(|e| Error::Gpu(format!("token readback: {e}")))?;
+            let view = self.ring[slot]
+                .get_mapped_range(..)
+                .map_err(|e| Error::Gpu(format!("token readback: {e}")))?;
             bytemuck::pod_read_unaligned::<Ctrl>(&view[..std::mem::size_of::<Ctrl>()])
         };
         self.ring[slot].unmap();
@@ -198,7 +235,11 @@ impl Backend for GpuBackend {
             "{} ({}, {})",
             self.engine.ctx().describe(),
             self.engine.format.name(),
-            if self.engine.fused { "fused" } else { "unfused" }
+            if self.engine.fused {
+                "fused"
+            } else {
+                "unfused"
+            }
         )
     }
 
@@ -207,7 +248,11 @@ impl Backend for GpuBackend {
     }
 
     fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
-        let tail = if sampling.is_greedy() { Tail::Greedy } else { Tail::Sample };
+        let tail = if sampling.is_greedy() {
+            Tail::Greedy
+        } else {
+            Tail::Sample
+        };
         let ctrl = self.ctrl(tokens[0], pos, sampling, &[])?;
         self.feed(tokens, ctrl, tail, None)?;
         Ok(self.engine.read_ctrl()?.token)
@@ -229,7 +274,11 @@ impl Backend for GpuBackend {
         stop: &[u32],
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
-        let tail = if sampling.is_greedy() { Tail::Greedy } else { Tail::Sample };
+        let tail = if sampling.is_greedy() {
+            Tail::Greedy
+        } else {
+            Tail::Sample
+        };
         let ctrl = self.ctrl(first, pos, sampling, stop)?;
         self.engine.write_ctrl(&ctrl);
         let mut inflight: VecDeque<(usize, wgpu::SubmissionIndex, MapResult)> = VecDeque::new();
@@ -247,7 +296,9 @@ impl Backend for GpuBackend {
                 submitted += 1;
                 continue;
             }
-            let Some((slot, index, rx)) = inflight.pop_front() else { break };
+            let Some((slot, index, rx)) = inflight.pop_front() else {
+                break;
+            };
             let c = self.read_slot(slot, index, rx)?;
             if done && c.stopped != 0 {
                 continue; // a no-op step after the stop token
@@ -265,10 +316,20 @@ impl Backend for GpuBackend {
         Ok(Box::new(self.engine.read_state()?))
     }
 
+    fn gpu(&mut self) -> Option<&mut GpuBackend> {
+        Some(self)
+    }
+
+    fn state(&self) -> Result<crate::reference::State<f32>> {
+        self.engine.read_state()
+    }
+
     fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()> {
         let state = snapshot
             .downcast_ref::<crate::reference::State<f32>>()
-            .ok_or_else(|| Error::InvalidInput("snapshot was taken on another kind of device".into()))?;
+            .ok_or_else(|| {
+                Error::InvalidInput("snapshot was taken on another kind of device".into())
+            })?;
         self.engine.write_state(state)
     }
 }

@@ -28,7 +28,9 @@ impl std::str::FromStr for DeviceChoice {
             "gpu" => Ok(DeviceChoice::Gpu(None)),
             _ => match s.strip_prefix("gpu:") {
                 Some(which) if !which.is_empty() => Ok(DeviceChoice::Gpu(Some(which.to_string()))),
-                _ => Err(format!("`{s}`: expected auto, cpu, gpu, gpu:INDEX or gpu:NAME")),
+                _ => Err(format!(
+                    "`{s}`: expected auto, cpu, gpu, gpu:INDEX or gpu:NAME"
+                )),
             },
         }
     }
@@ -100,7 +102,11 @@ pub fn pick_adapter(choice: &DeviceChoice) -> Result<Option<wgpu::Adapter>> {
             .enumerate()
             .map(|(i, a)| format!("{i}: {}", a.get_info().name))
             .collect();
-        if names.is_empty() { "none".to_string() } else { names.join(", ") }
+        if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        }
     };
     match choice {
         DeviceChoice::Cpu => Ok(None),
@@ -117,14 +123,22 @@ pub fn pick_adapter(choice: &DeviceChoice) -> Result<Option<wgpu::Adapter>> {
         DeviceChoice::Gpu(Some(which)) => {
             if let Ok(i) = which.parse::<usize>() {
                 return all.into_iter().nth(i).map(Some).ok_or_else(|| {
-                    Error::Gpu(format!("no adapter with index {i} (adapters: {})", listing()))
+                    Error::Gpu(format!(
+                        "no adapter with index {i} (adapters: {})",
+                        listing()
+                    ))
                 });
             }
             let w = which.to_lowercase();
             all.into_iter()
                 .find(|a| a.get_info().name.to_lowercase().contains(&w))
                 .map(Some)
-                .ok_or_else(|| Error::Gpu(format!("no adapter named like `{which}` (adapters: {})", listing())))
+                .ok_or_else(|| {
+                    Error::Gpu(format!(
+                        "no adapter named like `{which}` (adapters: {})",
+                        listing()
+                    ))
+                })
         }
     }
 }
@@ -143,8 +157,14 @@ impl GpuContext {
             (wgpu::Features::SUBGROUP, "MAMBA2_NO_SUBGROUPS"),
             (wgpu::Features::SHADER_F16, "MAMBA2_NO_F16"),
             (wgpu::Features::TIMESTAMP_QUERY, "MAMBA2_NO_TIMESTAMPS"),
-            (wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES, "MAMBA2_NO_TIMESTAMPS"),
-            (wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS, "MAMBA2_NO_TIMESTAMPS"),
+            (
+                wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
+                "MAMBA2_NO_TIMESTAMPS",
+            ),
+            (
+                wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS,
+                "MAMBA2_NO_TIMESTAMPS",
+            ),
         ] {
             if have.contains(f) && !off(env) {
                 features |= f;
@@ -167,7 +187,10 @@ impl GpuContext {
         }
         let check = |what: &str, need: u32, max: u32| -> Result<u32> {
             if need > max {
-                Err(Error::Gpu(format!("the model needs {need} {what}; adapter `{}` allows {max}", info.name)))
+                Err(Error::Gpu(format!(
+                    "the model needs {need} {what}; adapter `{}` allows {max}",
+                    info.name
+                )))
             } else {
                 Ok(need)
             }
@@ -175,15 +198,28 @@ impl GpuContext {
         let mut limits = wgpu::Limits::default();
         limits.max_buffer_size = limits.max_buffer_size.max(*size);
         limits.max_storage_buffer_binding_size = limits.max_storage_buffer_binding_size.max(*size);
-        limits.max_storage_buffers_per_shader_stage = limits
-            .max_storage_buffers_per_shader_stage
-            .max(check("storage buffers per stage", needs.storage_buffers_per_stage, al.max_storage_buffers_per_shader_stage)?);
-        limits.max_compute_workgroup_storage_size = limits
-            .max_compute_workgroup_storage_size
-            .max(check("bytes of workgroup memory", needs.workgroup_storage, al.max_compute_workgroup_storage_size)?);
-        let inv = check("invocations per workgroup", needs.invocations_per_workgroup, al.max_compute_invocations_per_workgroup)?;
-        limits.max_compute_invocations_per_workgroup = limits.max_compute_invocations_per_workgroup.max(inv);
-        limits.max_compute_workgroup_size_x = limits.max_compute_workgroup_size_x.max(inv.min(al.max_compute_workgroup_size_x));
+        limits.max_storage_buffers_per_shader_stage =
+            limits.max_storage_buffers_per_shader_stage.max(check(
+                "storage buffers per stage",
+                needs.storage_buffers_per_stage,
+                al.max_storage_buffers_per_shader_stage,
+            )?);
+        limits.max_compute_workgroup_storage_size =
+            limits.max_compute_workgroup_storage_size.max(check(
+                "bytes of workgroup memory",
+                needs.workgroup_storage,
+                al.max_compute_workgroup_storage_size,
+            )?);
+        let inv = check(
+            "invocations per workgroup",
+            needs.invocations_per_workgroup,
+            al.max_compute_invocations_per_workgroup,
+        )?;
+        limits.max_compute_invocations_per_workgroup =
+            limits.max_compute_invocations_per_workgroup.max(inv);
+        limits.max_compute_workgroup_size_x = limits
+            .max_compute_workgroup_size_x
+            .max(inv.min(al.max_compute_workgroup_size_x));
         limits.max_compute_workgroups_per_dimension = al.max_compute_workgroups_per_dimension;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("mamba2"),
@@ -234,7 +270,10 @@ impl GpuContext {
         if let Some(reason) = self.lost.lock().ok().and_then(|l| l.clone()) {
             return Err(Error::Gpu(format!("device lost ({reason})")));
         }
-        let mut errors = self.errors.lock().map_err(|_| Error::Gpu("error sink poisoned".into()))?;
+        let mut errors = self
+            .errors
+            .lock()
+            .map_err(|_| Error::Gpu("error sink poisoned".into()))?;
         if errors.is_empty() {
             Ok(())
         } else {
@@ -252,18 +291,37 @@ impl GpuContext {
     }
 
     /// Creates a buffer, turning an out-of-memory condition into an error naming it.
-    pub fn buffer(&self, label: &str, size: u64, usage: wgpu::BufferUsages) -> Result<wgpu::Buffer> {
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+    pub fn buffer(
+        &self,
+        label: &str,
+        size: u64,
+        usage: wgpu::BufferUsages,
+    ) -> Result<wgpu::Buffer> {
+        self.check()?;
+        let mib = size as f64 / (1024.0 * 1024.0);
+        if size > self.limits.max_buffer_size {
+            return Err(Error::Gpu(format!(
+                "`{label}` needs a {mib:.1} MiB buffer; the device allows {:.1} MiB",
+                self.limits.max_buffer_size as f64 / (1024.0 * 1024.0)
+            )));
+        }
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let invalid = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: size.max(4).next_multiple_of(4),
             usage,
             mapped_at_creation: false,
         });
-        if let Some(e) = pollster::block_on(scope.pop()) {
+        let invalid = pollster::block_on(invalid.pop());
+        if let Some(e) = pollster::block_on(oom.pop()) {
             return Err(Error::Gpu(format!(
-                "out of device memory allocating `{label}` ({:.1} MiB): {e}",
-                size as f64 / (1024.0 * 1024.0)
+                "out of device memory allocating `{label}` ({mib:.1} MiB): {e}"
+            )));
+        }
+        if let Some(e) = invalid {
+            return Err(Error::Gpu(format!(
+                "could not allocate `{label}` ({mib:.1} MiB): {e}"
             )));
         }
         Ok(buffer)
@@ -272,8 +330,15 @@ impl GpuContext {
     /// A storage buffer filled with `data`.
     pub fn storage_with(&self, label: &str, data: &[u8]) -> Result<wgpu::Buffer> {
         let buffer = self.buffer(label, data.len() as u64, storage_usage())?;
-        if !data.is_empty() {
-            self.queue.write_buffer(&buffer, 0, data);
+        let whole = data.len() / 4 * 4;
+        if whole > 0 {
+            self.queue.write_buffer(&buffer, 0, &data[..whole]);
+        }
+        if whole < data.len() {
+            // Copies move whole words: pad the tail (e.g. an odd count of f16 scales).
+            let mut tail = [0u8; 4];
+            tail[..data.len() - whole].copy_from_slice(&data[whole..]);
+            self.queue.write_buffer(&buffer, whole as u64, &tail);
         }
         Ok(buffer)
     }
@@ -287,7 +352,11 @@ impl GpuContext {
     /// decode hot path).
     pub fn read(&self, buffer: &wgpu::Buffer, size: u64) -> Result<Vec<u8>> {
         let size = size.next_multiple_of(4);
-        let staging = self.buffer("readback", size, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST)?;
+        let staging = self.buffer(
+            "readback",
+            size,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        )?;
         let mut enc = self.device.create_command_encoder(&Default::default());
         enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, Some(size));
         self.queue.submit([enc.finish()]);
@@ -316,7 +385,10 @@ impl GpuContext {
 
     /// One line for logs: name, backend, type.
     pub fn describe(&self) -> String {
-        format!("{} ({:?}, {:?})", self.info.name, self.info.backend, self.info.device_type)
+        format!(
+            "{} ({:?}, {:?})",
+            self.info.name, self.info.backend, self.info.device_type
+        )
     }
 }
 
@@ -331,15 +403,27 @@ pub fn adapter_report(index: usize, a: &wgpu::Adapter) -> String {
     let f = a.features();
     let l = a.limits();
     let mib = |b: u64| b / (1024 * 1024);
-    let flag = |x: wgpu::Features, name: &str| if f.contains(x) { name.to_string() } else { format!("no-{name}") };
+    let flag = |x: wgpu::Features, name: &str| {
+        if f.contains(x) {
+            name.to_string()
+        } else {
+            format!("no-{name}")
+        }
+    };
     let feats = [
         flag(wgpu::Features::SHADER_F16, "shader-f16"),
         flag(wgpu::Features::SUBGROUP, "subgroup"),
         flag(wgpu::Features::TIMESTAMP_QUERY, "timestamps"),
-        flag(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES, "timestamps-in-passes"),
+        flag(
+            wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
+            "timestamps-in-passes",
+        ),
         flag(wgpu::Features::IMMEDIATES, "immediates"),
         flag(wgpu::Features::SHADER_INT64, "int64"),
-        flag(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX, "coop-matrix"),
+        flag(
+            wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+            "coop-matrix",
+        ),
     ];
     format!(
         "{index}: {} | {:?} | {:?} | driver {} {}\n   features: {}\n   subgroup size {}..{}; max buffer {} MiB, storage binding {} MiB, {} storage buffers/stage, {} KiB workgroup memory, {} invocations/workgroup",

@@ -12,7 +12,9 @@ use crate::gpu::context::{GpuContext, Needs};
 use crate::gpu::graph::{Ctrl, Graph, Tail};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
 use crate::gpu::kernels::ssd_step::{self, SsdBuffers, SsdConsts};
-use crate::gpu::kernels::{Kernels, advance, argmax, conv_step, embed, gated_norm, residual_add, rmsnorm, sample};
+use crate::gpu::kernels::{
+    Kernels, advance, argmax, conv_step, embed, gated_norm, residual_add, rmsnorm, sample,
+};
 use crate::gpu::weights::DeviceMatrix;
 use crate::model::Model;
 use crate::model::quant::{Packed, WeightFormat, pack};
@@ -127,7 +129,10 @@ impl Engine {
             ("in_proj", c.d_in_proj(), c.d_model),
             ("out_proj", c.d_model, c.d_inner),
         ];
-        let mut largest = ("SSM state (one layer)".to_string(), 4 * c.ssm_state_len() as u64);
+        let mut largest = (
+            "SSM state (one layer)".to_string(),
+            4 * c.ssm_state_len() as u64,
+        );
         let mut wg_bytes = 0;
         for (name, rows, cols) in mats {
             let kp = format.padded_cols(cols);
@@ -136,7 +141,10 @@ impl Engine {
                 _ => format.bytes(rows, cols) as u64,
             };
             if bytes > largest.1 {
-                largest = (format!("{name} [{rows}, {cols}] in {}", format.name()), bytes);
+                largest = (
+                    format!("{name} [{rows}, {cols}] in {}", format.name()),
+                    bytes,
+                );
             }
             wg_bytes = wg_bytes.max(gemv::workgroup_bytes(format, kp, c.n_groups));
         }
@@ -164,7 +172,11 @@ impl Engine {
             Ok(m)
         };
         let embedding = upload("embedding", &w.embedding)?;
-        let lm_head = w.lm_head.as_ref().map(|t| upload("lm_head", t)).transpose()?;
+        let lm_head = w
+            .lm_head
+            .as_ref()
+            .map(|t| upload("lm_head", t))
+            .transpose()?;
         let layout = ParamLayout::new(c);
         let mut params = Vec::with_capacity(c.n_layer);
         let mut mats = Vec::with_capacity(c.n_layer);
@@ -192,7 +204,17 @@ impl Engine {
         }
         bar.finish_and_clear();
         let final_norm = w.final_norm.to_f32();
-        Self::assemble(ctx, c, format, opts.fused, embedding, lm_head, mats, params, &final_norm)
+        Self::assemble(
+            ctx,
+            c,
+            format,
+            opts.fused,
+            embedding,
+            lm_head,
+            mats,
+            params,
+            &final_norm,
+        )
     }
 
     /// Wires uploaded matrices, parameters and fresh state/scratch into an engine.
@@ -215,9 +237,14 @@ impl Engine {
             layers.push(Layer {
                 in_proj,
                 out_proj,
-                params: ctx.storage_with(&format!("layers.{i}.params"), bytemuck::cast_slice(&p.values))?,
-                conv_state: ctx.storage_zeroed(&format!("layers.{i}.conv_state"), f32s(c.conv_state_len()))?,
-                ssm_state: ctx.storage_zeroed(&format!("layers.{i}.ssm_state"), f32s(c.ssm_state_len()))?,
+                params: ctx.storage_with(
+                    &format!("layers.{i}.params"),
+                    bytemuck::cast_slice(&p.values),
+                )?,
+                conv_state: ctx
+                    .storage_zeroed(&format!("layers.{i}.conv_state"), f32s(c.conv_state_len()))?,
+                ssm_state: ctx
+                    .storage_zeroed(&format!("layers.{i}.ssm_state"), f32s(c.ssm_state_len()))?,
             });
         }
         let blocks = ssd_consts(c, &layout).blocks();
@@ -298,7 +325,10 @@ impl Engine {
                     k,
                     &name("in_proj+norm+conv"),
                     &l.in_proj,
-                    GemvInput::Rms { nw_off: self.layout.norm, eps },
+                    GemvInput::Rms {
+                        nw_off: self.layout.norm,
+                        eps,
+                    },
                     GemvOutput::Mixer(self.mixer_consts()),
                     GemvBuffers {
                         src: &s.resid,
@@ -313,7 +343,14 @@ impl Engine {
                     k,
                     &name("ssd_step+gate"),
                     ssd,
-                    SsdBuffers { mix: &s.mix, params: &l.params, state: &l.ssm_state, y: &s.y, part: Some(&s.part), ctrl: &s.ctrl },
+                    SsdBuffers {
+                        mix: &s.mix,
+                        params: &l.params,
+                        state: &l.ssm_state,
+                        y: &s.y,
+                        part: Some(&s.part),
+                        ctrl: &s.ctrl,
+                    },
                 )?);
                 d.push(gemv::gemv(
                     k,
@@ -327,24 +364,62 @@ impl Engine {
                         eps,
                     },
                     GemvOutput::Add,
-                    GemvBuffers { src: &s.y, params: Some(&l.params), part: Some(&s.part), dst: &s.resid, conv_state: None, ctrl: None },
+                    GemvBuffers {
+                        src: &s.y,
+                        params: Some(&l.params),
+                        part: Some(&s.part),
+                        dst: &s.resid,
+                        conv_state: None,
+                        ctrl: None,
+                    },
                 )?);
             } else {
-                d.push(rmsnorm::rmsnorm(k, &name("norm"), c.d_model, eps, self.layout.norm, &s.resid, &l.params, &s.h)?);
+                d.push(rmsnorm::rmsnorm(
+                    k,
+                    &name("norm"),
+                    c.d_model,
+                    eps,
+                    self.layout.norm,
+                    &s.resid,
+                    &l.params,
+                    &s.h,
+                )?);
                 d.push(gemv::gemv(
                     k,
                     &name("in_proj"),
                     &l.in_proj,
                     GemvInput::Plain,
                     GemvOutput::Store,
-                    GemvBuffers { src: &s.h, params: None, part: None, dst: &s.mix, conv_state: None, ctrl: None },
+                    GemvBuffers {
+                        src: &s.h,
+                        params: None,
+                        part: None,
+                        dst: &s.mix,
+                        conv_state: None,
+                        ctrl: None,
+                    },
                 )?);
-                d.push(conv_step::conv_step(k, &name("conv_step"), self.mixer_consts(), &s.mix, &l.params, &l.conv_state, &s.ctrl)?);
+                d.push(conv_step::conv_step(
+                    k,
+                    &name("conv_step"),
+                    self.mixer_consts(),
+                    &s.mix,
+                    &l.params,
+                    &l.conv_state,
+                    &s.ctrl,
+                )?);
                 d.push(ssd_step::ssd_step(
                     k,
                     &name("ssd_step"),
                     ssd,
-                    SsdBuffers { mix: &s.mix, params: &l.params, state: &l.ssm_state, y: &s.y, part: None, ctrl: &s.ctrl },
+                    SsdBuffers {
+                        mix: &s.mix,
+                        params: &l.params,
+                        state: &l.ssm_state,
+                        y: &s.y,
+                        part: None,
+                        ctrl: &s.ctrl,
+                    },
                 )?);
                 d.push(gated_norm::gated_norm(
                     k,
@@ -364,9 +439,22 @@ impl Engine {
                     &l.out_proj,
                     GemvInput::Plain,
                     GemvOutput::Store,
-                    GemvBuffers { src: &s.v, params: None, part: None, dst: &s.out, conv_state: None, ctrl: None },
+                    GemvBuffers {
+                        src: &s.v,
+                        params: None,
+                        part: None,
+                        dst: &s.out,
+                        conv_state: None,
+                        ctrl: None,
+                    },
                 )?);
-                d.push(residual_add::residual_add(k, &name("residual"), c.d_model, &s.out, &s.resid)?);
+                d.push(residual_add::residual_add(
+                    k,
+                    &name("residual"),
+                    c.d_model,
+                    &s.out,
+                    &s.resid,
+                )?);
             }
         }
         if tail != Tail::Feed {
@@ -377,44 +465,83 @@ impl Engine {
                     self.head(),
                     GemvInput::Rms { nw_off: 0, eps },
                     GemvOutput::Store,
-                    GemvBuffers { src: &s.resid, params: Some(&s.final_params), part: None, dst: &s.logits, conv_state: None, ctrl: None },
+                    GemvBuffers {
+                        src: &s.resid,
+                        params: Some(&s.final_params),
+                        part: None,
+                        dst: &s.logits,
+                        conv_state: None,
+                        ctrl: None,
+                    },
                 )?);
             } else {
-                d.push(rmsnorm::rmsnorm(k, "final_norm", c.d_model, eps, 0, &s.resid, &s.final_params, &s.h)?);
+                d.push(rmsnorm::rmsnorm(
+                    k,
+                    "final_norm",
+                    c.d_model,
+                    eps,
+                    0,
+                    &s.resid,
+                    &s.final_params,
+                    &s.h,
+                )?);
                 d.push(gemv::gemv(
                     k,
                     "lm_head",
                     self.head(),
                     GemvInput::Plain,
                     GemvOutput::Store,
-                    GemvBuffers { src: &s.h, params: None, part: None, dst: &s.logits, conv_state: None, ctrl: None },
+                    GemvBuffers {
+                        src: &s.h,
+                        params: None,
+                        part: None,
+                        dst: &s.logits,
+                        conv_state: None,
+                        ctrl: None,
+                    },
                 )?);
             }
         }
         match tail {
             Tail::Greedy => d.push(argmax::argmax(k, c.vocab_size, &s.logits, &s.ctrl)?),
-            Tail::Sample => d.push(sample::sample(k, c.vocab_size, &s.logits, &s.ctrl, &s.probs)?),
+            Tail::Sample => d.push(sample::sample(
+                k,
+                c.vocab_size,
+                &s.logits,
+                &s.ctrl,
+                &s.probs,
+            )?),
             Tail::Feed | Tail::FeedLogits => d.push(advance::advance(k, &s.prompt, &s.ctrl)?),
         }
         Ok(Graph { dispatches: d })
     }
 
     pub fn write_ctrl(&self, ctrl: &Ctrl) {
-        self.ctx().queue.write_buffer(&self.scratch.ctrl, 0, bytemuck::bytes_of(ctrl));
+        self.ctx()
+            .queue
+            .write_buffer(&self.scratch.ctrl, 0, bytemuck::bytes_of(ctrl));
     }
 
     pub fn read_ctrl(&self) -> Result<Ctrl> {
-        let bytes = self.ctx().read(&self.scratch.ctrl, std::mem::size_of::<Ctrl>() as u64)?;
-        Ok(bytemuck::pod_read_unaligned(&bytes[..std::mem::size_of::<Ctrl>()]))
+        let bytes = self
+            .ctx()
+            .read(&self.scratch.ctrl, std::mem::size_of::<Ctrl>() as u64)?;
+        Ok(bytemuck::pod_read_unaligned(
+            &bytes[..std::mem::size_of::<Ctrl>()],
+        ))
     }
 
     pub fn read_logits(&self) -> Result<Vec<f32>> {
-        self.ctx().read_f32(&self.scratch.logits, self.config.vocab_size)
+        self.ctx()
+            .read_f32(&self.scratch.logits, self.config.vocab_size)
     }
 
     /// Zeroes the recurrent state (a fresh sequence).
     pub fn reset_state(&self) -> Result<()> {
-        let mut enc = self.ctx().device.create_command_encoder(&Default::default());
+        let mut enc = self
+            .ctx()
+            .device
+            .create_command_encoder(&Default::default());
         for l in &self.layers {
             enc.clear_buffer(&l.conv_state, 0, None);
             enc.clear_buffer(&l.ssm_state, 0, None);
@@ -426,10 +553,15 @@ impl Engine {
     /// The state as the CPU reference lays it out (blocking read; not for the hot path).
     pub fn read_state(&self) -> Result<State<f32>> {
         let c = &self.config;
-        let mut st = State { conv: Vec::new(), ssm: Vec::new() };
+        let mut st = State {
+            conv: Vec::new(),
+            ssm: Vec::new(),
+        };
         for l in &self.layers {
-            st.conv.push(self.ctx().read_f32(&l.conv_state, c.conv_state_len())?);
-            st.ssm.push(self.ctx().read_f32(&l.ssm_state, c.ssm_state_len())?);
+            st.conv
+                .push(self.ctx().read_f32(&l.conv_state, c.conv_state_len())?);
+            st.ssm
+                .push(self.ctx().read_f32(&l.ssm_state, c.ssm_state_len())?);
         }
         Ok(st)
     }
@@ -438,14 +570,24 @@ impl Engine {
     pub fn write_state(&self, st: &State<f32>) -> Result<()> {
         let c = &self.config;
         if st.conv.len() != c.n_layer || st.ssm.len() != c.n_layer {
-            return Err(Error::InvalidInput(format!("state has {} layers, the model {}", st.conv.len(), c.n_layer)));
+            return Err(Error::InvalidInput(format!(
+                "state has {} layers, the model {}",
+                st.conv.len(),
+                c.n_layer
+            )));
         }
         for (l, (conv, ssm)) in self.layers.iter().zip(st.conv.iter().zip(&st.ssm)) {
             if conv.len() != c.conv_state_len() || ssm.len() != c.ssm_state_len() {
-                return Err(Error::InvalidInput("state shape does not match the model".into()));
+                return Err(Error::InvalidInput(
+                    "state shape does not match the model".into(),
+                ));
             }
-            self.ctx().queue.write_buffer(&l.conv_state, 0, bytemuck::cast_slice(conv));
-            self.ctx().queue.write_buffer(&l.ssm_state, 0, bytemuck::cast_slice(ssm));
+            self.ctx()
+                .queue
+                .write_buffer(&l.conv_state, 0, bytemuck::cast_slice(conv));
+            self.ctx()
+                .queue
+                .write_buffer(&l.ssm_state, 0, bytemuck::cast_slice(ssm));
         }
         self.ctx().queue.submit([]);
         self.ctx().check()
@@ -462,16 +604,22 @@ impl Engine {
 
     /// Bytes of recurrent state per sequence.
     pub fn state_bytes(&self) -> u64 {
-        self.layers.iter().map(|l| l.conv_state.size() + l.ssm_state.size()).sum()
+        self.layers
+            .iter()
+            .map(|l| l.conv_state.size() + l.ssm_state.size())
+            .sum()
     }
 
     /// Bytes of activation scratch.
     pub fn scratch_bytes(&self) -> u64 {
         let s = &self.scratch;
-        [&s.resid, &s.mix, &s.y, &s.part, &s.h, &s.v, &s.out, &s.logits, &s.probs, &s.ctrl, &s.prompt]
-            .iter()
-            .map(|b| b.size())
-            .sum()
+        [
+            &s.resid, &s.mix, &s.y, &s.part, &s.h, &s.v, &s.out, &s.logits, &s.probs, &s.ctrl,
+            &s.prompt,
+        ]
+        .iter()
+        .map(|b| b.size())
+        .sum()
     }
 
     /// Bytes a decode step reads or writes: weights once, the state read and written.
@@ -515,7 +663,10 @@ pub fn pack_parallel(format: WeightFormat, values: &[f32], rows: usize, cols: us
                 s.spawn(move || pack(format, &values[r0 * cols..r1 * cols], r1 - r0, cols))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("pack thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("pack thread panicked"))
+            .collect()
     });
     let mut out = Packed {
         format,

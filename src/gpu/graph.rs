@@ -2,10 +2,11 @@
 //! engine's resident buffers, and their recording into one compute pass.
 //!
 //! Fused, per layer (3 dispatches):
-//!   1. `gemv` in_proj with the block pre-norm in its prologue and the conv step + dt
-//!      softplus in its epilogue (each conv channel has exactly one writer);
-//!   2. `ssd_step` (gated): state update, y = C·S + D·x, v = y·silu(z), Σv² per block;
-//!   3. `gemv` out_proj with the gated group norm in its prologue, residual add epilogue.
+//! 1. `gemv` in_proj with the block pre-norm in its prologue and the conv step + dt
+//!    softplus in its epilogue (each conv channel has exactly one writer);
+//! 2. `ssd_step` (gated): state update, y = C·S + D·x, v = y·silu(z), Σv² per block;
+//! 3. `gemv` out_proj with the gated group norm in its prologue, residual add epilogue.
+//!
 //! Unfused (7): rmsnorm, gemv, conv_step, ssd_step, gated_norm, gemv, residual_add.
 //! Around the layers: embed first; final norm + lm_head (fused: one gemv) and the sampler
 //! last, or `advance` when the token only feeds the state (prefill through decode).
@@ -62,7 +63,11 @@ impl Graph {
 
     /// Records every dispatch into `pass`; with a query set, a timestamp before the first
     /// dispatch and after each (timestamps inside one pass).
-    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>, timestamps: Option<(&wgpu::QuerySet, u32)>) {
+    pub fn record(
+        &self,
+        pass: &mut wgpu::ComputePass<'_>,
+        timestamps: Option<(&wgpu::QuerySet, u32)>,
+    ) {
         if let Some((qs, base)) = timestamps {
             pass.write_timestamp(qs, base);
         }

@@ -32,7 +32,11 @@ impl TokenProfile {
     }
 
     pub fn section_ns(&self, s: Section) -> f64 {
-        self.kernels.iter().filter(|k| k.section == s).map(|k| k.ns).sum()
+        self.kernels
+            .iter()
+            .filter(|k| k.section == s)
+            .map(|k| k.ns)
+            .sum()
     }
 }
 
@@ -60,8 +64,16 @@ impl Profiler {
             count: capacity,
         });
         let bytes = 8 * capacity as u64;
-        let resolve = ctx.buffer("profiler resolve", bytes, wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC)?;
-        let staging = ctx.buffer("profiler staging", bytes, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST)?;
+        let resolve = ctx.buffer(
+            "profiler resolve",
+            bytes,
+            wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+        )?;
+        let staging = ctx.buffer(
+            "profiler staging",
+            bytes,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        )?;
         Ok(Some(Profiler {
             queries,
             resolve,
@@ -73,9 +85,16 @@ impl Profiler {
     }
 
     fn queries_for(&self, graph: &Graph) -> Result<u32> {
-        let n = if self.inside_passes { graph.len() as u32 + 1 } else { 2 * graph.len() as u32 };
+        let n = if self.inside_passes {
+            graph.len() as u32 + 1
+        } else {
+            2 * graph.len() as u32
+        };
         if n > self.capacity {
-            return Err(Error::Gpu(format!("profiler sized for {} queries, graph needs {n}", self.capacity)));
+            return Err(Error::Gpu(format!(
+                "profiler sized for {} queries, graph needs {n}",
+                self.capacity
+            )));
         }
         Ok(n)
     }
@@ -111,9 +130,10 @@ impl Profiler {
         enc.copy_buffer_to_buffer(&self.resolve, 0, &self.staging, 0, Some(8 * n as u64));
         ctx.queue.submit([enc.finish()]);
         let (tx, rx) = std::sync::mpsc::channel();
-        self.staging.map_async(wgpu::MapMode::Read, ..8 * n as u64, move |r| {
-            let _ = tx.send(r);
-        });
+        self.staging
+            .map_async(wgpu::MapMode::Read, ..8 * n as u64, move |r| {
+                let _ = tx.send(r);
+            });
         ctx.wait()?;
         rx.recv()
             .map_err(|_| Error::Gpu("profiler readback dropped".into()))?
@@ -131,7 +151,11 @@ impl Profiler {
             .iter()
             .enumerate()
             .map(|(i, d)| {
-                let (a, b) = if self.inside_passes { (ticks[i], ticks[i + 1]) } else { (ticks[2 * i], ticks[2 * i + 1]) };
+                let (a, b) = if self.inside_passes {
+                    (ticks[i], ticks[i + 1])
+                } else {
+                    (ticks[2 * i], ticks[2 * i + 1])
+                };
                 KernelTime {
                     name: d.name.clone(),
                     section: d.section,

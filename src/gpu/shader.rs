@@ -15,8 +15,14 @@ pub enum Const {
 }
 
 /// Builds the final WGSL text of a kernel from its sources (after `common.wgsl`).
-pub fn assemble(name: &str, sources: &[&str], consts: &[(&str, Const)], flags: &[&str]) -> Result<String> {
-    let mut out = String::with_capacity(COMMON.len() + sources.iter().map(|s| s.len()).sum::<usize>() + 512);
+pub fn assemble(
+    name: &str,
+    sources: &[&str],
+    consts: &[(&str, Const)],
+    flags: &[&str],
+) -> Result<String> {
+    let mut out =
+        String::with_capacity(COMMON.len() + sources.iter().map(|s| s.len()).sum::<usize>() + 512);
     for (k, v) in consts {
         match v {
             Const::U32(x) => out.push_str(&format!("const {k}: u32 = {x}u;\n")),
@@ -25,7 +31,11 @@ pub fn assemble(name: &str, sources: &[&str], consts: &[(&str, Const)], flags: &
     }
     // (active, seen_else) per open #if
     let mut stack: Vec<(bool, bool)> = Vec::new();
-    for (n, line) in std::iter::once(COMMON).chain(sources.iter().copied()).flat_map(str::lines).enumerate() {
+    for (n, line) in std::iter::once(COMMON)
+        .chain(sources.iter().copied())
+        .flat_map(str::lines)
+        .enumerate()
+    {
         let t = line.trim_start();
         let active = stack.iter().all(|(a, _)| *a);
         if let Some(cond) = t.strip_prefix("#if ") {
@@ -84,7 +94,9 @@ pub fn pipeline(
         cache: None,
     });
     if let Some(e) = pollster::block_on(scope.pop()) {
-        return Err(Error::Gpu(format!("kernel `{name}` failed to compile: {e}")));
+        return Err(Error::Gpu(format!(
+            "kernel `{name}` failed to compile: {e}"
+        )));
     }
     Ok(pipeline)
 }
@@ -99,7 +111,9 @@ mod tests {
         let body = |flags: &[&str]| {
             let s = assemble("t", &[src], &[("Q", Const::U32(3))], flags).unwrap();
             assert!(s.starts_with("const Q: u32 = 3u;\n"));
-            s.lines().filter_map(|l| l.strip_prefix('@')).collect::<String>()
+            s.lines()
+                .filter_map(|l| l.strip_prefix('@'))
+                .collect::<String>()
         };
         assert_eq!(body(&["X"]), "abcf");
         assert_eq!(body(&["X", "Y"]), "abdf");

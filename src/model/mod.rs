@@ -49,7 +49,8 @@ impl Model {
     pub fn save(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| crate::Error::io(dir, e))?;
         let config = dir.join("config.json");
-        let text = serde_json::to_string_pretty(&self.config.to_hf_json()).expect("JSON of plain values");
+        let text =
+            serde_json::to_string_pretty(&self.config.to_hf_json()).expect("JSON of plain values");
         std::fs::write(&config, text).map_err(|e| crate::Error::io(&config, e))?;
         self::safetensors::write_safetensors(&dir.join("model.safetensors"), &self.weights.all())
     }

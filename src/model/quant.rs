@@ -102,7 +102,10 @@ pub fn pack(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> P
                     q[r * kp + b * 32..r * kp + b * 32 + 32].copy_from_slice(&qs);
                 }
             }
-            (bytemuck::cast_slice(&q).to_vec(), bytemuck::cast_slice(&d).to_vec())
+            (
+                bytemuck::cast_slice(&q).to_vec(),
+                bytemuck::cast_slice(&d).to_vec(),
+            )
         }
     };
     Packed {
@@ -127,23 +130,18 @@ pub fn quantize_block(block: &[f32; 32]) -> (f16, [i8; 32]) {
     (f16::from_f32(d), q)
 }
 
-/// The activation side of the q8_0 GEMV kernel, mirrored exactly: per 32-block, a
-/// power-of-two scale `2^(e−7)` where `amax = f·2^e` (`f` in [0.5, 1)), and
-/// `q = clamp(round_ties_even(x / scale), −127, 127)`. Returns (q, scale) per block.
+/// The activation side of the q8_0 GEMV kernel, mirrored: per 32-block `d = amax/127`,
+/// `q = clamp(round_ties_even(x·(1/d)), −127, 127)` (WGSL's `round` ties to even).
+/// Returns (q, d) per block.
 pub fn quantize_activation_block(x: &[f32; 32]) -> ([i8; 32], f32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let (bits, mut q) = (amax.to_bits(), [0i8; 32]);
-    let biased = ((bits >> 23) & 0xff) as i32;
-    // frexp's exponent for normal numbers; the kernel treats tiny blocks as zero.
-    let e = biased - 126;
-    if amax == 0.0 || biased == 0 || e <= -100 {
-        return (q, 0.0);
-    }
-    let inv = 2f32.powi(7 - e);
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut q = [0i8; 32];
     for (o, &v) in q.iter_mut().zip(x) {
         *o = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
     }
-    (q, 2f32.powi(e - 7))
+    (q, d)
 }
 
 /// The CPU reference of the q8_0 GEMV kernel: `y[r] = Σ_blocks d_w·d_x·Σ q_w·q_x` over a
@@ -169,7 +167,9 @@ pub fn q8_0_gemv_reference(p: &Packed, x: &[f32]) -> Vec<f32> {
                 // The kernel sums 16 weights (one vec4<u32>) per step.
                 for half in 0..2 {
                     let base = r * p.kp + b * 32 + half * 16;
-                    let dot: i32 = (0..16).map(|j| q[base + j] as i32 * xq[half * 16 + j] as i32).sum();
+                    let dot: i32 = (0..16)
+                        .map(|j| q[base + j] as i32 * xq[half * 16 + j] as i32)
+                        .sum();
                     acc += dot as f32 * (d[r * p.kp / 32 + b].to_f32() * xs);
                 }
             }
@@ -203,25 +203,32 @@ mod tests {
 
     #[test]
     fn q8_0_round_trip_is_close() {
-        let vals: Vec<f32> = (0..3 * 70).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let vals: Vec<f32> = (0..3 * 70)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
         let p = pack(WeightFormat::Q8_0, &vals, 3, 70);
-        assert_eq!((p.kp, p.data.len(), p.scales.len()), (96, 3 * 96, 2 * 3 * 3));
+        assert_eq!(
+            (p.kp, p.data.len(), p.scales.len()),
+            (96, 3 * 96, 2 * 3 * 3)
+        );
         let back = unpack(&p);
         for (a, b) in vals.iter().zip(&back) {
-            assert!((a - b).abs() <= 50.0 / 17.0 / 127.0 * 0.51 + 1e-3, "{a} vs {b}");
+            assert!(
+                (a - b).abs() <= 50.0 / 17.0 / 127.0 * 0.51 + 1e-3,
+                "{a} vs {b}"
+            );
         }
     }
 
     #[test]
-    fn activation_scale_is_a_power_of_two_in_range() {
+    fn activation_quantization_uses_the_block_amax() {
         let mut x = [0f32; 32];
-        x[3] = -5.0;
-        x[7] = 2.5;
-        let (q, s) = quantize_activation_block(&x);
-        // amax 5 = 0.625·2^3 → scale 2^-4, q = x·16
-        assert_eq!(s, 1.0 / 16.0);
-        assert_eq!((q[3], q[7]), (-80, 40));
-        let (q, s) = quantize_activation_block(&[0.0; 32]);
-        assert_eq!((q, s), ([0; 32], 0.0));
+        x[3] = -5.08;
+        x[7] = 2.54;
+        let (q, d) = quantize_activation_block(&x);
+        assert_eq!(d, 5.08 / 127.0);
+        assert_eq!((q[3], q[7], q[0]), (-127, 64, 0));
+        let (q, d) = quantize_activation_block(&[0.0; 32]);
+        assert_eq!((q, d), ([0; 32], 0.0));
     }
 }

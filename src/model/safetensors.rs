@@ -41,6 +41,8 @@ impl DType {
 pub enum Bytes {
     Mapped(Arc<Mmap>),
     Owned(Arc<Vec<u8>>),
+    /// Compiled into the binary (the embedded model).
+    Static(&'static [u8]),
 }
 
 impl Bytes {
@@ -48,6 +50,7 @@ impl Bytes {
         match self {
             Bytes::Mapped(m) => m,
             Bytes::Owned(v) => v,
+            Bytes::Static(s) => s,
         }
     }
 }
@@ -64,14 +67,24 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor({} {} {:?})", self.name, self.dtype.name(), self.shape)
+        write!(
+            f,
+            "Tensor({} {} {:?})",
+            self.name,
+            self.dtype.name(),
+            self.shape
+        )
     }
 }
 
 impl Tensor {
     /// A tensor over owned f32 values (synthetic weights, tests).
     pub fn from_f32(name: impl Into<String>, shape: Vec<usize>, values: &[f32]) -> Self {
-        assert_eq!(shape.iter().product::<usize>(), values.len(), "shape and data disagree");
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            values.len(),
+            "shape and data disagree"
+        );
         let bytes: Vec<u8> = bytemuck::cast_slice(values).to_vec();
         let len = bytes.len();
         Tensor {
@@ -85,7 +98,11 @@ impl Tensor {
 
     /// A tensor over owned f16 values.
     pub fn from_f16(name: impl Into<String>, shape: Vec<usize>, values: &[half::f16]) -> Self {
-        assert_eq!(shape.iter().product::<usize>(), values.len(), "shape and data disagree");
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            values.len(),
+            "shape and data disagree"
+        );
         let bytes: Vec<u8> = bytemuck::cast_slice(values).to_vec();
         let len = bytes.len();
         Tensor {
@@ -168,7 +185,10 @@ impl TensorStore {
             files
         };
         if files.is_empty() {
-            return Err(Error::format(dir, "no *.safetensors weights in this model directory"));
+            return Err(Error::format(
+                dir,
+                "no *.safetensors weights in this model directory",
+            ));
         }
         let mut store = TensorStore {
             tensors: BTreeMap::new(),
@@ -180,16 +200,32 @@ impl TensorStore {
         Ok(store)
     }
 
+    /// A store over one safetensors file compiled into the binary; `name` is for messages.
+    pub fn from_static(name: &str, bytes: &'static [u8]) -> Result<Self> {
+        let mut store = TensorStore {
+            tensors: BTreeMap::new(),
+            files: Vec::new(),
+        };
+        store.add_bytes(Path::new(name), Bytes::Static(bytes))?;
+        Ok(store)
+    }
+
     fn add_file(&mut self, path: &Path) -> Result<()> {
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the mapping is read-only; a checkpoint rewritten while we run is the
         // user's hazard, as with every mmap-based loader (candle, llama.cpp).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(|e| {
-            Error::format(path, format!("not a valid safetensors file (truncated or corrupt?): {e}"))
+        self.add_bytes(path, Bytes::Mapped(Arc::new(mmap)))
+    }
+
+    fn add_bytes(&mut self, path: &Path, bytes: Bytes) -> Result<()> {
+        let (header_len, metadata) = SafeTensors::read_metadata(bytes.as_slice()).map_err(|e| {
+            Error::format(
+                path,
+                format!("not a valid safetensors file (truncated or corrupt?): {e}"),
+            )
         })?;
         let data_start = 8 + header_len;
-        let mmap = Arc::new(mmap);
         let infos: HashMap<String, &safetensors::tensor::TensorInfo> = metadata.tensors();
         for (name, info) in infos {
             let dtype = match info.dtype {
@@ -199,7 +235,10 @@ impl TensorStore {
                 other => {
                     return Err(Error::tensor(
                         &name,
-                        format!("{}: dtype {other:?} is not supported (f32, f16, bf16)", path.display()),
+                        format!(
+                            "{}: dtype {other:?} is not supported (f32, f16, bf16)",
+                            path.display()
+                        ),
                     ));
                 }
             };
@@ -214,7 +253,7 @@ impl TensorStore {
                 name: name.clone(),
                 dtype,
                 shape: info.shape.clone(),
-                bytes: Bytes::Mapped(mmap.clone()),
+                bytes: bytes.clone(),
                 range: data_start + start..data_start + end,
             };
             self.tensors.insert(name, tensor);
@@ -277,5 +316,6 @@ pub fn write_safetensors(path: &Path, tensors: &[&Tensor]) -> Result<()> {
             Ok((t.name.clone(), view))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| Error::format(path, e.to_string()))
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| Error::format(path, e.to_string()))
 }

@@ -38,8 +38,18 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> Mamba2Weights {
             let p = |n: &str| format!("backbone.layers.{i}.{n}");
             LayerWeights {
                 norm: t(p("norm.weight"), vec![d], 0.6, 1.4),
-                in_proj: t(p("mixer.in_proj.weight"), vec![c.d_in_proj(), d], -in_scale, in_scale),
-                conv_weight: t(p("mixer.conv1d.weight"), vec![c.conv_dim(), 1, c.d_conv], -0.6, 0.6),
+                in_proj: t(
+                    p("mixer.in_proj.weight"),
+                    vec![c.d_in_proj(), d],
+                    -in_scale,
+                    in_scale,
+                ),
+                conv_weight: t(
+                    p("mixer.conv1d.weight"),
+                    vec![c.conv_dim(), 1, c.d_conv],
+                    -0.6,
+                    0.6,
+                ),
                 conv_bias: c
                     .conv_bias
                     .then(|| t(p("mixer.conv1d.bias"), vec![c.conv_dim()], -0.2, 0.2)),
@@ -47,14 +57,31 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> Mamba2Weights {
                 a_log: t(p("mixer.A_log"), vec![h], 0.0, 2.5),
                 d_skip: t(p("mixer.D"), vec![h], 0.5, 1.5),
                 mixer_norm: t(p("mixer.norm.weight"), vec![di], 0.6, 1.4),
-                out_proj: t(p("mixer.out_proj.weight"), vec![d, di], -out_scale, out_scale),
+                out_proj: t(
+                    p("mixer.out_proj.weight"),
+                    vec![d, di],
+                    -out_scale,
+                    out_scale,
+                ),
             }
         })
         .collect();
-    let embedding = t("backbone.embeddings.weight".into(), vec![c.vocab_size, d], -1.0, 1.0);
+    let embedding = t(
+        "backbone.embeddings.weight".into(),
+        vec![c.vocab_size, d],
+        -1.0,
+        1.0,
+    );
     let final_norm = t("backbone.norm_f.weight".into(), vec![d], 0.6, 1.4);
     let head_scale = (3.0 / d as f32).sqrt() * 2.0;
-    let lm_head = (!c.tie_embeddings).then(|| t("lm_head.weight".into(), vec![c.vocab_size, d], -head_scale, head_scale));
+    let lm_head = (!c.tie_embeddings).then(|| {
+        t(
+            "lm_head.weight".into(),
+            vec![c.vocab_size, d],
+            -head_scale,
+            head_scale,
+        )
+    });
     Mamba2Weights {
         embedding,
         layers,

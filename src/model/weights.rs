@@ -56,19 +56,25 @@ impl Mamba2Weights {
 
     /// Maps checkpoint tensors onto the structure, checking that nothing is missing, extra
     /// or mis-shaped; every error names the tensor as the checkpoint spells it.
-    pub fn from_tensors(config: &ModelConfig, tensors: impl IntoIterator<Item = Tensor>) -> Result<Self> {
+    pub fn from_tensors(
+        config: &ModelConfig,
+        tensors: impl IntoIterator<Item = Tensor>,
+    ) -> Result<Self> {
         let mut slots: BTreeMap<Slot, Tensor> = BTreeMap::new();
         for t in tensors {
             let slot = Slot::parse(&t.name).ok_or_else(|| {
                 Error::tensor(&t.name, "unexpected tensor: not part of a Mamba2 model")
             })?;
-            if let Slot::Layer(i, _) = slot {
-                if i >= config.n_layer {
-                    return Err(Error::tensor(
-                        &t.name,
-                        format!("layer {i} does not exist: the config has {} layers", config.n_layer),
-                    ));
-                }
+            if let Slot::Layer(i, _) = slot
+                && i >= config.n_layer
+            {
+                return Err(Error::tensor(
+                    &t.name,
+                    format!(
+                        "layer {i} does not exist: the config has {} layers",
+                        config.n_layer
+                    ),
+                ));
             }
             if let Some(prev) = slots.insert(slot, t.clone()) {
                 return Err(Error::tensor(
@@ -78,10 +84,10 @@ impl Mamba2Weights {
             }
         }
         let mut take = |slot: Slot, shapes: &[Vec<usize>]| -> Result<Tensor> {
-            let t = slots
-                .remove(&slot)
-                .ok_or_else(|| Error::tensor(slot.canonical_name(), "missing from the checkpoint"))?;
-            if !shapes.iter().any(|s| *s == t.shape) {
+            let t = slots.remove(&slot).ok_or_else(|| {
+                Error::tensor(slot.canonical_name(), "missing from the checkpoint")
+            })?;
+            if !shapes.contains(&t.shape) {
                 return Err(Error::tensor(
                     &t.name,
                     format!("expected shape {:?}, found {:?}", shapes[0], t.shape),
@@ -106,7 +112,10 @@ impl Mamba2Weights {
                 in_proj: take(l(Part::InProj), &[vec![c.d_in_proj(), d]])?,
                 conv_weight: take(
                     l(Part::ConvWeight),
-                    &[vec![c.conv_dim(), 1, c.d_conv], vec![c.conv_dim(), c.d_conv]],
+                    &[
+                        vec![c.conv_dim(), 1, c.d_conv],
+                        vec![c.conv_dim(), c.d_conv],
+                    ],
                 )?,
                 conv_bias,
                 dt_bias: take(l(Part::DtBias), &[vec![h]])?,
@@ -171,12 +180,11 @@ impl Slot {
     /// recognizes the rest.
     fn parse(name: &str) -> Option<Slot> {
         let mut rest = name;
-        loop {
-            if let Some(r) = rest.strip_prefix("model.").or_else(|| rest.strip_prefix("backbone.")) {
-                rest = r;
-            } else {
-                break;
-            }
+        while let Some(r) = rest
+            .strip_prefix("model.")
+            .or_else(|| rest.strip_prefix("backbone."))
+        {
+            rest = r;
         }
         match rest {
             "embedding.weight" | "embeddings.weight" => return Some(Slot::Embedding),
@@ -240,9 +248,15 @@ mod tests {
             ("model.lm_head.weight", Slot::LmHead),
             ("lm_head.weight", Slot::LmHead),
             ("model.norm_f.weight", Slot::FinalNorm),
-            ("backbone.layers.12.mixer.A_log", Slot::Layer(12, Part::ALog)),
+            (
+                "backbone.layers.12.mixer.A_log",
+                Slot::Layer(12, Part::ALog),
+            ),
             ("model.layers.0.norm.weight", Slot::Layer(0, Part::Norm)),
-            ("model.backbone.layers.3.mixer.norm.weight", Slot::Layer(3, Part::MixerNorm)),
+            (
+                "model.backbone.layers.3.mixer.norm.weight",
+                Slot::Layer(3, Part::MixerNorm),
+            ),
         ];
         for (name, slot) in cases {
             assert_eq!(Slot::parse(name), Some(slot), "{name}");

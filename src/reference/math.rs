@@ -3,7 +3,9 @@
 use std::fmt::Debug;
 
 /// The float types the reference runs in.
-pub trait Real: num_traits::Float + std::iter::Sum + Send + Sync + Debug + Default + 'static {
+pub trait Real:
+    num_traits::Float + std::iter::Sum + Send + Sync + Debug + Default + 'static
+{
     fn of(x: f64) -> Self;
     fn of_f32(x: f32) -> Self;
     fn f64(self) -> f64;

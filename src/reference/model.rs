@@ -74,7 +74,11 @@ impl<T: Real> CpuModel<T> {
                     .map(convert)
                     .unwrap_or_else(|| vec![T::zero(); config.conv_dim()]),
                 dt_bias: convert(&l.dt_bias),
-                a: l.a_log.to_f32().into_iter().map(|v| T::of_f32(-v.exp())).collect(),
+                a: l.a_log
+                    .to_f32()
+                    .into_iter()
+                    .map(|v| T::of_f32(-v.exp()))
+                    .collect(),
                 d_skip: convert(&l.d_skip),
                 mixer_norm: convert(&l.mixer_norm),
                 out_proj: convert(&l.out_proj),
@@ -100,7 +104,13 @@ impl<T: Real> CpuModel<T> {
 
     /// Feeds `tokens` through the model from `state` (updated in place) and returns the
     /// requested logits, each `[vocab]`.
-    pub fn forward(&self, state: &mut State<T>, tokens: &[u32], scan: Scan, want: Logits) -> Result<Vec<Vec<T>>> {
+    pub fn forward(
+        &self,
+        state: &mut State<T>,
+        tokens: &[u32],
+        scan: Scan,
+        want: Logits,
+    ) -> Result<Vec<Vec<T>>> {
         let c = &self.config;
         let d = c.d_model;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
@@ -137,7 +147,14 @@ impl<T: Real> CpuModel<T> {
     }
 
     /// One block's mixer over `L` tokens: returns the residual update of each token.
-    fn mixer(&self, w: &Layer<T>, conv_state: &mut [T], ssm_state: &mut [T], resid: &[Vec<T>], scan: Scan) -> Vec<Vec<T>> {
+    fn mixer(
+        &self,
+        w: &Layer<T>,
+        conv_state: &mut [T],
+        ssm_state: &mut [T],
+        resid: &[Vec<T>],
+        scan: Scan,
+    ) -> Vec<Vec<T>> {
         let c = &self.config;
         let (di, cd, heads, gn) = (c.d_inner, c.conv_dim(), c.n_heads, c.n_groups * c.d_state);
         let l = resid.len();
@@ -205,7 +222,13 @@ impl<T: Real> CpuModel<T> {
         };
         (0..l)
             .map(|t| {
-                let v = gated_group_rmsnorm(&y[t * di..][..di], &zxbcdt[t][..di], &w.mixer_norm, c.n_groups, c.norm_eps);
+                let v = gated_group_rmsnorm(
+                    &y[t * di..][..di],
+                    &zxbcdt[t][..di],
+                    &w.mixer_norm,
+                    c.n_groups,
+                    c.norm_eps,
+                );
                 let mut out = vec![T::zero(); c.d_model];
                 matvec(&w.out_proj, &v, &mut out);
                 out

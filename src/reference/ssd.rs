@@ -38,13 +38,22 @@ pub struct ScanInputs<'a, T> {
 impl<T: Real> ScanInputs<'_, T> {
     /// Number of tokens, after checking every shape against it.
     pub fn len(&self) -> usize {
-        let ScanDims { heads, head_dim, groups, d_state } = self.dims;
+        let ScanDims {
+            heads,
+            head_dim,
+            groups,
+            d_state,
+        } = self.dims;
         let l = self.dt.len() / heads;
         assert_eq!(self.dt.len(), l * heads, "dt must be [L][H]");
         assert_eq!(self.x.len(), l * heads * head_dim, "x must be [L][H][P]");
         assert_eq!(self.b.len(), l * groups * d_state, "B must be [L][G][N]");
         assert_eq!(self.c.len(), l * groups * d_state, "C must be [L][G][N]");
-        assert_eq!((self.a.len(), self.d.len()), (heads, heads), "A and D must be [H]");
+        assert_eq!(
+            (self.a.len(), self.d.len()),
+            (heads, heads),
+            "A and D must be [H]"
+        );
         assert_eq!(heads % groups, 0, "heads must split into groups");
         l
     }
@@ -58,7 +67,12 @@ impl<T: Real> ScanInputs<'_, T> {
 /// `S ← exp(δA)·S + δ·x ⊗ B; y = S·C + D·x`. Updates `state [H][P][N]`, returns `y [L][H][P]`.
 pub fn scan_sequential<T: Real>(inp: &ScanInputs<T>, state: &mut [T]) -> Vec<T> {
     let l = inp.len();
-    let ScanDims { heads, head_dim: p_dim, groups, d_state: n } = inp.dims;
+    let ScanDims {
+        heads,
+        head_dim: p_dim,
+        groups,
+        d_state: n,
+    } = inp.dims;
     assert_eq!(state.len(), inp.dims.state_len(), "state must be [H][P][N]");
     let mut y = vec![T::zero(); l * heads * p_dim];
     for t in 0..l {
@@ -88,7 +102,12 @@ pub fn scan_sequential<T: Real>(inp: &ScanInputs<T>, state: &mut [T]) -> Vec<T> 
 pub fn scan_chunked<T: Real>(inp: &ScanInputs<T>, state: &mut [T], q: usize) -> Vec<T> {
     assert!(q > 0, "chunk size must be positive");
     let l = inp.len();
-    let ScanDims { heads, head_dim: p_dim, groups, d_state: n } = inp.dims;
+    let ScanDims {
+        heads,
+        head_dim: p_dim,
+        groups,
+        d_state: n,
+    } = inp.dims;
     assert_eq!(state.len(), inp.dims.state_len(), "state must be [H][P][N]");
     let mut y = vec![T::zero(); l * heads * p_dim];
     let mut cb = vec![T::zero(); q * q];
@@ -120,7 +139,11 @@ pub fn scan_chunked<T: Real>(inp: &ScanInputs<T>, state: &mut [T], q: usize) -> 
                     let ci = &inp.c[((start + i) * groups + g) * n..][..n];
                     let decay_in = lam[i].exp();
                     for p in 0..p_dim {
-                        let inter: T = ci.iter().zip(&s[p * n..][..n]).map(|(&c, &sv)| c * sv).sum();
+                        let inter: T = ci
+                            .iter()
+                            .zip(&s[p * n..][..n])
+                            .map(|(&c, &sv)| c * sv)
+                            .sum();
                         let mut intra = T::zero();
                         for j in 0..=i {
                             let w = (lam[i] - lam[j]).min(T::zero()).exp();
@@ -133,9 +156,9 @@ pub fn scan_chunked<T: Real>(inp: &ScanInputs<T>, state: &mut [T], q: usize) -> 
                 // s_c = Σ_j exp(Λ_last − Λ_j)·δ_j·x_j ⊗ B_j, then S ← exp(Λ_last)·S + s_c.
                 let last = lam[len - 1];
                 chunk_state.iter_mut().for_each(|v| *v = T::zero());
-                for j in 0..len {
+                for (j, &lam_j) in lam.iter().enumerate().take(len) {
                     let bj = &inp.b[((start + j) * groups + g) * n..][..n];
-                    let w = (last - lam[j]).min(T::zero()).exp() * delta(j);
+                    let w = (last - lam_j).min(T::zero()).exp() * delta(j);
                     for p in 0..p_dim {
                         let wx = w * xv(j, p);
                         for (cs, &b) in chunk_state[p * n..][..n].iter_mut().zip(bj) {

@@ -4,9 +4,17 @@ use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/emit.wgsl"), include_str!("../../../shaders/argmax.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/emit.wgsl"),
+    include_str!("../../../shaders/argmax.wgsl"),
+];
 
-pub fn argmax(k: &Kernels, vocab: usize, logits: &wgpu::Buffer, ctrl: &wgpu::Buffer) -> Result<Dispatch> {
+pub fn argmax(
+    k: &Kernels,
+    vocab: usize,
+    logits: &wgpu::Buffer,
+    ctrl: &wgpu::Buffer,
+) -> Result<Dispatch> {
     check_len("argmax: logits", logits, vocab)?;
     let consts = [("WG", Const::U32(256)), ("V", Const::U32(vocab as u32))];
     let pipeline = k.pipeline("argmax", SOURCES, &consts, &[], false)?;

@@ -6,7 +6,10 @@ use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/mixer_row.wgsl"), include_str!("../../../shaders/conv_step.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/mixer_row.wgsl"),
+    include_str!("../../../shaders/conv_step.wgsl"),
+];
 
 pub fn conv_step(
     k: &Kernels,
@@ -19,13 +22,21 @@ pub fn conv_step(
 ) -> Result<Dispatch> {
     let rows = mc.conv_dim + mc.heads;
     check_len(&format!("{name}: mix"), mix, mc.d_inner + rows)?;
-    check_len(&format!("{name}: conv state"), conv_state, mc.conv_dim * (mc.kernel - 1))?;
+    check_len(
+        &format!("{name}: conv state"),
+        conv_state,
+        mc.conv_dim * (mc.kernel - 1),
+    )?;
     let wg = 64u32;
     let mut consts = vec![("WG", Const::U32(wg))];
     consts.extend(mc.consts());
     let pipeline = k.pipeline("conv_step", SOURCES, &consts, &["MIXER_ROW"], false)?;
     Ok(Dispatch {
-        bind_group: k.bind(&pipeline, name, &[(3, params), (5, mix), (6, conv_state), (7, ctrl)]),
+        bind_group: k.bind(
+            &pipeline,
+            name,
+            &[(3, params), (5, mix), (6, conv_state), (7, ctrl)],
+        ),
         pipeline,
         workgroups: ((rows as u32).div_ceil(wg), 1, 1),
         name: name.to_string(),

@@ -7,7 +7,12 @@ use crate::gpu::weights::DeviceMatrix;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/embed.wgsl")];
 
-pub fn embed(k: &Kernels, table: &DeviceMatrix, ctrl: &wgpu::Buffer, resid: &wgpu::Buffer) -> Result<Dispatch> {
+pub fn embed(
+    k: &Kernels,
+    table: &DeviceMatrix,
+    ctrl: &wgpu::Buffer,
+    resid: &wgpu::Buffer,
+) -> Result<Dispatch> {
     check_len("embed: resid", resid, table.cols)?;
     let wg = 64u32;
     let consts = [

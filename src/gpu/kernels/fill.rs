@@ -16,23 +16,51 @@ pub enum FillMode {
 }
 
 /// Records a fill of the first `words` words of `buffer` into `encoder`.
-pub fn fill(k: &Kernels, encoder: &mut wgpu::CommandEncoder, buffer: &wgpu::Buffer, words: u64, seed: u32, mode: FillMode) -> Result<()> {
+pub fn fill(
+    k: &Kernels,
+    encoder: &mut wgpu::CommandEncoder,
+    buffer: &wgpu::Buffer,
+    words: u64,
+    seed: u32,
+    mode: FillMode,
+) -> Result<()> {
     let (m, word, lo, hi) = match mode {
         FillMode::F32 { lo, hi } => (0u32, 0u32, lo, hi),
         FillMode::F16x2 { lo, hi } => (1, 0, lo, hi),
         FillMode::I8x4 => (2, 0, 0.0, 0.0),
         FillMode::Word(w) => (3, w, 0.0, 0.0),
     };
-    let params: [u32; 8] = [words as u32, seed, m, word, lo.to_bits(), hi.to_bits(), 0, 0];
-    let uniform = k.ctx.buffer("fill params", 32, wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST)?;
-    k.ctx.queue.write_buffer(&uniform, 0, bytemuck::cast_slice(&params));
+    let params: [u32; 8] = [
+        words as u32,
+        seed,
+        m,
+        word,
+        lo.to_bits(),
+        hi.to_bits(),
+        0,
+        0,
+    ];
+    let uniform = k.ctx.buffer(
+        "fill params",
+        32,
+        wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+    )?;
+    k.ctx
+        .queue
+        .write_buffer(&uniform, 0, bytemuck::cast_slice(&params));
     let pipeline = k.pipeline("fill", SOURCES, &[], &[], false)?;
     let bind_group = k.ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some("fill"),
         layout: &pipeline.get_bind_group_layout(0),
         entries: &[
-            wgpu::BindGroupEntry { binding: 0, resource: buffer.as_entire_binding() },
-            wgpu::BindGroupEntry { binding: 1, resource: uniform.as_entire_binding() },
+            wgpu::BindGroupEntry {
+                binding: 0,
+                resource: buffer.as_entire_binding(),
+            },
+            wgpu::BindGroupEntry {
+                binding: 1,
+                resource: uniform.as_entire_binding(),
+            },
         ],
     });
     let (x, y, z) = grid((words as u32).div_ceil(256));

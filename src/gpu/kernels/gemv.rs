@@ -9,7 +9,10 @@ use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
 use crate::model::quant::WeightFormat;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/mixer_row.wgsl"), include_str!("../../../shaders/gemv.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/mixer_row.wgsl"),
+    include_str!("../../../shaders/gemv.wgsl"),
+];
 
 /// Rows per workgroup.
 pub const ROWS: u32 = 8;
@@ -23,7 +26,13 @@ pub enum GemvInput {
     Rms { nw_off: usize, eps: f64 },
     /// `x = src ⊙ params[nw_off..] · rstd[g]`, `rstd[g]` from `parts_per_group` partial
     /// sums of squares per group of `group_size` channels (the gated group norm).
-    Group { nw_off: usize, groups: usize, group_size: usize, parts_per_group: usize, eps: f64 },
+    Group {
+        nw_off: usize,
+        groups: usize,
+        group_size: usize,
+        parts_per_group: usize,
+        eps: f64,
+    },
 }
 
 /// What happens to each output row.
@@ -90,12 +99,23 @@ pub fn workgroup_size(format: WeightFormat, kp: usize) -> u32 {
 pub fn workgroup_bytes(format: WeightFormat, kp: usize, groups: usize) -> u32 {
     let wg = workgroup_size(format, kp) as usize;
     let reduce = 4 * (ROWS as usize + 1) * wg;
-    let q8 = if format == WeightFormat::Q8_0 { kp + 4 * (kp / 32) } else { 0 };
+    let q8 = if format == WeightFormat::Q8_0 {
+        kp + 4 * (kp / 32)
+    } else {
+        0
+    };
     (reduce + q8 + 4 * groups) as u32
 }
 
 /// Builds the dispatch; fails if a buffer is too small for the shapes.
-pub fn gemv(k: &Kernels, name: &str, w: &DeviceMatrix, input: GemvInput, output: GemvOutput, b: GemvBuffers) -> Result<Dispatch> {
+pub fn gemv(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    input: GemvInput,
+    output: GemvOutput,
+    b: GemvBuffers,
+) -> Result<Dispatch> {
     let (m, kk) = (w.rows, w.cols);
     check_len(&format!("{name}: src"), b.src, kk)?;
     check_len(&format!("{name}: dst"), b.dst, m)?;
@@ -117,7 +137,13 @@ pub fn gemv(k: &Kernels, name: &str, w: &DeviceMatrix, input: GemvInput, output:
             flags.extend(["X_RMS", "NEED_PARAMS"]);
             consts.extend([("NW_OFF", u(nw_off)), ("EPS", Const::F32(eps as f32))]);
         }
-        GemvInput::Group { nw_off, groups, group_size, parts_per_group, eps } => {
+        GemvInput::Group {
+            nw_off,
+            groups,
+            group_size,
+            parts_per_group,
+            eps,
+        } => {
             flags.extend(["X_GROUP", "NEED_PARAMS"]);
             consts.extend([
                 ("NW_OFF", u(nw_off)),
@@ -126,7 +152,11 @@ pub fn gemv(k: &Kernels, name: &str, w: &DeviceMatrix, input: GemvInput, output:
                 ("GS", u(group_size)),
                 ("NPART", u(parts_per_group)),
             ]);
-            check_len(&format!("{name}: part"), b.part.expect("part buffer"), groups * parts_per_group)?;
+            check_len(
+                &format!("{name}: part"),
+                b.part.expect("part buffer"),
+                groups * parts_per_group,
+            )?;
         }
     }
     match output {

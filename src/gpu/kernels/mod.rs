@@ -32,7 +32,13 @@ pub enum Section {
 }
 
 impl Section {
-    pub const ALL: [Section; 5] = [Section::Matmul, Section::Conv, Section::Ssd, Section::Norm, Section::Other];
+    pub const ALL: [Section; 5] = [
+        Section::Matmul,
+        Section::Conv,
+        Section::Ssd,
+        Section::Norm,
+        Section::Other,
+    ];
     pub fn name(self) -> &'static str {
         match self {
             Section::Matmul => "MATMUL",
@@ -96,7 +102,10 @@ impl Kernels {
             flags.push("SUBGROUP");
         }
         let key = format!("{name}|{consts:?}|{flags:?}");
-        let mut cache = self.cache.lock().map_err(|_| Error::Gpu("pipeline cache poisoned".into()))?;
+        let mut cache = self
+            .cache
+            .lock()
+            .map_err(|_| Error::Gpu("pipeline cache poisoned".into()))?;
         if let Some(p) = cache.get(&key) {
             return Ok(p.clone());
         }
@@ -106,7 +115,12 @@ impl Kernels {
     }
 
     /// A bind group for group 0 of `pipeline` from `(binding, buffer)` pairs.
-    pub fn bind(&self, pipeline: &wgpu::ComputePipeline, label: &str, entries: &[(u32, &wgpu::Buffer)]) -> wgpu::BindGroup {
+    pub fn bind(
+        &self,
+        pipeline: &wgpu::ComputePipeline,
+        label: &str,
+        entries: &[(u32, &wgpu::Buffer)],
+    ) -> wgpu::BindGroup {
         let entries: Vec<wgpu::BindGroupEntry> = entries
             .iter()
             .map(|(binding, buffer)| wgpu::BindGroupEntry {
@@ -114,11 +128,13 @@ impl Kernels {
                 resource: buffer.as_entire_binding(),
             })
             .collect();
-        self.ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some(label),
-            layout: &pipeline.get_bind_group_layout(0),
-            entries: &entries,
-        })
+        self.ctx
+            .device
+            .create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(label),
+                layout: &pipeline.get_bind_group_layout(0),
+                entries: &entries,
+            })
     }
 }
 
@@ -138,7 +154,11 @@ pub fn check_len(what: &str, buffer: &wgpu::Buffer, count: usize) -> Result<()> 
 /// A workgroup grid covering `n` workgroups, folded into 2-D past the 65535 limit.
 pub fn grid(n: u32) -> (u32, u32, u32) {
     const MAX: u32 = 65535;
-    if n <= MAX { (n.max(1), 1, 1) } else { (MAX, n.div_ceil(MAX), 1) }
+    if n <= MAX {
+        (n.max(1), 1, 1)
+    } else {
+        (MAX, n.div_ceil(MAX), 1)
+    }
 }
 
 /// The smallest power of two ≥ n, clamped to [lo, hi].

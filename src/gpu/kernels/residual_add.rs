@@ -6,7 +6,13 @@ use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/residual_add.wgsl")];
 
-pub fn residual_add(k: &Kernels, name: &str, d: usize, src: &wgpu::Buffer, resid: &wgpu::Buffer) -> Result<Dispatch> {
+pub fn residual_add(
+    k: &Kernels,
+    name: &str,
+    d: usize,
+    src: &wgpu::Buffer,
+    resid: &wgpu::Buffer,
+) -> Result<Dispatch> {
     check_len(&format!("{name}: src"), src, d)?;
     check_len(&format!("{name}: resid"), resid, d)?;
     let consts = [("WG", Const::U32(64)), ("D", Const::U32(d as u32))];

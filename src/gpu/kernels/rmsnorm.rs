@@ -6,6 +6,7 @@ use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/rmsnorm.wgsl")];
 
+#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm(
     k: &Kernels,
     name: &str,

@@ -5,9 +5,18 @@ use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/emit.wgsl"), include_str!("../../../shaders/sample.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/emit.wgsl"),
+    include_str!("../../../shaders/sample.wgsl"),
+];
 
-pub fn sample(k: &Kernels, vocab: usize, logits: &wgpu::Buffer, ctrl: &wgpu::Buffer, probs: &wgpu::Buffer) -> Result<Dispatch> {
+pub fn sample(
+    k: &Kernels,
+    vocab: usize,
+    logits: &wgpu::Buffer,
+    ctrl: &wgpu::Buffer,
+    probs: &wgpu::Buffer,
+) -> Result<Dispatch> {
     check_len("sample: logits", logits, vocab)?;
     check_len("sample: probs", probs, vocab)?;
     let consts = [("WG", Const::U32(256)), ("V", Const::U32(vocab as u32))];

@@ -44,8 +44,16 @@ pub struct SsdBuffers<'a> {
 }
 
 pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<Dispatch> {
-    check_len(&format!("{name}: mix"), b.mix, c.d_inner + c.conv_dim + c.heads)?;
-    check_len(&format!("{name}: state"), b.state, c.heads * c.head_dim * c.d_state)?;
+    check_len(
+        &format!("{name}: mix"),
+        b.mix,
+        c.d_inner + c.conv_dim + c.heads,
+    )?;
+    check_len(
+        &format!("{name}: state"),
+        b.state,
+        c.heads * c.head_dim * c.d_state,
+    )?;
     check_len(&format!("{name}: y"), b.y, c.d_inner)?;
     let u = |v: usize| Const::U32(v as u32);
     let consts = [
@@ -63,7 +71,13 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         ("D_OFF", u(c.d_off)),
     ];
     let mut flags = vec!["REDUCE"];
-    let mut entries = vec![(0, b.mix), (1, b.params), (2, b.state), (3, b.y), (5, b.ctrl)];
+    let mut entries = vec![
+        (0, b.mix),
+        (1, b.params),
+        (2, b.state),
+        (3, b.y),
+        (5, b.ctrl),
+    ];
     if let Some(part) = b.part {
         check_len(&format!("{name}: part"), part, c.heads * c.blocks())?;
         flags.push("GATED");

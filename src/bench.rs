@@ -1,0 +1,329 @@
+//! Benchmarks at real model shapes with synthetic weights: presets for the Mamba2 family,
+//! the decode timing harness, and the anchors of PERFORMANCE.md the results are compared
+//! with. Timings live here and in `mamba2 bench`, never in test assertions.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::config::{ModelConfig, ModelFormat};
+use crate::error::{Error, Result};
+use crate::gpu::GpuBackend;
+use crate::gpu::kernels::Section;
+use crate::gpu::profiler::TokenProfile;
+use crate::sampling::Sampling;
+use crate::session::Backend;
+
+/// The preset names `mamba2 bench --config` accepts.
+pub const PRESETS: [&str; 7] = [
+    "tiny",
+    "130m",
+    "370m",
+    "780m",
+    "1.3b",
+    "2.7b",
+    "codestral-7b",
+];
+
+/// A config with the real shapes of a released model (state-spaces/mamba2-*, Mistral's
+/// Mamba-Codestral-7B), or a tiny one for smoke tests.
+pub fn preset(name: &str) -> Option<ModelConfig> {
+    let (d, layers, groups, vocab, tied) = match name {
+        "tiny" => (256, 4, 1, 4096, true),
+        "130m" => (768, 24, 1, 50288, true),
+        "370m" => (1024, 48, 1, 50288, true),
+        "780m" => (1536, 48, 1, 50288, true),
+        "1.3b" => (2048, 48, 1, 50288, true),
+        "2.7b" => (2560, 64, 1, 50288, true),
+        "codestral-7b" => (4096, 64, 8, 32768, false),
+        _ => return None,
+    };
+    let d_inner = 2 * d;
+    Some(ModelConfig {
+        format: if name == "codestral-7b" {
+            ModelFormat::Mistral
+        } else {
+            ModelFormat::MambaSsm
+        },
+        d_model: d,
+        n_layer: layers,
+        vocab_size: vocab,
+        d_inner,
+        n_heads: d_inner / 64,
+        head_dim: 64,
+        n_groups: groups,
+        d_state: if name == "tiny" { 64 } else { 128 },
+        d_conv: 4,
+        chunk_size: 256,
+        norm_eps: 1e-5,
+        tie_embeddings: tied,
+        conv_bias: true,
+        time_step_limit: (0.0, f64::INFINITY),
+    })
+}
+
+/// A reference figure a result is compared with (PERFORMANCE.md, same H200).
+#[derive(Clone, Debug, Serialize)]
+pub struct Anchor {
+    pub what: &'static str,
+    pub ms_per_token: f64,
+}
+
+/// The anchors of a preset's decode (ms per token, batch 1).
+pub fn anchors(preset: &str, format: &str) -> Vec<Anchor> {
+    let mut a = Vec::new();
+    let expert = "PyTorch cuBLAS bf16 + mamba_ssm Triton, CUDA graph";
+    match preset {
+        "130m" => {
+            a.push(Anchor {
+                what: expert,
+                ms_per_token: 1.24,
+            });
+            a.push(Anchor {
+                what: "HF transformers eager bf16",
+                ms_per_token: 1000.0 / 40.9,
+            });
+            a.push(Anchor {
+                what: "target",
+                ms_per_token: 0.3,
+            });
+        }
+        "2.7b" => {
+            a.push(Anchor {
+                what: expert,
+                ms_per_token: 4.57,
+            });
+            if format == "f16" {
+                a.push(Anchor {
+                    what: "target (f16)",
+                    ms_per_token: 2.0,
+                });
+            }
+        }
+        "codestral-7b" => {
+            a.push(Anchor {
+                what: expert,
+                ms_per_token: 6.73,
+            });
+            a.push(Anchor {
+                what: "HF transformers eager bf16",
+                ms_per_token: 1000.0 / 13.6,
+            });
+            match format {
+                "q8_0" => a.push(Anchor {
+                    what: "target (q8_0)",
+                    ms_per_token: 2.5,
+                }),
+                "f16" => a.push(Anchor {
+                    what: "target (f16)",
+                    ms_per_token: 4.0,
+                }),
+                _ => {}
+            }
+        }
+        _ => {}
+    }
+    a
+}
+
+/// One decode benchmark's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeReport {
+    pub config: String,
+    pub format: String,
+    pub device: String,
+    pub fused: bool,
+    pub tokens: usize,
+    pub median_ms: f64,
+    pub p10_ms: f64,
+    pub p90_ms: f64,
+    pub tokens_per_s: f64,
+    /// Weights + state read and written per token, over the median time.
+    pub gb_per_s: f64,
+    pub bytes_per_token: u64,
+    pub dispatches_per_token: usize,
+    /// Median GPU time per section over the profiled tokens (empty without timestamps).
+    pub sections_ms: Vec<(String, f64)>,
+    /// Median GPU time per kernel kind (name without the layer prefix), summed over layers.
+    pub kernels_ms: Vec<(String, f64)>,
+    pub gpu_ms: f64,
+    pub host_encode_ms: f64,
+    pub host_submit_ms: f64,
+    pub anchors: Vec<(Anchor, f64)>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    quantile(v, 0.5)
+}
+
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Times `tokens` greedy decode steps (after `warmup`) as the host sees them arrive, then
+/// profiles `profiled` more tokens when the adapter has timestamps.
+pub fn decode(
+    backend: &mut GpuBackend,
+    preset_name: &str,
+    tokens: usize,
+    warmup: usize,
+    profiled: usize,
+) -> Result<DecodeReport> {
+    if tokens < 2 {
+        return Err(Error::InvalidInput("bench needs at least 2 tokens".into()));
+    }
+    backend.reset()?;
+    let greedy = Sampling::greedy();
+    let first = backend.prefill_sample(&[1], &greedy, 1)?;
+    let mut arrivals: Vec<Instant> = Vec::with_capacity(warmup + tokens);
+    backend.decode(first, 2, warmup + tokens + 1, &greedy, &[], &mut |_| {
+        arrivals.push(Instant::now());
+        true
+    })?;
+    let mut gaps: Vec<f64> = arrivals
+        .windows(2)
+        .skip(warmup)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+        .collect();
+    let (p10, p90) = (quantile(&mut gaps, 0.1), quantile(&mut gaps, 0.9));
+    let med = median(&mut gaps);
+    let mut profiles: Vec<TokenProfile> = Vec::new();
+    if profiled > 0 && backend.set_profiling(true)? {
+        backend.profiles.clear();
+        backend.decode(first, 2, profiled, &greedy, &[], &mut |_| true)?;
+        profiles = std::mem::take(&mut backend.profiles);
+        backend.set_profiling(false)?;
+    }
+    let per = |f: &dyn Fn(&TokenProfile) -> f64| {
+        let mut v: Vec<f64> = profiles.iter().map(f).collect();
+        median(&mut v) / 1e6
+    };
+    let sections_ms = if profiles.is_empty() {
+        Vec::new()
+    } else {
+        Section::ALL
+            .iter()
+            .map(|s| (s.name().to_string(), per(&|p| p.section_ns(*s)).max(0.0)))
+            .collect()
+    };
+    let mut kinds: Vec<String> = Vec::new();
+    for k in profiles
+        .first()
+        .map(|p| p.kernels.as_slice())
+        .unwrap_or(&[])
+    {
+        let kind = kernel_kind(&k.name);
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
+    }
+    let kernels_ms = kinds
+        .into_iter()
+        .map(|kind| {
+            let v = per(&|p| {
+                p.kernels
+                    .iter()
+                    .filter(|k| kernel_kind(&k.name) == kind)
+                    .map(|k| k.ns)
+                    .sum()
+            });
+            (kind, v)
+        })
+        .collect();
+    let engine = &backend.engine;
+    let bytes = engine.bytes_per_token();
+    let format = engine.format.name().to_string();
+    let anchors = anchors(preset_name, &format).into_iter().map(|a| {
+        let ratio = a.ms_per_token / med;
+        (a, ratio)
+    });
+    Ok(DecodeReport {
+        config: preset_name.to_string(),
+        format,
+        device: engine.ctx().describe(),
+        fused: engine.fused,
+        tokens,
+        median_ms: med,
+        p10_ms: p10,
+        p90_ms: p90,
+        tokens_per_s: 1e3 / med,
+        gb_per_s: bytes as f64 / (med * 1e-3) / 1e9,
+        bytes_per_token: bytes,
+        dispatches_per_token: engine.graph(crate::gpu::graph::Tail::Greedy).len(),
+        sections_ms,
+        kernels_ms,
+        gpu_ms: if profiles.is_empty() {
+            f64::NAN
+        } else {
+            per(&|p| p.gpu_ns())
+        },
+        host_encode_ms: if profiles.is_empty() {
+            f64::NAN
+        } else {
+            per(&|p| p.encode_ns)
+        },
+        host_submit_ms: if profiles.is_empty() {
+            f64::NAN
+        } else {
+            per(&|p| p.submit_ns)
+        },
+        anchors: anchors.collect(),
+    })
+}
+
+/// `layers.12.in_proj+norm+conv` → `in_proj+norm+conv`.
+fn kernel_kind(name: &str) -> String {
+    match name.strip_prefix("layers.") {
+        Some(rest) => rest.split_once('.').map_or(rest, |(_, k)| k).to_string(),
+        None => name.to_string(),
+    }
+}
+
+impl DecodeReport {
+    /// A human-readable summary.
+    pub fn text(&self) -> String {
+        let mut s = format!(
+            "{} {} on {} ({})\n  decode: {:.3} ms/token median (p10 {:.3}, p90 {:.3}) over {} tokens = {:.1} tok/s\n  traffic: {:.1} MB/token → {:.0} GB/s\n  dispatches/token: {}\n",
+            self.config,
+            self.format,
+            self.device,
+            if self.fused { "fused" } else { "unfused" },
+            self.median_ms,
+            self.p10_ms,
+            self.p90_ms,
+            self.tokens,
+            self.tokens_per_s,
+            self.bytes_per_token as f64 / 1e6,
+            self.gb_per_s,
+            self.dispatches_per_token,
+        );
+        if !self.sections_ms.is_empty() {
+            s += &format!(
+                "  GPU time/token {:.3} ms (host encode {:.3} ms, submit {:.3} ms)\n  sections:",
+                self.gpu_ms, self.host_encode_ms, self.host_submit_ms
+            );
+            for (name, ms) in &self.sections_ms {
+                s += &format!(" {name} {ms:.3}");
+            }
+            s += "\n  kernels:";
+            for (name, ms) in &self.kernels_ms {
+                s += &format!(" {name} {ms:.3};");
+            }
+            s += "\n";
+        }
+        for (a, ratio) in &self.anchors {
+            s += &format!(
+                "  vs {}: {:.3} ms → {:.2}× {}\n",
+                a.what,
+                a.ms_per_token,
+                ratio,
+                if *ratio >= 1.0 { "faster" } else { "slower" }
+            );
+        }
+        s
+    }
+}

@@ -1,0 +1,86 @@
+//! `mamba2 bench`: decode speed at real model shapes with synthetic weights made on the
+//! device, compared with the anchors of PERFORMANCE.md.
+
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use mamba2_wgpu::bench::{PRESETS, decode, preset};
+use mamba2_wgpu::gpu::context::{GpuContext, pick_adapter};
+use mamba2_wgpu::gpu::{Engine, GpuBackend};
+use mamba2_wgpu::{DeviceChoice, WeightFormat};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Model shapes: tiny, 130m, 370m, 780m, 1.3b, 2.7b, codestral-7b (comma-separated list allowed).
+    #[arg(long, default_value = "130m", value_delimiter = ',')]
+    config: Vec<String>,
+    /// Weight formats of the big matrices (comma-separated list allowed).
+    #[arg(long, default_value = "f16", value_delimiter = ',')]
+    dtype: Vec<WeightFormat>,
+    /// Timed decode tokens (after warm-up).
+    #[arg(long, default_value_t = 100)]
+    tokens: usize,
+    /// Untimed warm-up tokens.
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    /// Tokens decoded with GPU timestamps for the per-section split (0 = none).
+    #[arg(long, default_value_t = 20)]
+    profile_tokens: usize,
+    /// Benchmark the unfused graph (7 dispatches per layer) instead of the fused one.
+    #[arg(long)]
+    no_fuse: bool,
+    /// Run both the fused and the unfused graph.
+    #[arg(long, conflicts_with = "no_fuse")]
+    both: bool,
+    /// The GPU to use: gpu, gpu:INDEX or gpu:NAME.
+    #[arg(long, default_value = "gpu")]
+    device: DeviceChoice,
+    /// Print JSON lines instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.device == DeviceChoice::Cpu {
+        bail!("bench measures the GPU engine; pick a GPU with --device gpu[:N]");
+    }
+    let fused_modes: Vec<bool> = match (args.both, args.no_fuse) {
+        (true, _) => vec![true, false],
+        (false, true) => vec![false],
+        (false, false) => vec![true],
+    };
+    for name in &args.config {
+        let config = preset(name).with_context(|| {
+            format!("unknown --config `{name}` (one of {})", PRESETS.join(", "))
+        })?;
+        for &format in &args.dtype {
+            let adapter = pick_adapter(&args.device)?.context("no GPU adapter")?;
+            let ctx = Arc::new(GpuContext::new(adapter, &Engine::needs(&config, format))?);
+            for &fused in &fused_modes {
+                if !args.json {
+                    eprintln!(
+                        "building {name} {} ({}) …",
+                        format.name(),
+                        if fused { "fused" } else { "unfused" }
+                    );
+                }
+                let engine = Engine::synthetic(ctx.clone(), &config, format, fused, 7)?;
+                let mut backend = GpuBackend::new(engine)?;
+                let report = decode(
+                    &mut backend,
+                    name,
+                    args.tokens,
+                    args.warmup,
+                    args.profile_tokens,
+                )?;
+                if args.json {
+                    println!("{}", serde_json::to_string(&report)?);
+                } else {
+                    print!("{}", report.text());
+                }
+            }
+        }
+    }
+    Ok(())
+}

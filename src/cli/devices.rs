@@ -1,0 +1,19 @@
+//! `mamba2 devices`: the adapters wgpu sees, with the features and limits that matter here.
+
+use clap::Args;
+use mamba2_wgpu::gpu::context::{adapter_report, adapters};
+
+#[derive(Args)]
+pub struct DevicesArgs {}
+
+pub fn run(_: DevicesArgs) -> anyhow::Result<()> {
+    let all = adapters();
+    if all.is_empty() {
+        println!("no GPU adapter found: `--device auto` runs on the CPU reference");
+        println!("(on Linux without a GPU: apt-get install mesa-vulkan-drivers for lavapipe)");
+    }
+    for (i, a) in all.iter().enumerate() {
+        println!("{}", adapter_report(i, a));
+    }
+    Ok(())
+}

@@ -1,0 +1,42 @@
+//! Opening a model on the device a user asked for: the one place front-ends (CLI, chat
+//! app, inspector) turn a `DeviceChoice` into a `Backend`.
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::gpu::context::{DeviceChoice, GpuContext, pick_adapter};
+use crate::gpu::{Engine, EngineOptions, GpuBackend};
+use crate::model::Model;
+use crate::reference::CpuModel;
+use crate::session::{Backend, CpuBackend};
+
+/// The backend for `choice`: a GPU engine with `opts`, or the CPU reference (asked for, or
+/// `Auto` with no adapter — then `notice` gets one line saying so).
+pub fn open_backend(
+    model: &Model,
+    choice: &DeviceChoice,
+    opts: EngineOptions,
+    notice: &mut dyn FnMut(&str),
+) -> Result<Box<dyn Backend>> {
+    match pick_adapter(choice)? {
+        Some(adapter) => {
+            let ctx = Arc::new(GpuContext::new(
+                adapter,
+                &Engine::needs(&model.config, opts.format),
+            )?);
+            let engine = Engine::new(ctx, model, opts)?;
+            Ok(Box::new(GpuBackend::new(engine)?))
+        }
+        None => {
+            if *choice == DeviceChoice::Auto {
+                notice(
+                    "no GPU adapter found: running on the CPU reference (install a Vulkan driver for the GPU path)",
+                );
+            }
+            Ok(Box::new(CpuBackend::new(CpuModel::<f32>::new(
+                &model.config,
+                &model.weights,
+            ))))
+        }
+    }
+}

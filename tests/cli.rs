@@ -1,0 +1,142 @@
+//! The `mamba2` binary end to end, as a user runs it.
+
+mod common;
+
+use std::process::Command;
+
+fn mamba2(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mamba2"))
+        .args(args)
+        .env("XDG_RUNTIME_DIR", "/tmp")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn oracle_ids(name: &str, tensor: &str) -> Vec<u32> {
+    let bytes = std::fs::read(common::fixture(name).join("oracle.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor(tensor)
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn join(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+#[test]
+fn generate_prompt_ids_on_every_device() {
+    let dir = common::fixture("nemotron_h_g2");
+    let (prompt, greedy) = (
+        oracle_ids("nemotron_h_g2", "prompt_ids"),
+        oracle_ids("nemotron_h_g2", "greedy_ids"),
+    );
+    let mut devices = vec!["cpu"];
+    if common::gpu(&Default::default()).is_some() {
+        devices.push("gpu");
+    }
+    for device in devices {
+        let (ok, out, err) = mamba2(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            &join(&prompt),
+            "-n",
+            "24",
+            "--device",
+            device,
+            "--dtype",
+            "f32",
+        ]);
+        assert!(ok, "{device}: {err}");
+        // The prompt ids are echoed, then each generated id streams as ",id".
+        assert_eq!(
+            out.trim(),
+            join(&[prompt.clone(), greedy.clone()].concat()),
+            "{device}"
+        );
+        assert!(
+            err.contains("37 prompt + 24 generated tokens"),
+            "{device}: {err}"
+        );
+    }
+}
+
+#[test]
+fn info_describes_the_model() {
+    let dir = common::fixture("nemotron_h_g2");
+    let (ok, out, err) = mamba2(&["info", "--model", dir.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    for want in [
+        "format     HF transformers nemotron_h (all Mamba)",
+        "layers     3",
+        "d_inner    96  (8 heads × head_dim 12)",
+        "groups     2  (d_state 16, conv kernel 4)",
+        "vocab      101",
+        "tied head  no",
+        "dtypes     f32 ×",
+        "tokenizer  none",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
+    // The embedded model needs no --model.
+    let (ok, out, err) = mamba2(&["info"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("embedded fortunes model") && out.contains("tokenizer  4096 tokens"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let (ok, _, err) = mamba2(&["info", "--model", "/nonexistent/model"]);
+    assert!(!ok);
+    assert!(
+        err.starts_with("error: /nonexistent/model: no config.json or params.json"),
+        "{err}"
+    );
+    let dir = common::fixture("hf_mamba2_g1");
+    let (ok, _, err) = mamba2(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "hello",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("has no tokenizer.json: pass the prompt as --prompt-ids"),
+        "{err}"
+    );
+    let (ok, _, err) = mamba2(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "1,100000",
+        "--device",
+        "cpu",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("token id 100000 is outside the vocabulary (size 100)"),
+        "{err}"
+    );
+    let (ok, _, err) = mamba2(&["generate", "--device", "tpu", "x"]);
+    assert!(!ok);
+    assert!(
+        err.contains("expected auto, cpu, gpu, gpu:INDEX or gpu:NAME"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"));
+}
