@@ -80,6 +80,8 @@ pub struct ChatApp {
     pub notices: Vec<String>,
     pub inspector: InspectorPanel,
     pub show_inspector: bool,
+    /// Whether the inspector was shown last frame (the state is read only while it is).
+    inspector_shown: bool,
 }
 
 impl ChatApp {
@@ -109,6 +111,7 @@ impl ChatApp {
             notices: Vec::new(),
             inspector: InspectorPanel::new(false),
             show_inspector: false,
+            inspector_shown: false,
         }
     }
 
@@ -275,7 +278,7 @@ impl ChatApp {
                     self.errors.push(error);
                 }
                 ChatEvent::Profiles(p) => self.inspector.timings.add_profiles(p),
-                ChatEvent::State(s) => self.inspector.set_summary(s),
+                ChatEvent::State(s) => self.inspector.set_summary(*s),
                 ChatEvent::Cleared => self.inspector.timings.clear(),
                 ChatEvent::Error(e) => {
                     if e.contains("the model was closed") {
@@ -488,6 +491,13 @@ impl ChatApp {
                     .id_salt("settings_scroll")
                     .show(ui, |ui| self.settings_ui(ui));
             });
+        if self.show_inspector != self.inspector_shown {
+            self.inspector_shown = self.show_inspector;
+            self.worker.send(ChatCommand::LiveState {
+                on: self.show_inspector && self.inspector.live_state,
+                hz: self.inspector.state_hz,
+            });
+        }
         if self.show_inspector {
             let actions = egui::Panel::right("chat_inspector")
                 .default_size(460.0)

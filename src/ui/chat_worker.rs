@@ -110,7 +110,7 @@ pub enum ChatEvent {
         error: String,
     },
     Profiles(Vec<TokenProfile>),
-    State(Result<StateSummary, String>),
+    State(Box<Result<StateSummary, String>>),
     Cleared,
     Error(String),
 }
@@ -210,7 +210,8 @@ fn worker_loop(rx: Receiver<ChatCommand>, out: Outbox<ChatEvent>, stop: Arc<Atom
         stop,
         live: None,
         profiling: false,
-        live_state: (true, 2.0),
+        // Off until the window shows the inspector.
+        live_state: (false, 2.0),
     };
     while let Ok(cmd) = rx.recv() {
         let what = match &cmd {
@@ -317,7 +318,7 @@ impl Worker {
         let mut session = Session::new(loaded.backend);
         let out = self.out.clone();
         let summarizer = Summarizer::spawn(loaded.info.config.clone(), move |s| {
-            out.send(ChatEvent::State(s));
+            out.send(ChatEvent::State(Box::new(s)));
         });
         let mut reader = StateReader::new(session.backend_mut(), summarizer);
         reader.set(self.live_state.0, self.live_state.1)?;

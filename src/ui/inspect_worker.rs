@@ -25,7 +25,7 @@ const BURST: usize = 8;
 pub enum InspectCommand {
     /// Open a model and prefill `prompt` (text; ignored without a tokenizer).
     Load {
-        req: LoadRequest,
+        req: Box<LoadRequest>,
         prompt: String,
     },
     Run,
@@ -51,7 +51,7 @@ pub enum InspectEvent {
     /// Decoded tokens: id, text piece, arrival.
     Tokens(Vec<(u32, Option<String>, Instant)>),
     Profiles(Vec<TokenProfile>),
-    State(Result<StateSummary, String>),
+    State(Box<Result<StateSummary, String>>),
     Running(bool),
     /// The state was zeroed and the prompt fed again.
     Restarted,
@@ -196,7 +196,7 @@ impl Worker {
 
     fn handle(&mut self, cmd: InspectCommand) -> Result<(), String> {
         match cmd {
-            InspectCommand::Load { req, prompt } => self.load(req, &prompt),
+            InspectCommand::Load { req, prompt } => self.load(*req, &prompt),
             InspectCommand::Run => {
                 self.set_running(self.live.is_some());
                 Ok(())
@@ -246,7 +246,8 @@ impl Worker {
         };
         match live.backend.gpu() {
             Some(g) => {
-                if !g.set_profiling(self.profiling).map_err(|e| e.to_string())? {
+                let ok = g.set_profiling(self.profiling).map_err(|e| e.to_string())?;
+                if !ok {
                     self.out.send(InspectEvent::Notice(
                         "this adapter has no timestamp queries: no GPU timings".into(),
                     ));
@@ -292,7 +293,7 @@ impl Worker {
         };
         let out = self.out.clone();
         let summarizer = Summarizer::spawn(loaded.info.config.clone(), move |s| {
-            out.send(InspectEvent::State(s));
+            out.send(InspectEvent::State(Box::new(s)));
         });
         let mut reader = StateReader::new(loaded.backend.as_mut(), summarizer);
         reader.set(self.live_state.0, self.live_state.1)?;

@@ -242,7 +242,7 @@ impl InspectorApp {
     pub fn new(req: LoadRequest, prompt: &str, run: bool) -> Self {
         let worker = InspectHandle::spawn();
         worker.send(InspectCommand::Load {
-            req,
+            req: Box::new(req),
             prompt: prompt.to_string(),
         });
         if run {
@@ -301,7 +301,7 @@ impl InspectorApp {
                     }
                 }
                 InspectEvent::Profiles(p) => self.panel.timings.add_profiles(p),
-                InspectEvent::State(s) => self.panel.set_summary(s),
+                InspectEvent::State(s) => self.panel.set_summary(*s),
                 InspectEvent::Running(r) => self.running = r,
                 InspectEvent::Restarted => {
                     self.panel.timings.clear();

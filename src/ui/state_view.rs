@@ -245,7 +245,7 @@ impl Scale {
                 hi = hi.max(v);
             }
         }
-        if !(hi > 0.0) {
+        if hi.is_nan() || hi <= 0.0 {
             return Scale { lo: 0.0, hi: 0.0 };
         }
         Scale {
@@ -256,7 +256,7 @@ impl Scale {
 
     /// `v` mapped to [0, 1].
     pub fn t(&self, v: f32) -> f32 {
-        if !(self.hi > 0.0) || v <= 0.0 {
+        if self.hi.is_nan() || self.hi <= 0.0 || v <= 0.0 {
             return 0.0;
         }
         if self.hi <= self.lo * 1.000_001 {

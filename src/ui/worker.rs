@@ -63,9 +63,12 @@ impl<E> Outbox<E> {
     }
 }
 
+/// A state to summarize and the token position it was read at.
+type StateJob = (State<f32>, u64);
+
 /// Summarizes states on a thread of its own, so a large state never delays decode.
 pub struct Summarizer {
-    tx: Sender<(State<f32>, u64)>,
+    tx: Sender<StateJob>,
 }
 
 impl Summarizer {
@@ -74,7 +77,7 @@ impl Summarizer {
         config: ModelConfig,
         deliver: impl Fn(Result<StateSummary, String>) + Send + 'static,
     ) -> Self {
-        let (tx, rx): (Sender<(State<f32>, u64)>, Receiver<(State<f32>, u64)>) = channel();
+        let (tx, rx) = channel::<StateJob>();
         std::thread::Builder::new()
             .name("mamba2-state-summary".into())
             .spawn(move || {
