@@ -10,7 +10,9 @@ pub fn bar(total: u64, message: &str) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:40}] {percent}% ({elapsed} / ~{duration})") {
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg} [{bar:40}] {percent}% ({elapsed} / ~{duration})")
+    {
         bar.set_style(style.progress_chars("=> "));
     }
     bar.set_message(message.to_string());

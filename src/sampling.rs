@@ -40,7 +40,10 @@ impl Sampling {
     pub fn validate(&self) -> crate::Result<()> {
         let bad = |m: String| Err(crate::Error::InvalidInput(m));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad(format!("temperature must be ≥ 0, found {}", self.temperature));
+            return bad(format!(
+                "temperature must be ≥ 0, found {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top-p must be in (0, 1], found {}", self.top_p));
@@ -86,7 +89,10 @@ pub fn sample(logits: &[f32], s: &Sampling, pos: u64) -> u32 {
         return argmax(logits);
     }
     let max = logits[argmax(logits) as usize];
-    let mut p: Vec<f32> = logits.iter().map(|&l| ((l - max) / s.temperature).exp()).collect();
+    let mut p: Vec<f32> = logits
+        .iter()
+        .map(|&l| ((l - max) / s.temperature).exp())
+        .collect();
     let mut threshold = 0.0f32;
     if s.top_k > 0 && s.top_k < p.len() {
         let mut sorted = p.clone();
@@ -140,7 +146,12 @@ mod tests {
     fn top_k_one_is_greedy_whatever_the_seed() {
         let logits = [0.1, 2.0, 1.9, -1.0];
         for seed in 0..50 {
-            let s = Sampling { temperature: 1.0, top_k: 1, top_p: 1.0, seed };
+            let s = Sampling {
+                temperature: 1.0,
+                top_k: 1,
+                top_p: 1.0,
+                seed,
+            };
             assert_eq!(sample(&logits, &s, seed * 3), 1);
         }
     }
@@ -149,7 +160,12 @@ mod tests {
     fn top_p_cuts_the_tail_and_sampling_follows_probabilities() {
         // p ∝ [0.5, 0.3, 0.2] at T = 1: top-p 0.7 keeps tokens 0 and 1 only.
         let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
-        let s = |seed| Sampling { temperature: 1.0, top_k: 0, top_p: 0.7, seed };
+        let s = |seed| Sampling {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.7,
+            seed,
+        };
         let mut counts = [0usize; 3];
         for pos in 0..4000 {
             counts[sample(&logits, &s(pos % 7), pos) as usize] += 1;

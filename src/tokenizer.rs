@@ -27,7 +27,8 @@ impl Tokenizer {
         let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
         let config_path = dir.join("tokenizer_config.json");
         let config = if config_path.is_file() {
-            let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+            let text =
+                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
             Some(
                 serde_json::from_str(&text)
                     .map_err(|e| Error::format(&config_path, format!("not valid JSON: {e}")))?,
@@ -42,12 +43,15 @@ impl Tokenizer {
 
     /// Builds from `tokenizer.json` bytes and an optional parsed `tokenizer_config.json`.
     pub fn from_bytes(bytes: &[u8], config: Option<&serde_json::Value>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let token_text = |key: &str| -> Option<String> {
             let v = config?.get(key)?;
-            v.as_str()
-                .map(str::to_string)
-                .or_else(|| v.get("content").and_then(|c| c.as_str()).map(str::to_string))
+            v.as_str().map(str::to_string).or_else(|| {
+                v.get("content")
+                    .and_then(|c| c.as_str())
+                    .map(str::to_string)
+            })
         };
         let eos_token = token_text("eos_token").or_else(|| {
             ["<|endoftext|>", "</s>", "<|im_end|>", "<|end_of_text|>"]
@@ -82,7 +86,9 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
     pub fn vocab_size(&self) -> usize {

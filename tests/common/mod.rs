@@ -10,12 +10,18 @@ use mamba2_wgpu::gpu::context::{DeviceChoice, GpuContext, Needs, pick_adapter};
 /// loud message, unless MAMBA2_REQUIRE_GPU is set (CI), where it fails.
 pub fn gpu(needs: &Needs) -> Option<Arc<GpuContext>> {
     match pick_adapter(&DeviceChoice::Auto) {
-        Ok(Some(adapter)) => Some(Arc::new(GpuContext::new(adapter, needs).expect("device creation"))),
+        Ok(Some(adapter)) => Some(Arc::new(
+            GpuContext::new(adapter, needs).expect("device creation"),
+        )),
         _ => {
             if std::env::var_os("MAMBA2_REQUIRE_GPU").is_some() {
-                panic!("MAMBA2_REQUIRE_GPU is set but no GPU adapter was found (install mesa-vulkan-drivers)");
+                panic!(
+                    "MAMBA2_REQUIRE_GPU is set but no GPU adapter was found (install mesa-vulkan-drivers)"
+                );
             }
-            eprintln!("\n!!!!!!!! SKIPPED: no GPU adapter (install mesa-vulkan-drivers for lavapipe) !!!!!!!!\n");
+            eprintln!(
+                "\n!!!!!!!! SKIPPED: no GPU adapter (install mesa-vulkan-drivers for lavapipe) !!!!!!!!\n"
+            );
             None
         }
     }
@@ -24,11 +30,17 @@ pub fn gpu(needs: &Needs) -> Option<Arc<GpuContext>> {
 /// Normalized mean squared error: Σ(a−b)² / Σb².
 pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     num / den.max(1e-30)
 }
 
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
