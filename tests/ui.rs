@@ -12,6 +12,8 @@
 //! they are written to docs/ only with MAMBA2_UPDATE_SCREENSHOTS=1, and otherwise only
 //! checked to be real pictures.
 
+#![cfg(feature = "ui")]
+
 use std::time::{Duration, Instant};
 
 use egui_kittest::Harness;
@@ -498,4 +500,46 @@ fn screenshot_inspector() {
     std::thread::sleep(Duration::from_millis(300));
     h.run_steps(4);
     screenshot(&mut h, "inspector");
+}
+
+#[test]
+fn state_tap_reads_what_the_engine_holds() {
+    use mamba2_wgpu::ui::state_tap::StateTap;
+    use mamba2_wgpu::{EngineOptions, GenerateOptions, Model, Session, open_backend};
+    let model = Model::synthetic(mamba2_wgpu::model::synthetic::tiny_config(2, 6), 5);
+    let backend = open_backend(
+        &model,
+        &DeviceChoice::Auto,
+        EngineOptions::default(),
+        &mut |_| {},
+    )
+    .expect("backend");
+    let mut session = Session::new(backend);
+    let Some(gpu) = session.backend_mut().gpu() else {
+        eprintln!("\n!!!!!!!! SKIPPED: no GPU adapter, the state tap is GPU-only !!!!!!!!\n");
+        return;
+    };
+    let mut tap = StateTap::new(&gpu.engine);
+    let opts = GenerateOptions {
+        max_new_tokens: 5,
+        ..Default::default()
+    };
+    session
+        .generate(&[1, 2, 3], &opts, |_| true)
+        .expect("generate");
+    assert!(tap.request(7).expect("request"));
+    assert!(
+        !tap.request(8).expect("second request"),
+        "one copy in flight at a time"
+    );
+    let (tapped, pos) = tap.wait().expect("wait").expect("a landed copy");
+    assert_eq!(pos, 7);
+    let blocking = session.backend().state().expect("blocking read");
+    assert_eq!(
+        tapped, blocking,
+        "the asynchronous copy is the state, layer by layer"
+    );
+    assert!(tapped.ssm.iter().flatten().any(|&v| v != 0.0));
+    // Nothing in flight: nothing to take.
+    assert!(tap.poll().expect("poll").is_none());
 }

@@ -355,7 +355,8 @@ impl Worker {
             reader,
             ..
         } = live;
-        let mut got: Vec<(u32, Option<String>, Instant)> = Vec::with_capacity(n);
+        let mut got: Vec<u32> = Vec::with_capacity(n);
+        let out = self.out.clone();
         let mut failure = None;
         let mut pos = *next_pos;
         let result = backend.decode(*last, *next_pos, n, &sampling, &[], &mut |id| {
@@ -367,7 +368,9 @@ impl Worker {
                 }
                 None => None,
             };
-            got.push((id, piece, Instant::now()));
+            // Each token goes to the window as it comes (a slow device still looks alive).
+            out.send(InspectEvent::Tokens(vec![(id, piece, Instant::now())]));
+            got.push(id);
             pos += 1;
             if let Err(e) = reader.during_decode(pos) {
                 failure = Some(e);
@@ -376,14 +379,11 @@ impl Worker {
             !(running && pause.load(Ordering::SeqCst))
         });
         let sampled = result.map_err(|e| e.to_string())?;
-        if let Some((id, _, _)) = got.last() {
+        if let Some(id) = got.last() {
             *last = *id;
         }
         *next_pos += sampled as u64;
         let profiles = take_profiles(backend.as_mut());
-        if !got.is_empty() {
-            self.out.send(InspectEvent::Tokens(got));
-        }
         if !profiles.is_empty() {
             self.out.send(InspectEvent::Profiles(profiles));
         }
