@@ -426,30 +426,34 @@ pub fn summary_ui(ui: &mut Ui, t: &Timings, graph_dispatches: Option<usize>) {
 /// GPU time per token and tok/s over time, and the dispatch timeline of the last token.
 pub fn plots_ui(ui: &mut Ui, t: &Timings) {
     let h = 140.0;
-    ui.strong("GPU time per token (µs), by section");
-    Plot::new("gpu_per_token")
-        .height(h)
-        .legend(Legend::default())
-        .allow_scroll(false)
-        .x_axis_label("token")
-        .show(ui, |plot| {
-            let total: Vec<[f64; 2]> = t
-                .profiles
-                .iter()
-                .map(|(i, p)| [*i as f64, p.gpu_ns() / 1e3])
-                .collect();
-            plot.line(Line::new("total", PlotPoints::from(total)).color(Color32::WHITE));
-            for s in Section::ALL {
-                let pts: Vec<[f64; 2]> = t
+    if !t.profiles.is_empty() {
+        ui.strong("GPU time per token (µs), by section");
+        Plot::new("gpu_per_token")
+            .height(h)
+            .legend(Legend::default())
+            .allow_scroll(false)
+            .x_axis_label("token")
+            .show(ui, |plot| {
+                let total: Vec<[f64; 2]> = t
                     .profiles
                     .iter()
-                    .map(|(i, p)| [*i as f64, p.section_ns(s) / 1e3])
+                    .map(|(i, p)| [*i as f64, p.gpu_ns() / 1e3])
                     .collect();
-                if pts.iter().any(|p| p[1] > 0.0) {
-                    plot.line(Line::new(s.name(), PlotPoints::from(pts)).color(section_color(s)));
+                plot.line(Line::new("total", PlotPoints::from(total)).color(Color32::WHITE));
+                for s in Section::ALL {
+                    let pts: Vec<[f64; 2]> = t
+                        .profiles
+                        .iter()
+                        .map(|(i, p)| [*i as f64, p.section_ns(s) / 1e3])
+                        .collect();
+                    if pts.iter().any(|p| p[1] > 0.0) {
+                        plot.line(
+                            Line::new(s.name(), PlotPoints::from(pts)).color(section_color(s)),
+                        );
+                    }
                 }
-            }
-        });
+            });
+    }
     ui.strong("tokens/s over time");
     Plot::new("tok_per_s")
         .height(h)
