@@ -1,6 +1,6 @@
 // Greedy sampling on the device: ctrl.token = argmax(logits) (lowest id on ties; NaN never
-// wins), unless a stop token was already sampled. Marks `stopped` when the new token is a
-// stop token. One workgroup.
+// wins), unless a stop token was already sampled. One workgroup of WG threads, each
+// keeping four independent loads in flight per step.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read_write> ctrl: Ctrl;
@@ -8,32 +8,39 @@
 var<workgroup> best_v: array<f32, WG>;
 var<workgroup> best_i: array<u32, WG>;
 
+// Is (v, i) better than (bv, bi)?
+fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
+    return v > bv || (v == bv && i < bi);
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32) {
     var bv = -3.4e38;
     var bi = 0xffffffffu;
-    for (var k = lid; k < V; k += WG) {
-        let v = logits[k];
-        if (v > bv || (bi == 0xffffffffu && v == bv)) {
-            bv = v;
-            bi = k;
+    for (var base = 0u; base < V; base += 4u * WG) {
+        var v: array<f32, 4>;
+        for (var j = 0u; j < 4u; j++) {
+            let k = base + j * WG + lid;
+            v[j] = -3.4e38;
+            if (k < V) {
+                v[j] = logits[k];
+            }
+        }
+        for (var j = 0u; j < 4u; j++) {
+            let k = base + j * WG + lid;
+            if (k < V && better(v[j], k, bv, bi)) {
+                bv = v[j];
+                bi = k;
+            }
         }
     }
     best_v[lid] = bv;
     best_i[lid] = bi;
     workgroupBarrier();
-    var stride = 1u;
-    while (stride * 2u < WG) {
-        stride *= 2u;
-    }
-    for (; stride > 0u; stride /= 2u) {
-        if (lid < stride && lid + stride < WG) {
-            let ov = best_v[lid + stride];
-            let oi = best_i[lid + stride];
-            if (ov > best_v[lid] || (ov == best_v[lid] && oi < best_i[lid])) {
-                best_v[lid] = ov;
-                best_i[lid] = oi;
-            }
+    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
+        if (lid < stride && better(best_v[lid + stride], best_i[lid + stride], best_v[lid], best_i[lid])) {
+            best_v[lid] = best_v[lid + stride];
+            best_i[lid] = best_i[lid + stride];
         }
         workgroupBarrier();
     }

@@ -81,3 +81,70 @@ fn wg_sum(v: array<f32, RV>, lid: u32, sg_lane: u32, sg_size: u32) -> array<f32,
     return out;
 }
 #endif
+
+#if TEAM_REDUCE
+// Sum over a team of TEAM consecutive invocations (TEAM a power of two); the team's first
+// lane gets the total. With TEAM_SHUFFLE, groups of SUB lanes (SUB ≤ the subgroup size,
+// so each lies inside one subgroup) reduce by a butterfly of subgroupShuffleXor, and the
+// TEAM/SUB partials of a team meet in workgroup memory. Otherwise a workgroup-memory tree.
+// Every invocation of the workgroup must call it (uniform control flow).
+var<workgroup> team_red: array<f32, WG>;
+
+fn team_sum(v: f32, lid: u32) -> f32 {
+#if TEAM_SHUFFLE
+    var s = v;
+    for (var o = SUB / 2u; o > 0u; o /= 2u) {
+        s += subgroupShuffleXor(s, o);
+    }
+    if (TEAM == SUB) {
+        return s;
+    }
+    if (lid % SUB == 0u) {
+        team_red[lid / SUB] = s;
+    }
+    workgroupBarrier();
+    var t = 0.0;
+    if (lid % TEAM == 0u) {
+        let first = lid / SUB;
+        for (var i = 0u; i < TEAM / SUB; i++) {
+            t += team_red[first + i];
+        }
+    }
+    workgroupBarrier();
+    return t;
+#else
+    team_red[lid] = v;
+    workgroupBarrier();
+    for (var o = TEAM / 2u; o > 0u; o /= 2u) {
+        if ((lid % TEAM) < o) {
+            team_red[lid] += team_red[lid + o];
+        }
+        workgroupBarrier();
+    }
+    let t = team_red[lid - lid % TEAM];
+    workgroupBarrier();
+    return t;
+#endif
+}
+#endif
+
+#if Q8_OUT
+// Quantizes 32 values to a q8 activation block the way the q8_0 GEMV reads it: d =
+// amax/127, q = round(v/d) (ties to even), four int8 per u32 (model::quant mirrors it).
+fn q8_block(v: array<f32, 32>, blk: u32) {
+    var amax = 0.0;
+    for (var j = 0u; j < 32u; j++) {
+        amax = max(amax, abs(v[j]));
+    }
+    let d = amax / 127.0;
+    var inv = 0.0;
+    if (d > 0.0) {
+        inv = 1.0 / d;
+    }
+    for (var q = 0u; q < 8u; q++) {
+        let f = vec4<f32>(v[4u * q], v[4u * q + 1u], v[4u * q + 2u], v[4u * q + 3u]) * inv;
+        xq[blk * 8u + q] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
+    }
+    xd[blk] = d;
+}
+#endif

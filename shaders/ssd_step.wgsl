@@ -1,9 +1,11 @@
-// The selective state update of one token, per head h and block of PB channels p:
-//   S[h,p,:] = exp(δ_h·A_h)·S[h,p,:] + δ_h·x[h,p]·B[g(h),:];   y[h,p] = C[g(h),:]·S[h,p,:] + D_h·x[h,p]
-// One workgroup of WG = N threads per (p-block, head); thread n owns column n of the
-// block's rows, so the state is read and written contiguously. Reads the mixer row
-// vector `mix` = [z | x B C | δ]. Flag GATED (fused graph): writes v = y·silu(z) and the
-// block's Σ v² for the next kernel's group norm, instead of y.
+// The selective state update of one token over a block of CB consecutive channels
+// c = h·P + p (a block may span heads; each row uses its own head's δ, A, D and group):
+//   S[c,:] = exp(δ_h·A_h)·S[c,:] + δ_h·x[c]·B[g(h),:];   y[c] = C[g(h),:]·S[c,:] + D_h·x[c]
+// A team of TEAM invocations owns a row; lane j holds the state columns n ≡ j (mod TEAM),
+// so a team reads its row contiguously. Reads the mixer row vector `mix` = [z | x B C | δ].
+// GATED (fused graph): writes u = y·silu(z)·w_norm for the out_proj GEMV and the block's
+// Σ(y·silu(z))² (`part`), from which out_proj applies each group's 1/rms; with Q8_OUT
+// also the block's q8 activation (CB = 32).
 
 @group(0) @binding(0) var<storage, read> mix: array<f32>;
 @group(0) @binding(1) var<storage, read> params: array<f32>;
@@ -11,67 +13,76 @@
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 #if GATED
 @group(0) @binding(4) var<storage, read_write> part: array<f32>;
-var<workgroup> vsq: array<f32, PB>;
+var<workgroup> vals: array<f32, CB>;
+var<workgroup> sq: array<f32, CB>;
 #endif
 @group(0) @binding(5) var<storage, read> ctrl: Ctrl;
+#if Q8_OUT
+@group(0) @binding(6) var<storage, read_write> xq: array<u32>;
+@group(0) @binding(7) var<storage, read_write> xd: array<f32>;
+#endif
 
 @compute @workgroup_size(WG)
-fn main(
-    @builtin(local_invocation_index) lid: u32,
-    @builtin(workgroup_id) wid: vec3<u32>,
-#if SUBGROUP
-    @builtin(subgroup_invocation_id) sg_lane: u32,
-    @builtin(subgroup_size) sg_size: u32,
-#endif
-) {
-#if !SUBGROUP
-    let sg_lane = 0u;
-    let sg_size = 1u;
-#endif
-    let pb = wid.x;
-    let h = wid.y;
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = lid / TEAM;
+    let lane = lid % TEAM;
+    let c = wid.x * CB + r;
+    let h = c / P;
     let g = h / (H / G);
-    let n = lid;
     let delta = mix[DI + CD + h];
     let alpha = exp(delta * params[A_OFF + h]);
-    let bn = mix[DI + DI + g * N + n];
-    let cn = mix[DI + DI + G * N + g * N + n];
+    let xv = mix[DI + c];
+    let dx = delta * xv;
     let live = ctrl.stopped == 0u;
-    var part_y: array<f32, RV>;
-    for (var i = 0u; i < PB; i++) {
-        let p = pb * PB + i;
-        if (p < P) {
-            let xv = mix[DI + h * P + p];
-            let idx = (h * P + p) * N + n;
-            let s = alpha * state[idx] + delta * xv * bn;
-            if (live) {
-                state[idx] = s;
-            }
-            part_y[i] = cn * s;
+    let bbase = DI + DI + g * N;
+    let cbase = DI + DI + G * N + g * N;
+    var acc = 0.0;
+    for (var n = lane; n < N; n += TEAM) {
+        let idx = c * N + n;
+        let s = alpha * state[idx] + dx * mix[bbase + n];
+        if (live) {
+            state[idx] = s;
         }
+        acc += mix[cbase + n] * s;
     }
-    var tot = wg_sum(part_y, lid, sg_lane, sg_size);
-    var v = 0.0;
-    let p = pb * PB + lid;
-    if (lid < PB && p < P) {
-        let ch = h * P + p;
-        v = tot[lid] + params[D_OFF + h] * mix[DI + ch];
+    let out = team_sum(acc, lid) + params[D_OFF + h] * xv;
 #if GATED
-        v *= silu(mix[ch]);
-#endif
-        y[ch] = v;
-    }
-#if GATED
-    if (lid < PB) {
-        vsq[lid] = v * v;
+    let v = out * silu(mix[c]);
+    if (lane == 0u) {
+        y[c] = v * params[NW_OFF + c];
+        vals[r] = v * params[NW_OFF + c];
+        sq[r] = v * v;
     }
     workgroupBarrier();
     if (lid == 0u) {
         var s = 0.0;
-        for (var i = 0u; i < PB; i++) {
-            s += vsq[i];
+        for (var i = 0u; i < CB; i++) {
+            s += sq[i];
         }
-        part[h * NPB + pb] = s;
+        part[wid.x] = s;
+    }
+#if Q8_OUT
+    // The block's q8 activation: 8 invocations pack 4 values each.
+    if (lid < 8u) {
+        var amax = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            amax = max(amax, abs(vals[i]));
+        }
+        let d = amax / 127.0;
+        var inv = 0.0;
+        if (d > 0.0) {
+            inv = 1.0 / d;
+        }
+        let f = vec4<f32>(vals[4u * lid], vals[4u * lid + 1u], vals[4u * lid + 2u], vals[4u * lid + 3u]) * inv;
+        xq[wid.x * 8u + lid] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
+        if (lid == 0u) {
+            xd[wid.x] = d;
+        }
+    }
+#endif
+#else
+    if (lane == 0u) {
+        y[c] = out;
     }
 #endif
 }

@@ -17,6 +17,7 @@ pub mod device;
 pub mod error;
 pub mod gpu;
 pub mod model;
+pub mod perplexity;
 pub mod progress;
 pub mod reference;
 pub mod sampling;

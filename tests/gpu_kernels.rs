@@ -9,13 +9,17 @@ use std::sync::Arc;
 
 use mamba2_wgpu::gpu::context::{GpuContext, Needs};
 use mamba2_wgpu::gpu::graph::Ctrl;
+use mamba2_wgpu::gpu::kernels::gated_norm::GatedNormBuffers;
 use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, MixerConsts, gemv};
+use mamba2_wgpu::gpu::kernels::rmsnorm::NormBuffers;
 use mamba2_wgpu::gpu::kernels::ssd_step::{SsdBuffers, SsdConsts, ssd_step};
 use mamba2_wgpu::gpu::kernels::{
-    Dispatch, Kernels, argmax, embed, gated_norm, residual_add, rmsnorm, sample,
+    Dispatch, Kernels, argmax, conv_step, embed, gated_norm, residual_add, rmsnorm, sample,
 };
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
-use mamba2_wgpu::model::quant::{WeightFormat, pack, q8_0_gemv_reference, unpack};
+use mamba2_wgpu::model::quant::{
+    WeightFormat, pack, q8_0_gemv_reference, quantize_activation_block, unpack,
+};
 use mamba2_wgpu::reference::math::{
     gated_group_rmsnorm, matvec, rmsnorm as ref_rmsnorm, silu, softplus,
 };
@@ -99,24 +103,58 @@ fn matrix(
     (DeviceMatrix::upload(g.ctx(), "w", &p).unwrap(), unpack(&p))
 }
 
-fn plain<'a>(src: &'a wgpu::Buffer, dst: &'a wgpu::Buffer) -> GemvBuffers<'a> {
+/// x zero-padded to a multiple of 32 (what producers leave in the activation buffers).
+fn padded(x: &[f32]) -> Vec<f32> {
+    let mut v = x.to_vec();
+    v.resize(x.len().next_multiple_of(32), 0.0);
+    v
+}
+
+/// The q8 activation blocks of x, as the kernels' producers write them.
+fn q8_blocks(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
+    let x = padded(x);
+    let (mut q, mut d) = (Vec::new(), Vec::new());
+    for b in x.chunks(32) {
+        let (qs, s) = quantize_activation_block(b.try_into().unwrap());
+        q.extend(
+            qs.chunks(4)
+                .map(|c| u32::from_le_bytes([c[0] as u8, c[1] as u8, c[2] as u8, c[3] as u8])),
+        );
+        d.push(s);
+    }
+    (q, d)
+}
+
+/// Dequantized q8 blocks (to check a producer's q8 output against its f32 output).
+fn dequant(q: &[u32], d: &[f32], n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (q[i / 4].to_le_bytes()[i % 4] as i8) as f32 * d[i / 32])
+        .collect()
+}
+
+fn gemv_buffers<'a>(
+    src: &'a wgpu::Buffer,
+    q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    dst: &'a wgpu::Buffer,
+) -> GemvBuffers<'a> {
     GemvBuffers {
         src,
-        params: None,
-        part: None,
+        q8,
         dst,
+        part: None,
+        params: None,
         conv_state: None,
         ctrl: None,
     }
 }
 
 #[test]
-fn gemv_plain_every_format() {
+fn gemv_every_format_and_shape() {
     let Some(g) = Gpu::new() else { return };
     for (rows, cols) in [(37, 70), (8, 256), (129, 1000), (3, 5)] {
         let w = rand(1, rows * cols, -1.0, 1.0);
         let x = rand(2, cols, -2.0, 2.0);
-        let (src, dst) = (g.buf(&x), g.zeros(rows));
+        let (src, dst) = (g.buf(&padded(&x)), g.zeros(rows));
         for format in [WeightFormat::F32, WeightFormat::F16] {
             let (m, deq) = matrix(&g, format, &w, rows, cols);
             g.run(
@@ -126,7 +164,7 @@ fn gemv_plain_every_format() {
                     &m,
                     GemvInput::Plain,
                     GemvOutput::Store,
-                    plain(&src, &dst),
+                    gemv_buffers(&src, None, &dst),
                 )
                 .unwrap(),
             );
@@ -139,8 +177,16 @@ fn gemv_plain_every_format() {
                 1e-7,
             );
         }
+        // q8_0: equal to the host's q8_0 dot product (same integer dots) to f32 rounding.
         let p = pack(WeightFormat::Q8_0, &w, rows, cols);
         let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
+        let (q, d) = q8_blocks(&x);
+        let (qb, db) = (
+            g.ctx()
+                .storage_with("xq", bytemuck::cast_slice(&q))
+                .unwrap(),
+            g.buf(&d),
+        );
         g.run(
             &gemv(
                 &g.k,
@@ -148,16 +194,16 @@ fn gemv_plain_every_format() {
                 &m,
                 GemvInput::Plain,
                 GemvOutput::Store,
-                plain(&src, &dst),
+                gemv_buffers(&src, Some((&qb, &db)), &dst),
             )
             .unwrap(),
         );
         let want = q8_0_gemv_reference(&p, &x);
         let got = g.read(&dst, rows);
+        let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
         for (r, (a, b)) in got.iter().zip(&want).enumerate() {
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert!(
-                (a - b).abs() <= 2e-6 * scale.max(1.0),
+                (a - b).abs() <= 2e-6 * scale,
                 "q8_0 [{rows},{cols}] row {r}: {a} vs {b}"
             );
         }
@@ -165,94 +211,50 @@ fn gemv_plain_every_format() {
 }
 
 #[test]
-fn gemv_fused_norm_prologue_and_residual_epilogue() {
+fn rmsnorm_writes_f32_and_q8_inputs() {
     let Some(g) = Gpu::new() else { return };
-    let (rows, cols) = (45, 72);
-    let w = rand(3, rows * cols, -0.5, 0.5);
-    let resid = rand(4, cols, -3.0, 3.0);
-    let params: Vec<f32> = [vec![9.0; 5], rand(5, cols, 0.5, 1.5)].concat(); // norm at offset 5
-    let add_to = rand(6, rows, -1.0, 1.0);
-    for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8_0] {
-        let (m, deq) = matrix(&g, format, &w, rows, cols);
-        let (src, pbuf, dst) = (g.buf(&resid), g.buf(&params), g.buf(&add_to));
-        let b = GemvBuffers {
+    for d in [300, 48, 4096] {
+        let x = rand(30, d, -3.0, 3.0);
+        let params = [vec![0.0; 7], rand(31, d, 0.5, 1.5)].concat();
+        let (src, pbuf, dst) = (g.buf(&x), g.buf(&params), g.zeros(d.next_multiple_of(32)));
+        let (xq, xd) = (g.zeros(d.div_ceil(32) * 8), g.zeros(d.div_ceil(32)));
+        let b = NormBuffers {
             src: &src,
-            params: Some(&pbuf),
-            part: None,
+            params: &pbuf,
             dst: &dst,
-            conv_state: None,
-            ctrl: None,
+            q8: Some((&xq, &xd)),
         };
-        g.run(
-            &gemv(
-                &g.k,
-                "t",
-                &m,
-                GemvInput::Rms {
-                    nw_off: 5,
-                    eps: 1e-5,
-                },
-                GemvOutput::Add,
-                b,
-            )
-            .unwrap(),
-        );
-        let h = ref_rmsnorm(&resid, &params[5..], 1e-5);
-        let mut want = vec![0f32; rows];
-        matvec(&deq, &h, &mut want);
-        want.iter_mut().zip(&add_to).for_each(|(w, a)| *w += a);
-        // q8_0 also quantizes the activation: compare with a looser bound.
-        let tol = if format == WeightFormat::Q8_0 {
-            1e-4
-        } else {
-            1e-7
-        };
-        assert_nmse(
-            &format!("rms gemv add {}", format.name()),
-            &g.read(&dst, rows),
-            &want,
-            tol,
-        );
+        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, b).unwrap());
+        let got = g.read(&dst, d);
+        assert_nmse("rmsnorm", &got, &ref_rmsnorm(&x, &params[7..], 1e-5), 1e-7);
+        let q: Vec<u32> =
+            bytemuck::cast_slice(&g.ctx().read(&xq, 4 * (d.div_ceil(32) * 8) as u64).unwrap())
+                .to_vec();
+        let s = g.read(&xd, d.div_ceil(32));
+        let back = dequant(&q, &s, d);
+        for (i, (a, b)) in back.iter().zip(&got).enumerate() {
+            assert!(
+                (a - b).abs() <= 0.51 * s[i / 32] + 1e-6,
+                "q8 block {}: {a} vs {b}",
+                i / 32
+            );
+        }
     }
 }
 
 #[test]
-fn gemv_group_norm_prologue() {
+fn gemv_with_the_group_norm_folded_in() {
     let Some(g) = Gpu::new() else { return };
-    // d_inner 96 = 8 heads × 12, G = 2, one partial per (head, 8-channel block): 2 blocks/head.
-    let (heads, p, groups, rows) = (8, 12, 2, 21);
-    let di = heads * p;
+    // d_inner 192 in G = 3 groups of 64; the SSD step's input: u = v ⊙ w and Σv² per
+    // 32-channel block (2 blocks per group).
+    let (di, groups, rows, cb) = (192, 3, 21, 32);
     let v = rand(7, di, -2.0, 2.0);
     let wn = rand(8, di, 0.5, 1.5);
-    let blocks = 2;
-    let mut part = vec![0f32; heads * blocks];
-    for h in 0..heads {
-        for pb in 0..blocks {
-            part[h * blocks + pb] = (pb * 8..((pb + 1) * 8).min(p))
-                .map(|c| v[h * p + c].powi(2))
-                .sum();
-        }
-    }
-    let w = rand(9, rows * di, -0.5, 0.5);
-    let (m, deq) = matrix(&g, WeightFormat::F32, &w, rows, di);
-    let (src, pbuf, partb, dst) = (g.buf(&v), g.buf(&wn), g.buf(&part), g.zeros(rows));
-    let input = GemvInput::Group {
-        nw_off: 0,
-        groups,
-        group_size: di / groups,
-        parts_per_group: heads / groups * blocks,
-        eps: 1e-5,
-    };
-    let b = GemvBuffers {
-        src: &src,
-        params: Some(&pbuf),
-        part: Some(&partb),
-        dst: &dst,
-        conv_state: None,
-        ctrl: None,
-    };
-    g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
-    // gated_group_rmsnorm with z → ∞ (silu(z) = z... use the plain group norm of v):
+    let u: Vec<f32> = v.iter().zip(&wn).map(|(a, b)| a * b).collect();
+    let part: Vec<f32> = v
+        .chunks(cb)
+        .map(|c| c.iter().map(|a| a * a).sum())
+        .collect();
     let size = di / groups;
     let mut x = v.clone();
     for (gi, chunk) in x.chunks_mut(size).enumerate() {
@@ -261,9 +263,42 @@ fn gemv_group_norm_prologue() {
             *a *= rstd * wn[gi * size + k];
         }
     }
-    let mut want = vec![0f32; rows];
-    matvec(&deq, &x, &mut want);
-    assert_nmse("group-norm gemv", &g.read(&dst, rows), &want, 1e-7);
+    let w = rand(9, rows * di, -0.5, 0.5);
+    let input = GemvInput::Group {
+        groups,
+        group_size: size,
+        blocks_per_group: size / cb,
+        eps: 1e-5,
+    };
+    let (src, partb, dst) = (g.buf(&u), g.buf(&part), g.zeros(rows));
+    let (q, d) = q8_blocks(&u);
+    let (qb, db) = (
+        g.ctx()
+            .storage_with("xq", bytemuck::cast_slice(&q))
+            .unwrap(),
+        g.buf(&d),
+    );
+    for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8_0] {
+        let (m, deq) = matrix(&g, format, &w, rows, di);
+        let b = GemvBuffers {
+            part: Some(&partb),
+            ..gemv_buffers(&src, Some((&qb, &db)), &dst)
+        };
+        g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
+        let mut want = vec![0f32; rows];
+        matvec(&deq, &x, &mut want);
+        let tol = if format == WeightFormat::Q8_0 {
+            1e-4
+        } else {
+            1e-7
+        };
+        assert_nmse(
+            &format!("group-norm gemv {}", format.name()),
+            &g.read(&dst, rows),
+            &want,
+            tol,
+        );
+    }
 }
 
 /// Sizes of a mixer with G = 2, head dim 6, N = 12 and conv kernel 4.
@@ -318,10 +353,7 @@ fn conv_step_and_fused_mixer_epilogue() {
     // Unfused: the conv_step kernel on a raw row vector.
     let row = rand(12, rows, -2.0, 2.0);
     let (mix, pbuf, cs) = (g.buf(&row), g.buf(&params), g.buf(&conv0));
-    g.run(
-        &mamba2_wgpu::gpu::kernels::conv_step::conv_step(&g.k, "t", mc, &mix, &pbuf, &cs, &ctrl)
-            .unwrap(),
-    );
+    g.run(&conv_step::conv_step(&g.k, "t", mc, &mix, &pbuf, &cs, &ctrl).unwrap());
     let mut conv_want = conv0.clone();
     let want = mixer_reference(&mc, &row, &params, &mut conv_want);
     assert_nmse("conv_step output", &g.read(&mix, rows), &want, 1e-7);
@@ -336,14 +368,12 @@ fn conv_step_and_fused_mixer_epilogue() {
     let w = rand(13, rows * k, -1.0, 1.0);
     let x = rand(14, k, -1.0, 1.0);
     let (m, deq) = matrix(&g, WeightFormat::F32, &w, rows, k);
-    let (src, dst, cs2) = (g.buf(&x), g.zeros(rows), g.buf(&conv0));
+    let (src, dst, cs2) = (g.buf(&padded(&x)), g.zeros(rows), g.buf(&conv0));
     let b = GemvBuffers {
-        src: &src,
         params: Some(&pbuf),
-        part: None,
-        dst: &dst,
         conv_state: Some(&cs2),
         ctrl: Some(&ctrl),
+        ..gemv_buffers(&src, None, &dst)
     };
     g.run(&gemv(&g.k, "t", &m, GemvInput::Plain, GemvOutput::Mixer(mc), b).unwrap());
     let mut raw = vec![0f32; rows];
@@ -363,25 +393,21 @@ fn conv_step_and_fused_mixer_epilogue() {
         ..Default::default()
     });
     let cs3 = g.buf(&conv0);
-    g.run(
-        &mamba2_wgpu::gpu::kernels::conv_step::conv_step(
-            &g.k,
-            "t",
-            mc,
-            &g.buf(&row),
-            &pbuf,
-            &cs3,
-            &stopped,
-        )
-        .unwrap(),
-    );
+    g.run(&conv_step::conv_step(&g.k, "t", mc, &g.buf(&row), &pbuf, &cs3, &stopped).unwrap());
     assert_eq!(g.read(&cs3, conv0.len()), conv0);
 }
 
 #[test]
 fn ssd_step_plain_and_gated() {
     let Some(g) = Gpu::new() else { return };
-    for (heads, p, groups, n) in [(4, 6, 2, 12), (6, 64, 3, 16), (2, 5, 1, 40)] {
+    // (heads, head dim, groups, state): a head dim that is not a power of two, blocks that
+    // span heads, N not a multiple of the team, and a 32-channel-block case with q8 output.
+    for (heads, p, groups, n) in [
+        (4, 6, 2, 12),
+        (6, 64, 3, 16),
+        (2, 5, 1, 40),
+        (4, 24, 2, 128),
+    ] {
         let di = heads * p;
         let cd = di + 2 * groups * n;
         let c = SsdConsts {
@@ -393,10 +419,12 @@ fn ssd_step_plain_and_gated() {
             conv_dim: cd,
             a_off: 0,
             d_off: heads,
+            nw_off: 2 * heads,
         };
         let a = rand(20, heads, -4.0, -0.5);
         let dskip = rand(21, heads, 0.5, 1.5);
-        let params = [a.clone(), dskip.clone()].concat();
+        let wn = rand(26, di, 0.5, 1.5);
+        let params = [a.clone(), dskip.clone(), wn.clone()].concat();
         let mix = [
             rand(22, di, -2.0, 2.0),
             rand(23, cd, -1.0, 1.0),
@@ -423,70 +451,93 @@ fn ssd_step_plain_and_gated() {
         };
         let mut state_want = state0.clone();
         let y_want = scan_sequential(&inputs, &mut state_want);
+        let v: Vec<f32> = y_want
+            .iter()
+            .zip(&mix[..di])
+            .map(|(y, z)| y * silu(*z))
+            .collect();
         for gated in [false, true] {
             let (mixb, pbuf, st, y) = (g.buf(&mix), g.buf(&params), g.buf(&state0), g.zeros(di));
-            let part = g.zeros(heads * c.blocks());
+            let part = g.zeros(c.blocks());
+            let (xq, xd) = (g.zeros(di / 4 + 1), g.zeros(di / 32 + 1));
+            let q8 = (gated && c.block() == 32).then_some((&xq, &xd));
             let b = SsdBuffers {
                 mix: &mixb,
                 params: &pbuf,
                 state: &st,
                 y: &y,
                 part: gated.then_some(&part),
+                q8,
                 ctrl: &ctrl,
             };
             g.run(&ssd_step(&g.k, "t", c, b).unwrap());
             assert_nmse("ssd state", &g.read(&st, state0.len()), &state_want, 1e-7);
             let got = g.read(&y, di);
-            if gated {
-                let v: Vec<f32> = y_want
-                    .iter()
-                    .zip(&mix[..di])
-                    .map(|(y, z)| y * silu(*z))
-                    .collect();
-                assert_nmse(&format!("ssd gated v H={heads} P={p}"), &got, &v, 1e-7);
-                let parts = g.read(&part, heads * c.blocks());
-                let total: f32 = parts.iter().sum();
-                let want_total: f32 = v.iter().map(|a| a * a).sum();
-                assert!(
-                    (total - want_total).abs() <= 1e-4 * want_total,
-                    "Σv² {total} vs {want_total}"
-                );
-            } else {
+            if !gated {
                 assert_nmse(&format!("ssd y H={heads} P={p} N={n}"), &got, &y_want, 1e-7);
+                continue;
+            }
+            let u: Vec<f32> = v.iter().zip(&wn).map(|(a, b)| a * b).collect();
+            assert_nmse(&format!("ssd gated u H={heads} P={p}"), &got, &u, 1e-7);
+            let parts = g.read(&part, c.blocks());
+            for (i, (got, chunk)) in parts.iter().zip(v.chunks(c.block())).enumerate() {
+                let want: f32 = chunk.iter().map(|a| a * a).sum();
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.max(1.0),
+                    "Σv² block {i}: {got} vs {want}"
+                );
+            }
+            if q8.is_some() {
+                let q: Vec<u32> =
+                    bytemuck::cast_slice(&g.ctx().read(&xq, di as u64).unwrap()).to_vec();
+                let s = g.read(&xd, di / 32);
+                for (i, (a, b)) in dequant(&q, &s, di).iter().zip(&u).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 0.51 * s[i / 32] + 1e-6,
+                        "ssd q8 output {i}: {a} vs {b}"
+                    );
+                }
             }
         }
     }
 }
 
 #[test]
-fn norms_residual_and_embedding() {
+fn gated_norm_residual_and_embedding() {
     let Some(g) = Gpu::new() else { return };
-    // rmsnorm, D not a multiple of the workgroup
-    let d = 300;
-    let x = rand(30, d, -3.0, 3.0);
-    let params = [vec![0.0; 7], rand(31, d, 0.5, 1.5)].concat();
-    let (src, pbuf, dst) = (g.buf(&x), g.buf(&params), g.zeros(d));
-    g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, &src, &pbuf, &dst).unwrap());
-    assert_nmse(
-        "rmsnorm",
-        &g.read(&dst, d),
-        &ref_rmsnorm(&x, &params[7..], 1e-5),
-        1e-7,
-    );
-    // gated group norm, G = 3
+    // gated group norm, G = 3 groups of 30 (not a multiple of 32), with q8 output
     let (di, groups) = (90, 3);
     let y = rand(32, di, -2.0, 2.0);
     let z = rand(33, di, -2.0, 2.0);
     let w = rand(34, di, 0.5, 1.5);
     let (yb, zb, wb, out) = (g.buf(&y), g.buf(&z), g.buf(&w), g.zeros(di));
-    g.run(&gated_norm::gated_norm(&g.k, "t", di, groups, 1e-5, 0, &yb, &zb, &wb, &out).unwrap());
+    let (xq, xd) = (g.zeros(24), g.zeros(3));
+    let b = GatedNormBuffers {
+        y: &yb,
+        mix: &zb,
+        params: &wb,
+        dst: &out,
+        q8: Some((&xq, &xd)),
+    };
+    g.run(&gated_norm::gated_norm(&g.k, "t", di, groups, 1e-5, 0, b).unwrap());
+    let got = g.read(&out, di);
     assert_nmse(
         "gated group norm",
-        &g.read(&out, di),
+        &got,
         &gated_group_rmsnorm(&y, &z, &w, groups, 1e-5),
         1e-7,
     );
+    let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, 96).unwrap()).to_vec();
+    let s = g.read(&xd, 3);
+    for (i, (a, b)) in dequant(&q, &s, di).iter().zip(&got).enumerate() {
+        assert!(
+            (a - b).abs() <= 0.51 * s[i / 32] + 1e-6,
+            "gated norm q8 {i}: {a} vs {b}"
+        );
+    }
     // residual add
+    let d = 300;
+    let x = rand(30, d, -3.0, 3.0);
     let a = rand(35, d, -1.0, 1.0);
     let (ab, rb) = (g.buf(&a), g.buf(&x));
     g.run(&residual_add::residual_add(&g.k, "t", d, &ab, &rb).unwrap());

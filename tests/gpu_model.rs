@@ -26,6 +26,13 @@ fn synthetic_decode_matches_reference() {
                 },
             )
             .unwrap();
+            // embed + per layer (fused: norm, in_proj+conv, ssd, out_proj; unfused: 7) +
+            // final norm, lm_head, argmax.
+            let per_layer = if fused { 4 } else { 7 };
+            assert_eq!(
+                engine.graph(Tail::Greedy).len(),
+                1 + per_layer * model.config.n_layer + 3
+            );
             let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
             let mut state = cpu.new_state();
             let tokens = [5u32, 17, 3, 60, 2, 9, 9, 41];

@@ -8,6 +8,7 @@ mod generate;
 mod info;
 #[cfg(feature = "ui")]
 mod inspect;
+mod perplexity;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +28,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Describe a model: format, normalized config, parameters, dtypes, state size.
     Info(info::InfoArgs),
+    /// Perplexity of a text file (window by window from a fresh state).
+    Perplexity(perplexity::PerplexityArgs),
     /// List the GPU adapters with their features and limits.
     Devices(devices::DevicesArgs),
     /// Decode speed at real model shapes (synthetic weights made on the GPU).
@@ -117,6 +120,7 @@ pub fn run() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Info(a) => info::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::Devices(a) => devices::run(a),
         Command::Bench(a) => bench::run(a),
         #[cfg(feature = "ui")]

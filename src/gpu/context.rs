@@ -210,16 +210,19 @@ impl GpuContext {
                 needs.workgroup_storage,
                 al.max_compute_workgroup_storage_size,
             )?);
-        let inv = check(
+        check(
             "invocations per workgroup",
             needs.invocations_per_workgroup,
             al.max_compute_invocations_per_workgroup,
         )?;
+        // Single-workgroup reductions (argmax) use up to 1024 invocations where allowed.
+        let inv = al
+            .max_compute_invocations_per_workgroup
+            .min(al.max_compute_workgroup_size_x)
+            .min(1024);
         limits.max_compute_invocations_per_workgroup =
             limits.max_compute_invocations_per_workgroup.max(inv);
-        limits.max_compute_workgroup_size_x = limits
-            .max_compute_workgroup_size_x
-            .max(inv.min(al.max_compute_workgroup_size_x));
+        limits.max_compute_workgroup_size_x = limits.max_compute_workgroup_size_x.max(inv);
         limits.max_compute_workgroups_per_dimension = al.max_compute_workgroups_per_dimension;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("mamba2"),

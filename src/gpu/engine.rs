@@ -10,7 +10,9 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gpu::context::{GpuContext, Needs};
 use crate::gpu::graph::{Ctrl, Graph, Tail};
+use crate::gpu::kernels::gated_norm::GatedNormBuffers;
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
+use crate::gpu::kernels::rmsnorm::NormBuffers;
 use crate::gpu::kernels::ssd_step::{self, SsdBuffers, SsdConsts};
 use crate::gpu::kernels::{
     Kernels, advance, argmax, conv_step, embed, gated_norm, residual_add, rmsnorm, sample,
@@ -74,10 +76,17 @@ pub struct Scratch {
     pub resid: wgpu::Buffer,
     /// `[z | xBC → u | dt → δ]`, d_in_proj values.
     pub mix: wgpu::Buffer,
+    /// The SSD step's output (fused: `y·silu(z)·w_norm`, the out_proj input).
     pub y: wgpu::Buffer,
+    /// Σv² per SSD channel block (fused).
     pub part: wgpu::Buffer,
+    /// The normed input of in_proj / lm_head (f32, zero-padded to a multiple of 32).
     pub h: wgpu::Buffer,
+    /// The gated-normed input of out_proj (unfused).
     pub v: wgpu::Buffer,
+    /// q8 blocks of the next q8_0 GEMV's input: int8 ×4 per u32, and one scale per block.
+    pub xq: wgpu::Buffer,
+    pub xd: wgpu::Buffer,
     pub out: wgpu::Buffer,
     pub logits: wgpu::Buffer,
     pub probs: wgpu::Buffer,
@@ -133,7 +142,6 @@ impl Engine {
             "SSM state (one layer)".to_string(),
             4 * c.ssm_state_len() as u64,
         );
-        let mut wg_bytes = 0;
         for (name, rows, cols) in mats {
             let kp = format.padded_cols(cols);
             let bytes = match format {
@@ -146,13 +154,14 @@ impl Engine {
                     bytes,
                 );
             }
-            wg_bytes = wg_bytes.max(gemv::workgroup_bytes(format, kp, c.n_groups));
         }
+        // The largest workgroup arrays: the gated norm's G sums and the sampler's.
+        let reduce = 4 * 256 * c.n_groups.max(3) as u32;
         Needs {
             largest_buffer: largest,
             storage_buffers_per_stage: 8,
-            workgroup_storage: wg_bytes.max(4 * 3 * 256 + 16).max(4 * 8 * c.d_state as u32),
-            invocations_per_workgroup: 256.max(c.d_state as u32),
+            workgroup_storage: reduce + 1024,
+            invocations_per_workgroup: 256,
         }
     }
 
@@ -248,13 +257,16 @@ impl Engine {
             });
         }
         let blocks = ssd_consts(c, &layout).blocks();
+        let widest = c.d_model.max(c.d_inner).next_multiple_of(32);
         let scratch = Scratch {
             resid: ctx.storage_zeroed("resid", f32s(c.d_model))?,
             mix: ctx.storage_zeroed("mix", f32s(c.d_in_proj()))?,
-            y: ctx.storage_zeroed("y", f32s(c.d_inner))?,
-            part: ctx.storage_zeroed("part", f32s(c.n_heads * blocks))?,
-            h: ctx.storage_zeroed("h", f32s(c.d_model))?,
-            v: ctx.storage_zeroed("v", f32s(c.d_inner))?,
+            y: ctx.storage_zeroed("y", f32s(c.d_inner.next_multiple_of(32)))?,
+            part: ctx.storage_zeroed("part", f32s(blocks))?,
+            h: ctx.storage_zeroed("h", f32s(c.d_model.next_multiple_of(32)))?,
+            v: ctx.storage_zeroed("v", f32s(c.d_inner.next_multiple_of(32)))?,
+            xq: ctx.storage_zeroed("xq", f32s(widest / 4))?,
+            xd: ctx.storage_zeroed("xd", f32s(widest / 32))?,
             out: ctx.storage_zeroed("out", f32s(c.d_model))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
             probs: ctx.storage_zeroed("probs", f32s(c.vocab_size))?,
@@ -262,6 +274,7 @@ impl Engine {
             prompt: ctx.storage_zeroed("prompt", f32s(PROMPT_WINDOW))?,
             final_params: ctx.storage_with("final_norm", bytemuck::cast_slice(final_norm))?,
         };
+        let fusable = fusable(c, format);
         let mut engine = Engine {
             kernels: Kernels::new(ctx),
             config: c.clone(),
@@ -272,11 +285,12 @@ impl Engine {
             layers,
             scratch,
             graphs: HashMap::new(),
-            fused,
+            fused: fused && fusable,
         };
         for fused in [true, false] {
             for tail in [Tail::Greedy, Tail::Sample, Tail::Feed, Tail::FeedLogits] {
-                let g = engine.build_graph(fused, tail)?;
+                // Shapes the fused kernels cannot take run the unfused graph in both modes.
+                let g = engine.build_graph(fused && fusable, tail)?;
                 engine.graphs.insert((fused, tail), g);
             }
         }
@@ -317,26 +331,46 @@ impl Engine {
         let s = &self.scratch;
         let eps = c.norm_eps;
         let ssd = ssd_consts(c, &self.layout);
+        // The q8 activation blocks, when the matrices are q8_0.
+        let q8 = (self.format == WeightFormat::Q8_0).then_some((&s.xq, &s.xd));
+        let gemv_in = |src| GemvBuffers {
+            src,
+            q8,
+            dst: &s.mix,
+            part: None,
+            params: None,
+            conv_state: None,
+            ctrl: None,
+        };
         let mut d = vec![embed::embed(k, &self.embedding, &s.ctrl, &s.resid)?];
         for (i, l) in self.layers.iter().enumerate() {
             let name = |what: &str| format!("layers.{i}.{what}");
+            let norm = NormBuffers {
+                src: &s.resid,
+                params: &l.params,
+                dst: &s.h,
+                q8,
+            };
+            d.push(rmsnorm::rmsnorm(
+                k,
+                &name("norm"),
+                c.d_model,
+                eps,
+                self.layout.norm,
+                norm,
+            )?);
             if fused {
                 d.push(gemv::gemv(
                     k,
-                    &name("in_proj+norm+conv"),
+                    &name("in_proj+conv"),
                     &l.in_proj,
-                    GemvInput::Rms {
-                        nw_off: self.layout.norm,
-                        eps,
-                    },
+                    GemvInput::Plain,
                     GemvOutput::Mixer(self.mixer_consts()),
                     GemvBuffers {
-                        src: &s.resid,
                         params: Some(&l.params),
-                        part: None,
-                        dst: &s.mix,
                         conv_state: Some(&l.conv_state),
                         ctrl: Some(&s.ctrl),
+                        ..gemv_in(&s.h)
                     },
                 )?);
                 d.push(ssd_step::ssd_step(
@@ -349,55 +383,35 @@ impl Engine {
                         state: &l.ssm_state,
                         y: &s.y,
                         part: Some(&s.part),
+                        q8,
                         ctrl: &s.ctrl,
                     },
                 )?);
                 d.push(gemv::gemv(
                     k,
-                    &name("gated_norm+out_proj+residual"),
+                    &name("out_proj+norm+residual"),
                     &l.out_proj,
                     GemvInput::Group {
-                        nw_off: self.layout.mixer_norm,
                         groups: c.n_groups,
                         group_size: c.group_size(),
-                        parts_per_group: c.heads_per_group() * ssd.blocks(),
+                        blocks_per_group: ssd.blocks() / c.n_groups,
                         eps,
                     },
                     GemvOutput::Add,
                     GemvBuffers {
-                        src: &s.y,
-                        params: Some(&l.params),
-                        part: Some(&s.part),
                         dst: &s.resid,
-                        conv_state: None,
-                        ctrl: None,
+                        part: Some(&s.part),
+                        ..gemv_in(&s.y)
                     },
                 )?);
             } else {
-                d.push(rmsnorm::rmsnorm(
-                    k,
-                    &name("norm"),
-                    c.d_model,
-                    eps,
-                    self.layout.norm,
-                    &s.resid,
-                    &l.params,
-                    &s.h,
-                )?);
                 d.push(gemv::gemv(
                     k,
                     &name("in_proj"),
                     &l.in_proj,
                     GemvInput::Plain,
                     GemvOutput::Store,
-                    GemvBuffers {
-                        src: &s.h,
-                        params: None,
-                        part: None,
-                        dst: &s.mix,
-                        conv_state: None,
-                        ctrl: None,
-                    },
+                    gemv_in(&s.h),
                 )?);
                 d.push(conv_step::conv_step(
                     k,
@@ -418,9 +432,17 @@ impl Engine {
                         state: &l.ssm_state,
                         y: &s.y,
                         part: None,
+                        q8: None,
                         ctrl: &s.ctrl,
                     },
                 )?);
+                let gated = GatedNormBuffers {
+                    y: &s.y,
+                    mix: &s.mix,
+                    params: &l.params,
+                    dst: &s.v,
+                    q8,
+                };
                 d.push(gated_norm::gated_norm(
                     k,
                     &name("gated_norm"),
@@ -428,10 +450,7 @@ impl Engine {
                     c.n_groups,
                     eps,
                     self.layout.mixer_norm,
-                    &s.y,
-                    &s.mix,
-                    &l.params,
-                    &s.v,
+                    gated,
                 )?);
                 d.push(gemv::gemv(
                     k,
@@ -440,12 +459,8 @@ impl Engine {
                     GemvInput::Plain,
                     GemvOutput::Store,
                     GemvBuffers {
-                        src: &s.v,
-                        params: None,
-                        part: None,
                         dst: &s.out,
-                        conv_state: None,
-                        ctrl: None,
+                        ..gemv_in(&s.v)
                     },
                 )?);
                 d.push(residual_add::residual_add(
@@ -458,49 +473,24 @@ impl Engine {
             }
         }
         if tail != Tail::Feed {
-            if fused {
-                d.push(gemv::gemv(
-                    k,
-                    "final_norm+lm_head",
-                    self.head(),
-                    GemvInput::Rms { nw_off: 0, eps },
-                    GemvOutput::Store,
-                    GemvBuffers {
-                        src: &s.resid,
-                        params: Some(&s.final_params),
-                        part: None,
-                        dst: &s.logits,
-                        conv_state: None,
-                        ctrl: None,
-                    },
-                )?);
-            } else {
-                d.push(rmsnorm::rmsnorm(
-                    k,
-                    "final_norm",
-                    c.d_model,
-                    eps,
-                    0,
-                    &s.resid,
-                    &s.final_params,
-                    &s.h,
-                )?);
-                d.push(gemv::gemv(
-                    k,
-                    "lm_head",
-                    self.head(),
-                    GemvInput::Plain,
-                    GemvOutput::Store,
-                    GemvBuffers {
-                        src: &s.h,
-                        params: None,
-                        part: None,
-                        dst: &s.logits,
-                        conv_state: None,
-                        ctrl: None,
-                    },
-                )?);
-            }
+            let norm = NormBuffers {
+                src: &s.resid,
+                params: &s.final_params,
+                dst: &s.h,
+                q8,
+            };
+            d.push(rmsnorm::rmsnorm(k, "final_norm", c.d_model, eps, 0, norm)?);
+            d.push(gemv::gemv(
+                k,
+                "lm_head",
+                self.head(),
+                GemvInput::Plain,
+                GemvOutput::Store,
+                GemvBuffers {
+                    dst: &s.logits,
+                    ..gemv_in(&s.h)
+                },
+            )?);
         }
         match tail {
             Tail::Greedy => d.push(argmax::argmax(k, c.vocab_size, &s.logits, &s.ctrl)?),
@@ -644,7 +634,15 @@ pub fn ssd_consts(c: &ModelConfig, layout: &ParamLayout) -> SsdConsts {
         conv_dim: c.conv_dim(),
         a_off: layout.a,
         d_off: layout.d,
+        nw_off: layout.mixer_norm,
     }
+}
+
+/// Whether the fused graph can run these shapes: its out_proj scales whole input vectors
+/// (4 columns, or 32 for q8_0) by one group's 1/rms, so groups must split into them.
+pub fn fusable(c: &ModelConfig, format: WeightFormat) -> bool {
+    let unit = if format == WeightFormat::Q8_0 { 32 } else { 4 };
+    c.group_size().is_multiple_of(unit)
 }
 
 /// `pack` split by rows over the machine's cores (quantizing 7B weights is otherwise

@@ -108,3 +108,48 @@ pub fn matvec<T: Real>(w: &[T], x: &[T], out: &mut [T]) {
         }
     });
 }
+
+/// `out[t][r] = Σ_k w[r, k]·xs[t][k]` for every token `t`: the weights are streamed once
+/// per call (each row stays in cache across the tokens), split by rows over the cores.
+pub fn matmul<T: Real>(w: &[T], rows: usize, xs: &[Vec<T>]) -> Vec<Vec<T>> {
+    let Some(cols) = xs.first().map(Vec::len) else {
+        return Vec::new();
+    };
+    debug_assert_eq!(w.len(), rows * cols);
+    let tokens = xs.len();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Each worker fills [rows of its range][tokens].
+    let work = |r0: usize, r1: usize| -> Vec<T> {
+        let mut part = Vec::with_capacity((r1 - r0) * tokens);
+        for r in r0..r1 {
+            let wr = &w[r * cols..(r + 1) * cols];
+            part.extend(xs.iter().map(|x| dot(wr, x)));
+        }
+        part
+    };
+    let parts: Vec<(usize, Vec<T>)> = if threads == 1 || rows * cols * tokens < 1 << 19 {
+        vec![(0, work(0, rows))]
+    } else {
+        let per = rows.div_ceil(threads);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..rows)
+                .step_by(per)
+                .map(|r0| {
+                    let work = &work;
+                    s.spawn(move || (r0, work(r0, (r0 + per).min(rows))))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("matmul worker panicked"))
+                .collect()
+        })
+    };
+    let mut out = vec![vec![T::zero(); rows]; tokens];
+    for (r0, part) in parts {
+        for (i, v) in part.into_iter().enumerate() {
+            out[i % tokens][r0 + i / tokens] = v;
+        }
+    }
+    out
+}

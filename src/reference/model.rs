@@ -1,7 +1,7 @@
 //! `CpuModel`: the whole Mamba2 forward pass on the CPU, in f32 or f64, from any state,
 //! with either scan. It is the oracle every GPU path is judged against.
 
-use super::math::{Real, gated_group_rmsnorm, matvec, rmsnorm, silu, softplus};
+use super::math::{Real, gated_group_rmsnorm, matmul, rmsnorm, silu, softplus};
 use super::ssd::{ScanDims, ScanInputs, scan_chunked, scan_sequential};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -134,16 +134,17 @@ impl<T: Real> CpuModel<T> {
             Logits::Last => &resid[resid.len().saturating_sub(1)..],
             Logits::All => &resid,
         };
-        Ok(positions.iter().map(|r| self.logits(r)).collect())
+        Ok(self.logits(positions))
     }
 
-    /// `lm_head · RMSNorm(r)·w_f`
-    pub fn logits(&self, resid: &[T]) -> Vec<T> {
-        let h = rmsnorm(resid, &self.final_norm, self.config.norm_eps);
+    /// `lm_head · RMSNorm(r)·w_f` for each residual vector.
+    pub fn logits(&self, resid: &[Vec<T>]) -> Vec<Vec<T>> {
+        let hs: Vec<Vec<T>> = resid
+            .iter()
+            .map(|r| rmsnorm(r, &self.final_norm, self.config.norm_eps))
+            .collect();
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        let mut out = vec![T::zero(); self.config.vocab_size];
-        matvec(head, &h, &mut out);
-        out
+        matmul(head, self.config.vocab_size, &hs)
     }
 
     /// One block's mixer over `L` tokens: returns the residual update of each token.
@@ -158,15 +159,11 @@ impl<T: Real> CpuModel<T> {
         let c = &self.config;
         let (di, cd, heads, gn) = (c.d_inner, c.conv_dim(), c.n_heads, c.n_groups * c.d_state);
         let l = resid.len();
-        let zxbcdt: Vec<Vec<T>> = resid
+        let hs: Vec<Vec<T>> = resid
             .iter()
-            .map(|r| {
-                let h = rmsnorm(r, &w.norm, c.norm_eps);
-                let mut out = vec![T::zero(); c.d_in_proj()];
-                matvec(&w.in_proj, &h, &mut out);
-                out
-            })
+            .map(|r| rmsnorm(r, &w.norm, c.norm_eps))
             .collect();
+        let zxbcdt = matmul(&w.in_proj, c.d_in_proj(), &hs);
         // Causal depthwise conv over [cached K−1 columns | this chunk], then SiLU.
         let k = c.d_conv;
         let mut x = Vec::with_capacity(l * di);
@@ -220,19 +217,17 @@ impl<T: Real> CpuModel<T> {
             Scan::Sequential => scan_sequential(&inputs, ssm_state),
             Scan::Chunked(q) => scan_chunked(&inputs, ssm_state, q),
         };
-        (0..l)
+        let vs: Vec<Vec<T>> = (0..l)
             .map(|t| {
-                let v = gated_group_rmsnorm(
+                gated_group_rmsnorm(
                     &y[t * di..][..di],
                     &zxbcdt[t][..di],
                     &w.mixer_norm,
                     c.n_groups,
                     c.norm_eps,
-                );
-                let mut out = vec![T::zero(); c.d_model];
-                matvec(&w.out_proj, &v, &mut out);
-                out
+                )
             })
-            .collect()
+            .collect();
+        matmul(&w.out_proj, c.d_model, &vs)
     }
 }

@@ -16,7 +16,8 @@ pub fn argmax(
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     check_len("argmax: logits", logits, vocab)?;
-    let consts = [("WG", Const::U32(256)), ("V", Const::U32(vocab as u32))];
+    let wg = k.max_workgroup();
+    let consts = [("WG", Const::U32(wg)), ("V", Const::U32(vocab as u32))];
     let pipeline = k.pipeline("argmax", SOURCES, &consts, &[], false)?;
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, "argmax", &[(0, logits), (1, ctrl)]),

@@ -1,10 +1,11 @@
-//! `gemv.wgsl`: `y = W·x` for one token over a `DeviceMatrix` `[M, K]`, with the fused
-//! prologues (pre-norm, gated group norm) and epilogues (residual add, conv + dt) the
-//! decode graph needs. Shapes: `src [K]`, `dst [M]` (`Store`, `Mixer`) or `[M]` added to
-//! (`Add`); `params` holds the norm weight at `nw_off`; `part [G·NPART]` partial Σv².
+//! `gemv.wgsl`: `y = W·x` for one token over a `DeviceMatrix` `[M, K]`, with the gated
+//! group norm folded into its input (`Group`) and the epilogues the decode graph needs
+//! (residual add, conv + dt). Shapes: f32 input `src [KP]` (zero past K) for f32/f16
+//! weights, q8 blocks `xq [KP/4]`, `xd [KP/32]` for q8_0 weights; `dst [M]`;
+//! `part [G·blocks_per_group]` per-block Σv².
 
-use super::{Dispatch, Kernels, Section, check_len, finite, grid, pow2_clamp};
-use crate::error::Result;
+use super::{Dispatch, Kernels, Section, check_len, finite, grid};
+use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
 use crate::model::quant::WeightFormat;
@@ -14,23 +15,20 @@ const SOURCES: super::Sources = &[
     include_str!("../../../shaders/gemv.wgsl"),
 ];
 
-/// Rows per workgroup.
-pub const ROWS: u32 = 8;
+/// Threads per workgroup.
+pub const WG: u32 = 256;
 
 /// What the GEMV's input vector is.
 #[derive(Clone, Copy, Debug)]
 pub enum GemvInput {
-    /// `x = src`
+    /// `x` as the producer wrote it.
     Plain,
-    /// `x = src ⊙ params[nw_off..] / rms(src)` (the block pre-norm or the final norm).
-    Rms { nw_off: usize, eps: f64 },
-    /// `x = src ⊙ params[nw_off..] · rstd[g]`, `rstd[g]` from `parts_per_group` partial
-    /// sums of squares per group of `group_size` channels (the gated group norm).
+    /// `x_k · rstd[g(k)]` with `rstd[g] = 1/sqrt(Σ part[g·bpg ..] / group_size + eps)`: the
+    /// gated group norm, whose `⊙ w` and Σv² the SSD step already applied and computed.
     Group {
-        nw_off: usize,
         groups: usize,
         group_size: usize,
-        parts_per_group: usize,
+        blocks_per_group: usize,
         eps: f64,
     },
 }
@@ -77,34 +75,40 @@ impl MixerConsts {
 
 /// The buffers a GEMV reads and writes besides the matrix.
 pub struct GemvBuffers<'a> {
+    /// f32 input, KP values (f32 and f16 matrices).
     pub src: &'a wgpu::Buffer,
-    pub params: Option<&'a wgpu::Buffer>,
-    pub part: Option<&'a wgpu::Buffer>,
+    /// q8 input blocks `(xq, xd)` (q8_0 matrices).
+    pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub dst: &'a wgpu::Buffer,
+    pub part: Option<&'a wgpu::Buffer>,
+    /// Mixer epilogue: the layer's parameters, conv state and the control block.
+    pub params: Option<&'a wgpu::Buffer>,
     pub conv_state: Option<&'a wgpu::Buffer>,
     pub ctrl: Option<&'a wgpu::Buffer>,
 }
 
-/// Threads per workgroup for rows of `kp` padded columns in `format`.
-pub fn workgroup_size(format: WeightFormat, kp: usize) -> u32 {
-    let per_thread = match format {
+/// Weights per 16-byte vector load.
+fn vector_width(format: WeightFormat) -> usize {
+    match format {
         WeightFormat::F32 => 4,
         WeightFormat::F16 => 8,
         WeightFormat::Q8_0 => 16,
-    };
-    pow2_clamp(kp / per_thread, 32, 256)
+    }
 }
 
-/// Workgroup memory the kernel uses for a matrix (to size the device's limits).
-pub fn workgroup_bytes(format: WeightFormat, kp: usize, groups: usize) -> u32 {
-    let wg = workgroup_size(format, kp) as usize;
-    let reduce = 4 * (ROWS as usize + 1) * wg;
-    let q8 = if format == WeightFormat::Q8_0 {
-        kp + 4 * (kp / 32)
-    } else {
-        0
-    };
-    (reduce + q8 + 4 * groups) as u32
+/// Lanes per row: 32, more for matrices with few rows (so enough loads are in flight to
+/// fill the memory system: about 2^18 lanes), fewer for short rows; each lane keeps at
+/// least a few vector loads.
+pub fn team_size(rows: usize, vectors_per_row: usize) -> u32 {
+    const LANES_IN_FLIGHT: usize = 1 << 18;
+    let mut team = 32;
+    while team < WG as usize && rows * team < LANES_IN_FLIGHT && vectors_per_row / (2 * team) >= 4 {
+        team *= 2;
+    }
+    while team > 4 && vectors_per_row < 2 * team {
+        team /= 2;
+    }
+    team as u32
 }
 
 /// Builds the dispatch; fails if a buffer is too small for the shapes.
@@ -116,79 +120,78 @@ pub fn gemv(
     output: GemvOutput,
     b: GemvBuffers,
 ) -> Result<Dispatch> {
-    let (m, kk) = (w.rows, w.cols);
-    check_len(&format!("{name}: src"), b.src, kk)?;
+    let missing = |what: &str| Error::Gpu(format!("{name}: no {what} buffer given"));
+    let m = w.rows;
     check_len(&format!("{name}: dst"), b.dst, m)?;
-    let wg = workgroup_size(w.format, w.kp);
+    let team = team_size(m, w.kp / vector_width(w.format));
+    let rows_per_wg = WG / team;
     let u = |v: usize| Const::U32(v as u32);
+    let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
-        ("WG", Const::U32(wg)),
-        ("R", Const::U32(ROWS)),
-        ("RV", Const::U32(ROWS + 1)),
+        ("WG", Const::U32(WG)),
+        ("R", Const::U32(rows_per_wg)),
         ("M", u(m)),
-        ("K", u(kk)),
         ("KP", u(w.kp)),
     ];
+    consts.extend(team_consts);
     let mut flags = vec![w.flag()];
-    let mut section = Section::Matmul;
-    match input {
-        GemvInput::Plain => flags.push("X_PLAIN"),
-        GemvInput::Rms { nw_off, eps } => {
-            flags.extend(["X_RMS", "NEED_PARAMS"]);
-            consts.extend([("NW_OFF", u(nw_off)), ("EPS", Const::F32(eps as f32))]);
-        }
-        GemvInput::Group {
-            nw_off,
-            groups,
-            group_size,
-            parts_per_group,
-            eps,
-        } => {
-            flags.extend(["X_GROUP", "NEED_PARAMS"]);
-            consts.extend([
-                ("NW_OFF", u(nw_off)),
-                ("EPS", Const::F32(eps as f32)),
-                ("G", u(groups)),
-                ("GS", u(group_size)),
-                ("NPART", u(parts_per_group)),
-            ]);
-            check_len(
-                &format!("{name}: part"),
-                b.part.expect("part buffer"),
-                groups * parts_per_group,
-            )?;
-        }
+    flags.extend(team_flags);
+    let mut entries = w.bindings();
+    if w.format == WeightFormat::Q8_0 {
+        let (q, d) = b.q8.ok_or_else(|| missing("q8 activation"))?;
+        check_len(&format!("{name}: xq"), q, w.kp / 4)?;
+        check_len(&format!("{name}: xd"), d, w.kp / 32)?;
+        entries.extend([(3, q), (4, d)]);
+    } else {
+        check_len(&format!("{name}: src"), b.src, w.kp)?;
+        entries.push((2, b.src));
     }
+    if let GemvInput::Group {
+        groups,
+        group_size,
+        blocks_per_group,
+        eps,
+    } = input
+    {
+        let vec = match w.format {
+            WeightFormat::Q8_0 => 32,
+            _ => 4,
+        };
+        if !group_size.is_multiple_of(vec) {
+            return Err(Error::Gpu(format!(
+                "{name}: group size {group_size} is not a multiple of {vec}"
+            )));
+        }
+        let part = b.part.ok_or_else(|| missing("part"))?;
+        check_len(&format!("{name}: part"), part, groups * blocks_per_group)?;
+        flags.push("X_GROUP");
+        consts.extend([
+            ("G", u(groups)),
+            ("GS", u(group_size)),
+            ("BPG", u(blocks_per_group)),
+            ("EPS", Const::F32(eps as f32)),
+        ]);
+        entries.push((9, part));
+    }
+    entries.push((5, b.dst));
     match output {
         GemvOutput::Store => flags.push("O_STORE"),
         GemvOutput::Add => flags.push("O_ADD"),
         GemvOutput::Mixer(mc) => {
-            flags.extend(["O_MIXER", "MIXER_ROW", "NEED_PARAMS"]);
+            flags.extend(["O_MIXER", "MIXER_ROW"]);
             consts.extend(mc.consts());
-            section = Section::Matmul;
+            entries.push((6, b.conv_state.ok_or_else(|| missing("conv state"))?));
+            entries.push((7, b.ctrl.ok_or_else(|| missing("ctrl"))?));
+            entries.push((8, b.params.ok_or_else(|| missing("params"))?));
         }
     }
-    flags.push("REDUCE");
-    let pipeline = k.pipeline("gemv", SOURCES, &consts, &flags, true)?;
-    let mut entries = w.bindings();
-    entries.push((2, b.src));
-    if let Some(p) = b.params.filter(|_| flags.contains(&"NEED_PARAMS")) {
-        entries.push((3, p));
-    }
-    if let (Some(p), GemvInput::Group { .. }) = (b.part, input) {
-        entries.push((4, p));
-    }
-    entries.push((5, b.dst));
-    if let GemvOutput::Mixer(_) = output {
-        entries.push((6, b.conv_state.expect("conv state buffer")));
-        entries.push((7, b.ctrl.expect("ctrl buffer")));
-    }
+    let pipeline = k.pipeline("gemv", SOURCES, &consts, &flags, false)?;
     let bind_group = k.bind(&pipeline, name, &entries);
     Ok(Dispatch {
         pipeline,
         bind_group,
-        workgroups: grid((m as u32).div_ceil(ROWS)),
+        workgroups: grid((m as u32).div_ceil(rows_per_wg)),
         name: name.to_string(),
-        section,
+        section: Section::Matmul,
     })
 }

@@ -114,6 +114,30 @@ impl Kernels {
         Ok(p)
     }
 
+    /// Constants and flags of `team_sum` for teams of `team` lanes (a power of two): with
+    /// subgroups, shuffles within pieces of `min(team, smallest subgroup)` lanes.
+    pub fn team(&self, team: u32) -> (Vec<(&'static str, Const)>, Vec<&'static str>) {
+        let caps = &self.ctx.caps;
+        let mut consts = vec![("TEAM", Const::U32(team))];
+        if caps.subgroups && caps.subgroup_min >= 4 {
+            consts.push(("SUB", Const::U32(team.min(caps.subgroup_min))));
+            (consts, vec!["TEAM_REDUCE", "TEAM_SHUFFLE"])
+        } else {
+            consts.push(("SUB", Const::U32(team)));
+            (consts, vec!["TEAM_REDUCE"])
+        }
+    }
+
+    /// The largest workgroup size (a power of two, at most 1024) the device allows.
+    pub fn max_workgroup(&self) -> u32 {
+        let max = self
+            .ctx
+            .limits
+            .max_compute_invocations_per_workgroup
+            .min(1024);
+        1u32 << (31 - max.leading_zeros())
+    }
+
     /// A bind group for group 0 of `pipeline` from `(binding, buffer)` pairs.
     pub fn bind(
         &self,

@@ -1,37 +1,56 @@
-//! `rmsnorm.wgsl`: `dst [D] = src / rms(src) ⊙ params[nw_off..nw_off+D]` (unfused graph).
+//! `rmsnorm.wgsl`: `dst [D] = src / rms(src) ⊙ params[nw_off..nw_off+D]`, and with `q8`
+//! the q8 blocks `xq [ceil(D/32)·8]`, `xd [ceil(D/32)]` of the result: the input of the
+//! next GEMV, made once per token.
 
 use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
+/// Elements each workgroup writes (whole q8 blocks).
+const CHUNK: usize = 256;
+
 const SOURCES: super::Sources = &[include_str!("../../../shaders/rmsnorm.wgsl")];
 
-#[allow(clippy::too_many_arguments)]
+/// Buffers of a norm: input, parameters, f32 output and optional q8 output.
+pub struct NormBuffers<'a> {
+    pub src: &'a wgpu::Buffer,
+    pub params: &'a wgpu::Buffer,
+    pub dst: &'a wgpu::Buffer,
+    pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+}
+
 pub fn rmsnorm(
     k: &Kernels,
     name: &str,
     d: usize,
     eps: f64,
     nw_off: usize,
-    src: &wgpu::Buffer,
-    params: &wgpu::Buffer,
-    dst: &wgpu::Buffer,
+    b: NormBuffers,
 ) -> Result<Dispatch> {
-    check_len(&format!("{name}: src"), src, d)?;
-    check_len(&format!("{name}: params"), params, nw_off + d)?;
-    check_len(&format!("{name}: dst"), dst, d)?;
+    check_len(&format!("{name}: src"), b.src, d)?;
+    check_len(&format!("{name}: params"), b.params, nw_off + d)?;
+    check_len(&format!("{name}: dst"), b.dst, d)?;
     let consts = [
         ("WG", Const::U32(256)),
+        ("CHUNK", Const::U32(CHUNK as u32)),
         ("RV", Const::U32(1)),
         ("D", Const::U32(d as u32)),
         ("NW_OFF", Const::U32(nw_off as u32)),
         ("EPS", Const::F32(eps as f32)),
     ];
-    let pipeline = k.pipeline("rmsnorm", SOURCES, &consts, &["REDUCE"], true)?;
+    let mut flags = vec!["REDUCE"];
+    let mut entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
+    if let Some((q, s)) = b.q8 {
+        check_len(&format!("{name}: xq"), q, d.div_ceil(32) * 8)?;
+        check_len(&format!("{name}: xd"), s, d.div_ceil(32))?;
+        flags.push("Q8_OUT");
+        entries.extend([(3, q), (4, s)]);
+    }
+    let pipeline = k.pipeline("rmsnorm", SOURCES, &consts, &flags, true)?;
     Ok(Dispatch {
-        bind_group: k.bind(&pipeline, name, &[(0, src), (1, params), (2, dst)]),
+        bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        workgroups: (1, 1, 1),
+        workgroups: (d.div_ceil(CHUNK) as u32, 1, 1),
         name: name.to_string(),
         section: Section::Norm,
     })

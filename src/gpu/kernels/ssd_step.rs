@@ -1,17 +1,14 @@
-//! `ssd_step.wgsl`: one token's selective state update and output for every head.
-//! Shapes: `mix [d_in_proj]` = [z | x B C | δ], `state [H][P][N]`, `y [H·P]`, and with
-//! `gated` the partial sums `part [H][NPB]`.
+//! `ssd_step.wgsl`: one token's selective state update and output, over blocks of CB
+//! consecutive channels. Shapes: `mix [d_in_proj]` = [z | x B C | δ], `state [H][P][N]`,
+//! `y [H·P]`; gated: `part [d_inner/CB]`, and with q8 `xq [d_inner/4]`, `xd [d_inner/32]`.
 
 use super::{Dispatch, Kernels, Section, check_len};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/ssd_step.wgsl")];
 
-/// Channels per workgroup.
-pub const P_BLOCK: usize = 8;
-
-/// Sizes of the scan and where A and D live in the layer's parameter buffer.
+/// Sizes of the scan and where A, D and the mixer norm live in the layer's parameters.
 #[derive(Clone, Copy, Debug)]
 pub struct SsdConsts {
     pub heads: usize,
@@ -22,24 +19,35 @@ pub struct SsdConsts {
     pub conv_dim: usize,
     pub a_off: usize,
     pub d_off: usize,
+    pub nw_off: usize,
 }
 
 impl SsdConsts {
-    /// p-blocks per head (`NPB`).
-    pub fn blocks(&self) -> usize {
-        self.head_dim.div_ceil(self.pb())
+    /// Channels per workgroup: 32 when the gated norm's groups split into 32-channel blocks
+    /// (every released model), else the largest power of two that divides the group size.
+    pub fn block(&self) -> usize {
+        let gs = self.d_inner / self.groups;
+        [32, 16, 8, 4, 2, 1]
+            .into_iter()
+            .find(|b| gs.is_multiple_of(*b))
+            .unwrap_or(1)
     }
-    fn pb(&self) -> usize {
-        P_BLOCK.min(self.head_dim)
+
+    /// Channel blocks (workgroups, and entries of `part`).
+    pub fn blocks(&self) -> usize {
+        self.d_inner / self.block()
     }
 }
 
+/// The buffers of the SSD step; `part` selects the gated (fused) variant, `q8` its q8
+/// activation output.
 pub struct SsdBuffers<'a> {
     pub mix: &'a wgpu::Buffer,
     pub params: &'a wgpu::Buffer,
     pub state: &'a wgpu::Buffer,
     pub y: &'a wgpu::Buffer,
     pub part: Option<&'a wgpu::Buffer>,
+    pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub ctrl: &'a wgpu::Buffer,
 }
 
@@ -55,12 +63,18 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         c.heads * c.head_dim * c.d_state,
     )?;
     check_len(&format!("{name}: y"), b.y, c.d_inner)?;
+    let cb = c.block();
+    // A row's team: up to 32 lanes (a warp reads a whole row of N = 128 contiguously),
+    // no more than the state columns, within the device's workgroup size.
+    let team = 32
+        .min(c.d_state.next_power_of_two())
+        .min(k.max_workgroup() as usize / cb)
+        .max(1);
     let u = |v: usize| Const::U32(v as u32);
-    let consts = [
-        ("WG", u(c.d_state)),
-        ("RV", u(c.pb())),
-        ("PB", u(c.pb())),
-        ("NPB", u(c.blocks())),
+    let (team_consts, team_flags) = k.team(team as u32);
+    let mut consts = vec![
+        ("WG", u(cb * team)),
+        ("CB", u(cb)),
         ("H", u(c.heads)),
         ("P", u(c.head_dim)),
         ("G", u(c.groups)),
@@ -69,8 +83,10 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         ("CD", u(c.conv_dim)),
         ("A_OFF", u(c.a_off)),
         ("D_OFF", u(c.d_off)),
+        ("NW_OFF", u(c.nw_off)),
     ];
-    let mut flags = vec!["REDUCE"];
+    consts.extend(team_consts);
+    let mut flags = team_flags;
     let mut entries = vec![
         (0, b.mix),
         (1, b.params),
@@ -79,15 +95,26 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         (5, b.ctrl),
     ];
     if let Some(part) = b.part {
-        check_len(&format!("{name}: part"), part, c.heads * c.blocks())?;
+        check_len(&format!("{name}: part"), part, c.blocks())?;
         flags.push("GATED");
         entries.push((4, part));
+        if let Some((q, d)) = b.q8 {
+            if cb != 32 {
+                return Err(Error::Gpu(format!(
+                    "{name}: q8 output needs 32-channel blocks, the groups allow {cb}"
+                )));
+            }
+            check_len(&format!("{name}: xq"), q, c.d_inner / 4)?;
+            check_len(&format!("{name}: xd"), d, c.d_inner / 32)?;
+            flags.push("Q8_OUT");
+            entries.extend([(6, q), (7, d)]);
+        }
     }
-    let pipeline = k.pipeline("ssd_step", SOURCES, &consts, &flags, true)?;
+    let pipeline = k.pipeline("ssd_step", SOURCES, &consts, &flags, false)?;
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        workgroups: (c.blocks() as u32, c.heads as u32, 1),
+        workgroups: (c.blocks() as u32, 1, 1),
         name: name.to_string(),
         section: Section::Ssd,
     })

@@ -1,0 +1,56 @@
+//! `mamba2 perplexity`: exp(mean NLL) of a text file, window by window.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use mamba2_wgpu::Session;
+use mamba2_wgpu::perplexity::perplexity;
+
+use super::{DeviceArgs, ModelArgs};
+
+#[derive(Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// The text to score (UTF-8), tokenized as one string without special tokens.
+    #[arg(long, short = 'f', value_name = "TEXT")]
+    file: PathBuf,
+    /// Tokens per window; each window starts from a fresh state.
+    #[arg(long, default_value_t = 256)]
+    ctx: usize,
+}
+
+pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
+    let (model, tokenizer) = args.model.load()?;
+    let tokenizer =
+        tokenizer.with_context(|| format!("{} has no tokenizer.json", args.model.name()))?;
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let tokens = tokenizer.encode_with(&text, false)?;
+    let mut session = Session::new(args.device.open(&model)?);
+    let bar = mamba2_wgpu::progress::bar(
+        tokens.len() as u64 * model.config.d_model as u64 * 1000,
+        "scoring",
+    );
+    let start = std::time::Instant::now();
+    let p = perplexity(&mut session, &tokens, args.ctx, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "perplexity {:.4}  (mean NLL {:.5} nats over {} predicted tokens, {} windows of ≤ {} tokens)",
+        p.ppl, p.nll, p.predicted, p.windows, args.ctx
+    );
+    eprintln!(
+        "[{} tokens in {secs:.1} s = {:.0} tok/s on {}]",
+        tokens.len(),
+        tokens.len() as f64 / secs,
+        session.describe()
+    );
+    Ok(())
+}
