@@ -129,22 +129,37 @@ fn team_sum(v: f32, lid: u32) -> f32 {
 #endif
 
 #if Q8_OUT
-// Quantizes 32 values to a q8 activation block the way the q8_0 GEMV reads it: d =
-// amax/127, q = round(v/d) (ties to even), four int8 per u32 (model::quant mirrors it).
-fn q8_block(v: array<f32, 32>, blk: u32) {
-    var amax = 0.0;
-    for (var j = 0u; j < 32u; j++) {
-        amax = max(amax, abs(v[j]));
+// q8 activation blocks of a chunk of WG consecutive elements starting at `first` (a
+// multiple of 32) of a row that starts at element `base` (a multiple of 32), the way the
+// q8_0 GEMV reads them: d = amax/127, q = round(v/d) (ties to even), four int8 per u32
+// (model::quant mirrors it). Every invocation calls it with its own element's value (0
+// past the end); blocks from NB on (in the row) are not written.
+var<workgroup> q8_vals: array<f32, WG>;
+var<workgroup> q8_inv: array<f32, WG / 32u>;
+
+fn q8_chunk(v: f32, lid: u32, first: u32, base: u32) {
+    q8_vals[lid] = v;
+    workgroupBarrier();
+    let blk = first / 32u + lid;
+    if (lid < WG / 32u) {
+        var amax = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            amax = max(amax, abs(q8_vals[lid * 32u + i]));
+        }
+        let d = amax / 127.0;
+        var inv = 0.0;
+        if (d > 0.0) {
+            inv = 1.0 / d;
+        }
+        q8_inv[lid] = inv;
+        if (blk < NB) {
+            xd[base / 32u + blk] = d;
+        }
     }
-    let d = amax / 127.0;
-    var inv = 0.0;
-    if (d > 0.0) {
-        inv = 1.0 / d;
+    workgroupBarrier();
+    if (lid % 4u == 0u && (first + lid) / 32u < NB) {
+        let f = vec4<f32>(q8_vals[lid], q8_vals[lid + 1u], q8_vals[lid + 2u], q8_vals[lid + 3u]) * q8_inv[lid / 32u];
+        xq[(base + first + lid) / 4u] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
     }
-    for (var q = 0u; q < 8u; q++) {
-        let f = vec4<f32>(v[4u * q], v[4u * q + 1u], v[4u * q + 2u], v[4u * q + 3u]) * inv;
-        xq[blk * 8u + q] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
-    }
-    xd[blk] = d;
 }
 #endif

@@ -2,7 +2,8 @@
 // groups of GS channels is divided by its own RMS, then ⊙ norm weight (RV = G sums). Each
 // workgroup sums every group and writes its own CHUNK channels; with Q8_OUT also the q8
 // blocks of the result.
-// `mix` holds z in its first DI entries.
+// `mix` holds z in its first DI entries. Batched (prefill): workgroup row y handles token
+// y (y rows of DI, mix rows of MIX, dst rows of KP).
 
 @group(0) @binding(0) var<storage, read> y: array<f32>;
 @group(0) @binding(1) var<storage, read> mix: array<f32>;
@@ -13,8 +14,8 @@
 @group(0) @binding(5) var<storage, read_write> xd: array<f32>;
 #endif
 
-fn gated(c: u32) -> f32 {
-    return y[c] * silu(mix[c]);
+fn gated(t: u32, c: u32) -> f32 {
+    return y[t * DI + c] * silu(mix[t * MIX + c]);
 }
 
 @compute @workgroup_size(WG)
@@ -30,27 +31,22 @@ fn main(
     let sg_lane = 0u;
     let sg_size = 1u;
 #endif
+    let t = wid.y;
     var ss: array<f32, RV>;
     for (var c = lid; c < DI; c += WG) {
-        let v = gated(c);
+        let v = gated(t, c);
         ss[c / GS] += v * v;
     }
     var tot = wg_sum(ss, lid, sg_lane, sg_size);
-    let first = wid.x * CHUNK;
-    for (var c = first + lid; c < min(first + CHUNK, DI); c += WG) {
-        dst[c] = gated(c) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * params[NW_OFF + c];
+    // CHUNK = WG: one channel per invocation.
+    let first = wid.x * WG;
+    let c = first + lid;
+    var v = 0.0;
+    if (c < DI) {
+        v = gated(t, c) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * params[NW_OFF + c];
+        dst[t * KP + c] = v;
     }
 #if Q8_OUT
-    let b = first / 32u + lid;
-    if (lid < CHUNK / 32u && b < (DI + 31u) / 32u) {
-        var v: array<f32, 32>;
-        for (var j = 0u; j < 32u; j++) {
-            let c = b * 32u + j;
-            if (c < DI) {
-                v[j] = gated(c) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * params[NW_OFF + c];
-            }
-        }
-        q8_block(v, b);
-    }
+    q8_chunk(v, lid, first, t * KP);
 #endif
 }

@@ -1,7 +1,8 @@
 // dst = src / rms(src) ⊙ params[NW_OFF..NW_OFF+D]: the block pre-norm and the final norm,
 // writing the next GEMV's input once per token. With Q8_OUT also its q8 blocks (zero past
 // D). Each workgroup sums all of src² (a few KB from cache) and writes its own CHUNK
-// elements, so the work spreads over the GPU instead of one multiprocessor.
+// elements (CHUNK = WG), so the work spreads over the GPU instead of one multiprocessor.
+// Batched (prefill): workgroup row y normalizes token y (src rows of D, dst rows of KP).
 
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(1) var<storage, read> params: array<f32>;
@@ -24,27 +25,24 @@ fn main(
     let sg_lane = 0u;
     let sg_size = 1u;
 #endif
+    let t = wid.y;
+    let sbase = t * D;
+    let dbase = t * KP;
     var ss: array<f32, RV>;
     for (var k = lid; k < D; k += WG) {
-        ss[0] += src[k] * src[k];
+        ss[0] += src[sbase + k] * src[sbase + k];
     }
     let tot = wg_sum(ss, lid, sg_lane, sg_size);
     let rstd = inverseSqrt(tot[0] / f32(D) + EPS);
-    let first = wid.x * CHUNK;
-    for (var k = first + lid; k < min(first + CHUNK, D); k += WG) {
-        dst[k] = src[k] * rstd * params[NW_OFF + k];
+    // CHUNK = WG: one element per invocation.
+    let first = wid.x * WG;
+    let k = first + lid;
+    var v = 0.0;
+    if (k < D) {
+        v = src[sbase + k] * rstd * params[NW_OFF + k];
+        dst[dbase + k] = v;
     }
 #if Q8_OUT
-    let b = first / 32u + lid;
-    if (lid < CHUNK / 32u && b < (D + 31u) / 32u) {
-        var v: array<f32, 32>;
-        for (var j = 0u; j < 32u; j++) {
-            let k = b * 32u + j;
-            if (k < D) {
-                v[j] = src[k] * rstd * params[NW_OFF + k];
-            }
-        }
-        q8_block(v, b);
-    }
+    q8_chunk(v, lid, first, dbase);
 #endif
 }

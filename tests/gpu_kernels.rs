@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use mamba2_wgpu::gpu::context::{GpuContext, Needs};
 use mamba2_wgpu::gpu::graph::Ctrl;
-use mamba2_wgpu::gpu::kernels::gated_norm::GatedNormBuffers;
+use mamba2_wgpu::gpu::kernels::gated_norm::{Batch, GatedNormBuffers};
 use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, MixerConsts, gemv};
 use mamba2_wgpu::gpu::kernels::rmsnorm::NormBuffers;
 use mamba2_wgpu::gpu::kernels::ssd_step::{SsdBuffers, SsdConsts, ssd_step};
@@ -151,7 +151,15 @@ fn gemv_buffers<'a>(
 #[test]
 fn gemv_every_format_and_shape() {
     let Some(g) = Gpu::new() else { return };
-    for (rows, cols) in [(37, 70), (8, 256), (129, 1000), (3, 5)] {
+    // Row counts that take 1, 2 and 4 rows per team, none a multiple of anything.
+    for (rows, cols) in [
+        (37, 70),
+        (8, 256),
+        (129, 1000),
+        (3, 5),
+        (2051, 70),
+        (8195, 40),
+    ] {
         let w = rand(1, rows * cols, -1.0, 1.0);
         let x = rand(2, cols, -2.0, 2.0);
         let (src, dst) = (g.buf(&padded(&x)), g.zeros(rows));
@@ -224,7 +232,7 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
             dst: &dst,
             q8: Some((&xq, &xd)),
         };
-        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, b).unwrap());
+        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, b).unwrap());
         let got = g.read(&dst, d);
         assert_nmse("rmsnorm", &got, &ref_rmsnorm(&x, &params[7..], 1e-5), 1e-7);
         let q: Vec<u32> =
@@ -519,7 +527,22 @@ fn gated_norm_residual_and_embedding() {
         dst: &out,
         q8: Some((&xq, &xd)),
     };
-    g.run(&gated_norm::gated_norm(&g.k, "t", di, groups, 1e-5, 0, b).unwrap());
+    g.run(
+        &gated_norm::gated_norm(
+            &g.k,
+            "t",
+            di,
+            groups,
+            1e-5,
+            0,
+            Batch {
+                tokens: 1,
+                mix_stride: di,
+            },
+            b,
+        )
+        .unwrap(),
+    );
     let got = g.read(&out, di);
     assert_nmse(
         "gated group norm",

@@ -10,7 +10,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gpu::context::{GpuContext, Needs};
 use crate::gpu::graph::{Ctrl, Graph, Tail};
-use crate::gpu::kernels::gated_norm::GatedNormBuffers;
+use crate::gpu::kernels::gated_norm::{Batch, GatedNormBuffers};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
 use crate::gpu::kernels::rmsnorm::NormBuffers;
 use crate::gpu::kernels::ssd_step::{self, SsdBuffers, SsdConsts};
@@ -357,6 +357,7 @@ impl Engine {
                 c.d_model,
                 eps,
                 self.layout.norm,
+                1,
                 norm,
             )?);
             if fused {
@@ -450,6 +451,10 @@ impl Engine {
                     c.n_groups,
                     eps,
                     self.layout.mixer_norm,
+                    Batch {
+                        tokens: 1,
+                        mix_stride: c.d_in_proj(),
+                    },
                     gated,
                 )?);
                 d.push(gemv::gemv(
@@ -479,7 +484,15 @@ impl Engine {
                 dst: &s.h,
                 q8,
             };
-            d.push(rmsnorm::rmsnorm(k, "final_norm", c.d_model, eps, 0, norm)?);
+            d.push(rmsnorm::rmsnorm(
+                k,
+                "final_norm",
+                c.d_model,
+                eps,
+                0,
+                1,
+                norm,
+            )?);
             d.push(gemv::gemv(
                 k,
                 "lm_head",

@@ -1,14 +1,22 @@
-//! `gated_norm.wgsl` (unfused graph): `dst [d_inner] = groupnorm(y ⊙ silu(z)) ⊙ w` over G
-//! groups, and with `q8` the q8 blocks of the result for the out_proj GEMV.
+//! `gated_norm.wgsl` (unfused graph, prefill): `dst [T][KP] = groupnorm(y ⊙ silu(z)) ⊙ w`
+//! over G groups for T tokens (`y [T][d_inner]`, z the first d_inner of each `mix` row),
+//! and with `q8` the q8 blocks of the result for out_proj.
 
 use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
-/// Elements each workgroup writes (whole q8 blocks).
+/// Elements each workgroup writes (one per invocation; whole q8 blocks).
 const CHUNK: usize = 256;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/gated_norm.wgsl")];
+
+/// How many tokens a call normalizes, and the row stride of `mix` (d_in_proj).
+#[derive(Clone, Copy, Debug)]
+pub struct Batch {
+    pub tokens: usize,
+    pub mix_stride: usize,
+}
 
 /// Buffers of the gated norm: `y`, the mixer row vector (z first), parameters, outputs.
 pub struct GatedNormBuffers<'a> {
@@ -26,15 +34,24 @@ pub fn gated_norm(
     groups: usize,
     eps: f64,
     nw_off: usize,
+    batch: Batch,
     b: GatedNormBuffers,
 ) -> Result<Dispatch> {
-    check_len(&format!("{name}: y"), b.y, d_inner)?;
-    check_len(&format!("{name}: mix"), b.mix, d_inner)?;
-    check_len(&format!("{name}: dst"), b.dst, d_inner)?;
+    let Batch { tokens, mix_stride } = batch;
+    let kp = d_inner.next_multiple_of(32);
+    check_len(&format!("{name}: y"), b.y, tokens * d_inner)?;
+    check_len(
+        &format!("{name}: mix"),
+        b.mix,
+        (tokens - 1) * mix_stride + d_inner,
+    )?;
+    check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d_inner)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d_inner)?;
     let consts = [
-        ("WG", Const::U32(256)),
-        ("CHUNK", Const::U32(CHUNK as u32)),
+        ("WG", Const::U32(CHUNK as u32)),
+        ("NB", Const::U32(d_inner.div_ceil(32) as u32)),
+        ("KP", Const::U32(kp as u32)),
+        ("MIX", Const::U32(mix_stride as u32)),
         ("RV", Const::U32(groups as u32)),
         ("DI", Const::U32(d_inner as u32)),
         ("GS", Const::U32((d_inner / groups) as u32)),
@@ -44,8 +61,8 @@ pub fn gated_norm(
     let mut flags = vec!["REDUCE"];
     let mut entries = vec![(0, b.y), (1, b.mix), (2, b.params), (3, b.dst)];
     if let Some((q, s)) = b.q8 {
-        check_len(&format!("{name}: xq"), q, d_inner.div_ceil(32) * 8)?;
-        check_len(&format!("{name}: xd"), s, d_inner.div_ceil(32))?;
+        check_len(&format!("{name}: xq"), q, tokens * kp / 4)?;
+        check_len(&format!("{name}: xd"), s, tokens * kp / 32)?;
         flags.push("Q8_OUT");
         entries.extend([(4, q), (5, s)]);
     }
@@ -53,7 +70,7 @@ pub fn gated_norm(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        workgroups: (d_inner.div_ceil(CHUNK) as u32, 1, 1),
+        workgroups: (d_inner.div_ceil(CHUNK) as u32, tokens as u32, 1),
         name: name.to_string(),
         section: Section::Norm,
     })

@@ -1,12 +1,12 @@
-//! `rmsnorm.wgsl`: `dst [D] = src / rms(src) ⊙ params[nw_off..nw_off+D]`, and with `q8`
-//! the q8 blocks `xq [ceil(D/32)·8]`, `xd [ceil(D/32)]` of the result: the input of the
-//! next GEMV, made once per token.
+//! `rmsnorm.wgsl`: `dst [T][KP] = src [T][D] / rms ⊙ params[nw_off..nw_off+D]` for T
+//! tokens (KP = D rounded up to 32), and with `q8` the q8 blocks `xq [T][KP/4]`,
+//! `xd [T][KP/32]` of the result: the input of the next GEMV or GEMM, made once.
 
 use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
-/// Elements each workgroup writes (whole q8 blocks).
+/// Elements each workgroup writes (one per invocation; whole q8 blocks).
 const CHUNK: usize = 256;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/rmsnorm.wgsl")];
@@ -25,14 +25,17 @@ pub fn rmsnorm(
     d: usize,
     eps: f64,
     nw_off: usize,
+    tokens: usize,
     b: NormBuffers,
 ) -> Result<Dispatch> {
-    check_len(&format!("{name}: src"), b.src, d)?;
+    let kp = d.next_multiple_of(32);
+    check_len(&format!("{name}: src"), b.src, tokens * d)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d)?;
-    check_len(&format!("{name}: dst"), b.dst, d)?;
+    check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d)?;
     let consts = [
-        ("WG", Const::U32(256)),
-        ("CHUNK", Const::U32(CHUNK as u32)),
+        ("WG", Const::U32(CHUNK as u32)),
+        ("NB", Const::U32(d.div_ceil(32) as u32)),
+        ("KP", Const::U32(kp as u32)),
         ("RV", Const::U32(1)),
         ("D", Const::U32(d as u32)),
         ("NW_OFF", Const::U32(nw_off as u32)),
@@ -41,8 +44,8 @@ pub fn rmsnorm(
     let mut flags = vec!["REDUCE"];
     let mut entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
     if let Some((q, s)) = b.q8 {
-        check_len(&format!("{name}: xq"), q, d.div_ceil(32) * 8)?;
-        check_len(&format!("{name}: xd"), s, d.div_ceil(32))?;
+        check_len(&format!("{name}: xq"), q, tokens * kp / 4)?;
+        check_len(&format!("{name}: xd"), s, tokens * kp / 32)?;
         flags.push("Q8_OUT");
         entries.extend([(3, q), (4, s)]);
     }
@@ -50,7 +53,7 @@ pub fn rmsnorm(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        workgroups: (d.div_ceil(CHUNK) as u32, 1, 1),
+        workgroups: (d.div_ceil(CHUNK) as u32, tokens as u32, 1),
         name: name.to_string(),
         section: Section::Norm,
     })

@@ -84,6 +84,7 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         ("A_OFF", u(c.a_off)),
         ("D_OFF", u(c.d_off)),
         ("NW_OFF", u(c.nw_off)),
+        ("NB", u(c.d_inner / 32)),
     ];
     consts.extend(team_consts);
     let mut flags = team_flags;
