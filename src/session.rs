@@ -64,6 +64,12 @@ impl CpuBackend {
     pub fn state(&self) -> &State<f32> {
         &self.state
     }
+
+    /// Prefill with chunks of `q` tokens instead of the config's chunk size.
+    pub fn with_chunk(mut self, q: usize) -> Self {
+        self.scan = Scan::Chunked(q);
+        self
+    }
 }
 
 impl Backend for CpuBackend {

@@ -23,6 +23,7 @@ fn synthetic_decode_matches_reference() {
                 EngineOptions {
                     format: WeightFormat::F32,
                     fused,
+                    ..Default::default()
                 },
             )
             .unwrap();
@@ -106,8 +107,19 @@ mod fixtures_on_gpu {
     fn backend(model: &Model, format: WeightFormat, fused: bool) -> Option<GpuBackend> {
         let ctx = common::gpu(&Engine::needs(&model.config, format))?;
         Some(
-            GpuBackend::new(Engine::new(ctx, model, EngineOptions { format, fused }).unwrap())
+            GpuBackend::new(
+                Engine::new(
+                    ctx,
+                    model,
+                    EngineOptions {
+                        format,
+                        fused,
+                        ..Default::default()
+                    },
+                )
                 .unwrap(),
+            )
+            .unwrap(),
         )
     }
 

@@ -87,14 +87,24 @@ pub struct DeviceArgs {
     /// Run the unfused graph (one kernel per op) instead of the fused one (also: MAMBA2_NO_FUSE=1).
     #[arg(long)]
     pub no_fuse: bool,
+    /// SSD chunk length of prefill, 8…256 (default: the model config's chunk_size).
+    #[arg(long, value_name = "Q")]
+    pub chunk_size: Option<usize>,
+    /// Feed prompts token by token through the decode graph instead of the chunked prefill.
+    #[arg(long)]
+    pub prefill_by_decode: bool,
 }
 
 impl DeviceArgs {
     pub fn engine_options(&self) -> mamba2_wgpu::EngineOptions {
         let mut o = mamba2_wgpu::EngineOptions {
             format: self.dtype,
+            chunk_size: self.chunk_size,
             ..Default::default()
         };
+        if self.prefill_by_decode {
+            o.prefill = mamba2_wgpu::gpu::engine::PrefillMode::Decode;
+        }
         if self.no_fuse {
             o.fused = false;
         }

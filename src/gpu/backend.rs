@@ -10,8 +10,9 @@ use std::time::Instant;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::gpu::engine::{Engine, PROMPT_WINDOW};
+use crate::gpu::engine::{DeviceSnapshot, Engine, PROMPT_WINDOW, PrefillMode};
 use crate::gpu::graph::{Ctrl, Tail};
+use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
 use crate::gpu::profiler::{Profiler, TokenProfile};
 use crate::sampling::{Sampling, seed_key};
 use crate::session::Backend;
@@ -26,6 +27,8 @@ type MapResult = mpsc::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>
 /// A GPU device for `Session`.
 pub struct GpuBackend {
     pub engine: Engine,
+    /// The chunked-prefill blocks, made on first use.
+    prefill: Option<Prefill>,
     ring: Vec<wgpu::Buffer>,
     profiler: Option<Profiler>,
     /// Profiles of the decoded tokens while profiling is on (most recent last).
@@ -47,6 +50,7 @@ impl GpuBackend {
         Ok(GpuBackend {
             engine,
             ring,
+            prefill: None,
             profiler: None,
             profiles: Vec::new(),
         })
@@ -169,6 +173,97 @@ impl GpuBackend {
         ctx.check()
     }
 
+    /// The chunked prefill of `tokens`, block by block. With `head`, the last token's
+    /// residual then goes through final norm, lm_head and the sampler (`ctrl.token` holds
+    /// the next token); with `logits`, every position's logits are read back instead.
+    fn prefill_chunked(
+        &mut self,
+        tokens: &[u32],
+        mut ctrl: Ctrl,
+        head: Option<Tail>,
+        mut logits: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
+        let want_logits = logits.is_some();
+        let rebuild = match &self.prefill {
+            Some(p) => p.chunk != self.engine.chunk || (want_logits && p.logits_graph.is_none()),
+            None => true,
+        };
+        if rebuild {
+            self.prefill = None; // free the old blocks first
+            self.prefill = Some(Prefill::new(&self.engine, self.engine.chunk, want_logits)?);
+        }
+        let p = self.prefill.as_ref().expect("prefill built above");
+        let ctx = self.engine.ctx().clone();
+        let (vocab, d) = (self.engine.config.vocab_size, self.engine.config.d_model);
+        let block = if want_logits {
+            p.max_tokens.min(MAX_LOGITS_BLOCK)
+        } else {
+            p.max_tokens
+        };
+        let readback = if want_logits {
+            Some(ctx.buffer(
+                "logits readback",
+                (4 * vocab * block) as u64,
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            )?)
+        } else {
+            None
+        };
+        let head_graph = head.map(|t| self.engine.head_graph(t));
+        let blocks: Vec<&[u32]> = tokens.chunks(block).collect();
+        for (bi, chunk) in blocks.iter().enumerate() {
+            let last = bi + 1 == blocks.len();
+            ctx.queue
+                .write_buffer(&p.prompt, 0, bytemuck::cast_slice(chunk));
+            ctrl.prompt_len = chunk.len() as u32;
+            self.engine.write_ctrl(&ctrl);
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                let graph = if want_logits {
+                    p.logits_graph.as_ref().expect("logits graph")
+                } else {
+                    &p.graph
+                };
+                graph.record(&mut pass, None);
+            }
+            if let (true, Some(g)) = (last, &head_graph) {
+                let row = (4 * d * (chunk.len() - 1)) as u64;
+                enc.copy_buffer_to_buffer(
+                    &p.resid,
+                    row,
+                    &self.engine.scratch.resid,
+                    0,
+                    Some(4 * d as u64),
+                );
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                g.record(&mut pass, None);
+            }
+            let bytes = (4 * vocab * chunk.len()) as u64;
+            if let (Some(rb), Some(src)) = (&readback, &p.logits) {
+                enc.copy_buffer_to_buffer(src, 0, rb, 0, Some(bytes));
+            }
+            ctx.queue.submit([enc.finish()]);
+            if let (Some(rb), Some(out)) = (&readback, logits.as_deref_mut()) {
+                let (tx, rx) = mpsc::channel();
+                rb.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
+                    let _ = tx.send(r);
+                });
+                ctx.wait()?;
+                recv(rx)?;
+                {
+                    let view = rb
+                        .get_mapped_range(..bytes)
+                        .map_err(|e| Error::Gpu(format!("logits readback: {e}")))?;
+                    let all: &[f32] = bytemuck::cast_slice(&view);
+                    out.extend(all.chunks(vocab).map(<[f32]>::to_vec));
+                }
+                rb.unmap();
+            }
+        }
+        ctx.check()
+    }
+
     /// Records one decode token (+ the ring copy) and submits it; with the profiler on,
     /// waits and keeps its profile.
     fn submit_token(&mut self, tail: Tail, slot: usize) -> Result<wgpu::SubmissionIndex> {
@@ -254,14 +349,20 @@ impl Backend for GpuBackend {
             Tail::Sample
         };
         let ctrl = self.ctrl(tokens[0], pos, sampling, &[])?;
-        self.feed(tokens, ctrl, tail, None)?;
+        match self.engine.prefill_mode {
+            PrefillMode::Decode => self.feed(tokens, ctrl, tail, None)?,
+            PrefillMode::Chunked => self.prefill_chunked(tokens, ctrl, Some(tail), None)?,
+        }
         Ok(self.engine.read_ctrl()?.token)
     }
 
     fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
         let ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
         let mut out = Vec::with_capacity(tokens.len());
-        self.feed(tokens, ctrl, Tail::FeedLogits, Some(&mut out))?;
+        match self.engine.prefill_mode {
+            PrefillMode::Decode => self.feed(tokens, ctrl, Tail::FeedLogits, Some(&mut out))?,
+            PrefillMode::Chunked => self.prefill_chunked(tokens, ctrl, None, Some(&mut out))?,
+        }
         Ok(out)
     }
 
@@ -313,7 +414,7 @@ impl Backend for GpuBackend {
     }
 
     fn snapshot(&self) -> Result<Box<dyn Any + Send>> {
-        Ok(Box::new(self.engine.read_state()?))
+        Ok(Box::new(self.engine.snapshot()?))
     }
 
     fn gpu(&mut self) -> Option<&mut GpuBackend> {
@@ -325,6 +426,9 @@ impl Backend for GpuBackend {
     }
 
     fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()> {
+        if let Some(s) = snapshot.downcast_ref::<DeviceSnapshot>() {
+            return self.engine.restore(s);
+        }
         let state = snapshot
             .downcast_ref::<crate::reference::State<f32>>()
             .ok_or_else(|| {

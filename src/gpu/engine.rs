@@ -71,6 +71,11 @@ pub struct Layer {
     pub ssm_state: wgpu::Buffer,
 }
 
+/// A sequence's state copied on the device: conv and SSM state buffers per layer.
+pub struct DeviceSnapshot {
+    buffers: Vec<wgpu::Buffer>,
+}
+
 /// Activation scratch and control buffers, shared by every layer.
 pub struct Scratch {
     pub resid: wgpu::Buffer,
@@ -111,14 +116,30 @@ pub struct Engine {
     pub scratch: Scratch,
     graphs: HashMap<(bool, Tail), Graph>,
     pub fused: bool,
+    /// SSD chunk length of prefill.
+    pub chunk: usize,
+    pub prefill_mode: PrefillMode,
 }
 
 /// Options of an engine.
 #[derive(Clone, Copy, Debug)]
 pub struct EngineOptions {
     pub format: WeightFormat,
-    /// The fused graph (3 dispatches per layer) or the unfused baseline (7).
+    /// The fused graph (4 dispatches per layer) or the unfused baseline (7).
     pub fused: bool,
+    /// SSD chunk length of prefill (8…256); `None` takes the config's `chunk_size`.
+    pub chunk_size: Option<usize>,
+    /// How prompts are fed.
+    pub prefill: PrefillMode,
+}
+
+/// How a prompt is fed into the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillMode {
+    /// Blocks of tokens through GEMMs and the chunked SSD.
+    Chunked,
+    /// Token by token through the decode graph (the slow baseline and test oracle).
+    Decode,
 }
 
 impl Default for EngineOptions {
@@ -126,7 +147,22 @@ impl Default for EngineOptions {
         EngineOptions {
             format: WeightFormat::F16,
             fused: std::env::var_os("MAMBA2_NO_FUSE").is_none(),
+            chunk_size: None,
+            prefill: PrefillMode::Chunked,
         }
+    }
+}
+
+impl EngineOptions {
+    /// The chunk length for `config`, checked to lie in 8…256.
+    pub fn chunk_for(&self, config: &ModelConfig) -> Result<usize> {
+        let q = self.chunk_size.unwrap_or(config.chunk_size);
+        if !(8..=256).contains(&q) {
+            return Err(Error::InvalidInput(format!(
+                "chunk size must be in 8…256, found {q}"
+            )));
+        }
+        Ok(q)
     }
 }
 
@@ -213,7 +249,7 @@ impl Engine {
         }
         bar.finish_and_clear();
         let final_norm = w.final_norm.to_f32();
-        Self::assemble(
+        let mut engine = Self::assemble(
             ctx,
             c,
             format,
@@ -223,7 +259,10 @@ impl Engine {
             mats,
             params,
             &final_norm,
-        )
+        )?;
+        engine.chunk = opts.chunk_for(c)?;
+        engine.prefill_mode = opts.prefill;
+        Ok(engine)
     }
 
     /// Wires uploaded matrices, parameters and fresh state/scratch into an engine.
@@ -286,6 +325,8 @@ impl Engine {
             scratch,
             graphs: HashMap::new(),
             fused: fused && fusable,
+            chunk: c.chunk_size.clamp(8, 256),
+            prefill_mode: PrefillMode::Chunked,
         };
         for fused in [true, false] {
             for tail in [Tail::Greedy, Tail::Sample, Tail::Feed, Tail::FeedLogits] {
@@ -307,11 +348,21 @@ impl Engine {
         &self.graphs[&(self.fused, tail)]
     }
 
-    fn head(&self) -> &DeviceMatrix {
+    /// The end of a token graph that turns `resid` into the next token: final norm,
+    /// lm_head and the sampler (`Greedy` or `Sample`), e.g. after a chunked prefill.
+    pub fn head_graph(&self, tail: Tail) -> Graph {
+        let all = &self.graph(tail).dispatches;
+        Graph {
+            dispatches: all[all.len() - 3..].to_vec(),
+        }
+    }
+
+    /// The matrix that produces logits (lm_head, or the tied embedding).
+    pub fn head(&self) -> &DeviceMatrix {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
     }
 
-    fn mixer_consts(&self) -> MixerConsts {
+    pub fn mixer_consts(&self) -> MixerConsts {
         let c = &self.config;
         MixerConsts {
             d_inner: c.d_inner,
@@ -567,6 +618,43 @@ impl Engine {
                 .push(self.ctx().read_f32(&l.ssm_state, c.ssm_state_len())?);
         }
         Ok(st)
+    }
+
+    /// A copy of the state kept on the device (no host round trip): for branching a
+    /// conversation or regenerating a reply without re-reading the prompt.
+    pub fn snapshot(&self) -> Result<DeviceSnapshot> {
+        let ctx = self.ctx();
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        let mut copy = |src: &wgpu::Buffer, label: &str| -> Result<wgpu::Buffer> {
+            let dst = ctx.storage_zeroed(label, src.size())?;
+            enc.copy_buffer_to_buffer(src, 0, &dst, 0, None);
+            Ok(dst)
+        };
+        let mut buffers = Vec::with_capacity(2 * self.layers.len());
+        for l in &self.layers {
+            buffers.push(copy(&l.conv_state, "snapshot conv")?);
+            buffers.push(copy(&l.ssm_state, "snapshot ssm")?);
+        }
+        ctx.queue.submit([enc.finish()]);
+        ctx.check()?;
+        Ok(DeviceSnapshot { buffers })
+    }
+
+    /// Puts a snapshot of this engine's state back.
+    pub fn restore(&self, s: &DeviceSnapshot) -> Result<()> {
+        if s.buffers.len() != 2 * self.layers.len() {
+            return Err(Error::InvalidInput(
+                "snapshot belongs to another model".into(),
+            ));
+        }
+        let ctx = self.ctx();
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        for (l, pair) in self.layers.iter().zip(s.buffers.chunks(2)) {
+            enc.copy_buffer_to_buffer(&pair[0], 0, &l.conv_state, 0, None);
+            enc.copy_buffer_to_buffer(&pair[1], 0, &l.ssm_state, 0, None);
+        }
+        ctx.queue.submit([enc.finish()]);
+        ctx.check()
     }
 
     /// Replaces the state (e.g. to continue from a CPU-computed one).

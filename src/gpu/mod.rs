@@ -6,6 +6,7 @@ pub mod context;
 pub mod engine;
 pub mod graph;
 pub mod kernels;
+pub mod prefill;
 pub mod profiler;
 pub mod shader;
 pub mod synthetic;

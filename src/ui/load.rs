@@ -363,6 +363,7 @@ pub fn open(req: LoadRequest, notice: &mut dyn FnMut(&str)) -> Result<Loaded, St
     let opts = EngineOptions {
         format: req.format,
         fused: req.fused,
+        ..Default::default()
     };
     let (model, tokenizer) = match req.source {
         ModelSource::Preset { name, seed } => {

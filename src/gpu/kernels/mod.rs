@@ -4,14 +4,23 @@
 
 pub mod advance;
 pub mod argmax;
+pub mod chunk;
 pub mod conv_step;
 pub mod embed;
 pub mod fill;
 pub mod gated_norm;
+pub mod gemm;
 pub mod gemv;
+pub mod prefill_conv;
+pub mod prefill_embed;
 pub mod residual_add;
 pub mod rmsnorm;
 pub mod sample;
+pub mod ssd_cb;
+pub mod ssd_chunk_scan;
+pub mod ssd_chunk_state;
+pub mod ssd_cumsum;
+pub mod ssd_state_pass;
 pub mod ssd_step;
 
 use std::collections::HashMap;

@@ -1,0 +1,113 @@
+// Y[t, m] = Σ_k X[t, k]·W[m, k] for the T tokens of a prefill block (T = ctrl.prompt_len):
+// W [M, KP] in f32, f16 or q8_0 (dequantized into workgroup memory), X [T, XS] f32
+// (XS ≥ KP, zero past K).
+// A workgroup computes a 128 (rows of W) × 64 (tokens) tile in steps of 16 columns; each
+// invocation owns 8 rows × 4 tokens in registers. O_STORE writes Y rows of YS values,
+// O_ADD adds into them (the residual).
+
+#if W_F32
+@group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
+#endif
+#if W_F16
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+#endif
+#if W_Q8
+@group(0) @binding(0) var<storage, read> w: array<vec2<u32>>;
+@group(0) @binding(1) var<storage, read> ws: array<u32>;
+#endif
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read> ctrl: Ctrl;
+
+const TM: u32 = 128u;
+const TT: u32 = 64u;
+const TK: u32 = 16u;
+
+var<workgroup> wt: array<array<f32, 132>, 16>;
+var<workgroup> xt: array<array<f32, 68>, 16>;
+
+// Eight weights of row `row`, columns k0..k0+8 (k0 a multiple of 8).
+fn weights8(row: u32, k0: u32) -> array<f32, 8> {
+    var o: array<f32, 8>;
+#if W_F32
+    let a = w[(row * KP + k0) / 4u];
+    let b = w[(row * KP + k0) / 4u + 1u];
+    o = array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+#endif
+#if W_F16
+    let v = w[(row * KP + k0) / 8u];
+    let p0 = unpack2x16float(v.x);
+    let p1 = unpack2x16float(v.y);
+    let p2 = unpack2x16float(v.z);
+    let p3 = unpack2x16float(v.w);
+    o = array<f32, 8>(p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y);
+#endif
+#if W_Q8
+    let v = w[(row * KP + k0) / 8u];
+    let si = row * (KP / 32u) + k0 / 32u;
+    let d = unpack2x16float(ws[si / 2u])[si % 2u];
+    let a = vec4<f32>(unpack4xI8(v.x)) * d;
+    let b = vec4<f32>(unpack4xI8(v.y)) * d;
+    o = array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+#endif
+    return o;
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let tokens = ctrl.prompt_len;
+    let m0 = wid.x * TM;
+    let t0 = wid.y * TT;
+    let mg = lid % 16u;   // rows m0 + mg·8 ..
+    let tg = lid / 16u;   // tokens t0 + tg·4 ..
+    var acc: array<array<f32, 4>, 8>;
+    // Loaders: W row m0 + lid/2, columns (lid%2)·8..; X token t0 + lid/4, columns (lid%4)·4..
+    let lrow = m0 + lid / 2u;
+    let ltok = t0 + lid / 4u;
+    for (var k = 0u; k < KP; k += TK) {
+        var wv: array<f32, 8>;
+        if (lrow < M) {
+            wv = weights8(lrow, k + (lid % 2u) * 8u);
+        }
+        for (var i = 0u; i < 8u; i++) {
+            wt[(lid % 2u) * 8u + i][lid / 2u] = wv[i];
+        }
+        var xv = vec4<f32>(0.0);
+        if (ltok < tokens) {
+            xv = x[(ltok * XS + k) / 4u + lid % 4u];
+        }
+        for (var i = 0u; i < 4u; i++) {
+            xt[(lid % 4u) * 4u + i][lid / 4u] = xv[i];
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < TK; kk++) {
+            var a: array<f32, 8>;
+            for (var i = 0u; i < 8u; i++) {
+                a[i] = wt[kk][mg * 8u + i];
+            }
+            let b = vec4<f32>(xt[kk][tg * 4u], xt[kk][tg * 4u + 1u], xt[kk][tg * 4u + 2u], xt[kk][tg * 4u + 3u]);
+            for (var i = 0u; i < 8u; i++) {
+                for (var j = 0u; j < 4u; j++) {
+                    acc[i][j] += a[i] * b[j];
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var j = 0u; j < 4u; j++) {
+        let t = t0 + tg * 4u + j;
+        if (t < tokens) {
+            for (var i = 0u; i < 8u; i++) {
+                let m = m0 + mg * 8u + i;
+                if (m < M) {
+#if O_STORE
+                    y[t * YS + m] = acc[i][j];
+#endif
+#if O_ADD
+                    y[t * YS + m] += acc[i][j];
+#endif
+                }
+            }
+        }
+    }
+}

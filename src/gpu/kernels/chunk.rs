@@ -1,0 +1,43 @@
+//! Sizes shared by the chunked-SSD prefill kernels (`ssd_cumsum`, `ssd_cb`,
+//! `ssd_chunk_state`, `ssd_state_pass`, `ssd_chunk_scan`, `prefill_conv`).
+//! Buffer shapes for a block of up to `max_tokens` tokens in chunks of `q`:
+//! `mix [T][d_in_proj]`, `lam [NC][H][Q]`, `cb [NC][G][Q][Q]`, `cst [NC][H][P][N]`,
+//! `y [T][d_inner]` with NC = ceil(max_tokens / q).
+
+use crate::gpu::shader::Const;
+
+#[derive(Clone, Copy, Debug)]
+pub struct ChunkConsts {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub groups: usize,
+    pub d_state: usize,
+    pub d_inner: usize,
+    pub conv_dim: usize,
+    pub d_in_proj: usize,
+    /// Chunk length Q.
+    pub q: usize,
+    /// Tokens per block (the buffers' capacity).
+    pub max_tokens: usize,
+}
+
+impl ChunkConsts {
+    /// Chunks of a full block.
+    pub fn chunks(&self) -> usize {
+        self.max_tokens.div_ceil(self.q)
+    }
+
+    pub fn consts(&self) -> Vec<(&'static str, Const)> {
+        let u = |v: usize| Const::U32(v as u32);
+        vec![
+            ("H", u(self.heads)),
+            ("P", u(self.head_dim)),
+            ("G", u(self.groups)),
+            ("N", u(self.d_state)),
+            ("DI", u(self.d_inner)),
+            ("CD", u(self.conv_dim)),
+            ("DIP", u(self.d_in_proj)),
+            ("Q", u(self.q)),
+        ]
+    }
+}

@@ -1,0 +1,62 @@
+//! `gemm.wgsl`: the prefill projections, `Y [T][ys] (=|+=) X [T][xs] · Wᵀ` for the T tokens
+//! of a block (`ctrl.prompt_len`), W a `DeviceMatrix` `[M, K]` in any format; X rows are
+//! `xs = ceil32(K)` values, zero past K (what the batched norms write).
+
+use super::{Dispatch, Kernels, Section, check_len};
+use crate::error::Result;
+use crate::gpu::shader::Const;
+use crate::gpu::weights::DeviceMatrix;
+
+const SOURCES: super::Sources = &[include_str!("../../../shaders/gemm.wgsl")];
+
+/// Output tile: rows of W × tokens.
+pub const TILE: (usize, usize) = (128, 64);
+
+/// Whether the product is stored or added (the residual).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmOutput {
+    Store,
+    Add,
+}
+
+/// The GEMM of a block of up to `max_tokens` tokens; `y` has rows of `ys` values.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    max_tokens: usize,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    ys: usize,
+    output: GemmOutput,
+    ctrl: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let xs = w.cols.next_multiple_of(32);
+    check_len(&format!("{name}: x"), x, max_tokens * xs)?;
+    check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
+    let consts = [
+        ("M", Const::U32(w.rows as u32)),
+        ("KP", Const::U32(w.kp as u32)),
+        ("XS", Const::U32(xs as u32)),
+        ("YS", Const::U32(ys as u32)),
+    ];
+    let out = match output {
+        GemmOutput::Store => "O_STORE",
+        GemmOutput::Add => "O_ADD",
+    };
+    let pipeline = k.pipeline("gemm", SOURCES, &consts, &[w.flag(), out], false)?;
+    let mut entries = w.bindings();
+    entries.extend([(2, x), (3, y), (4, ctrl)]);
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &entries),
+        pipeline,
+        workgroups: (
+            w.rows.div_ceil(TILE.0) as u32,
+            max_tokens.div_ceil(TILE.1) as u32,
+            1,
+        ),
+        name: name.to_string(),
+        section: Section::Matmul,
+    })
+}

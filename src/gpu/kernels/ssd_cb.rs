@@ -1,0 +1,34 @@
+//! `ssd_cb.wgsl`: `cb [NC][G][Q][Q]`, C_i·B_j per chunk and group (j ≤ i).
+
+use super::chunk::ChunkConsts;
+use super::{Dispatch, Kernels, Section, check_len};
+use crate::error::Result;
+
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/tile64.wgsl"),
+    include_str!("../../../shaders/ssd_cb.wgsl"),
+];
+
+pub fn ssd_cb(
+    k: &Kernels,
+    name: &str,
+    cc: ChunkConsts,
+    mix: &wgpu::Buffer,
+    cb: &wgpu::Buffer,
+    ctrl: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    check_len(
+        &format!("{name}: cb"),
+        cb,
+        cc.chunks() * cc.groups * cc.q * cc.q,
+    )?;
+    let pipeline = k.pipeline("ssd_cb", SOURCES, &cc.consts(), &[], false)?;
+    let tiles = cc.q.div_ceil(64) as u32;
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &[(0, mix), (1, cb), (2, ctrl)]),
+        pipeline,
+        workgroups: (tiles, tiles, (cc.chunks() * cc.groups) as u32),
+        name: name.to_string(),
+        section: Section::Ssd,
+    })
+}

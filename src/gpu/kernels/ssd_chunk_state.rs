@@ -1,0 +1,38 @@
+//! `ssd_chunk_state.wgsl`: `cst [NC][H][P][N]`, the state each chunk adds.
+
+use super::chunk::ChunkConsts;
+use super::{Dispatch, Kernels, Section, check_len};
+use crate::error::Result;
+
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/tile64.wgsl"),
+    include_str!("../../../shaders/ssd_chunk_state.wgsl"),
+];
+
+pub fn ssd_chunk_state(
+    k: &Kernels,
+    name: &str,
+    cc: ChunkConsts,
+    mix: &wgpu::Buffer,
+    lam: &wgpu::Buffer,
+    cst: &wgpu::Buffer,
+    ctrl: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    check_len(
+        &format!("{name}: cst"),
+        cst,
+        cc.chunks() * cc.heads * cc.head_dim * cc.d_state,
+    )?;
+    let pipeline = k.pipeline("ssd_chunk_state", SOURCES, &cc.consts(), &[], false)?;
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &[(0, mix), (1, lam), (2, cst), (3, ctrl)]),
+        pipeline,
+        workgroups: (
+            cc.head_dim.div_ceil(64) as u32,
+            cc.d_state.div_ceil(64) as u32,
+            (cc.chunks() * cc.heads) as u32,
+        ),
+        name: name.to_string(),
+        section: Section::Ssd,
+    })
+}

@@ -1,0 +1,170 @@
+//! Chunked prefill on the GPU (lavapipe in CI) against the decode graph fed token by token
+//! and against the CPU reference; sessions carrying state across turns; snapshots;
+//! perplexity against the oracle's logits.
+
+mod common;
+
+use mamba2_wgpu::gpu::GpuBackend;
+use mamba2_wgpu::gpu::engine::{Engine, EngineOptions, PrefillMode};
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::model::quant::WeightFormat;
+use mamba2_wgpu::model::synthetic::tiny_config;
+use mamba2_wgpu::perplexity::perplexity;
+use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
+use mamba2_wgpu::sampling::uniform;
+use mamba2_wgpu::session::Backend;
+use mamba2_wgpu::{GenerateOptions, Sampling, Session};
+
+fn backend(model: &Model, prefill: PrefillMode, chunk: usize) -> Option<GpuBackend> {
+    let ctx = common::gpu(&Engine::needs(&model.config, WeightFormat::F32))?;
+    let opts = EngineOptions {
+        format: WeightFormat::F32,
+        fused: true,
+        chunk_size: Some(chunk),
+        prefill,
+    };
+    Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
+}
+
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| (uniform(seed, i) * vocab as f32) as u32)
+        .collect()
+}
+
+#[test]
+fn chunked_prefill_equals_decode_token_by_token() {
+    // G = 2, head dim 6, N = 12: every chunk size of the issue, lengths around a chunk.
+    let model = Model::synthetic(tiny_config(2, 6), 11);
+    let vocab = model.config.vocab_size;
+    let Some(mut dec) = backend(&model, PrefillMode::Decode, 16) else {
+        return;
+    };
+    let Some(mut chk) = backend(&model, PrefillMode::Chunked, 16) else {
+        return;
+    };
+    let warm = tokens(11, 5, vocab);
+    for q in [8usize, 16, 32, 64, 128, 256] {
+        chk.engine.chunk = q;
+        for len in [1, q - 1, q, q + 1, 3 * q + 5] {
+            let toks = tokens(len, (q * 7 + len) as u64, vocab);
+            // Both start from the same non-zero state: a previous turn.
+            for b in [&mut dec, &mut chk] {
+                b.reset().unwrap();
+                b.prefill_logits(&warm).unwrap();
+            }
+            let want = dec.prefill_logits(&toks).unwrap();
+            let got = chk.prefill_logits(&toks).unwrap();
+            assert_eq!(got.len(), len);
+            let e = common::nmse(&got.concat(), &want.concat());
+            assert!(e <= 1e-6, "Q={q} L={len}: logits NMSE {e:e}");
+            let (sd, sc) = (dec.state().unwrap(), chk.state().unwrap());
+            for l in 0..model.config.n_layer {
+                let es = common::nmse(&sc.ssm[l], &sd.ssm[l]);
+                let ec = common::nmse(&sc.conv[l], &sd.conv[l]);
+                assert!(
+                    es <= 1e-6 && ec <= 1e-6,
+                    "Q={q} L={len} layer {l}: state NMSE ssm {es:e} conv {ec:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_the_cpu_reference() {
+    let model = Model::synthetic(tiny_config(2, 6), 4);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let Some(mut gpu) = backend(&model, PrefillMode::Chunked, 16) else {
+        return;
+    };
+    let toks = tokens(700, 9, model.config.vocab_size);
+    let want = cpu
+        .forward(&mut cpu.new_state(), &toks, Scan::Chunked(16), Logits::All)
+        .unwrap();
+    let got = gpu.prefill_logits(&toks).unwrap();
+    let e = common::nmse(&got.concat(), &want.concat());
+    assert!(
+        e <= 1e-7,
+        "logits NMSE {e:e} over 700 tokens (several blocks)"
+    );
+}
+
+#[test]
+fn two_turns_equal_one_prefill_and_snapshots_restore() {
+    let model = Model::synthetic(tiny_config(2, 6), 8);
+    let vocab = model.config.vocab_size;
+    let (a, b) = (tokens(40, 1, vocab), tokens(23, 2, vocab));
+    let greedy = |n| GenerateOptions {
+        max_new_tokens: n,
+        ..Default::default()
+    };
+    // One session: turn 1 then turn 2 (only the new tokens are fed each time).
+    let Some(be) = backend(&model, PrefillMode::Chunked, 16) else {
+        return;
+    };
+    let mut s = Session::new(Box::new(be));
+    let (r1, _) = s.generate(&a, &greedy(5), |_| true).unwrap();
+    let (r2, _) = s.generate(&b, &greedy(7), |_| true).unwrap();
+    // Another: the whole conversation as one prompt.
+    let Some(be) = backend(&model, PrefillMode::Chunked, 16) else {
+        return;
+    };
+    let mut whole = Session::new(Box::new(be));
+    let all = [a.clone(), r1.clone(), b.clone()].concat();
+    let (r2_whole, _) = whole.generate(&all, &greedy(7), |_| true).unwrap();
+    assert_eq!(
+        r2, r2_whole,
+        "turn 2 after turn 1 must equal one prefill of everything"
+    );
+    // Snapshot, sample a branch, restore, sample again: the same tokens.
+    let snap = s.snapshot().unwrap();
+    let opts = GenerateOptions {
+        max_new_tokens: 9,
+        sampling: Sampling {
+            temperature: 0.9,
+            top_k: 20,
+            top_p: 0.95,
+            seed: 3,
+        },
+        stop: vec![],
+    };
+    let (x1, _) = s.generate(&b, &opts, |_| true).unwrap();
+    s.restore(&snap).unwrap();
+    let (x2, _) = s.generate(&b, &opts, |_| true).unwrap();
+    assert_eq!(
+        x1, x2,
+        "a restored snapshot continues exactly as the original"
+    );
+}
+
+#[test]
+fn perplexity_equals_the_oracle_figure() {
+    let dir = common::fixture("nemotron_h_g2");
+    let model = Model::load(&dir).unwrap();
+    let bytes = std::fs::read(dir.join("oracle.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let prompt: Vec<u32> = st
+        .tensor("prompt_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let nll = f64::from_le_bytes(
+        st.tensor("prompt_nll").unwrap().data()[..8]
+            .try_into()
+            .unwrap(),
+    );
+    let Some(be) = backend(&model, PrefillMode::Chunked, 16) else {
+        return;
+    };
+    let mut s = Session::new(Box::new(be));
+    let p = perplexity(&mut s, &prompt, prompt.len(), |_, _| {}).unwrap();
+    assert_eq!(p.predicted, prompt.len() - 1);
+    assert!(
+        (p.nll - nll).abs() < 1e-5,
+        "perplexity NLL {} vs the oracle's {nll}",
+        p.nll
+    );
+}
