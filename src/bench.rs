@@ -275,6 +275,145 @@ pub fn decode(
     })
 }
 
+/// One prefill benchmark's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefillReport {
+    pub config: String,
+    pub format: String,
+    pub device: String,
+    pub tokens: usize,
+    pub chunk: usize,
+    /// Median wall time of the whole prompt (prefill + first token), over the runs.
+    pub median_ms: f64,
+    pub tokens_per_s: f64,
+    /// GPU time per section and per kernel kind, summed over the prompt's blocks.
+    pub sections_ms: Vec<(String, f64)>,
+    pub kernels_ms: Vec<(String, f64)>,
+    /// FLOPs of the projections (2·T·params of in_proj, out_proj) and the rate achieved.
+    pub gemm_tflops: f64,
+    pub anchors: Vec<(Anchor, f64)>,
+}
+
+/// Times prompts of `tokens` tokens: `runs` timed runs after one warm-up, then one
+/// profiled run for the split.
+pub fn prefill(
+    backend: &mut GpuBackend,
+    preset_name: &str,
+    tokens: usize,
+    runs: usize,
+) -> Result<PrefillReport> {
+    if tokens == 0 {
+        return Err(Error::InvalidInput(
+            "prefill length must be positive".into(),
+        ));
+    }
+    let vocab = backend.engine.config.vocab_size as f32;
+    let prompt: Vec<u32> = (0..tokens as u64)
+        .map(|i| (crate::sampling::uniform(99, i) * vocab) as u32)
+        .collect();
+    let greedy = Sampling::greedy();
+    let mut times = Vec::new();
+    for run in 0..=runs {
+        backend.reset()?;
+        let t0 = Instant::now();
+        backend.prefill_sample(&prompt, &greedy, tokens as u64)?;
+        if run > 0 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let med = median(&mut times);
+    backend.reset()?;
+    let profile = backend.profile_prefill(&prompt).unwrap_or_default();
+    let sum_by = |key: &dyn Fn(&crate::gpu::profiler::KernelTime) -> String| {
+        let mut out: Vec<(String, f64)> = Vec::new();
+        for k in &profile {
+            let name = key(k);
+            match out.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, v)) => *v += k.ns / 1e6,
+                None => out.push((name, k.ns / 1e6)),
+            }
+        }
+        out
+    };
+    let c = &backend.engine.config;
+    let flops = 2.0
+        * tokens as f64
+        * (c.d_in_proj() * c.d_model + c.d_model * c.d_inner) as f64
+        * c.n_layer as f64;
+    let gemm_ms: f64 = profile
+        .iter()
+        .filter(|k| k.section == Section::Matmul)
+        .map(|k| k.ns / 1e6)
+        .sum();
+    let anchors: Vec<(Anchor, f64)> = if preset_name == "codestral-7b" && tokens == 4096 {
+        [
+            ("cuBLAS bf16 tensor cores + mamba_ssm Triton SSD", 176.0),
+            ("target", 500.0),
+        ]
+        .into_iter()
+        .map(|(what, ms)| {
+            (
+                Anchor {
+                    what,
+                    ms_per_token: ms,
+                },
+                ms / med,
+            )
+        })
+        .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(PrefillReport {
+        config: preset_name.to_string(),
+        format: backend.engine.format.name().to_string(),
+        device: backend.engine.ctx().describe(),
+        tokens,
+        chunk: backend.engine.chunk,
+        median_ms: med,
+        tokens_per_s: tokens as f64 / (med / 1e3),
+        sections_ms: sum_by(&|k| k.section.name().to_string()),
+        kernels_ms: sum_by(&|k| kernel_kind(&k.name)),
+        gemm_tflops: if gemm_ms > 0.0 {
+            flops / (gemm_ms * 1e-3) / 1e12
+        } else {
+            f64::NAN
+        },
+        anchors,
+    })
+}
+
+impl PrefillReport {
+    pub fn text(&self) -> String {
+        let mut s = format!(
+            "{} {} prefill of {} tokens (chunk {}) on {}: {:.1} ms = {:.0} tok/s\n  GEMMs at {:.1} TFLOP/s\n  sections:",
+            self.config,
+            self.format,
+            self.tokens,
+            self.chunk,
+            self.device,
+            self.median_ms,
+            self.tokens_per_s,
+            self.gemm_tflops
+        );
+        for (n, ms) in &self.sections_ms {
+            s += &format!(" {n} {ms:.1}");
+        }
+        s += "\n  kernels:";
+        for (n, ms) in &self.kernels_ms {
+            s += &format!(" {n} {ms:.2};");
+        }
+        s += "\n";
+        for (a, ratio) in &self.anchors {
+            s += &format!(
+                "  vs {}: {:.0} ms → {:.2}×\n",
+                a.what, a.ms_per_token, ratio
+            );
+        }
+        s
+    }
+}
+
 /// `layers.12.in_proj+norm+conv` → `in_proj+norm+conv`.
 fn kernel_kind(name: &str) -> String {
     match name.strip_prefix("layers.") {

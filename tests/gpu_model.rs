@@ -48,7 +48,7 @@ fn synthetic_decode_matches_reference() {
                 let mut enc = ctx.device.create_command_encoder(&Default::default());
                 {
                     let mut pass = enc.begin_compute_pass(&Default::default());
-                    engine.graph(Tail::Greedy).record(&mut pass, None);
+                    engine.graph(Tail::Greedy).record(&mut pass, None, None);
                 }
                 ctx.queue.submit([enc.finish()]);
                 let got = engine.read_logits().unwrap();

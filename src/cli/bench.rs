@@ -36,6 +36,15 @@ pub struct BenchArgs {
     /// The GPU to use: gpu, gpu:INDEX or gpu:NAME.
     #[arg(long, default_value = "gpu")]
     device: DeviceChoice,
+    /// Also time prompts of these lengths (chunked prefill), e.g. 512,4096.
+    #[arg(long, value_delimiter = ',')]
+    prefill: Vec<usize>,
+    /// Skip the decode benchmark (with --prefill).
+    #[arg(long)]
+    no_decode: bool,
+    /// SSD chunk length of prefill (default: the model's, 256).
+    #[arg(long)]
+    chunk_size: Option<usize>,
     /// Print JSON lines instead of text.
     #[arg(long)]
     json: bool,
@@ -65,19 +74,34 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         if fused { "fused" } else { "unfused" }
                     );
                 }
-                let engine = Engine::synthetic(ctx.clone(), &config, format, fused, 7)?;
+                let mut engine = Engine::synthetic(ctx.clone(), &config, format, fused, 7)?;
+                let chunk = mamba2_wgpu::EngineOptions {
+                    chunk_size: args.chunk_size,
+                    ..Default::default()
+                };
+                engine.chunk = chunk.chunk_for(&config)?;
                 let mut backend = GpuBackend::new(engine)?;
-                let report = decode(
-                    &mut backend,
-                    name,
-                    args.tokens,
-                    args.warmup,
-                    args.profile_tokens,
-                )?;
-                if args.json {
-                    println!("{}", serde_json::to_string(&report)?);
-                } else {
-                    print!("{}", report.text());
+                if !args.no_decode {
+                    let report = decode(
+                        &mut backend,
+                        name,
+                        args.tokens,
+                        args.warmup,
+                        args.profile_tokens,
+                    )?;
+                    if args.json {
+                        println!("{}", serde_json::to_string(&report)?);
+                    } else {
+                        print!("{}", report.text());
+                    }
+                }
+                for &len in &args.prefill {
+                    let report = mamba2_wgpu::bench::prefill(&mut backend, name, len, 3)?;
+                    if args.json {
+                        println!("{}", serde_json::to_string(&report)?);
+                    } else {
+                        print!("{}", report.text());
+                    }
                 }
             }
         }

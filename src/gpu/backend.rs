@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::gpu::engine::{DeviceSnapshot, Engine, PROMPT_WINDOW, PrefillMode};
 use crate::gpu::graph::{Ctrl, Tail};
 use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
-use crate::gpu::profiler::{Profiler, TokenProfile};
+use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
 use crate::sampling::{Sampling, seed_key};
 use crate::session::Backend;
 
@@ -138,7 +138,7 @@ impl GpuBackend {
                 };
                 {
                     let mut pass = enc.begin_compute_pass(&Default::default());
-                    self.engine.graph(tail).record(&mut pass, None);
+                    self.engine.graph(tail).record(&mut pass, None, None);
                 }
                 if let Some(rb) = &readback {
                     let off = (4 * vocab * i) as u64;
@@ -225,7 +225,7 @@ impl GpuBackend {
                 } else {
                     &p.graph
                 };
-                graph.record(&mut pass, None);
+                graph.record(&mut pass, None, Some(chunk.len() as u32));
             }
             if let (true, Some(g)) = (last, &head_graph) {
                 let row = (4 * d * (chunk.len() - 1)) as u64;
@@ -237,7 +237,7 @@ impl GpuBackend {
                     Some(4 * d as u64),
                 );
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                g.record(&mut pass, None);
+                g.record(&mut pass, None, None);
             }
             let bytes = (4 * vocab * chunk.len()) as u64;
             if let (Some(rb), Some(src)) = (&readback, &p.logits) {
@@ -264,6 +264,36 @@ impl GpuBackend {
         ctx.check()
     }
 
+    /// Feeds `tokens` through the chunked prefill with GPU timestamps (one block per
+    /// submit, waited for): the kernel times of all blocks, in dispatch order per block.
+    pub fn profile_prefill(&mut self, tokens: &[u32]) -> Result<Vec<KernelTime>> {
+        if self
+            .prefill
+            .as_ref()
+            .is_none_or(|p| p.chunk != self.engine.chunk)
+        {
+            self.prefill = None;
+            self.prefill = Some(Prefill::new(&self.engine, self.engine.chunk, false)?);
+        }
+        let p = self.prefill.as_ref().expect("prefill built above");
+        let ctx = self.engine.ctx().clone();
+        let profiler = Profiler::new(&ctx, p.graph.len())?
+            .ok_or_else(|| Error::Gpu("this adapter has no timestamp queries".into()))?;
+        let mut ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
+        let mut times = Vec::new();
+        for chunk in tokens.chunks(p.max_tokens) {
+            ctx.queue
+                .write_buffer(&p.prompt, 0, bytemuck::cast_slice(chunk));
+            ctrl.prompt_len = chunk.len() as u32;
+            self.engine.write_ctrl(&ctrl);
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            profiler.record(&mut enc, &p.graph, Some(chunk.len() as u32))?;
+            ctx.queue.submit([enc.finish()]);
+            times.extend(profiler.read(&ctx, &p.graph)?);
+        }
+        Ok(times)
+    }
+
     /// Records one decode token (+ the ring copy) and submits it; with the profiler on,
     /// waits and keeps its profile.
     fn submit_token(&mut self, tail: Tail, slot: usize) -> Result<wgpu::SubmissionIndex> {
@@ -271,10 +301,10 @@ impl GpuBackend {
         let t0 = Instant::now();
         let mut enc = ctx.device.create_command_encoder(&Default::default());
         match &self.profiler {
-            Some(p) => p.record(&mut enc, self.engine.graph(tail))?,
+            Some(p) => p.record(&mut enc, self.engine.graph(tail), None)?,
             None => {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                self.engine.graph(tail).record(&mut pass, None);
+                self.engine.graph(tail).record(&mut pass, None, None);
             }
         }
         enc.copy_buffer_to_buffer(&self.engine.scratch.ctrl, 0, &self.ring[slot], 0, Some(64));

@@ -62,17 +62,19 @@ impl Graph {
     }
 
     /// Records every dispatch into `pass`; with a query set, a timestamp before the first
-    /// dispatch and after each (timestamps inside one pass).
+    /// dispatch and after each (timestamps inside one pass). `tokens` sizes the grids of
+    /// prefill kernels for a block of that many tokens.
     pub fn record(
         &self,
         pass: &mut wgpu::ComputePass<'_>,
         timestamps: Option<(&wgpu::QuerySet, u32)>,
+        tokens: Option<u32>,
     ) {
         if let Some((qs, base)) = timestamps {
             pass.write_timestamp(qs, base);
         }
         for (i, d) in self.dispatches.iter().enumerate() {
-            d.record(pass);
+            d.record_tokens(pass, tokens);
             if let Some((qs, base)) = timestamps {
                 pass.write_timestamp(qs, base + 1 + i as u32);
             }

@@ -10,7 +10,7 @@ use crate::gpu::engine::Engine;
 use crate::gpu::graph::Graph;
 use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
-use crate::gpu::kernels::gemm::{GemmOutput, gemm};
+use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
 use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use crate::gpu::kernels::{
@@ -95,14 +95,10 @@ impl Prefill {
         let t = cc.max_tokens;
         let eps = c.norm_eps;
         let l = &e.layout;
-        let mut d = vec![prefill_embed::prefill_embed(
-            k,
-            &e.embedding,
-            t,
-            &self.prompt,
-            &self.resid,
-            &s.ctrl,
-        )?];
+        let mut d = vec![
+            prefill_embed::prefill_embed(k, &e.embedding, t, &self.prompt, &self.resid, &s.ctrl)?
+                .per_token(1, 1, 1),
+        ];
         for (i, layer) in e.layers.iter().enumerate() {
             let name = |what: &str| format!("layers.{i}.{what}");
             let norm = NormBuffers {
@@ -111,26 +107,24 @@ impl Prefill {
                 dst: &self.h,
                 q8: None,
             };
-            d.push(rmsnorm::rmsnorm(
-                k,
-                &name("norm"),
-                c.d_model,
-                eps,
-                l.norm,
-                t,
-                norm,
-            )?);
-            d.push(gemm(
-                k,
-                &name("in_proj"),
-                &layer.in_proj,
-                t,
-                &self.h,
-                &self.mix,
-                c.d_in_proj(),
-                GemmOutput::Store,
-                &s.ctrl,
-            )?);
+            d.push(
+                rmsnorm::rmsnorm(k, &name("norm"), c.d_model, eps, l.norm, t, norm)?
+                    .per_token(1, 1, 1),
+            );
+            d.push(
+                gemm(
+                    k,
+                    &name("in_proj"),
+                    &layer.in_proj,
+                    t,
+                    &self.h,
+                    &self.mix,
+                    c.d_in_proj(),
+                    GemmOutput::Store,
+                    &s.ctrl,
+                )?
+                .per_token(1, TILE.1, 1),
+            );
             d.push(prefill_conv::prefill_conv(
                 k,
                 &name("conv"),
@@ -141,33 +135,35 @@ impl Prefill {
                 &layer.conv_state,
                 &s.ctrl,
             )?);
-            d.push(ssd_cumsum::ssd_cumsum(
-                k,
-                &name("ssd_cumsum"),
-                cc,
-                l.a,
-                &self.mix,
-                &layer.params,
-                &self.lam,
-                &s.ctrl,
-            )?);
-            d.push(ssd_cb::ssd_cb(
-                k,
-                &name("ssd_cb"),
-                cc,
-                &self.mix,
-                &self.cb,
-                &s.ctrl,
-            )?);
-            d.push(ssd_chunk_state::ssd_chunk_state(
-                k,
-                &name("ssd_chunk_state"),
-                cc,
-                &self.mix,
-                &self.lam,
-                &self.cst,
-                &s.ctrl,
-            )?);
+            d.push(
+                ssd_cumsum::ssd_cumsum(
+                    k,
+                    &name("ssd_cumsum"),
+                    cc,
+                    l.a,
+                    &self.mix,
+                    &layer.params,
+                    &self.lam,
+                    &s.ctrl,
+                )?
+                .per_token(1, cc.q, 1),
+            );
+            d.push(
+                ssd_cb::ssd_cb(k, &name("ssd_cb"), cc, &self.mix, &self.cb, &s.ctrl)?
+                    .per_token(2, cc.q, c.n_groups),
+            );
+            d.push(
+                ssd_chunk_state::ssd_chunk_state(
+                    k,
+                    &name("ssd_chunk_state"),
+                    cc,
+                    &self.mix,
+                    &self.lam,
+                    &self.cst,
+                    &s.ctrl,
+                )?
+                .per_token(2, cc.q, c.n_heads),
+            );
             d.push(ssd_state_pass::ssd_state_pass(
                 k,
                 &name("ssd_state_pass"),
@@ -186,7 +182,9 @@ impl Prefill {
                 y: &self.y,
                 ctrl: &s.ctrl,
             };
-            d.push(ssd_chunk_scan(k, &name("ssd_chunk_scan"), cc, l.d, scan)?);
+            d.push(
+                ssd_chunk_scan(k, &name("ssd_chunk_scan"), cc, l.d, scan)?.per_token(2, cc.q, 1),
+            );
             let gated = GatedNormBuffers {
                 y: &self.y,
                 mix: &self.mix,
@@ -198,27 +196,33 @@ impl Prefill {
                 tokens: t,
                 mix_stride: c.d_in_proj(),
             };
-            d.push(gated_norm::gated_norm(
-                k,
-                &name("gated_norm"),
-                c.d_inner,
-                c.n_groups,
-                eps,
-                l.mixer_norm,
-                batch,
-                gated,
-            )?);
-            d.push(gemm(
-                k,
-                &name("out_proj+residual"),
-                &layer.out_proj,
-                t,
-                &self.v,
-                &self.resid,
-                c.d_model,
-                GemmOutput::Add,
-                &s.ctrl,
-            )?);
+            d.push(
+                gated_norm::gated_norm(
+                    k,
+                    &name("gated_norm"),
+                    c.d_inner,
+                    c.n_groups,
+                    eps,
+                    l.mixer_norm,
+                    batch,
+                    gated,
+                )?
+                .per_token(1, 1, 1),
+            );
+            d.push(
+                gemm(
+                    k,
+                    &name("out_proj+residual"),
+                    &layer.out_proj,
+                    t,
+                    &self.v,
+                    &self.resid,
+                    c.d_model,
+                    GemmOutput::Add,
+                    &s.ctrl,
+                )?
+                .per_token(1, TILE.1, 1),
+            );
         }
         if logits {
             let out = self
@@ -231,26 +235,23 @@ impl Prefill {
                 dst: &self.h,
                 q8: None,
             };
-            d.push(rmsnorm::rmsnorm(
-                k,
-                "final_norm",
-                c.d_model,
-                eps,
-                0,
-                t,
-                norm,
-            )?);
-            d.push(gemm(
-                k,
-                "lm_head",
-                e.head(),
-                t,
-                &self.h,
-                out,
-                c.vocab_size,
-                GemmOutput::Store,
-                &s.ctrl,
-            )?);
+            d.push(
+                rmsnorm::rmsnorm(k, "final_norm", c.d_model, eps, 0, t, norm)?.per_token(1, 1, 1),
+            );
+            d.push(
+                gemm(
+                    k,
+                    "lm_head",
+                    e.head(),
+                    t,
+                    &self.h,
+                    out,
+                    c.vocab_size,
+                    GemmOutput::Store,
+                    &s.ctrl,
+                )?
+                .per_token(1, TILE.1, 1),
+            );
         }
         Ok(Graph { dispatches: d })
     }

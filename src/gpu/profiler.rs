@@ -99,12 +99,18 @@ impl Profiler {
         Ok(n)
     }
 
-    /// Records `graph` with timestamps and the query resolve into `enc`.
-    pub fn record(&self, enc: &mut wgpu::CommandEncoder, graph: &Graph) -> Result<()> {
+    /// Records `graph` with timestamps and the query resolve into `enc` (`tokens`: the
+    /// block size of a prefill graph).
+    pub fn record(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        graph: &Graph,
+        tokens: Option<u32>,
+    ) -> Result<()> {
         let n = self.queries_for(graph)?;
         if self.inside_passes {
             let mut pass = enc.begin_compute_pass(&Default::default());
-            graph.record(&mut pass, Some((&self.queries, 0)));
+            graph.record(&mut pass, Some((&self.queries, 0)), tokens);
         } else {
             for (i, d) in graph.dispatches.iter().enumerate() {
                 let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
@@ -115,7 +121,7 @@ impl Profiler {
                         end_of_pass_write_index: Some(2 * i as u32 + 1),
                     }),
                 });
-                d.record(&mut pass);
+                d.record_tokens(&mut pass, tokens);
             }
         }
         enc.resolve_query_set(&self.queries, 0..n, &self.resolve, 0);

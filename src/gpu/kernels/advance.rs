@@ -13,6 +13,7 @@ pub fn advance(k: &Kernels, prompt: &wgpu::Buffer, ctrl: &wgpu::Buffer) -> Resul
         pipeline,
         workgroups: (1, 1, 1),
         name: "advance".into(),
+        per_token: None,
         section: Section::Other,
     })
 }

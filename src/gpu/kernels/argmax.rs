@@ -24,6 +24,7 @@ pub fn argmax(
         pipeline,
         workgroups: (1, 1, 1),
         name: "argmax".into(),
+        per_token: None,
         section: Section::Other,
     })
 }

@@ -40,6 +40,7 @@ pub fn conv_step(
         pipeline,
         workgroups: ((rows as u32).div_ceil(wg), 1, 1),
         name: name.to_string(),
+        per_token: None,
         section: Section::Conv,
     })
 }

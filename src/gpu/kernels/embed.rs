@@ -29,6 +29,7 @@ pub fn embed(
         pipeline,
         workgroups: ((table.cols as u32).div_ceil(wg), 1, 1),
         name: "embed".into(),
+        per_token: None,
         section: Section::Other,
     })
 }

@@ -72,6 +72,7 @@ pub fn gated_norm(
         pipeline,
         workgroups: (d_inner.div_ceil(CHUNK) as u32, tokens as u32, 1),
         name: name.to_string(),
+        per_token: None,
         section: Section::Norm,
     })
 }

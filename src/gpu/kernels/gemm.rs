@@ -57,6 +57,7 @@ pub fn gemm(
             1,
         ),
         name: name.to_string(),
+        per_token: None,
         section: Section::Matmul,
     })
 }

@@ -192,6 +192,7 @@ pub fn gemv(
         bind_group,
         workgroups: grid((m as u32).div_ceil(rows_per_wg)),
         name: name.to_string(),
+        per_token: None,
         section: Section::Matmul,
     })
 }

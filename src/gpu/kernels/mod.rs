@@ -64,17 +64,47 @@ impl Section {
 pub struct Dispatch {
     pub pipeline: wgpu::ComputePipeline,
     pub bind_group: wgpu::BindGroup,
+    /// The grid for a full block (prefill kernels: for their largest token count).
     pub workgroups: (u32, u32, u32),
+    /// Prefill kernels: which grid axis counts tokens, and how.
+    pub per_token: Option<TokenAxis>,
     pub name: String,
     pub section: Section,
 }
 
+/// A grid axis sized by the number of tokens of a prefill block: `ceil(T / per) · mult`.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenAxis {
+    /// 0, 1 or 2 for x, y, z.
+    pub axis: usize,
+    pub per: u32,
+    pub mult: u32,
+}
+
 impl Dispatch {
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        self.record_tokens(pass, None);
+    }
+
+    /// Records the dispatch; prefill kernels get a grid for `tokens` tokens only.
+    pub fn record_tokens(&self, pass: &mut wgpu::ComputePass<'_>, tokens: Option<u32>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind_group, &[]);
-        let (x, y, z) = self.workgroups;
-        pass.dispatch_workgroups(x, y, z);
+        let mut g = [self.workgroups.0, self.workgroups.1, self.workgroups.2];
+        if let (Some(t), Some(a)) = (tokens, self.per_token) {
+            g[a.axis] = g[a.axis].min(t.div_ceil(a.per).max(1) * a.mult);
+        }
+        pass.dispatch_workgroups(g[0], g[1], g[2]);
+    }
+
+    /// Marks the grid axis that counts tokens (prefill kernels).
+    pub fn per_token(mut self, axis: usize, per: usize, mult: usize) -> Self {
+        self.per_token = Some(TokenAxis {
+            axis,
+            per: per as u32,
+            mult: mult as u32,
+        });
+        self
     }
 }
 

@@ -36,6 +36,7 @@ pub fn prefill_conv(
         pipeline,
         workgroups: ((mc.conv_dim + mc.heads).div_ceil(64) as u32, 1, 1),
         name: name.to_string(),
+        per_token: None,
         section: Section::Conv,
     })
 }

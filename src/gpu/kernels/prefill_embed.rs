@@ -32,6 +32,7 @@ pub fn prefill_embed(
         pipeline,
         workgroups: ((table.cols as u32).div_ceil(wg), max_tokens as u32, 1),
         name: "prefill_embed".into(),
+        per_token: None,
         section: Section::Other,
     })
 }

@@ -22,6 +22,7 @@ pub fn residual_add(
         pipeline,
         workgroups: ((d as u32).div_ceil(64), 1, 1),
         name: name.to_string(),
+        per_token: None,
         section: Section::Other,
     })
 }

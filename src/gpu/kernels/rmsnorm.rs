@@ -55,6 +55,7 @@ pub fn rmsnorm(
         pipeline,
         workgroups: (d.div_ceil(CHUNK) as u32, tokens as u32, 1),
         name: name.to_string(),
+        per_token: None,
         section: Section::Norm,
     })
 }

@@ -26,6 +26,7 @@ pub fn sample(
         pipeline,
         workgroups: (1, 1, 1),
         name: "sample".into(),
+        per_token: None,
         section: Section::Other,
     })
 }

@@ -29,6 +29,7 @@ pub fn ssd_cb(
         pipeline,
         workgroups: (tiles, tiles, (cc.chunks() * cc.groups) as u32),
         name: name.to_string(),
+        per_token: None,
         section: Section::Ssd,
     })
 }

@@ -51,6 +51,7 @@ pub fn ssd_chunk_scan(
         pipeline,
         workgroups: (tiles as u32, cc.heads as u32, cc.chunks() as u32),
         name: name.to_string(),
+        per_token: None,
         section: Section::Ssd,
     })
 }

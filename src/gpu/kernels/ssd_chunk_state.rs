@@ -33,6 +33,7 @@ pub fn ssd_chunk_state(
             (cc.chunks() * cc.heads) as u32,
         ),
         name: name.to_string(),
+        per_token: None,
         section: Section::Ssd,
     })
 }

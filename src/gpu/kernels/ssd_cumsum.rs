@@ -30,6 +30,7 @@ pub fn ssd_cumsum(
         pipeline,
         workgroups: (cc.heads.div_ceil(64) as u32, cc.chunks() as u32, 1),
         name: name.to_string(),
+        per_token: None,
         section: Section::Ssd,
     })
 }

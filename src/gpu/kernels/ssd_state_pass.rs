@@ -28,6 +28,7 @@ pub fn ssd_state_pass(
         pipeline,
         workgroups: grid(hpn.div_ceil(256) as u32),
         name: name.to_string(),
+        per_token: None,
         section: Section::Ssd,
     })
 }

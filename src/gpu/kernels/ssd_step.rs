@@ -117,6 +117,7 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         pipeline,
         workgroups: (c.blocks() as u32, 1, 1),
         name: name.to_string(),
+        per_token: None,
         section: Section::Ssd,
     })
 }
