@@ -12,6 +12,7 @@
 
 pub mod assets;
 pub mod bench;
+pub mod chat;
 pub mod config;
 pub mod device;
 pub mod error;

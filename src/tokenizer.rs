@@ -95,6 +95,43 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Renders a conversation with the model's chat template (`tokenizer_config.json`):
+    /// `messages` as (role, content) pairs; `add_generation_prompt` appends the cue for the
+    /// assistant's turn. `None` when the model has no template.
+    pub fn render_chat(
+        &self,
+        messages: &[(String, String)],
+        add_generation_prompt: bool,
+    ) -> Result<Option<String>> {
+        let Some(template) = &self.chat_template else {
+            return Ok(None);
+        };
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        let msgs: Vec<minijinja::Value> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
+        let ctx = minijinja::context! {
+            messages => msgs,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        };
+        env.render_str(template, ctx)
+            .map(Some)
+            .map_err(|e| Error::Tokenizer(format!("chat template: {e}")))
+    }
+
     /// A fresh streaming decoder.
     pub fn stream(&self) -> StreamDecoder {
         StreamDecoder::default()

@@ -3,6 +3,7 @@
 #[cfg(feature = "ui")]
 mod app;
 mod bench;
+mod chat;
 mod devices;
 mod generate;
 mod info;
@@ -26,6 +27,8 @@ struct Cli {
 enum Command {
     /// Continue a prompt, streaming the text as it is produced.
     Generate(generate::GenerateArgs),
+    /// A terminal conversation that carries the state between turns.
+    Chat(chat::ChatArgs),
     /// Describe a model: format, normalized config, parameters, dtypes, state size.
     Info(info::InfoArgs),
     /// Perplexity of a text file (window by window from a fresh state).
@@ -130,6 +133,7 @@ pub fn run() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Info(a) => info::run(a),
+        Command::Chat(a) => chat::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Devices(a) => devices::run(a),
         Command::Bench(a) => bench::run(a),

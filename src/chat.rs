@@ -1,0 +1,197 @@
+//! A conversation over a `Session`: each turn feeds only its new tokens (the state carries
+//! the past), rendered with the model's chat template when it has one, as plain
+//! continuation after an end-of-text separator when it does not. Regenerating a reply
+//! restores the state snapshot taken before it instead of re-reading the conversation.
+
+use crate::error::{Error, Result};
+use crate::session::{Finish, GenerateOptions, Session, Snapshot};
+use crate::tokenizer::Tokenizer;
+
+/// A chat: the session, the tokenizer and what has been said.
+pub struct Chat {
+    pub session: Session,
+    pub tokenizer: Tokenizer,
+    /// (role, content) of every message so far.
+    pub messages: Vec<(String, String)>,
+    last_finish: Option<Finish>,
+    /// The template text fed so far: rendering up to the last assistant cue + the reply.
+    fed: String,
+    /// The rendering of the turn in progress (up to its assistant cue).
+    pending_render: String,
+    /// The state before the last turn, with that turn's input.
+    before_last: Option<(Snapshot, Vec<u32>, Option<Finish>, String)>,
+}
+
+/// One finished reply.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub text: String,
+    pub tokens: usize,
+    pub finish: Finish,
+    /// Tokens fed for this turn (new tokens only).
+    pub fed: usize,
+}
+
+impl Chat {
+    pub fn new(session: Session, tokenizer: Tokenizer) -> Self {
+        Chat {
+            session,
+            tokenizer,
+            messages: Vec::new(),
+            fed: String::new(),
+            pending_render: String::new(),
+            last_finish: None,
+            before_last: None,
+        }
+    }
+
+    /// Whether turns are rendered with a chat template.
+    pub fn has_template(&self) -> bool {
+        self.tokenizer.chat_template.is_some()
+    }
+
+    /// Forgets the conversation and zeroes the state.
+    pub fn reset(&mut self) -> Result<()> {
+        self.messages.clear();
+        self.fed.clear();
+        self.last_finish = None;
+        self.before_last = None;
+        self.session.reset()
+    }
+
+    /// The tokens a new user message adds. With a template: the rendering of the
+    /// conversation with the new message (and the assistant cue) minus the text already
+    /// fed (the previous rendering up to the cue, plus the reply as generated); a template
+    /// that renders the past differently (say, it strips replies) is read again in full.
+    fn turn_input(&mut self, user: &str) -> Result<Vec<u32>> {
+        let mut msgs = self.messages.clone();
+        msgs.push(("user".into(), user.to_string()));
+        if let Some(text) = self.tokenizer.render_chat(&msgs, true)? {
+            let before = self.fed.clone();
+            let mut suffix = match text.strip_prefix(before.as_str()) {
+                Some(s) => s.to_string(),
+                None => {
+                    // The template renders the past differently now: read it all again.
+                    self.session.reset()?;
+                    self.last_finish = None;
+                    text.clone()
+                }
+            };
+            // A reply that ended on the end-of-sequence token left it pending in the
+            // session; the template writes it again after the reply.
+            if self.last_finish == Some(Finish::Stop)
+                && let Some(eos) = &self.tokenizer.eos_token
+                && let Some(rest) = suffix.strip_prefix(eos.as_str())
+            {
+                suffix = rest.to_string();
+            }
+            // The first turn gets the tokenizer's special tokens unless the template
+            // already wrote the BOS token itself.
+            let template_bos = self
+                .tokenizer
+                .bos_token
+                .as_deref()
+                .is_some_and(|b| !b.is_empty() && text.starts_with(b));
+            let add_special = self.session.position() == 0 && !template_bos;
+            self.pending_render = text;
+            return self.tokenizer.encode_with(&suffix, add_special);
+        }
+        // No template: plain continuation, turns separated by end-of-text.
+        let mut ids = Vec::new();
+        if self.session.position() > 0
+            && self.last_finish != Some(Finish::Stop)
+            && let Some(eos) = self.tokenizer.eos
+        {
+            ids.push(eos);
+        }
+        let first = self.session.position() == 0;
+        ids.extend(self.tokenizer.encode_with(user, first)?);
+        Ok(ids)
+    }
+
+    /// Sends a user message and streams the reply's text to `on_text` (return false to
+    /// stop).
+    pub fn say(
+        &mut self,
+        user: &str,
+        opts: &GenerateOptions,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Reply> {
+        if user.trim().is_empty() {
+            return Err(Error::InvalidInput("the message is empty".into()));
+        }
+        let snapshot = self.session.snapshot()?;
+        let (finish, fed) = (self.last_finish, self.fed.clone());
+        self.pending_render.clear();
+        let ids = self.turn_input(user)?;
+        let reply = self.reply(&ids, opts, on_text)?;
+        self.before_last = Some((snapshot, ids, finish, fed));
+        self.messages.push(("user".into(), user.to_string()));
+        self.messages.push(("assistant".into(), reply.text.clone()));
+        self.fed = format!("{}{}", self.pending_render, reply.text);
+        Ok(reply)
+    }
+
+    /// Replaces the last reply with a new one from the same state (a sampled chat moves
+    /// its seed on by one, so the new reply differs).
+    pub fn regenerate(
+        &mut self,
+        opts: &GenerateOptions,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Reply> {
+        let (snapshot, ids, finish, fed) = self
+            .before_last
+            .take()
+            .ok_or_else(|| Error::InvalidInput("there is no reply to regenerate".into()))?;
+        self.session.restore(&snapshot)?;
+        self.last_finish = finish;
+        let last = self.messages.pop();
+        let reply = self.reply(&ids, opts, on_text)?;
+        if let Some((role, old)) = last {
+            // The rendering up to the cue is what was fed before the old reply.
+            self.fed = format!(
+                "{}{}",
+                self.fed.strip_suffix(old.as_str()).unwrap_or(&self.fed),
+                reply.text
+            );
+            self.messages.push((role, reply.text.clone()));
+        }
+        self.before_last = Some((snapshot, ids, finish, fed));
+        Ok(reply)
+    }
+
+    fn reply(
+        &mut self,
+        ids: &[u32],
+        opts: &GenerateOptions,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Reply> {
+        let mut decoder = self.tokenizer.stream();
+        let mut text = String::new();
+        let mut failure = None;
+        let tok = &self.tokenizer;
+        let (tokens, finish) =
+            self.session
+                .generate(ids, opts, |id| match decoder.step(tok, id) {
+                    Ok(Some(piece)) => {
+                        text.push_str(&piece);
+                        on_text(&piece)
+                    }
+                    Ok(None) => true,
+                    Err(e) => {
+                        failure = Some(e);
+                        false
+                    }
+                })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        self.last_finish = Some(finish);
+        Ok(Reply {
+            text,
+            tokens: tokens.len(),
+            finish,
+            fed: ids.len(),
+        })
+    }
+}
