@@ -2,7 +2,8 @@
 // W [M, KP] in f32, f16 or q8_0 (dequantized into workgroup memory), X [T, XS] f32
 // (XS ≥ KP, zero past K).
 // A workgroup computes a 128 (rows of W) × 64 (tokens) tile in steps of 16 columns; each
-// invocation owns 8 rows × 4 tokens in registers. O_STORE writes Y rows of YS values,
+// invocation owns 8 rows × 4 tokens in eight vec4 registers, fed by vec4 reads of the
+// tiles in workgroup memory. O_STORE writes Y rows of YS values,
 // O_ADD adds into them (the residual).
 
 #if W_F32
@@ -23,8 +24,9 @@ const TM: u32 = 128u;
 const TT: u32 = 64u;
 const TK: u32 = 16u;
 
-var<workgroup> wt: array<array<f32, 132>, 16>;
-var<workgroup> xt: array<array<f32, 68>, 16>;
+// Tiles in workgroup memory as vec4s: wt[k][m/4] (128 rows of W), xt[k][t/4] (64 tokens).
+var<workgroup> wt: array<array<vec4<f32>, 33>, 16>;
+var<workgroup> xt: array<array<vec4<f32>, 17>, 16>;
 
 // Eight weights of row `row`, columns k0..k0+8 (k0 a multiple of 8).
 fn weights8(row: u32, k0: u32) -> array<f32, 8> {
@@ -58,9 +60,17 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let tokens = ctrl.prompt_len;
     let m0 = wid.x * TM;
     let t0 = wid.y * TT;
-    let mg = lid % 16u;   // rows m0 + mg·8 ..
-    let tg = lid / 16u;   // tokens t0 + tg·4 ..
-    var acc: array<array<f32, 4>, 8>;
+    let mg = lid % 16u;   // rows m0 + mg·8 .. +8
+    let tg = lid / 16u;   // tokens t0 + tg·4 .. +4
+    // Eight rows × four tokens in registers, one vec4 (over tokens) per row.
+    var c0 = vec4<f32>(0.0);
+    var c1 = vec4<f32>(0.0);
+    var c2 = vec4<f32>(0.0);
+    var c3 = vec4<f32>(0.0);
+    var c4 = vec4<f32>(0.0);
+    var c5 = vec4<f32>(0.0);
+    var c6 = vec4<f32>(0.0);
+    var c7 = vec4<f32>(0.0);
     // Loaders: W row m0 + lid/2, columns (lid%2)·8..; X token t0 + lid/4, columns (lid%4)·4..
     let lrow = m0 + lid / 2u;
     let ltok = t0 + lid / 4u;
@@ -69,37 +79,43 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         if (lrow < M) {
             wv = weights8(lrow, k + (lid % 2u) * 8u);
         }
+        let rq = (lid / 2u) / 4u;
+        let rc = (lid / 2u) % 4u;
         for (var i = 0u; i < 8u; i++) {
-            wt[(lid % 2u) * 8u + i][lid / 2u] = wv[i];
+            wt[(lid % 2u) * 8u + i][rq][rc] = wv[i];
         }
         var xv = vec4<f32>(0.0);
         if (ltok < tokens) {
             xv = x[(ltok * XS + k) / 4u + lid % 4u];
         }
+        let tq = (lid / 4u) / 4u;
+        let tc = (lid / 4u) % 4u;
         for (var i = 0u; i < 4u; i++) {
-            xt[(lid % 4u) * 4u + i][lid / 4u] = xv[i];
+            xt[(lid % 4u) * 4u + i][tq][tc] = xv[i];
         }
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk++) {
-            var a: array<f32, 8>;
-            for (var i = 0u; i < 8u; i++) {
-                a[i] = wt[kk][mg * 8u + i];
-            }
-            let b = vec4<f32>(xt[kk][tg * 4u], xt[kk][tg * 4u + 1u], xt[kk][tg * 4u + 2u], xt[kk][tg * 4u + 3u]);
-            for (var i = 0u; i < 8u; i++) {
-                for (var j = 0u; j < 4u; j++) {
-                    acc[i][j] += a[i] * b[j];
-                }
-            }
+            let a0 = wt[kk][mg * 2u];
+            let a1 = wt[kk][mg * 2u + 1u];
+            let b = xt[kk][tg];
+            c0 += a0.x * b;
+            c1 += a0.y * b;
+            c2 += a0.z * b;
+            c3 += a0.w * b;
+            c4 += a1.x * b;
+            c5 += a1.y * b;
+            c6 += a1.z * b;
+            c7 += a1.w * b;
         }
         workgroupBarrier();
     }
-    for (var j = 0u; j < 4u; j++) {
-        let t = t0 + tg * 4u + j;
-        if (t < tokens) {
-            for (var i = 0u; i < 8u; i++) {
-                let m = m0 + mg * 8u + i;
-                if (m < M) {
+    let acc = array<vec4<f32>, 8>(c0, c1, c2, c3, c4, c5, c6, c7);
+    for (var i = 0u; i < 8u; i++) {
+        let m = m0 + mg * 8u + i;
+        if (m < M) {
+            for (var j = 0u; j < 4u; j++) {
+                let t = t0 + tg * 4u + j;
+                if (t < tokens) {
 #if O_STORE
                     y[t * YS + m] = acc[i][j];
 #endif

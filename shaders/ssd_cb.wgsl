@@ -17,7 +17,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
     let bofs = DI + DI + g * N;
     let cofs = DI + DI + G * N + g * N;
-    var acc: array<vec4<f32>, 4>;
+    var acc: Tile;
     for (var n0 = 0u; n0 < N; n0 += 16u) {
         for (var e = lid; e < 1024u; e += 256u) {
             let kk = e / 64u;
@@ -33,8 +33,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             if (n < N && jb * 64u + r < Q && tj < tokens) {
                 bv = mix[tj * DIP + bofs + n];
             }
-            ta[kk][r] = cv;
-            tb[kk][r] = bv;
+            ta[kk][r / 4u][r % 4u] = cv;
+            tb[kk][r / 4u][r % 4u] = bv;
         }
         workgroupBarrier();
         tile_fma(&acc, lid);
@@ -45,7 +45,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     for (var r = 0u; r < 4u; r++) {
         for (var s = 0u; s < 4u; s++) {
             if (i0 + r < Q && j0 + s < Q) {
-                cb[((c * G + g) * Q + i0 + r) * Q + j0 + s] = acc[r][s];
+                cb[((c * G + g) * Q + i0 + r) * Q + j0 + s] = tile_row(acc, r)[s];
             }
         }
     }

@@ -28,7 +28,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let lbase = (c * H + h) * Q;
     let imax = min(Q, tokens - c * Q);
     let cofs = DI + DI + G * N + g * N;
-    var acc: array<vec4<f32>, 4>;
+    var acc: Tile;
     // Inter-chunk: C (positions × n) · S_cᵀ (n × channels).
     for (var n0 = 0u; n0 < N; n0 += 16u) {
         for (var e = lid; e < 1024u; e += 256u) {
@@ -45,17 +45,16 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             if (n < N && p < P) {
                 sv = cst[((c * H + h) * P + p) * N + n];
             }
-            ta[kk][r] = cv;
-            tb[kk][r] = sv;
+            ta[kk][r / 4u][r % 4u] = cv;
+            tb[kk][r / 4u][r % 4u] = sv;
         }
         workgroupBarrier();
         tile_fma(&acc, lid);
         workgroupBarrier();
     }
     let i0 = ib * 64u + (lid / 16u) * 4u;
-    for (var r = 0u; r < 4u; r++) {
-        acc[r] *= exp(lam[lbase + min(i0 + r, Q - 1u)]);
-    }
+    let li = vec4<u32>(min(i0, Q - 1u), min(i0 + 1u, Q - 1u), min(i0 + 2u, Q - 1u), min(i0 + 3u, Q - 1u));
+    tile_scale(&acc, exp(vec4<f32>(lam[lbase + li.x], lam[lbase + li.y], lam[lbase + li.z], lam[lbase + li.w])));
     // Intra-chunk: M (positions × positions, causal) · X (positions × channels).
     let jend = min(ib * 64u + 64u, imax);
     for (var j0 = 0u; j0 < jend; j0 += 16u) {
@@ -74,8 +73,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             if (j < imax && p < P) {
                 xv = mix[(c * Q + j) * DIP + DI + h * P + p];
             }
-            ta[kk][r] = mv;
-            tb[kk][r] = xv;
+            ta[kk][r / 4u][r % 4u] = mv;
+            tb[kk][r / 4u][r % 4u] = xv;
         }
         workgroupBarrier();
         tile_fma(&acc, lid);
@@ -89,7 +88,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             let p = p0 + s;
             if (i < imax && p < P) {
                 let t = c * Q + i;
-                y[t * DI + h * P + p] = acc[r][s] + dh * mix[t * DIP + DI + h * P + p];
+                y[t * DI + h * P + p] = tile_row(acc, r)[s] + dh * mix[t * DIP + DI + h * P + p];
             }
         }
     }

@@ -21,7 +21,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let lbase = (c * H + h) * Q;
     let last = lam[lbase + Q - 1u];
     let jmax = min(Q, tokens - c * Q);
-    var acc: array<vec4<f32>, 4>;
+    var acc: Tile;
     for (var j0 = 0u; j0 < jmax; j0 += 16u) {
         for (var e = lid; e < 1024u; e += 256u) {
             let kk = e / 64u;
@@ -41,8 +41,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                     bv = mix[t * DIP + DI + DI + g * N + n];
                 }
             }
-            ta[kk][r] = xv;
-            tb[kk][r] = bv;
+            ta[kk][r / 4u][r % 4u] = xv;
+            tb[kk][r / 4u][r % 4u] = bv;
         }
         workgroupBarrier();
         tile_fma(&acc, lid);
@@ -53,7 +53,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     for (var r = 0u; r < 4u; r++) {
         for (var s = 0u; s < 4u; s++) {
             if (p0 + r < P && n0 + s < N) {
-                cst[((c * H + h) * P + p0 + r) * N + n0 + s] = acc[r][s];
+                cst[((c * H + h) * P + p0 + r) * N + n0 + s] = tile_row(acc, r)[s];
             }
         }
     }

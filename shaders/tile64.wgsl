@@ -1,18 +1,41 @@
 // A 64×64 output tile accumulated by 256 invocations from 16-deep slices staged in
 // workgroup memory (the small GEMMs of the chunked SSD): invocation (lid/16, lid%16) owns
-// rows 4·(lid/16).. and columns 4·(lid%16).. of the tile. Callers fill ta[k][row] and
-// tb[k][col], barrier, call tile_fma, barrier.
+// rows 4·(lid/16).. and columns 4·(lid%16).., as four vec4 registers (one per row).
+// Callers fill ta[k][row/4][row%4] and tb[k][col/4][col%4], barrier, call tile_fma,
+// barrier.
 
-var<workgroup> ta: array<array<f32, 68>, 16>;
-var<workgroup> tb: array<array<f32, 68>, 16>;
+var<workgroup> ta: array<array<vec4<f32>, 17>, 16>;
+var<workgroup> tb: array<array<vec4<f32>, 17>, 16>;
 
-fn tile_fma(acc: ptr<function, array<vec4<f32>, 4>>, lid: u32) {
-    let ri = (lid / 16u) * 4u;
-    let ci = (lid % 16u) * 4u;
+struct Tile {
+    r0: vec4<f32>,
+    r1: vec4<f32>,
+    r2: vec4<f32>,
+    r3: vec4<f32>,
+}
+
+fn tile_fma(acc: ptr<function, Tile>, lid: u32) {
+    let ri = lid / 16u;
+    let ci = lid % 16u;
     for (var k = 0u; k < 16u; k++) {
-        let b = vec4<f32>(tb[k][ci], tb[k][ci + 1u], tb[k][ci + 2u], tb[k][ci + 3u]);
-        for (var r = 0u; r < 4u; r++) {
-            (*acc)[r] += ta[k][ri + r] * b;
-        }
+        let a = ta[k][ri];
+        let b = tb[k][ci];
+        (*acc).r0 += a.x * b;
+        (*acc).r1 += a.y * b;
+        (*acc).r2 += a.z * b;
+        (*acc).r3 += a.w * b;
     }
+}
+
+// Row r (0…3) of an invocation's tile.
+fn tile_row(t: Tile, r: u32) -> vec4<f32> {
+    return array<vec4<f32>, 4>(t.r0, t.r1, t.r2, t.r3)[r];
+}
+
+// Scales the four rows by s.x … s.w.
+fn tile_scale(t: ptr<function, Tile>, s: vec4<f32>) {
+    (*t).r0 *= s.x;
+    (*t).r1 *= s.y;
+    (*t).r2 *= s.z;
+    (*t).r3 *= s.w;
 }

@@ -39,6 +39,9 @@ pub struct BenchArgs {
     /// Also time prompts of these lengths (chunked prefill), e.g. 512,4096.
     #[arg(long, value_delimiter = ',')]
     prefill: Vec<usize>,
+    /// Timed runs per prefill length (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    prefill_runs: usize,
     /// Skip the decode benchmark (with --prefill).
     #[arg(long)]
     no_decode: bool,
@@ -96,7 +99,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     }
                 }
                 for &len in &args.prefill {
-                    let report = mamba2_wgpu::bench::prefill(&mut backend, name, len, 3)?;
+                    let report =
+                        mamba2_wgpu::bench::prefill(&mut backend, name, len, args.prefill_runs)?;
                     if args.json {
                         println!("{}", serde_json::to_string(&report)?);
                     } else {
