@@ -64,7 +64,7 @@ fn check_fixture(name: &str) {
     let o = oracle(&dir);
     assert_eq!(o.greedy.len(), 24);
     assert!(
-        o.prompt.len() % model.config.chunk_size != 0,
+        !o.prompt.len().is_multiple_of(model.config.chunk_size),
         "the prompt must end mid-chunk"
     );
     let cpu = CpuModel::<f32>::new(&model.config, &model.weights);

@@ -153,21 +153,13 @@ impl GpuBackend {
             }
             ctx.queue.submit([enc.finish()]);
             if let (Some(rb), Some(out)) = (&readback, logits.as_deref_mut()) {
-                let (tx, rx) = mpsc::channel();
                 let bytes = (4 * vocab * chunk.len()) as u64;
-                rb.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
-                    let _ = tx.send(r);
-                });
-                ctx.wait()?;
-                recv(rx)?;
-                {
-                    let view = rb
-                        .get_mapped_range(..bytes)
-                        .map_err(|e| Error::Gpu(format!("logits readback: {e}")))?;
-                    let all: &[f32] = bytemuck::cast_slice(&view);
-                    out.extend(all.chunks(vocab).map(<[f32]>::to_vec));
-                }
-                rb.unmap();
+                let bytes = ctx.read_mapped(rb, bytes)?;
+                out.extend(
+                    bytemuck::cast_slice::<u8, f32>(&bytes)
+                        .chunks(vocab)
+                        .map(<[f32]>::to_vec),
+                );
             }
         }
         ctx.check()
@@ -245,20 +237,12 @@ impl GpuBackend {
             }
             ctx.queue.submit([enc.finish()]);
             if let (Some(rb), Some(out)) = (&readback, logits.as_deref_mut()) {
-                let (tx, rx) = mpsc::channel();
-                rb.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
-                    let _ = tx.send(r);
-                });
-                ctx.wait()?;
-                recv(rx)?;
-                {
-                    let view = rb
-                        .get_mapped_range(..bytes)
-                        .map_err(|e| Error::Gpu(format!("logits readback: {e}")))?;
-                    let all: &[f32] = bytemuck::cast_slice(&view);
-                    out.extend(all.chunks(vocab).map(<[f32]>::to_vec));
-                }
-                rb.unmap();
+                let bytes = ctx.read_mapped(rb, bytes)?;
+                out.extend(
+                    bytemuck::cast_slice::<u8, f32>(&bytes)
+                        .chunks(vocab)
+                        .map(<[f32]>::to_vec),
+                );
             }
         }
         ctx.check()

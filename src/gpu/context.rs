@@ -363,19 +363,24 @@ impl GpuContext {
         let mut enc = self.device.create_command_encoder(&Default::default());
         enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, Some(size));
         self.queue.submit([enc.finish()]);
+        self.read_mapped(&staging, size)
+    }
+
+    /// Maps the first `size` bytes of a MAP_READ buffer once the submitted work is done,
+    /// copies them out and unmaps it (blocking).
+    pub fn read_mapped(&self, staging: &wgpu::Buffer, size: u64) -> Result<Vec<u8>> {
         let (tx, rx) = std::sync::mpsc::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+        staging.map_async(wgpu::MapMode::Read, ..size, move |r| {
             let _ = tx.send(r);
         });
         self.wait()?;
         rx.recv()
-            .map_err(|_| Error::Gpu("readback callback dropped".into()))?
+            .map_err(|_| Error::Gpu("readback callback dropped (device lost?)".into()))?
             .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
-        let view = staging
-            .get_mapped_range(..)
-            .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
-        let out = view.to_vec();
-        drop(view);
+        let out = staging
+            .get_mapped_range(..size)
+            .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?
+            .to_vec();
         staging.unmap();
         Ok(out)
     }

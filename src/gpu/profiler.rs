@@ -135,23 +135,8 @@ impl Profiler {
         let mut enc = ctx.device.create_command_encoder(&Default::default());
         enc.copy_buffer_to_buffer(&self.resolve, 0, &self.staging, 0, Some(8 * n as u64));
         ctx.queue.submit([enc.finish()]);
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.staging
-            .map_async(wgpu::MapMode::Read, ..8 * n as u64, move |r| {
-                let _ = tx.send(r);
-            });
-        ctx.wait()?;
-        rx.recv()
-            .map_err(|_| Error::Gpu("profiler readback dropped".into()))?
-            .map_err(|e| Error::Gpu(format!("profiler readback: {e}")))?;
-        let ticks: Vec<u64> = {
-            let view = self
-                .staging
-                .get_mapped_range(..8 * n as u64)
-                .map_err(|e| Error::Gpu(format!("profiler readback: {e}")))?;
-            bytemuck::cast_slice(&view).to_vec()
-        };
-        self.staging.unmap();
+        let bytes = ctx.read_mapped(&self.staging, 8 * n as u64)?;
+        let ticks: &[u64] = bytemuck::cast_slice(&bytes);
         Ok(graph
             .dispatches
             .iter()

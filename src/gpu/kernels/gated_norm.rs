@@ -27,6 +27,7 @@ pub struct GatedNormBuffers<'a> {
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn gated_norm(
     k: &Kernels,
     name: &str,

@@ -8,6 +8,7 @@ use crate::error::Result;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/prefill_conv.wgsl")];
 
+#[allow(clippy::too_many_arguments)]
 pub fn prefill_conv(
     k: &Kernels,
     name: &str,

@@ -7,6 +7,7 @@ use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/ssd_cumsum.wgsl")];
 
+#[allow(clippy::too_many_arguments)]
 pub fn ssd_cumsum(
     k: &Kernels,
     name: &str,
