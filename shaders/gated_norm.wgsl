@@ -22,6 +22,7 @@ fn gated(t: u32, c: u32) -> f32 {
 fn main(
     @builtin(local_invocation_index) lid: u32,
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
 #if SUBGROUP
     @builtin(subgroup_invocation_id) sg_lane: u32,
     @builtin(subgroup_size) sg_size: u32,
@@ -38,15 +39,17 @@ fn main(
         ss[c / GS] += v * v;
     }
     var tot = wg_sum(ss, lid, sg_lane, sg_size);
-    // CHUNK = WG: one channel per invocation.
-    let first = wid.x * WG;
-    let c = first + lid;
-    var v = 0.0;
-    if (c < DI) {
-        v = gated(t, c) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * params[NW_OFF + c];
-        dst[t * KP + c] = v;
-    }
+    // One channel per invocation per chunk of WG; a token's workgroups share its chunks
+    // (one workgroup per token in prefill, many per token in decode).
+    for (var first = wid.x * WG; first < DI; first += WG * nwg.x) {
+        let c = first + lid;
+        var v = 0.0;
+        if (c < DI) {
+            v = gated(t, c) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * params[NW_OFF + c];
+            dst[t * KP + c] = v;
+        }
 #if Q8_OUT
-    q8_chunk(v, lid, first, t * KP);
+        q8_chunk(v, lid, first, t * KP);
 #endif
+    }
 }

@@ -16,6 +16,7 @@
 fn main(
     @builtin(local_invocation_index) lid: u32,
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
 #if SUBGROUP
     @builtin(subgroup_invocation_id) sg_lane: u32,
     @builtin(subgroup_size) sg_size: u32,
@@ -34,15 +35,17 @@ fn main(
     }
     let tot = wg_sum(ss, lid, sg_lane, sg_size);
     let rstd = inverseSqrt(tot[0] / f32(D) + EPS);
-    // CHUNK = WG: one element per invocation.
-    let first = wid.x * WG;
-    let k = first + lid;
-    var v = 0.0;
-    if (k < D) {
-        v = src[sbase + k] * rstd * params[NW_OFF + k];
-        dst[dbase + k] = v;
-    }
+    // One element per invocation per chunk of WG; a token's workgroups share its chunks
+    // (one workgroup per token in prefill, many per token in decode).
+    for (var first = wid.x * WG; first < D; first += WG * nwg.x) {
+        let k = first + lid;
+        var v = 0.0;
+        if (k < D) {
+            v = src[sbase + k] * rstd * params[NW_OFF + k];
+            dst[dbase + k] = v;
+        }
 #if Q8_OUT
-    q8_chunk(v, lid, first, dbase);
+        q8_chunk(v, lid, first, dbase);
 #endif
+    }
 }

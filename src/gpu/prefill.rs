@@ -10,7 +10,7 @@ use crate::gpu::engine::Engine;
 use crate::gpu::graph::Graph;
 use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
-use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemm::{GemmOutput, gemm, tile};
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
 use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use crate::gpu::kernels::{
@@ -123,7 +123,7 @@ impl Prefill {
                     GemmOutput::Store,
                     &s.ctrl,
                 )?
-                .per_token(1, TILE.1, 1),
+                .per_token(1, tile().1, 1),
             );
             d.push(prefill_conv::prefill_conv(
                 k,
@@ -221,7 +221,7 @@ impl Prefill {
                     GemmOutput::Add,
                     &s.ctrl,
                 )?
-                .per_token(1, TILE.1, 1),
+                .per_token(1, tile().1, 1),
             );
         }
         if logits {
@@ -250,7 +250,7 @@ impl Prefill {
                     GemmOutput::Store,
                     &s.ctrl,
                 )?
-                .per_token(1, TILE.1, 1),
+                .per_token(1, tile().1, 1),
             );
         }
         Ok(Graph { dispatches: d })

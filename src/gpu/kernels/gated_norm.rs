@@ -71,7 +71,16 @@ pub fn gated_norm(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        workgroups: (d_inner.div_ceil(CHUNK) as u32, tokens as u32, 1),
+        // Decode spreads one token over the GPU; prefill gives each token one workgroup.
+        workgroups: (
+            if tokens == 1 {
+                d_inner.div_ceil(CHUNK) as u32
+            } else {
+                1
+            },
+            tokens as u32,
+            1,
+        ),
         name: name.to_string(),
         per_token: None,
         section: Section::Norm,
