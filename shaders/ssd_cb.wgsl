@@ -1,7 +1,8 @@
 // Chunked SSD, step 2: CB[c,g,i,j] = C_i·B_j per chunk and group, for j ≤ i (the causal
-// half; 64×64 tiles above the diagonal are skipped). Shared by the group's heads.
+// half; 64×64 tiles above the diagonal are skipped). Shared by the group's heads. Reads
+// the conv output `u` (rows of CD = [x | B | C]).
 
-@group(0) @binding(0) var<storage, read> mix: array<f32>;
+@group(0) @binding(0) var<storage, read> u: array<f32>;
 @group(0) @binding(1) var<storage, read_write> cb: array<f32>;
 @group(0) @binding(2) var<storage, read> ctrl: Ctrl;
 
@@ -15,8 +16,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     if (jb > ib || c * Q >= tokens) {
         return;
     }
-    let bofs = DI + DI + g * N;
-    let cofs = DI + DI + G * N + g * N;
+    let bofs = DI + g * N;
+    let cofs = DI + G * N + g * N;
     var acc: Tile;
     for (var n0 = 0u; n0 < N; n0 += 16u) {
         for (var e = lid; e < 1024u; e += 256u) {
@@ -28,10 +29,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             var cv = 0.0;
             var bv = 0.0;
             if (n < N && ib * 64u + r < Q && ti < tokens) {
-                cv = mix[ti * DIP + cofs + n];
+                cv = u[ti * CD + cofs + n];
             }
             if (n < N && jb * 64u + r < Q && tj < tokens) {
-                bv = mix[tj * DIP + bofs + n];
+                bv = u[tj * CD + bofs + n];
             }
             ta[kk][r / 4u][r % 4u] = cv;
             tb[kk][r / 4u][r % 4u] = bv;

@@ -2,7 +2,7 @@
 // tiles:  y_i[p] = exp(Λ_i)·Σ_n C_i[n]·S_c[p,n]                         (state entering c)
 //                + Σ_{j≤i} CB[i,j]·exp(min(Λ_i − Λ_j, 0))·δ_j·x_j[p]    (within the chunk)
 //                + D_h·x_i[p]
-// Writes y rows of DI.
+// Reads x, C from the conv output `u` (rows of CD) and δ from `mix`; writes y rows of DI.
 
 @group(0) @binding(0) var<storage, read> mix: array<f32>;
 @group(0) @binding(1) var<storage, read> params: array<f32>;
@@ -11,6 +11,7 @@
 @group(0) @binding(4) var<storage, read> cst: array<f32>;
 @group(0) @binding(5) var<storage, read_write> y: array<f32>;
 @group(0) @binding(6) var<storage, read> ctrl: Ctrl;
+@group(0) @binding(7) var<storage, read> u: array<f32>;
 
 const NIB: u32 = (Q + 63u) / 64u;
 
@@ -27,7 +28,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let g = h / (H / G);
     let lbase = (c * H + h) * Q;
     let imax = min(Q, tokens - c * Q);
-    let cofs = DI + DI + G * N + g * N;
+    let cofs = DI + G * N + g * N;
     var acc: Tile;
     // Inter-chunk: C (positions × n) · S_cᵀ (n × channels).
     for (var n0 = 0u; n0 < N; n0 += 16u) {
@@ -40,7 +41,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             var cv = 0.0;
             var sv = 0.0;
             if (n < N && i < imax) {
-                cv = mix[(c * Q + i) * DIP + cofs + n];
+                cv = u[(c * Q + i) * CD + cofs + n];
             }
             if (n < N && p < P) {
                 sv = cst[((c * H + h) * P + p) * N + n];
@@ -71,7 +72,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                 mv = cb[((c * G + g) * Q + i) * Q + j] * exp(min(lam[lbase + i] - lam[lbase + j], 0.0)) * dj;
             }
             if (j < imax && p < P) {
-                xv = mix[(c * Q + j) * DIP + DI + h * P + p];
+                xv = u[(c * Q + j) * CD + h * P + p];
             }
             ta[kk][r / 4u][r % 4u] = mv;
             tb[kk][r / 4u][r % 4u] = xv;
@@ -88,7 +89,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             let p = p0 + s;
             if (i < imax && p < P) {
                 let t = c * Q + i;
-                y[t * DI + h * P + p] = tile_row(acc, r)[s] + dh * mix[t * DIP + DI + h * P + p];
+                y[t * DI + h * P + p] = tile_row(acc, r)[s] + dh * u[t * CD + h * P + p];
             }
         }
     }

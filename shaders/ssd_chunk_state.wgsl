@@ -6,6 +6,7 @@
 @group(0) @binding(1) var<storage, read> lam: array<f32>;
 @group(0) @binding(2) var<storage, read_write> cst: array<f32>;
 @group(0) @binding(3) var<storage, read> ctrl: Ctrl;
+@group(0) @binding(4) var<storage, read> u: array<f32>;
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
@@ -35,10 +36,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             if (j < jmax) {
                 let wj = exp(min(last - lam[lbase + j], 0.0)) * mix[t * DIP + DI + CD + h];
                 if (p < P) {
-                    xv = wj * mix[t * DIP + DI + h * P + p];
+                    xv = wj * u[t * CD + h * P + p];
                 }
                 if (n < N) {
-                    bv = mix[t * DIP + DI + DI + g * N + n];
+                    bv = u[t * CD + DI + g * N + n];
                 }
             }
             ta[kk][r / 4u][r % 4u] = xv;

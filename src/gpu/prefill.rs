@@ -11,6 +11,7 @@ use crate::gpu::graph::Graph;
 use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
 use crate::gpu::kernels::gemm::{GemmOutput, gemm, tile};
+use crate::gpu::kernels::prefill_conv::ConvBuffers;
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
 use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use crate::gpu::kernels::{
@@ -32,6 +33,8 @@ pub struct Prefill {
     pub resid: wgpu::Buffer,
     h: wgpu::Buffer,
     mix: wgpu::Buffer,
+    /// The conv output `[T][conv_dim]` (x B C).
+    u: wgpu::Buffer,
     y: wgpu::Buffer,
     v: wgpu::Buffer,
     lam: wgpu::Buffer,
@@ -67,6 +70,7 @@ impl Prefill {
             resid: ctx.storage_zeroed("prefill resid", f32s(t * c.d_model))?,
             h: ctx.storage_zeroed("prefill h", f32s(t * pad(c.d_model)))?,
             mix: ctx.storage_zeroed("prefill mix", f32s(t * c.d_in_proj()))?,
+            u: ctx.storage_zeroed("prefill u", f32s(t * c.conv_dim()))?,
             y: ctx.storage_zeroed("prefill y", f32s(t * c.d_inner))?,
             v: ctx.storage_zeroed("prefill v", f32s(t * pad(c.d_inner)))?,
             lam: ctx.storage_zeroed("prefill lam", f32s(cc.chunks() * c.n_heads * chunk))?,
@@ -125,13 +129,26 @@ impl Prefill {
                 )?
                 .per_token(1, tile().1, 1),
             );
+            let conv = ConvBuffers {
+                mix: &self.mix,
+                params: &layer.params,
+                conv_state: &layer.conv_state,
+                u: &self.u,
+                ctrl: &s.ctrl,
+            };
             d.push(prefill_conv::prefill_conv(
                 k,
                 &name("conv"),
                 cc,
                 e.mixer_consts(),
+                conv,
+            )?);
+            d.push(prefill_conv::prefill_conv_state(
+                k,
+                &name("conv_state"),
+                cc,
+                e.mixer_consts(),
                 &self.mix,
-                &layer.params,
                 &layer.conv_state,
                 &s.ctrl,
             )?);
@@ -149,7 +166,7 @@ impl Prefill {
                 .per_token(1, cc.q, 1),
             );
             d.push(
-                ssd_cb::ssd_cb(k, &name("ssd_cb"), cc, &self.mix, &self.cb, &s.ctrl)?
+                ssd_cb::ssd_cb(k, &name("ssd_cb"), cc, &self.u, &self.cb, &s.ctrl)?
                     .per_token(2, cc.q, c.n_groups),
             );
             d.push(
@@ -158,6 +175,7 @@ impl Prefill {
                     &name("ssd_chunk_state"),
                     cc,
                     &self.mix,
+                    &self.u,
                     &self.lam,
                     &self.cst,
                     &s.ctrl,
@@ -175,6 +193,7 @@ impl Prefill {
             )?);
             let scan = ScanBuffers {
                 mix: &self.mix,
+                u: &self.u,
                 params: &layer.params,
                 lam: &self.lam,
                 cb: &self.cb,

@@ -1,41 +1,90 @@
-//! `prefill_conv.wgsl`: the causal conv (and dt softplus) over a block's `mix [T][d_in_proj]`
-//! rows in place, continuing from and updating the conv state `[conv_dim][K−1]`.
+//! `prefill_conv.wgsl`: the causal conv over a block, `u [T][conv_dim]` from the raw
+//! `mix [T][d_in_proj]` rows and the cached conv state `[conv_dim][K−1]`, and the dt
+//! softplus in place; `prefill_conv_state.wgsl` then moves the conv state on.
 
 use super::chunk::ChunkConsts;
 use super::gemv::MixerConsts;
 use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
+use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/prefill_conv.wgsl")];
+const STATE_SOURCES: super::Sources = &[include_str!("../../../shaders/prefill_conv_state.wgsl")];
 
-#[allow(clippy::too_many_arguments)]
+/// The buffers of the prefill conv.
+pub struct ConvBuffers<'a> {
+    pub mix: &'a wgpu::Buffer,
+    pub params: &'a wgpu::Buffer,
+    pub conv_state: &'a wgpu::Buffer,
+    pub u: &'a wgpu::Buffer,
+    pub ctrl: &'a wgpu::Buffer,
+}
+
+/// The conv for every (column, token) of a block; grid rows are tokens.
 pub fn prefill_conv(
     k: &Kernels,
     name: &str,
     cc: ChunkConsts,
     mc: MixerConsts,
-    mix: &wgpu::Buffer,
-    params: &wgpu::Buffer,
-    conv_state: &wgpu::Buffer,
-    ctrl: &wgpu::Buffer,
+    b: ConvBuffers,
 ) -> Result<Dispatch> {
-    check_len(&format!("{name}: mix"), mix, cc.max_tokens * cc.d_in_proj)?;
+    check_len(&format!("{name}: mix"), b.mix, cc.max_tokens * cc.d_in_proj)?;
     check_len(
         &format!("{name}: conv state"),
-        conv_state,
+        b.conv_state,
         mc.conv_dim * (mc.kernel - 1),
     )?;
-    let mut consts = vec![("DIP", crate::gpu::shader::Const::U32(cc.d_in_proj as u32))];
+    check_len(&format!("{name}: u"), b.u, cc.max_tokens * mc.conv_dim)?;
+    let mut consts = vec![("DIP", Const::U32(cc.d_in_proj as u32))];
     consts.extend(mc.consts());
     let pipeline = k.pipeline("prefill_conv", SOURCES, &consts, &[], false)?;
     Ok(Dispatch {
         bind_group: k.bind(
             &pipeline,
             name,
-            &[(0, mix), (1, params), (2, conv_state), (3, ctrl)],
+            &[
+                (0, b.mix),
+                (1, b.params),
+                (2, b.conv_state),
+                (3, b.ctrl),
+                (4, b.u),
+            ],
         ),
         pipeline,
-        workgroups: ((mc.conv_dim + mc.heads).div_ceil(64) as u32, 1, 1),
+        workgroups: (
+            (mc.conv_dim + mc.heads).div_ceil(64) as u32,
+            cc.max_tokens as u32,
+            1,
+        ),
+        name: name.to_string(),
+        per_token: None,
+        section: Section::Conv,
+    }
+    .per_token(1, 1, 1))
+}
+
+/// The conv state after the block: its last K−1 raw inputs.
+pub fn prefill_conv_state(
+    k: &Kernels,
+    name: &str,
+    cc: ChunkConsts,
+    mc: MixerConsts,
+    mix: &wgpu::Buffer,
+    conv_state: &wgpu::Buffer,
+    ctrl: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    check_len(
+        &format!("{name}: conv state"),
+        conv_state,
+        mc.conv_dim * (mc.kernel - 1),
+    )?;
+    let mut consts = vec![("DIP", Const::U32(cc.d_in_proj as u32))];
+    consts.extend(mc.consts());
+    let pipeline = k.pipeline("prefill_conv_state", STATE_SOURCES, &consts, &[], false)?;
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &[(0, mix), (1, conv_state), (2, ctrl)]),
+        pipeline,
+        workgroups: (mc.conv_dim.div_ceil(64) as u32, 1, 1),
         name: name.to_string(),
         per_token: None,
         section: Section::Conv,

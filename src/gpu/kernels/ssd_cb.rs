@@ -1,4 +1,5 @@
-//! `ssd_cb.wgsl`: `cb [NC][G][Q][Q]`, C_i·B_j per chunk and group (j ≤ i).
+//! `ssd_cb.wgsl`: `cb [NC][G][Q][Q]`, C_i·B_j per chunk and group (j ≤ i), from the conv
+//! output `u [T][conv_dim]`.
 
 use super::chunk::ChunkConsts;
 use super::{Dispatch, Kernels, Section, check_len};
@@ -13,7 +14,7 @@ pub fn ssd_cb(
     k: &Kernels,
     name: &str,
     cc: ChunkConsts,
-    mix: &wgpu::Buffer,
+    u: &wgpu::Buffer,
     cb: &wgpu::Buffer,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
@@ -25,7 +26,7 @@ pub fn ssd_cb(
     let pipeline = k.pipeline("ssd_cb", SOURCES, &cc.consts(), &[], false)?;
     let tiles = cc.q.div_ceil(64) as u32;
     Ok(Dispatch {
-        bind_group: k.bind(&pipeline, name, &[(0, mix), (1, cb), (2, ctrl)]),
+        bind_group: k.bind(&pipeline, name, &[(0, u), (1, cb), (2, ctrl)]),
         pipeline,
         workgroups: (tiles, tiles, (cc.chunks() * cc.groups) as u32),
         name: name.to_string(),

@@ -14,6 +14,7 @@ const SOURCES: super::Sources = &[
 /// The buffers of the chunk scan.
 pub struct ScanBuffers<'a> {
     pub mix: &'a wgpu::Buffer,
+    pub u: &'a wgpu::Buffer,
     pub params: &'a wgpu::Buffer,
     pub lam: &'a wgpu::Buffer,
     pub cb: &'a wgpu::Buffer,
@@ -40,6 +41,7 @@ pub fn ssd_chunk_scan(
             name,
             &[
                 (0, b.mix),
+                (7, b.u),
                 (1, b.params),
                 (2, b.lam),
                 (3, b.cb),

@@ -9,11 +9,13 @@ const SOURCES: super::Sources = &[
     include_str!("../../../shaders/ssd_chunk_state.wgsl"),
 ];
 
+#[allow(clippy::too_many_arguments)]
 pub fn ssd_chunk_state(
     k: &Kernels,
     name: &str,
     cc: ChunkConsts,
     mix: &wgpu::Buffer,
+    u: &wgpu::Buffer,
     lam: &wgpu::Buffer,
     cst: &wgpu::Buffer,
     ctrl: &wgpu::Buffer,
@@ -25,7 +27,11 @@ pub fn ssd_chunk_state(
     )?;
     let pipeline = k.pipeline("ssd_chunk_state", SOURCES, &cc.consts(), &[], false)?;
     Ok(Dispatch {
-        bind_group: k.bind(&pipeline, name, &[(0, mix), (1, lam), (2, cst), (3, ctrl)]),
+        bind_group: k.bind(
+            &pipeline,
+            name,
+            &[(0, mix), (1, lam), (2, cst), (3, ctrl), (4, u)],
+        ),
         pipeline,
         workgroups: (
             cc.head_dim.div_ceil(64) as u32,
