@@ -1,5 +1,7 @@
-// resid = embedding[ctrl.token]: one row of the [V, D] table (f32, f16 or q8_0 rows padded
-// to KP columns, the same buffers the tied lm_head reads). One thread per element.
+// Embedding rows into the residual: resid [D] = embedding[ctrl.token] (decode), or with
+// PROMPT resid [T, D] = embedding[prompt[t]] for the T = ctrl.prompt_len tokens of a
+// prefill block (grid row y = token). The [V, D] table is f32, f16 or q8_0 with rows
+// padded to KP columns (the same buffers the tied lm_head reads). One thread per element.
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<f32>;
@@ -13,23 +15,35 @@
 #endif
 @group(0) @binding(2) var<storage, read> ctrl: Ctrl;
 @group(0) @binding(3) var<storage, read_write> resid: array<f32>;
+#if PROMPT
+@group(0) @binding(4) var<storage, read> prompt: array<u32>;
+#endif
 
 @compute @workgroup_size(WG)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let k = gid.x;
+    let t = gid.y;
+#if PROMPT
+    if (k >= D || t >= ctrl.prompt_len) {
+        return;
+    }
+    let row = min(prompt[t], V - 1u);
+#else
     if (k >= D) {
         return;
     }
     let row = min(ctrl.token, V - 1u);
+#endif
+    let i = t * D + k;
 #if W_F32
-    resid[k] = w[row * KP + k];
+    resid[i] = w[row * KP + k];
 #endif
 #if W_F16
-    resid[k] = unpack2x16float(w[(row * KP + k) / 2u])[k % 2u];
+    resid[i] = unpack2x16float(w[(row * KP + k) / 2u])[k % 2u];
 #endif
 #if W_Q8
     let q = unpack4xI8(w[(row * KP + k) / 4u])[k % 4u];
     let si = row * (KP / 32u) + k / 32u;
-    resid[k] = f32(q) * unpack2x16float(ws[si / 2u])[si % 2u];
+    resid[i] = f32(q) * unpack2x16float(ws[si / 2u])[si % 2u];
 #endif
 }

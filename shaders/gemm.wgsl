@@ -1,9 +1,9 @@
 // Y[t, m] = Σ_k X[t, k]·W[m, k] for the T tokens of a prefill block (T = ctrl.prompt_len):
 // W [M, KP] in f32, f16 or q8_0 (dequantized into workgroup memory), X [T, XS] f32
 // (XS ≥ KP, zero past K).
-// A workgroup computes a 128 (rows of W) × 64 or 128 (tokens, TT128) tile in steps of 16
-// columns; each invocation owns 8 rows × 4 or 8 tokens in vec4 registers, fed by vec4
-// reads of the tiles in workgroup memory. O_STORE writes Y rows of YS values,
+// A workgroup computes a 128 (rows of W) × 64 (tokens) tile in steps of 16 columns; each
+// invocation owns 8 rows × 4 tokens in eight vec4 registers, fed by vec4 reads of the
+// tiles in workgroup memory. O_STORE writes Y rows of YS values,
 // O_ADD adds into them (the residual).
 
 #if W_F32
@@ -21,17 +21,12 @@
 @group(0) @binding(4) var<storage, read> ctrl: Ctrl;
 
 const TM: u32 = 128u;
-const TK: u32 = 16u;
-// Tokens per tile: 64 (4 per invocation) or, with TT128, 128 (8 per invocation).
-#if TT128
-const TT: u32 = 128u;
-#else
 const TT: u32 = 64u;
-#endif
+const TK: u32 = 16u;
 
-// Tiles in workgroup memory as vec4s: wt[k][m/4] (128 rows of W), xt[k][t/4] (TT tokens).
+// Tiles in workgroup memory as vec4s: wt[k][m/4] (128 rows of W), xt[k][t/4] (64 tokens).
 var<workgroup> wt: array<array<vec4<f32>, 33>, 16>;
-var<workgroup> xt: array<array<vec4<f32>, TT / 4u + 1u>, 16>;
+var<workgroup> xt: array<array<vec4<f32>, 17>, 16>;
 
 // Eight weights of row `row`, columns k0..k0+8 (k0 a multiple of 8).
 fn weights8(row: u32, k0: u32) -> array<f32, 8> {
@@ -66,8 +61,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let m0 = wid.x * TM;
     let t0 = wid.y * TT;
     let mg = lid % 16u;   // rows m0 + mg·8 .. +8
-    let tg = lid / 16u;   // tokens t0 + tg·TPI .. (TPI = TT/16 tokens per invocation)
-    // Eight rows × four tokens per vec4 register: c* (tokens 0..4), d* (4..8, TT128).
+    let tg = lid / 16u;   // tokens t0 + tg·4 .. +4
+    // Eight rows × four tokens in registers, one vec4 (over tokens) per row.
     var c0 = vec4<f32>(0.0);
     var c1 = vec4<f32>(0.0);
     var c2 = vec4<f32>(0.0);
@@ -76,46 +71,19 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     var c5 = vec4<f32>(0.0);
     var c6 = vec4<f32>(0.0);
     var c7 = vec4<f32>(0.0);
-#if TT128
-    var d0 = vec4<f32>(0.0);
-    var d1 = vec4<f32>(0.0);
-    var d2 = vec4<f32>(0.0);
-    var d3 = vec4<f32>(0.0);
-    var d4 = vec4<f32>(0.0);
-    var d5 = vec4<f32>(0.0);
-    var d6 = vec4<f32>(0.0);
-    var d7 = vec4<f32>(0.0);
-#endif
-    // W loader: row m0 + lid/2, columns (lid%2)·8 ..+8.
+    // Loaders: W row m0 + lid/2, columns (lid%2)·8..; X token t0 + lid/4, columns (lid%4)·4..
     let lrow = m0 + lid / 2u;
-    let rq = (lid / 2u) / 4u;
-    let rc = (lid / 2u) % 4u;
+    let ltok = t0 + lid / 4u;
     for (var k = 0u; k < KP; k += TK) {
         var wv: array<f32, 8>;
         if (lrow < M) {
             wv = weights8(lrow, k + (lid % 2u) * 8u);
         }
+        let rq = (lid / 2u) / 4u;
+        let rc = (lid / 2u) % 4u;
         for (var i = 0u; i < 8u; i++) {
             wt[(lid % 2u) * 8u + i][rq][rc] = wv[i];
         }
-#if TT128
-        // X loader: token t0 + lid/2, columns (lid%2)·8 ..+8.
-        let ltok = t0 + lid / 2u;
-        var xa = vec4<f32>(0.0);
-        var xb = vec4<f32>(0.0);
-        if (ltok < tokens) {
-            xa = x[(ltok * XS + k) / 4u + (lid % 2u) * 2u];
-            xb = x[(ltok * XS + k) / 4u + (lid % 2u) * 2u + 1u];
-        }
-        let tq = (lid / 2u) / 4u;
-        let tc = (lid / 2u) % 4u;
-        for (var i = 0u; i < 4u; i++) {
-            xt[(lid % 2u) * 8u + i][tq][tc] = xa[i];
-            xt[(lid % 2u) * 8u + 4u + i][tq][tc] = xb[i];
-        }
-#else
-        // X loader: token t0 + lid/4, columns (lid%4)·4 ..+4.
-        let ltok = t0 + lid / 4u;
         var xv = vec4<f32>(0.0);
         if (ltok < tokens) {
             xv = x[(ltok * XS + k) / 4u + lid % 4u];
@@ -125,25 +93,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         for (var i = 0u; i < 4u; i++) {
             xt[(lid % 4u) * 4u + i][tq][tc] = xv[i];
         }
-#endif
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk++) {
             let a0 = wt[kk][mg * 2u];
             let a1 = wt[kk][mg * 2u + 1u];
-#if TT128
-            let b = xt[kk][tg * 2u];
-            let e = xt[kk][tg * 2u + 1u];
-            d0 += a0.x * e;
-            d1 += a0.y * e;
-            d2 += a0.z * e;
-            d3 += a0.w * e;
-            d4 += a1.x * e;
-            d5 += a1.y * e;
-            d6 += a1.z * e;
-            d7 += a1.w * e;
-#else
             let b = xt[kk][tg];
-#endif
             c0 += a0.x * b;
             c1 += a0.y * b;
             c2 += a0.z * b;
@@ -156,28 +110,17 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         workgroupBarrier();
     }
     let acc = array<vec4<f32>, 8>(c0, c1, c2, c3, c4, c5, c6, c7);
-#if TT128
-    let acc2 = array<vec4<f32>, 8>(d0, d1, d2, d3, d4, d5, d6, d7);
-    let per = 8u;
-#else
-    let acc2 = acc;
-    let per = 4u;
-#endif
     for (var i = 0u; i < 8u; i++) {
         let m = m0 + mg * 8u + i;
         if (m < M) {
-            for (var j = 0u; j < per; j++) {
-                let t = t0 + tg * per + j;
-                var v = acc[i][j % 4u];
-                if (j >= 4u) {
-                    v = acc2[i][j - 4u];
-                }
+            for (var j = 0u; j < 4u; j++) {
+                let t = t0 + tg * 4u + j;
                 if (t < tokens) {
 #if O_STORE
-                    y[t * YS + m] = v;
+                    y[t * YS + m] = acc[i][j];
 #endif
 #if O_ADD
-                    y[t * YS + m] += v;
+                    y[t * YS + m] += acc[i][j];
 #endif
                 }
             }

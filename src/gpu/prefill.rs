@@ -10,12 +10,12 @@ use crate::gpu::engine::Engine;
 use crate::gpu::graph::Graph;
 use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
-use crate::gpu::kernels::gemm::{GemmOutput, gemm, tile};
+use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
 use crate::gpu::kernels::prefill_conv::ConvBuffers;
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
 use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use crate::gpu::kernels::{
-    prefill_conv, prefill_embed, ssd_cb, ssd_chunk_state, ssd_cumsum, ssd_state_pass,
+    embed, prefill_conv, ssd_cb, ssd_chunk_state, ssd_cumsum, ssd_state_pass,
 };
 
 /// Largest prompt block processed per submit.
@@ -100,7 +100,7 @@ impl Prefill {
         let eps = c.norm_eps;
         let l = &e.layout;
         let mut d = vec![
-            prefill_embed::prefill_embed(k, &e.embedding, t, &self.prompt, &self.resid, &s.ctrl)?
+            embed::embed_prompt(k, &e.embedding, t, &self.prompt, &self.resid, &s.ctrl)?
                 .per_token(1, 1, 1),
         ];
         for (i, layer) in e.layers.iter().enumerate() {
@@ -127,7 +127,7 @@ impl Prefill {
                     GemmOutput::Store,
                     &s.ctrl,
                 )?
-                .per_token(1, tile().1, 1),
+                .per_token(1, TILE.1, 1),
             );
             let conv = ConvBuffers {
                 mix: &self.mix,
@@ -240,7 +240,7 @@ impl Prefill {
                     GemmOutput::Add,
                     &s.ctrl,
                 )?
-                .per_token(1, tile().1, 1),
+                .per_token(1, TILE.1, 1),
             );
         }
         if logits {
@@ -269,7 +269,7 @@ impl Prefill {
                     GemmOutput::Store,
                     &s.ctrl,
                 )?
-                .per_token(1, tile().1, 1),
+                .per_token(1, TILE.1, 1),
             );
         }
         Ok(Graph { dispatches: d })

@@ -1,4 +1,5 @@
-//! `embed.wgsl`: `resid [D] = embedding [V, D] row ctrl.token`, any weight format.
+//! `embed.wgsl`: `resid [D] = embedding [V, D] row ctrl.token` (decode), or for a prefill
+//! block `resid [T][D]` = the rows of `prompt [T]`; any weight format.
 
 use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
@@ -6,7 +7,39 @@ use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/embed.wgsl")];
+const WG: u32 = 64;
 
+fn dispatch(
+    k: &Kernels,
+    table: &DeviceMatrix,
+    name: &str,
+    tokens: usize,
+    entries: &[(u32, &wgpu::Buffer)],
+) -> Result<Dispatch> {
+    let consts = [
+        ("WG", Const::U32(WG)),
+        ("D", Const::U32(table.cols as u32)),
+        ("V", Const::U32(table.rows as u32)),
+        ("KP", Const::U32(table.kp as u32)),
+    ];
+    let mut flags = vec![table.flag()];
+    if tokens > 1 {
+        flags.push("PROMPT");
+    }
+    let pipeline = k.pipeline("embed", SOURCES, &consts, &flags, false)?;
+    let mut all = table.bindings();
+    all.extend_from_slice(entries);
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &all),
+        pipeline,
+        workgroups: ((table.cols as u32).div_ceil(WG), tokens as u32, 1),
+        name: name.into(),
+        per_token: None,
+        section: Section::Other,
+    })
+}
+
+/// The decode embed: the row of `ctrl.token`.
 pub fn embed(
     k: &Kernels,
     table: &DeviceMatrix,
@@ -14,22 +47,27 @@ pub fn embed(
     resid: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     check_len("embed: resid", resid, table.cols)?;
-    let wg = 64u32;
-    let consts = [
-        ("WG", Const::U32(wg)),
-        ("D", Const::U32(table.cols as u32)),
-        ("V", Const::U32(table.rows as u32)),
-        ("KP", Const::U32(table.kp as u32)),
-    ];
-    let pipeline = k.pipeline("embed", SOURCES, &consts, &[table.flag()], false)?;
-    let mut entries = table.bindings();
-    entries.extend([(2, ctrl), (3, resid)]);
-    Ok(Dispatch {
-        bind_group: k.bind(&pipeline, "embed", &entries),
-        pipeline,
-        workgroups: ((table.cols as u32).div_ceil(wg), 1, 1),
-        name: "embed".into(),
-        per_token: None,
-        section: Section::Other,
-    })
+    dispatch(k, table, "embed", 1, &[(2, ctrl), (3, resid)])
+}
+
+/// The prefill embed of a block of up to `max_tokens` tokens (`ctrl.prompt_len` of them).
+pub fn embed_prompt(
+    k: &Kernels,
+    table: &DeviceMatrix,
+    max_tokens: usize,
+    prompt: &wgpu::Buffer,
+    resid: &wgpu::Buffer,
+    ctrl: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    check_len("prefill embed: prompt", prompt, max_tokens)?;
+    check_len("prefill embed: resid", resid, max_tokens * table.cols)?;
+    // A block of one token still reads `prompt`.
+    Ok(dispatch(
+        k,
+        table,
+        "prefill_embed",
+        max_tokens.max(2),
+        &[(2, ctrl), (3, resid), (4, prompt)],
+    )?
+    .per_token(1, 1, 1))
 }

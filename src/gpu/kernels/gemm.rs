@@ -9,13 +9,9 @@ use crate::gpu::weights::DeviceMatrix;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/gemm.wgsl")];
 
-/// Output tile: rows of W × tokens (128 tokens with `MAMBA2_GEMM_TT=128`).
-pub fn tile() -> (usize, usize) {
-    match std::env::var("MAMBA2_GEMM_TT").as_deref() {
-        Ok("128") => (128, 128),
-        _ => (128, 64),
-    }
-}
+/// Output tile: rows of W × tokens. (A 128-token tile with 8×8 values per invocation
+/// measured slower on the H200: BENCHMARKS.md.)
+pub const TILE: (usize, usize) = (128, 64);
 
 /// Whether the product is stored or added (the residual).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,20 +46,15 @@ pub fn gemm(
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
     };
-    let tile = tile();
-    let mut flags = vec![w.flag(), out];
-    if tile.1 == 128 {
-        flags.push("TT128");
-    }
-    let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
+    let pipeline = k.pipeline("gemm", SOURCES, &consts, &[w.flag(), out], false)?;
     let mut entries = w.bindings();
     entries.extend([(2, x), (3, y), (4, ctrl)]);
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
         workgroups: (
-            w.rows.div_ceil(tile.0) as u32,
-            max_tokens.div_ceil(tile.1) as u32,
+            w.rows.div_ceil(TILE.0) as u32,
+            max_tokens.div_ceil(TILE.1) as u32,
             1,
         ),
         name: name.to_string(),

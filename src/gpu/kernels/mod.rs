@@ -12,7 +12,6 @@ pub mod gated_norm;
 pub mod gemm;
 pub mod gemv;
 pub mod prefill_conv;
-pub mod prefill_embed;
 pub mod residual_add;
 pub mod rmsnorm;
 pub mod sample;
