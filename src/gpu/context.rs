@@ -45,6 +45,9 @@ pub struct Caps {
     pub shader_f16: bool,
     pub timestamps: bool,
     pub timestamps_in_passes: bool,
+    /// Cooperative matrices (16×16×16, f16 inputs, f32 accumulators) for the prefill GEMMs:
+    /// experimental in wgpu, so only with MAMBA2_COOPMAT=1, and only on 32-wide subgroups.
+    pub coop_matrix: bool,
 }
 
 /// What a model needs from the device (computed by the engine before creating it).
@@ -224,11 +227,32 @@ impl GpuContext {
             limits.max_compute_invocations_per_workgroup.max(inv);
         limits.max_compute_workgroup_size_x = limits.max_compute_workgroup_size_x.max(inv);
         limits.max_compute_workgroups_per_dimension = al.max_compute_workgroups_per_dimension;
+        // Experimental cooperative matrices, opt-in: f16 × f16 → f32 16×16×16 tiles.
+        let coop = std::env::var_os("MAMBA2_COOPMAT").is_some()
+            && have.contains(
+                wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16,
+            )
+            && info.subgroup_min_size == 32
+            && info.subgroup_max_size == 32
+            && adapter.cooperative_matrix_properties().iter().any(|p| {
+                (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                    && p.ab_type == wgpu::CooperativeScalarType::F16
+                    && p.cr_type == wgpu::CooperativeScalarType::F32
+            });
+        let experimental = if coop {
+            features |=
+                wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+            // SAFETY: the user opted in (MAMBA2_COOPMAT=1) to wgpu's experimental cooperative
+            // matrices, whose implementation may still have bugs (wgpu's ExperimentalFeatures).
+            unsafe { wgpu::ExperimentalFeatures::enabled() }
+        } else {
+            wgpu::ExperimentalFeatures::disabled()
+        };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("mamba2"),
             required_features: features,
             required_limits: limits.clone(),
-            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            experimental_features: experimental,
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
@@ -254,6 +278,7 @@ impl GpuContext {
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             timestamps_in_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
+            coop_matrix: coop,
         };
         Ok(GpuContext {
             adapter,

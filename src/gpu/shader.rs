@@ -23,6 +23,13 @@ pub fn assemble(
 ) -> Result<String> {
     let mut out =
         String::with_capacity(COMMON.len() + sources.iter().map(|s| s.len()).sum::<usize>() + 512);
+    // `enable` directives must precede every declaration.
+    for line in sources.iter().flat_map(|s| s.lines()) {
+        if line.starts_with("enable ") {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
     for (k, v) in consts {
         match v {
             Const::U32(x) => out.push_str(&format!("const {k}: u32 = {x}u;\n")),
@@ -57,7 +64,7 @@ pub fn assemble(
             if stack.pop().is_none() {
                 return Err(Error::Gpu(format!("{name}.wgsl:{}: stray #endif", n + 1)));
             }
-        } else if active {
+        } else if active && !line.starts_with("enable ") {
             out.push_str(line);
             out.push('\n');
         }
@@ -120,5 +127,46 @@ mod tests {
         assert_eq!(body(&[]), "aef");
         assert!(assemble("t", &["#if X\n"], &[], &[]).is_err());
         assert!(assemble("t", &["#endif\n"], &[], &[]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod coop_tests {
+    use super::*;
+
+    /// The cooperative-matrix GEMM only compiles on devices that have the feature (not
+    /// lavapipe): validate and translate it to SPIR-V offline so a typo cannot hide.
+    #[test]
+    fn coop_gemm_validates_and_translates() {
+        let src = include_str!("../../shaders/gemm_coop.wgsl");
+        for w in ["W_F16", "W_Q8"] {
+            for out in ["O_STORE", "O_ADD"] {
+                let consts = [
+                    ("M", Const::U32(200)),
+                    ("KP", Const::U32(96)),
+                    ("XS", Const::U32(96)),
+                    ("YS", Const::U32(200)),
+                ];
+                let text = assemble("gemm_coop", &[src], &consts, &[w, out]).unwrap();
+                let module = naga::front::wgsl::parse_str(&text)
+                    .unwrap_or_else(|e| panic!("{w} {out}: {}", e.emit_to_string(&text)));
+                let info = naga::valid::Validator::new(
+                    naga::valid::ValidationFlags::all(),
+                    naga::valid::Capabilities::all(),
+                )
+                .validate(&module)
+                .unwrap_or_else(|e| panic!("{w} {out}: {e:?}"));
+                let spv = naga::back::spv::write_vec(
+                    &module,
+                    &info,
+                    &naga::back::spv::Options::default(),
+                    None,
+                );
+                assert!(
+                    spv.is_ok_and(|words| words.len() > 100),
+                    "{w} {out}: SPIR-V"
+                );
+            }
+        }
     }
 }

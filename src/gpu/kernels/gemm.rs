@@ -36,6 +36,9 @@ pub fn gemm(
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
     check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
+    if super::gemm_coop::applies(k, w) {
+        return super::gemm_coop::gemm_coop(k, name, w, max_tokens, x, y, ys, output, ctrl);
+    }
     let consts = [
         ("M", Const::U32(w.rows as u32)),
         ("KP", Const::U32(w.kp as u32)),

@@ -10,6 +10,7 @@ pub mod embed;
 pub mod fill;
 pub mod gated_norm;
 pub mod gemm;
+pub mod gemm_coop;
 pub mod gemv;
 pub mod prefill_conv;
 pub mod residual_add;
