@@ -275,6 +275,57 @@ pub fn decode(
     })
 }
 
+/// The CPU reference's decode speed at a preset's shapes (random weights made on the host).
+#[derive(Clone, Debug, Serialize)]
+pub struct CpuReport {
+    pub config: String,
+    pub threads: usize,
+    pub tokens: usize,
+    pub median_ms: f64,
+    pub tokens_per_s: f64,
+}
+
+/// Times `tokens` decode steps of the f32 CPU reference (after `warmup`).
+pub fn decode_cpu(
+    preset_name: &str,
+    config: &ModelConfig,
+    tokens: usize,
+    warmup: usize,
+) -> Result<CpuReport> {
+    const MAX_PARAMS: usize = 1_500_000_000;
+    if config.param_count() > MAX_PARAMS {
+        return Err(Error::InvalidInput(format!(
+            "`{preset_name}` has {:.1}B parameters; the CPU benchmark stops at 1.5B (f32 weights in host memory)",
+            config.param_count() as f64 / 1e9
+        )));
+    }
+    let model = crate::model::Model::synthetic(config.clone(), 7);
+    let cpu = crate::reference::CpuModel::<f32>::new(config, &model.weights);
+    drop(model);
+    let mut backend = crate::session::CpuBackend::new(cpu);
+    let greedy = Sampling::greedy();
+    let first = backend.prefill_sample(&[1], &greedy, 1)?;
+    let mut arrivals = Vec::with_capacity(warmup + tokens + 1);
+    arrivals.push(Instant::now());
+    backend.decode(first, 2, warmup + tokens, &greedy, &[], &mut |_| {
+        arrivals.push(Instant::now());
+        true
+    })?;
+    let mut gaps: Vec<f64> = arrivals
+        .windows(2)
+        .skip(warmup)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+        .collect();
+    let med = median(&mut gaps);
+    Ok(CpuReport {
+        config: preset_name.to_string(),
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        tokens,
+        median_ms: med,
+        tokens_per_s: 1e3 / med,
+    })
+}
+
 /// One prefill benchmark's figures.
 #[derive(Clone, Debug, Serialize)]
 pub struct PrefillReport {

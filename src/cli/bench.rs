@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::Args;
 use mamba2_wgpu::bench::{PRESETS, decode, preset};
 use mamba2_wgpu::gpu::context::{GpuContext, pick_adapter};
@@ -33,7 +33,7 @@ pub struct BenchArgs {
     /// Run both the fused and the unfused graph.
     #[arg(long, conflicts_with = "no_fuse")]
     both: bool,
-    /// The GPU to use: gpu, gpu:INDEX or gpu:NAME.
+    /// The device: gpu, gpu:INDEX, gpu:NAME, or cpu (the f32 reference, decode only).
     #[arg(long, default_value = "gpu")]
     device: DeviceChoice,
     /// Also time prompts of these lengths (chunked prefill), e.g. 512,4096.
@@ -55,7 +55,22 @@ pub struct BenchArgs {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.device == DeviceChoice::Cpu {
-        bail!("bench measures the GPU engine; pick a GPU with --device gpu[:N]");
+        // The CPU reference: decode only, f32 weights in host memory.
+        for name in &args.config {
+            let config = preset(name).with_context(|| {
+                format!("unknown --config `{name}` (one of {})", PRESETS.join(", "))
+            })?;
+            let r = mamba2_wgpu::bench::decode_cpu(name, &config, args.tokens, args.warmup)?;
+            if args.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "{} f32 on the CPU reference ({} threads): {:.1} ms/token median over {} tokens = {:.1} tok/s",
+                    r.config, r.threads, r.median_ms, r.tokens, r.tokens_per_s
+                );
+            }
+        }
+        return Ok(());
     }
     let fused_modes: Vec<bool> = match (args.both, args.no_fuse) {
         (true, _) => vec![true, false],

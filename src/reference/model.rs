@@ -61,9 +61,15 @@ fn convert<T: Real>(t: &Tensor) -> Vec<T> {
 impl<T: Real> CpuModel<T> {
     /// Converts every weight to `T` (the memory cost is the model at `T`'s width).
     pub fn new(config: &ModelConfig, weights: &Mamba2Weights) -> Self {
+        let total: u64 = weights.all().iter().map(|t| t.numel() as u64).sum();
+        let bar = crate::progress::bar(total, "converting weights");
         let layers = weights
             .layers
             .iter()
+            .map(|l| {
+                bar.inc((l.in_proj.numel() + l.out_proj.numel()) as u64);
+                l
+            })
             .map(|l| Layer {
                 norm: convert(&l.norm),
                 in_proj: convert(&l.in_proj),
@@ -84,13 +90,15 @@ impl<T: Real> CpuModel<T> {
                 out_proj: convert(&l.out_proj),
             })
             .collect();
-        CpuModel {
+        let model = CpuModel {
             config: config.clone(),
             embedding: convert(&weights.embedding),
             layers,
             final_norm: convert(&weights.final_norm),
             lm_head: weights.lm_head.as_ref().map(convert),
-        }
+        };
+        bar.finish_and_clear();
+        model
     }
 
     /// A zero state (a fresh sequence).
