@@ -66,10 +66,7 @@ impl<T: Real> CpuModel<T> {
         let layers = weights
             .layers
             .iter()
-            .map(|l| {
-                bar.inc((l.in_proj.numel() + l.out_proj.numel()) as u64);
-                l
-            })
+            .inspect(|l| bar.inc((l.in_proj.numel() + l.out_proj.numel()) as u64))
             .map(|l| Layer {
                 norm: convert(&l.norm),
                 in_proj: convert(&l.in_proj),
