@@ -184,11 +184,7 @@ pub fn decode(
         arrivals.push(Instant::now());
         true
     })?;
-    let mut gaps: Vec<f64> = arrivals
-        .windows(2)
-        .skip(warmup)
-        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
-        .collect();
+    let mut gaps = gaps_ms(&arrivals, warmup);
     let (p10, p90) = (quantile(&mut gaps, 0.1), quantile(&mut gaps, 0.9));
     let med = median(&mut gaps);
     let mut profiles: Vec<TokenProfile> = Vec::new();
@@ -311,11 +307,7 @@ pub fn decode_cpu(
         arrivals.push(Instant::now());
         true
     })?;
-    let mut gaps: Vec<f64> = arrivals
-        .windows(2)
-        .skip(warmup)
-        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
-        .collect();
+    let mut gaps = gaps_ms(&arrivals, warmup);
     let med = median(&mut gaps);
     Ok(CpuReport {
         config: preset_name.to_string(),
@@ -447,13 +439,9 @@ impl PrefillReport {
             self.tokens_per_s,
             self.gemm_tflops
         );
-        for (n, ms) in &self.sections_ms {
-            s += &format!(" {n} {ms:.1}");
-        }
+        s += &join_ms(&self.sections_ms, 1, "");
         s += "\n  kernels:";
-        for (n, ms) in &self.kernels_ms {
-            s += &format!(" {n} {ms:.2};");
-        }
+        s += &join_ms(&self.kernels_ms, 2, ";");
         s += "\n";
         for (a, ratio) in &self.anchors {
             s += &format!(
@@ -463,6 +451,16 @@ impl PrefillReport {
         }
         s
     }
+}
+
+/// " name 1.234 name 0.567…" with `prec` decimals and `sep` after each value.
+fn join_ms(items: &[(String, f64)], prec: usize, sep: &str) -> String {
+    items.iter().map(|(n, ms)| format!(" {n} {ms:.prec$}{sep}")).collect()
+}
+
+/// Milliseconds between consecutive arrivals, the first `warmup` dropped.
+fn gaps_ms(arrivals: &[Instant], warmup: usize) -> Vec<f64> {
+    arrivals.windows(2).skip(warmup).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect()
 }
 
 /// `layers.12.in_proj+norm+conv` → `in_proj+norm+conv`.
@@ -496,13 +494,9 @@ impl DecodeReport {
                 "  GPU time/token {:.3} ms (host encode {:.3} ms, submit {:.3} ms)\n  sections:",
                 self.gpu_ms, self.host_encode_ms, self.host_submit_ms
             );
-            for (name, ms) in &self.sections_ms {
-                s += &format!(" {name} {ms:.3}");
-            }
+            s += &join_ms(&self.sections_ms, 3, "");
             s += "\n  kernels:";
-            for (name, ms) in &self.kernels_ms {
-                s += &format!(" {name} {ms:.3};");
-            }
+            s += &join_ms(&self.kernels_ms, 3, ";");
             s += "\n";
         }
         for (a, ratio) in &self.anchors {
