@@ -139,23 +139,24 @@ mod coop_tests {
     #[test]
     fn coop_gemm_validates_and_translates() {
         let src = include_str!("../../shaders/gemm_coop.wgsl");
-        for w in ["W_F16", "W_Q8"] {
+        for w in [&["W_F16", "DIRECT"][..], &["W_F16"], &["W_Q8"]] {
             for out in ["O_STORE", "O_ADD"] {
                 let consts = [
-                    ("M", Const::U32(200)),
+                    ("M", Const::U32(256)),
                     ("KP", Const::U32(96)),
                     ("XS", Const::U32(96)),
-                    ("YS", Const::U32(200)),
+                    ("YS", Const::U32(256)),
                 ];
-                let text = assemble("gemm_coop", &[src], &consts, &[w, out]).unwrap();
+                let flags = [w, &[out][..]].concat();
+                let text = assemble("gemm_coop", &[src], &consts, &flags).unwrap();
                 let module = naga::front::wgsl::parse_str(&text)
-                    .unwrap_or_else(|e| panic!("{w} {out}: {}", e.emit_to_string(&text)));
+                    .unwrap_or_else(|e| panic!("{w:?} {out}: {}", e.emit_to_string(&text)));
                 let info = naga::valid::Validator::new(
                     naga::valid::ValidationFlags::all(),
                     naga::valid::Capabilities::all(),
                 )
                 .validate(&module)
-                .unwrap_or_else(|e| panic!("{w} {out}: {e:?}"));
+                .unwrap_or_else(|e| panic!("{w:?} {out}: {e:?}"));
                 let spv = naga::back::spv::write_vec(
                     &module,
                     &info,
@@ -164,7 +165,7 @@ mod coop_tests {
                 );
                 assert!(
                     spv.is_ok_and(|words| words.len() > 100),
-                    "{w} {out}: SPIR-V"
+                    "{w:?} {out}: SPIR-V"
                 );
             }
         }

@@ -12,7 +12,7 @@ use crate::model::quant::WeightFormat;
 const SOURCES: super::Sources = &[include_str!("../../../shaders/gemm_coop.wgsl")];
 
 /// Output tile: rows of W × tokens.
-pub const TILE: (usize, usize) = (64, 64);
+pub const TILE: (usize, usize) = (128, 64);
 
 /// Whether the cooperative-matrix GEMM serves this matrix on this device.
 pub fn applies(k: &Kernels, w: &DeviceMatrix) -> bool {
@@ -42,7 +42,12 @@ pub fn gemm_coop(
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
     };
-    let pipeline = k.pipeline("gemm_coop", SOURCES, &consts, &[w.flag(), out], false)?;
+    let mut flags = vec![w.flag(), out];
+    // f16 tiles straight from the weight buffer when none can reach past its end.
+    if w.format == WeightFormat::F16 && w.rows.is_multiple_of(TILE.0) && w.kp.is_multiple_of(32) {
+        flags.push("DIRECT");
+    }
+    let pipeline = k.pipeline("gemm_coop", SOURCES, &consts, &flags, false)?;
     let mut entries = w.bindings();
     entries.extend([(2, x), (3, y), (4, ctrl)]);
     Ok(Dispatch {
