@@ -455,12 +455,19 @@ impl PrefillReport {
 
 /// " name 1.234 name 0.567…" with `prec` decimals and `sep` after each value.
 fn join_ms(items: &[(String, f64)], prec: usize, sep: &str) -> String {
-    items.iter().map(|(n, ms)| format!(" {n} {ms:.prec$}{sep}")).collect()
+    items
+        .iter()
+        .map(|(n, ms)| format!(" {n} {ms:.prec$}{sep}"))
+        .collect()
 }
 
 /// Milliseconds between consecutive arrivals, the first `warmup` dropped.
 fn gaps_ms(arrivals: &[Instant], warmup: usize) -> Vec<f64> {
-    arrivals.windows(2).skip(warmup).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect()
+    arrivals
+        .windows(2)
+        .skip(warmup)
+        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+        .collect()
 }
 
 /// `layers.12.in_proj+norm+conv` → `in_proj+norm+conv`.
