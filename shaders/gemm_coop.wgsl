@@ -4,8 +4,8 @@
 // A workgroup of eight 32-wide subgroups computes 64 tokens × 128 rows: each k-step stages
 // a 64 × 32 slice of X in workgroup memory as f16; f16 weights are read as B tiles straight
 // from the weight buffer when every tile lies inside it (DIRECT: M a multiple of 128, KP
-// of 32), other weights are converted into workgroup memory first. Subgroup s multiplies tokens 16·(s%4).. by rows 64·(s/4).. into
-// four f32 accumulators (16×16×16 tiles).
+// of 32), other weights are converted into workgroup memory first. Subgroup s multiplies
+// tokens 16·(s%4).. by rows 64·(s/4).. into four f32 accumulators (16×16×16 tiles).
 
 enable f16;
 enable wgpu_cooperative_matrix;

@@ -34,12 +34,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             if (n < N && jb * 64u + r < Q && tj < tokens) {
                 bv = u[tj * CD + bofs + n];
             }
-            ta[kk][r / 4u][r % 4u] = cv;
-            tb[kk][r / 4u][r % 4u] = bv;
+            tile_put(kk, r, cv, bv);
         }
-        workgroupBarrier();
-        tile_fma(&acc, lid);
-        workgroupBarrier();
+        tile_step(&acc, lid);
     }
     let i0 = ib * 64u + (lid / 16u) * 4u;
     let j0 = jb * 64u + (lid % 16u) * 4u;

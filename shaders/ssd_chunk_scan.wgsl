@@ -46,12 +46,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             if (n < N && p < P) {
                 sv = cst[((c * H + h) * P + p) * N + n];
             }
-            ta[kk][r / 4u][r % 4u] = cv;
-            tb[kk][r / 4u][r % 4u] = sv;
+            tile_put(kk, r, cv, sv);
         }
-        workgroupBarrier();
-        tile_fma(&acc, lid);
-        workgroupBarrier();
+        tile_step(&acc, lid);
     }
     let i0 = ib * 64u + (lid / 16u) * 4u;
     let li = vec4<u32>(min(i0, Q - 1u), min(i0 + 1u, Q - 1u), min(i0 + 2u, Q - 1u), min(i0 + 3u, Q - 1u));
@@ -74,12 +71,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             if (j < imax && p < P) {
                 xv = u[(c * Q + j) * CD + h * P + p];
             }
-            ta[kk][r / 4u][r % 4u] = mv;
-            tb[kk][r / 4u][r % 4u] = xv;
+            tile_put(kk, r, mv, xv);
         }
-        workgroupBarrier();
-        tile_fma(&acc, lid);
-        workgroupBarrier();
+        tile_step(&acc, lid);
     }
     let p0 = pb * 64u + (lid % 16u) * 4u;
     let dh = params[D_OFF + h];

@@ -42,12 +42,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                     bv = u[t * CD + DI + g * N + n];
                 }
             }
-            ta[kk][r / 4u][r % 4u] = xv;
-            tb[kk][r / 4u][r % 4u] = bv;
+            tile_put(kk, r, xv, bv);
         }
-        workgroupBarrier();
-        tile_fma(&acc, lid);
-        workgroupBarrier();
+        tile_step(&acc, lid);
     }
     let p0 = pb * 64u + (lid / 16u) * 4u;
     let n0 = nb * 64u + (lid % 16u) * 4u;

@@ -1,8 +1,7 @@
 // A 64×64 output tile accumulated by 256 invocations from 16-deep slices staged in
 // workgroup memory (the small GEMMs of the chunked SSD): invocation (lid/16, lid%16) owns
 // rows 4·(lid/16).. and columns 4·(lid%16).., as four vec4 registers (one per row).
-// Callers fill ta[k][row/4][row%4] and tb[k][col/4][col%4], barrier, call tile_fma,
-// barrier.
+// Callers stage a slice with tile_put (row or column r at depth k), then call tile_step.
 
 var<workgroup> ta: array<array<vec4<f32>, 17>, 16>;
 var<workgroup> tb: array<array<vec4<f32>, 17>, 16>;
@@ -25,6 +24,20 @@ fn tile_fma(acc: ptr<function, Tile>, lid: u32) {
         (*acc).r2 += a.z * b;
         (*acc).r3 += a.w * b;
     }
+}
+
+// Stages a[k][row r] and b[k][column r] of the next 16-deep slice.
+fn tile_put(k: u32, r: u32, a: f32, b: f32) {
+    ta[k][r / 4u][r % 4u] = a;
+    tb[k][r / 4u][r % 4u] = b;
+}
+
+// Accumulates the staged slice once every invocation has staged its part; the slice may
+// be overwritten after it returns. Call from uniform control flow.
+fn tile_step(acc: ptr<function, Tile>, lid: u32) {
+    workgroupBarrier();
+    tile_fma(acc, lid);
+    workgroupBarrier();
 }
 
 // Row r (0…3) of an invocation's tile.

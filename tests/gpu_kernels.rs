@@ -361,16 +361,16 @@ fn conv_step_and_fused_mixer_epilogue() {
     // Unfused: the conv_step kernel on a raw row vector.
     let row = rand(12, rows, -2.0, 2.0);
     let (mix, pbuf, cs) = (g.buf(&row), g.buf(&params), g.buf(&conv0));
+    // `out` and `state` against the reference mixer on the raw row `raw`.
+    let check = |what: &str, raw: &[f32], out: &wgpu::Buffer, state: &wgpu::Buffer| {
+        let mut conv_want = conv0.clone();
+        let want = mixer_reference(&mc, raw, &params, &mut conv_want);
+        assert_nmse(&format!("{what} output"), &g.read(out, rows), &want, 1e-7);
+        let state = g.read(state, conv0.len());
+        assert_nmse(&format!("{what} conv state"), &state, &conv_want, 1e-7);
+    };
     g.run(&conv_step::conv_step(&g.k, "t", mc, &mix, &pbuf, &cs, &ctrl).unwrap());
-    let mut conv_want = conv0.clone();
-    let want = mixer_reference(&mc, &row, &params, &mut conv_want);
-    assert_nmse("conv_step output", &g.read(&mix, rows), &want, 1e-7);
-    assert_nmse(
-        "conv_step state",
-        &g.read(&cs, conv0.len()),
-        &conv_want,
-        1e-7,
-    );
+    check("conv_step", &row, &mix, &cs);
     // Fused: the in_proj GEMV's epilogue does the same on its own output.
     let k = 10;
     let w = rand(13, rows * k, -1.0, 1.0);
@@ -386,15 +386,7 @@ fn conv_step_and_fused_mixer_epilogue() {
     g.run(&gemv(&g.k, "t", &m, GemvInput::Plain, GemvOutput::Mixer(mc), b).unwrap());
     let mut raw = vec![0f32; rows];
     matvec(&deq, &x, &mut raw);
-    let mut conv_want = conv0.clone();
-    let want = mixer_reference(&mc, &raw, &params, &mut conv_want);
-    assert_nmse("fused mixer output", &g.read(&dst, rows), &want, 1e-7);
-    assert_nmse(
-        "fused mixer conv state",
-        &g.read(&cs2, conv0.len()),
-        &conv_want,
-        1e-7,
-    );
+    check("fused mixer", &raw, &dst, &cs2);
     // A stopped sequence leaves its conv state alone.
     let stopped = g.ctrl(&Ctrl {
         stopped: 1,

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::gpu::context::GpuContext;
 use crate::gpu::engine::{DeviceSnapshot, Engine, PROMPT_WINDOW, PrefillMode};
 use crate::gpu::graph::{Ctrl, Tail};
 use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
@@ -114,11 +115,7 @@ impl GpuBackend {
             PROMPT_WINDOW
         };
         let readback = match logits {
-            Some(_) => Some(ctx.buffer(
-                "logits readback",
-                (4 * vocab * window) as u64,
-                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            )?),
+            Some(_) => Some(logits_readback(&ctx, vocab, window)?),
             None => None,
         };
         for (wi, chunk) in tokens.chunks(window).enumerate() {
@@ -153,13 +150,7 @@ impl GpuBackend {
             }
             ctx.queue.submit([enc.finish()]);
             if let (Some(rb), Some(out)) = (&readback, logits.as_deref_mut()) {
-                let bytes = (4 * vocab * chunk.len()) as u64;
-                let bytes = ctx.read_mapped(rb, bytes)?;
-                out.extend(
-                    bytemuck::cast_slice::<u8, f32>(&bytes)
-                        .chunks(vocab)
-                        .map(<[f32]>::to_vec),
-                );
+                read_logits(&ctx, rb, vocab, chunk.len(), out)?;
             }
         }
         ctx.check()
@@ -176,15 +167,7 @@ impl GpuBackend {
         mut logits: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<()> {
         let want_logits = logits.is_some();
-        let rebuild = match &self.prefill {
-            Some(p) => p.chunk != self.engine.chunk || (want_logits && p.logits_graph.is_none()),
-            None => true,
-        };
-        if rebuild {
-            self.prefill = None; // free the old blocks first
-            self.prefill = Some(Prefill::new(&self.engine, self.engine.chunk, want_logits)?);
-        }
-        let p = self.prefill.as_ref().expect("prefill built above");
+        let p = prefill_blocks(&mut self.prefill, &self.engine, want_logits)?;
         let ctx = self.engine.ctx().clone();
         let (vocab, d) = (self.engine.config.vocab_size, self.engine.config.d_model);
         let block = if want_logits {
@@ -193,11 +176,7 @@ impl GpuBackend {
             p.max_tokens
         };
         let readback = if want_logits {
-            Some(ctx.buffer(
-                "logits readback",
-                (4 * vocab * block) as u64,
-                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            )?)
+            Some(logits_readback(&ctx, vocab, block)?)
         } else {
             None
         };
@@ -231,18 +210,13 @@ impl GpuBackend {
                 let mut pass = enc.begin_compute_pass(&Default::default());
                 g.record(&mut pass, None, None);
             }
-            let bytes = (4 * vocab * chunk.len()) as u64;
             if let (Some(rb), Some(src)) = (&readback, &p.logits) {
+                let bytes = (4 * vocab * chunk.len()) as u64;
                 enc.copy_buffer_to_buffer(src, 0, rb, 0, Some(bytes));
             }
             ctx.queue.submit([enc.finish()]);
             if let (Some(rb), Some(out)) = (&readback, logits.as_deref_mut()) {
-                let bytes = ctx.read_mapped(rb, bytes)?;
-                out.extend(
-                    bytemuck::cast_slice::<u8, f32>(&bytes)
-                        .chunks(vocab)
-                        .map(<[f32]>::to_vec),
-                );
+                read_logits(&ctx, rb, vocab, chunk.len(), out)?;
             }
         }
         ctx.check()
@@ -251,19 +225,11 @@ impl GpuBackend {
     /// Feeds `tokens` through the chunked prefill with GPU timestamps (one block per
     /// submit, waited for): the kernel times of all blocks, in dispatch order per block.
     pub fn profile_prefill(&mut self, tokens: &[u32]) -> Result<Vec<KernelTime>> {
-        if self
-            .prefill
-            .as_ref()
-            .is_none_or(|p| p.chunk != self.engine.chunk)
-        {
-            self.prefill = None;
-            self.prefill = Some(Prefill::new(&self.engine, self.engine.chunk, false)?);
-        }
-        let p = self.prefill.as_ref().expect("prefill built above");
+        let mut ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
+        let p = prefill_blocks(&mut self.prefill, &self.engine, false)?;
         let ctx = self.engine.ctx().clone();
         let profiler = Profiler::new(&ctx, p.graph.len())?
             .ok_or_else(|| Error::Gpu("this adapter has no timestamp queries".into()))?;
-        let mut ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
         let mut times = Vec::new();
         for chunk in tokens.chunks(p.max_tokens) {
             ctx.queue
@@ -328,6 +294,46 @@ impl GpuBackend {
     }
 }
 
+/// The chunked-prefill blocks for the engine's chunk size, with the logits graph when
+/// `logits`: the ones in `slot` when they fit, else new ones (the old freed first).
+fn prefill_blocks<'a>(
+    slot: &'a mut Option<Prefill>,
+    engine: &Engine,
+    logits: bool,
+) -> Result<&'a Prefill> {
+    let p = match slot.take() {
+        Some(p) if p.chunk == engine.chunk && (!logits || p.logits_graph.is_some()) => p,
+        old => {
+            drop(old); // free the old blocks before making new ones
+            Prefill::new(engine, engine.chunk, logits)?
+        }
+    };
+    Ok(slot.insert(p))
+}
+
+/// A mappable buffer for `rows` rows of logits.
+fn logits_readback(ctx: &GpuContext, vocab: usize, rows: usize) -> Result<wgpu::Buffer> {
+    ctx.buffer(
+        "logits readback",
+        (4 * vocab * rows) as u64,
+        wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+    )
+}
+
+/// Appends the first `rows` rows of logits in `rb` to `out` (after the copies were submitted).
+fn read_logits(
+    ctx: &GpuContext,
+    rb: &wgpu::Buffer,
+    vocab: usize,
+    rows: usize,
+    out: &mut Vec<Vec<f32>>,
+) -> Result<()> {
+    let bytes = ctx.read_mapped(rb, (4 * vocab * rows) as u64)?;
+    let values: &[f32] = bytemuck::cast_slice(&bytes);
+    out.extend(values.chunks(vocab).map(<[f32]>::to_vec));
+    Ok(())
+}
+
 fn recv(rx: MapResult) -> Result<()> {
     rx.recv()
         .map_err(|_| Error::Gpu("buffer map callback dropped (device lost?)".into()))?
@@ -357,11 +363,7 @@ impl Backend for GpuBackend {
     }
 
     fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
-        let tail = if sampling.is_greedy() {
-            Tail::Greedy
-        } else {
-            Tail::Sample
-        };
+        let tail = Tail::sampling(sampling);
         let ctrl = self.ctrl(tokens[0], pos, sampling, &[])?;
         match self.engine.prefill_mode {
             PrefillMode::Decode => self.feed(tokens, ctrl, tail, None)?,
@@ -389,11 +391,7 @@ impl Backend for GpuBackend {
         stop: &[u32],
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
-        let tail = if sampling.is_greedy() {
-            Tail::Greedy
-        } else {
-            Tail::Sample
-        };
+        let tail = Tail::sampling(sampling);
         let ctrl = self.ctrl(first, pos, sampling, stop)?;
         self.engine.write_ctrl(&ctrl);
         let mut inflight: VecDeque<(usize, wgpu::SubmissionIndex, MapResult)> = VecDeque::new();

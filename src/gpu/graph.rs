@@ -46,6 +46,17 @@ pub enum Tail {
     FeedLogits,
 }
 
+impl Tail {
+    /// The tail that picks the next token by `sampling`: argmax when greedy.
+    pub fn sampling(sampling: &crate::sampling::Sampling) -> Tail {
+        if sampling.is_greedy() {
+            Tail::Greedy
+        } else {
+            Tail::Sample
+        }
+    }
+}
+
 /// A token's dispatches, in order.
 #[derive(Clone, Default)]
 pub struct Graph {

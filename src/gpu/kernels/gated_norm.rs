@@ -2,12 +2,10 @@
 //! over G groups for T tokens (`y [T][d_inner]`, z the first d_inner of each `mix` row),
 //! and with `q8` the q8 blocks of the result for out_proj.
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::rmsnorm::{CHUNK, norm_dispatch};
+use super::{Dispatch, Kernels, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
-
-/// Elements each workgroup writes (one per invocation; whole q8 blocks).
-const CHUNK: usize = 256;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/gated_norm.wgsl")];
 
@@ -59,30 +57,7 @@ pub fn gated_norm(
         ("NW_OFF", Const::U32(nw_off as u32)),
         ("EPS", Const::F32(eps as f32)),
     ];
-    let mut flags = vec!["REDUCE"];
-    let mut entries = vec![(0, b.y), (1, b.mix), (2, b.params), (3, b.dst)];
-    if let Some((q, s)) = b.q8 {
-        check_len(&format!("{name}: xq"), q, tokens * kp / 4)?;
-        check_len(&format!("{name}: xd"), s, tokens * kp / 32)?;
-        flags.push("Q8_OUT");
-        entries.extend([(4, q), (5, s)]);
-    }
-    let pipeline = k.pipeline("gated_norm", SOURCES, &consts, &flags, true)?;
-    Ok(Dispatch {
-        bind_group: k.bind(&pipeline, name, &entries),
-        pipeline,
-        // Decode spreads one token over the GPU; prefill gives each token one workgroup.
-        workgroups: (
-            if tokens == 1 {
-                d_inner.div_ceil(CHUNK) as u32
-            } else {
-                1
-            },
-            tokens as u32,
-            1,
-        ),
-        name: name.to_string(),
-        per_token: None,
-        section: Section::Norm,
-    })
+    let entries = vec![(0, b.y), (1, b.mix), (2, b.params), (3, b.dst)];
+    let shader = ("gated_norm", SOURCES);
+    norm_dispatch(k, name, shader, &consts, entries, b.q8, d_inner, tokens)
 }

@@ -36,9 +36,16 @@ pub fn gemm(
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
     check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
-    if super::gemm_coop::applies(k, w) {
-        return super::gemm_coop::gemm_coop(k, name, w, max_tokens, x, y, ys, output, ctrl);
-    }
+    let coop = super::gemm_coop::applies(k, w);
+    let (shader, sources, tile) = if coop {
+        (
+            "gemm_coop",
+            super::gemm_coop::SOURCES,
+            super::gemm_coop::TILE,
+        )
+    } else {
+        ("gemm", SOURCES, TILE)
+    };
     let consts = [
         ("M", Const::U32(w.rows as u32)),
         ("KP", Const::U32(w.kp as u32)),
@@ -49,15 +56,19 @@ pub fn gemm(
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
     };
-    let pipeline = k.pipeline("gemm", SOURCES, &consts, &[w.flag(), out], false)?;
+    let mut flags = vec![w.flag(), out];
+    if coop {
+        flags.extend(super::gemm_coop::extra_flag(w));
+    }
+    let pipeline = k.pipeline(shader, sources, &consts, &flags, false)?;
     let mut entries = w.bindings();
     entries.extend([(2, x), (3, y), (4, ctrl)]);
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
         workgroups: (
-            w.rows.div_ceil(TILE.0) as u32,
-            max_tokens.div_ceil(TILE.1) as u32,
+            w.rows.div_ceil(tile.0) as u32,
+            max_tokens.div_ceil(tile.1) as u32,
             1,
         ),
         name: name.to_string(),

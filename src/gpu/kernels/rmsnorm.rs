@@ -6,8 +6,8 @@ use super::{Dispatch, Kernels, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
-/// Elements each workgroup writes (one per invocation; whole q8 blocks).
-const CHUNK: usize = 256;
+/// Elements each workgroup writes (one per invocation; whole q8 blocks), in every norm.
+pub(super) const CHUNK: usize = 256;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/rmsnorm.wgsl")];
 
@@ -41,22 +41,41 @@ pub fn rmsnorm(
         ("NW_OFF", Const::U32(nw_off as u32)),
         ("EPS", Const::F32(eps as f32)),
     ];
+    let entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
+    let shader = ("rmsnorm", SOURCES);
+    norm_dispatch(k, name, shader, &consts, entries, b.q8, d, tokens)
+}
+
+/// What every norm shares after its own checks: the optional q8 output (bound right after
+/// `entries`), the pipeline, and the grid for `tokens` rows of `width` outputs.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn norm_dispatch<'a>(
+    k: &Kernels,
+    name: &str,
+    (shader, sources): (&str, super::Sources),
+    consts: &[(&str, Const)],
+    mut entries: Vec<(u32, &'a wgpu::Buffer)>,
+    q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    width: usize,
+    tokens: usize,
+) -> Result<Dispatch> {
+    let kp = width.next_multiple_of(32);
     let mut flags = vec!["REDUCE"];
-    let mut entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
-    if let Some((q, s)) = b.q8 {
+    if let Some((q, s)) = q8 {
         check_len(&format!("{name}: xq"), q, tokens * kp / 4)?;
         check_len(&format!("{name}: xd"), s, tokens * kp / 32)?;
         flags.push("Q8_OUT");
-        entries.extend([(3, q), (4, s)]);
+        let next = entries.len() as u32;
+        entries.extend([(next, q), (next + 1, s)]);
     }
-    let pipeline = k.pipeline("rmsnorm", SOURCES, &consts, &flags, true)?;
+    let pipeline = k.pipeline(shader, sources, consts, &flags, true)?;
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
         // Decode spreads one token over the GPU; prefill gives each token one workgroup.
         workgroups: (
             if tokens == 1 {
-                d.div_ceil(CHUNK) as u32
+                width.div_ceil(CHUNK) as u32
             } else {
                 1
             },
