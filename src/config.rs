@@ -410,6 +410,12 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// Rejects a boolean option set to anything but `supported` (also its default).
+    fn require_flag(&self, field: &str, supported: bool, why: &str) -> Result<()> {
+        let bad = self.bool_or(field, supported)? != supported;
+        self.reject_if(field, bad, why)
+    }
+
     /// Rejects options that change the math in ways this engine does not implement.
     fn reject_if(&self, field: &str, bad: bool, why: &str) -> Result<()> {
         if bad {
@@ -458,19 +464,11 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
         Some(h) => h,
         None => d_inner / head_dim.max(1),
     };
-    f.reject_if(
-        "use_bias",
-        f.bool_or("use_bias", false)?,
-        "in_proj/out_proj biases",
-    )?;
-    f.reject_if(
-        "rms_norm",
-        !f.bool_or("rms_norm", true)?,
-        "LayerNorm blocks (only RMSNorm)",
-    )?;
-    f.reject_if(
+    f.require_flag("use_bias", false, "in_proj/out_proj biases")?;
+    f.require_flag("rms_norm", true, "LayerNorm blocks (only RMSNorm)")?;
+    f.require_flag(
         "norm_before_gate",
-        f.bool_or("norm_before_gate", false)?,
+        false,
         "norm before gate (every released checkpoint gates first)",
     )?;
     Ok(ModelConfig {
@@ -543,11 +541,7 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
     }
     let n_heads = f.usize("mamba_num_heads")?;
     let head_dim = f.usize("mamba_head_dim")?;
-    f.reject_if(
-        "mamba_proj_bias",
-        f.bool_or("mamba_proj_bias", false)?,
-        "in_proj/out_proj biases",
-    )?;
+    f.require_flag("mamba_proj_bias", false, "in_proj/out_proj biases")?;
     if let Some(act) = f.opt_str("mamba_hidden_act")? {
         f.reject_if(
             "mamba_hidden_act",
@@ -589,11 +583,7 @@ fn parse_mamba_ssm(f: &Fields) -> Result<ModelConfig> {
             "hybrid models with attention layers",
         )?;
     }
-    f.reject_if(
-        "rms_norm",
-        !f.bool_or("rms_norm", true)?,
-        "LayerNorm blocks (only RMSNorm)",
-    )?;
+    f.require_flag("rms_norm", true, "LayerNorm blocks (only RMSNorm)")?;
     let empty = Map::new();
     let ssm = f.nested("ssm_cfg")?.unwrap_or(Fields {
         obj: &empty,
@@ -609,26 +599,10 @@ fn parse_mamba_ssm(f: &Fields) -> Result<ModelConfig> {
             "no layer given, which means Mamba1 (only Mamba2)",
         )?,
     }
-    ssm.reject_if(
-        "bias",
-        ssm.bool_or("bias", false)?,
-        "in_proj/out_proj biases",
-    )?;
-    ssm.reject_if(
-        "rmsnorm",
-        !ssm.bool_or("rmsnorm", true)?,
-        "an ungated mixer norm",
-    )?;
-    ssm.reject_if(
-        "norm_before_gate",
-        ssm.bool_or("norm_before_gate", false)?,
-        "norm before gate",
-    )?;
-    ssm.reject_if(
-        "D_has_hdim",
-        ssm.bool_or("D_has_hdim", false)?,
-        "D per channel",
-    )?;
+    ssm.require_flag("bias", false, "in_proj/out_proj biases")?;
+    ssm.require_flag("rmsnorm", true, "an ungated mixer norm")?;
+    ssm.require_flag("norm_before_gate", false, "norm before gate")?;
+    ssm.require_flag("D_has_hdim", false, "D per channel")?;
     ssm.reject_if(
         "d_ssm",
         ssm.get("d_ssm").is_some(),
@@ -662,11 +636,7 @@ fn parse_mistral(f: &Fields) -> Result<ModelConfig> {
     let d_model = f.usize("dim")?;
     let vocab = f.usize("vocab_size")?;
     let pad = f.usize_or("pad_vocab_size_multiple", 1)?.max(1);
-    f.reject_if(
-        "rms_norm",
-        !f.bool_or("rms_norm", true)?,
-        "LayerNorm blocks (only RMSNorm)",
-    )?;
+    f.require_flag("rms_norm", true, "LayerNorm blocks (only RMSNorm)")?;
     let head_dim = 64;
     let d_inner = 2 * d_model;
     Ok(ModelConfig {

@@ -21,7 +21,8 @@ use crate::tokenizer::Tokenizer;
 use crate::ui::load::{LoadRequest, ModelInfo, open};
 use crate::ui::state_view::StateSummary;
 use crate::ui::worker::{
-    Outbox, SHUTDOWN_WAIT, StateReader, Summarizer, Waker, WorkerThread, guarded, take_profiles,
+    Outbox, SHUTDOWN_WAIT, StateReader, Summarizer, Waker, WorkerThread, guarded, set_profiling,
+    take_profiles,
 };
 
 /// Sampling settings of a reply.
@@ -275,21 +276,8 @@ impl Worker {
         let Some(live) = self.live.as_mut() else {
             return Ok(());
         };
-        match live.session.backend_mut().gpu() {
-            Some(g) => {
-                let ok = g.set_profiling(self.profiling).map_err(|e| e.to_string())?;
-                if !ok {
-                    self.out.send(ChatEvent::Notice(
-                        "this adapter has no timestamp queries: no GPU timings".into(),
-                    ));
-                }
-            }
-            None if self.profiling => {
-                self.out.send(ChatEvent::Notice(
-                    "GPU timings need a GPU device (this is the CPU reference)".into(),
-                ));
-            }
-            None => {}
+        if let Some(notice) = set_profiling(live.session.backend_mut(), self.profiling)? {
+            self.out.send(ChatEvent::Notice(notice));
         }
         Ok(())
     }

@@ -16,7 +16,8 @@ use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::ui::load::{LoadRequest, ModelInfo, open};
 use crate::ui::state_view::StateSummary;
 use crate::ui::worker::{
-    Outbox, SHUTDOWN_WAIT, StateReader, Summarizer, Waker, WorkerThread, guarded, take_profiles,
+    Outbox, SHUTDOWN_WAIT, StateReader, Summarizer, Waker, WorkerThread, guarded, set_profiling,
+    take_profiles,
 };
 
 /// Tokens per decode call while running.
@@ -244,21 +245,8 @@ impl Worker {
         let Some(live) = self.live.as_mut() else {
             return Ok(());
         };
-        match live.backend.gpu() {
-            Some(g) => {
-                let ok = g.set_profiling(self.profiling).map_err(|e| e.to_string())?;
-                if !ok {
-                    self.out.send(InspectEvent::Notice(
-                        "this adapter has no timestamp queries: no GPU timings".into(),
-                    ));
-                }
-            }
-            None if self.profiling => {
-                self.out.send(InspectEvent::Notice(
-                    "GPU timings need a GPU device (this is the CPU reference)".into(),
-                ));
-            }
-            None => {}
+        if let Some(notice) = set_profiling(live.backend.as_mut(), self.profiling)? {
+            self.out.send(InspectEvent::Notice(notice));
         }
         Ok(())
     }

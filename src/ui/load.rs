@@ -227,45 +227,44 @@ fn wrapped(ui: &mut Ui, text: &str) {
     ui.add(egui::Label::new(text).wrap());
 }
 
-/// The model, device, features, limits and memory, as grids.
-pub fn info_ui(ui: &mut Ui, info: &ModelInfo) {
-    let c = &info.config;
-    egui::Grid::new("model_info")
+/// A two-column grid of names and values (long values wrap).
+fn kv_grid(ui: &mut Ui, id: &str, rows: impl IntoIterator<Item = (&'static str, String)>) {
+    egui::Grid::new(id)
         .num_columns(2)
         .striped(true)
         .show(ui, |ui| {
-            ui.label("model");
-            wrapped(ui, &info.source);
-            ui.end_row();
-            ui.label("layers × d_model");
-            ui.label(format!("{} × {}", c.n_layer, c.d_model));
-            ui.end_row();
-            ui.label("heads × head dim");
-            ui.label(format!(
-                "{} × {} (groups {})",
-                c.n_heads, c.head_dim, c.n_groups
-            ));
-            ui.end_row();
-            ui.label("state size, conv");
-            ui.label(format!("N = {}, K = {}", c.d_state, c.d_conv));
-            ui.end_row();
-            ui.label("vocabulary");
-            ui.label(c.vocab_size.to_string());
-            ui.end_row();
-            ui.label("parameters");
-            ui.label(params(info.params));
-            ui.end_row();
-            if info.gpu.is_none() {
-                ui.label("device");
-                wrapped(ui, &info.device);
-                ui.end_row();
-            }
-            if let Some(t) = &info.tokenizer {
-                ui.label("tokenizer");
-                wrapped(ui, t);
+            for (k, v) in rows {
+                ui.label(k);
+                wrapped(ui, &v);
                 ui.end_row();
             }
         });
+}
+
+/// The model, device, features, limits and memory, as grids.
+pub fn info_ui(ui: &mut Ui, info: &ModelInfo) {
+    let c = &info.config;
+    let mut model = vec![
+        ("model", info.source.clone()),
+        ("layers × d_model", format!("{} × {}", c.n_layer, c.d_model)),
+        (
+            "heads × head dim",
+            format!("{} × {} (groups {})", c.n_heads, c.head_dim, c.n_groups),
+        ),
+        (
+            "state size, conv",
+            format!("N = {}, K = {}", c.d_state, c.d_conv),
+        ),
+        ("vocabulary", c.vocab_size.to_string()),
+        ("parameters", params(info.params)),
+    ];
+    if info.gpu.is_none() {
+        model.push(("device", info.device.clone()));
+    }
+    if let Some(t) = &info.tokenizer {
+        model.push(("tokenizer", t.clone()));
+    }
+    kv_grid(ui, "model_info", model);
     let Some(g) = &info.gpu else {
         ui.add_space(4.0);
         ui.label(format!("state memory: {}", mib(c.state_bytes() as u64)));
@@ -274,65 +273,42 @@ pub fn info_ui(ui: &mut Ui, info: &ModelInfo) {
     };
     ui.add_space(6.0);
     ui.strong("Adapter");
-    egui::Grid::new("adapter_info")
-        .num_columns(2)
-        .striped(true)
-        .show(ui, |ui| {
-            for (k, v) in [
-                ("name", g.adapter.name.clone()),
-                ("backend", format!("{:?}", g.adapter.backend)),
-                ("type", format!("{:?}", g.adapter.device_type)),
-                (
-                    "driver",
-                    format!("{} {}", g.adapter.driver, g.adapter.driver_info),
-                ),
-                (
-                    "weights",
-                    format!(
-                        "{}, {}",
-                        g.format,
-                        if g.fused {
-                            "fused graph"
-                        } else {
-                            "unfused graph"
-                        }
-                    ),
-                ),
-                (
-                    "dispatches / token",
-                    format!(
-                        "{} greedy, {} sampled",
-                        g.dispatches_greedy, g.dispatches_sample
-                    ),
-                ),
-            ] {
-                ui.label(k);
-                wrapped(ui, &v);
-                ui.end_row();
-            }
-            for (k, v) in &g.caps {
-                ui.label(*k);
-                ui.label(v);
-                ui.end_row();
-            }
-        });
+    let graph = if g.fused {
+        "fused graph"
+    } else {
+        "unfused graph"
+    };
+    let adapter = [
+        ("name", g.adapter.name.clone()),
+        ("backend", format!("{:?}", g.adapter.backend)),
+        ("type", format!("{:?}", g.adapter.device_type)),
+        (
+            "driver",
+            format!("{} {}", g.adapter.driver, g.adapter.driver_info),
+        ),
+        ("weights", format!("{}, {graph}", g.format)),
+        (
+            "dispatches / token",
+            format!(
+                "{} greedy, {} sampled",
+                g.dispatches_greedy, g.dispatches_sample
+            ),
+        ),
+    ];
+    kv_grid(
+        ui,
+        "adapter_info",
+        adapter.into_iter().chain(g.caps.clone()),
+    );
     ui.add_space(6.0);
     ui.strong("Memory on the device");
-    egui::Grid::new("memory_info")
-        .num_columns(2)
-        .striped(true)
-        .show(ui, |ui| {
-            for (k, v) in [
-                ("weights", g.weight_bytes),
-                ("state (per sequence)", g.state_bytes),
-                ("scratch", g.scratch_bytes),
-                ("read+written per token", g.bytes_per_token),
-            ] {
-                ui.label(k);
-                ui.label(mib(v));
-                ui.end_row();
-            }
-        });
+    let memory = [
+        ("weights", g.weight_bytes),
+        ("state (per sequence)", g.state_bytes),
+        ("scratch", g.scratch_bytes),
+        ("read+written per token", g.bytes_per_token),
+    ];
+    kv_grid(ui, "memory_info", memory.map(|(k, v)| (k, mib(v))));
     ui.add_space(6.0);
     egui::CollapsingHeader::new("Limits (device / adapter)")
         .default_open(false)

@@ -410,11 +410,7 @@ pub fn state_panel(ui: &mut Ui, summary: &StateSummary, norm: &mut StateNorm) {
     let heads = summary.heads;
     let (response, hovered) = grid_map(ui, summary.layers, heads, "L", 36.0, |r, c| {
         let i = r * heads + c;
-        if summary.nonfinite[i] > 0 {
-            (NONFINITE, true)
-        } else {
-            (viridis(scale.t(values[i])), false)
-        }
+        cell_color(summary.nonfinite[i], scale, values[i])
     });
     if let Some((l, h)) = hovered {
         let i = l * heads + h;
@@ -422,12 +418,7 @@ pub fn state_panel(ui: &mut Ui, summary: &StateSummary, norm: &mut StateNorm) {
             ui.label(format!("layer {l}, head {h}"));
             ui.label(format!("RMS {:.4e}", summary.rms[i]));
             ui.label(format!("max |S| {:.4e}", summary.max_abs[i]));
-            if summary.nonfinite[i] > 0 {
-                ui.colored_label(
-                    NONFINITE,
-                    format!("{} NaN/Inf values", summary.nonfinite[i]),
-                );
-            }
+            nonfinite_note(ui, summary.nonfinite[i]);
         });
     }
     colorbar(ui, scale);
@@ -440,11 +431,7 @@ pub fn state_panel(ui: &mut Ui, summary: &StateSummary, norm: &mut StateNorm) {
     let cscale = Scale::of(&summary.conv_max);
     let (response, hovered) = grid_map(ui, summary.layers, bins, "L", 8.0, |r, c| {
         let i = r * bins + c;
-        if summary.conv_nonfinite[i] > 0 {
-            (NONFINITE, true)
-        } else {
-            (viridis(cscale.t(summary.conv_max[i])), false)
-        }
+        cell_color(summary.conv_nonfinite[i], cscale, summary.conv_max[i])
     });
     if let Some((l, b)) = hovered {
         let i = l * bins + b;
@@ -453,15 +440,26 @@ pub fn state_panel(ui: &mut Ui, summary: &StateSummary, norm: &mut StateNorm) {
         response.on_hover_ui_at_pointer(|ui| {
             ui.label(format!("layer {l}, channels {lo}..{hi}"));
             ui.label(format!("max |x| {:.4e}", summary.conv_max[i]));
-            if summary.conv_nonfinite[i] > 0 {
-                ui.colored_label(
-                    NONFINITE,
-                    format!("{} NaN/Inf values", summary.conv_nonfinite[i]),
-                );
-            }
+            nonfinite_note(ui, summary.conv_nonfinite[i]);
         });
     }
     colorbar(ui, cscale);
+}
+
+/// A heatmap cell's colour, and whether it is flagged (any NaN/Inf in it).
+fn cell_color(nonfinite: u32, scale: Scale, value: f32) -> (Color32, bool) {
+    if nonfinite > 0 {
+        (NONFINITE, true)
+    } else {
+        (viridis(scale.t(value)), false)
+    }
+}
+
+/// The hover line for a cell with NaN/Inf values.
+fn nonfinite_note(ui: &mut Ui, nonfinite: u32) {
+    if nonfinite > 0 {
+        ui.colored_label(NONFINITE, format!("{nonfinite} NaN/Inf values"));
+    }
 }
 
 #[cfg(test)]

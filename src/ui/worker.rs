@@ -251,3 +251,17 @@ pub fn take_profiles(backend: &mut dyn Backend) -> Vec<crate::gpu::profiler::Tok
         .map(|g| std::mem::take(&mut g.profiles))
         .unwrap_or_default()
 }
+
+/// Turns GPU timings on or off for `backend`; the notice to show when they cannot be had.
+pub fn set_profiling(backend: &mut dyn Backend, on: bool) -> Result<Option<String>, String> {
+    match backend.gpu() {
+        Some(g) => {
+            let ok = g.set_profiling(on).map_err(|e| e.to_string())?;
+            Ok((!ok).then(|| "this adapter has no timestamp queries: no GPU timings".into()))
+        }
+        None if on => Ok(Some(
+            "GPU timings need a GPU device (this is the CPU reference)".into(),
+        )),
+        None => Ok(None),
+    }
+}
