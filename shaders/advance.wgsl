@@ -7,6 +7,7 @@
 @compute @workgroup_size(1)
 fn main() {
     ctrl.cursor += 1u;
+    ctrl.kv_len += 1u;
     if (ctrl.cursor < ctrl.prompt_len) {
         ctrl.token = prompt[ctrl.cursor];
     }

@@ -26,7 +26,7 @@ struct Ctrl {
     top_p: f32,
     cursor: u32,     // prefill: index of the prompt token being fed
     prompt_len: u32,
-    pad0: u32,
+    kv_len: u32,     // rows already in the KV caches: where the token being fed is stored
     pad1: u32,
 }
 

@@ -6,6 +6,8 @@ fn emit_token(t: u32) {
     if (ctrl.stopped != 0u) {
         return;
     }
+    // The token just fed is in the KV caches now (a stopped step stored nothing).
+    ctrl.kv_len += 1u;
     ctrl.token = t;
     ctrl.pos += 1u;
     for (var i = 0u; i < min(ctrl.n_stop, 4u); i++) {

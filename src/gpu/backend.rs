@@ -94,7 +94,8 @@ impl GpuBackend {
             top_p: sampling.top_p,
             cursor: 0,
             prompt_len: 0,
-            pad: [0; 2],
+            kv_len: 0,
+            pad: 0,
         })
     }
 

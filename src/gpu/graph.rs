@@ -30,7 +30,10 @@ pub struct Ctrl {
     pub top_p: f32,
     pub cursor: u32,
     pub prompt_len: u32,
-    pub pad: [u32; 2],
+    /// Tokens already in the attention layers' KV caches: the row the token (or the
+    /// block's first token) being fed is stored at. `emit`/`advance` move it on.
+    pub kv_len: u32,
+    pub pad: u32,
 }
 
 /// What ends a token's dispatch list.

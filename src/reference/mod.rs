@@ -1,6 +1,7 @@
 //! The CPU reference (the oracle): the exact math of MAMBA2.md, generic over f32 and f64.
 //! Written for clarity first; the f32 build is fast enough to be the CPU device.
 
+pub mod attention;
 pub mod math;
 pub mod model;
 pub mod ssd;

@@ -28,6 +28,8 @@ pub fn section_color(s: Section) -> Color32 {
         Section::Conv => Color32::from_rgb(255, 153, 0),
         Section::Ssd => Color32::from_rgb(52, 168, 83),
         Section::Norm => Color32::from_rgb(171, 71, 188),
+        Section::Attn => Color32::from_rgb(0, 150, 136),
+        Section::Mlp => Color32::from_rgb(255, 112, 67),
         Section::Other => Color32::from_rgb(140, 140, 140),
     }
 }

@@ -37,15 +37,19 @@ pub enum Section {
     Conv,
     Ssd,
     Norm,
+    Attn,
+    Mlp,
     Other,
 }
 
 impl Section {
-    pub const ALL: [Section; 5] = [
+    pub const ALL: [Section; 7] = [
         Section::Matmul,
         Section::Conv,
         Section::Ssd,
         Section::Norm,
+        Section::Attn,
+        Section::Mlp,
         Section::Other,
     ];
     pub fn name(self) -> &'static str {
@@ -54,6 +58,8 @@ impl Section {
             Section::Conv => "CONV",
             Section::Ssd => "SSD",
             Section::Norm => "NORM",
+            Section::Attn => "ATTN",
+            Section::Mlp => "MLP",
             Section::Other => "OTHER",
         }
     }
