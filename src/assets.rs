@@ -6,7 +6,7 @@ use std::path::Path;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::model::{Mamba2Weights, Model, TensorStore};
+use crate::model::{Model, ModelWeights, TensorStore};
 use crate::tokenizer::Tokenizer;
 
 const CONFIG: &str = include_str!("../assets/config.json");
@@ -20,7 +20,7 @@ pub const NAME: &str = "embedded fortunes model (assets/)";
 pub fn embedded() -> Result<(Model, Tokenizer)> {
     let config = ModelConfig::from_json_str(CONFIG, Path::new("assets/config.json"))?;
     let store = TensorStore::from_static("assets/model.safetensors", WEIGHTS)?;
-    let weights = Mamba2Weights::from_tensors(&config, store.into_tensors())?;
+    let weights = ModelWeights::from_tensors(&config, store.into_tensors())?;
     let tokenizer = Tokenizer::from_bytes(TOKENIZER, None)
         .map_err(|e| Error::Tokenizer(format!("assets/tokenizer.json: {e}")))?;
     Ok((

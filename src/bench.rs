@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::config::{ModelConfig, ModelFormat};
+use crate::config::{AttentionConfig, BlockKind, MlpAct, MlpConfig, ModelConfig, ModelFormat};
 use crate::error::{Error, Result};
 use crate::gpu::GpuBackend;
 use crate::gpu::kernels::Section;
@@ -15,19 +15,99 @@ use crate::sampling::Sampling;
 use crate::session::Backend;
 
 /// The preset names `mamba2 bench --config` accepts.
-pub const PRESETS: [&str; 7] = [
+pub const PRESETS: [&str; 10] = [
     "tiny",
+    "tiny-hybrid",
     "130m",
     "370m",
     "780m",
     "1.3b",
     "2.7b",
     "codestral-7b",
+    "nemotron-h-8b",
+    "nemotron-nano-9b-v2",
 ];
 
 /// A config with the real shapes of a released model (state-spaces/mamba2-*, Mistral's
-/// Mamba-Codestral-7B), or a tiny one for smoke tests.
+/// Mamba-Codestral-7B, NVIDIA's Nemotron-H-8B-Base-8K and Nemotron-Nano-9B-v2), or a tiny
+/// one for smoke tests.
 pub fn preset(name: &str) -> Option<ModelConfig> {
+    if let Some(c) = hybrid_preset(name) {
+        return Some(c);
+    }
+    mamba2_preset(name)
+}
+
+/// The Nemotron-H presets, from the public `config.json` files: layer pattern, widths,
+/// head counts, MLP width, vocabulary, trained context.
+fn hybrid_preset(name: &str) -> Option<ModelConfig> {
+    let (d, pattern, heads, head_dim, mlp, (q, kv), ctx) = match name {
+        "tiny-hybrid" => (256, "M-M*-M-", 8, 64, 512, (4, 2), 4096),
+        "nemotron-h-8b" => (
+            4096,
+            "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+            128,
+            64,
+            21504,
+            (32, 8),
+            8192,
+        ),
+        "nemotron-nano-9b-v2" => (
+            4480,
+            "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+            128,
+            80,
+            15680,
+            (40, 8),
+            131072,
+        ),
+        _ => return None,
+    };
+    let attn_dim = if name == "tiny-hybrid" { 64 } else { 128 };
+    let blocks: Vec<BlockKind> = pattern
+        .chars()
+        .map(|ch| match ch {
+            'M' => BlockKind::Mamba2,
+            '*' => BlockKind::Attention,
+            _ => BlockKind::Mlp,
+        })
+        .collect();
+    Some(ModelConfig {
+        format: ModelFormat::NemotronH,
+        d_model: d,
+        n_layer: blocks.len(),
+        vocab_size: if name == "tiny-hybrid" { 4096 } else { 131072 },
+        d_inner: heads * head_dim,
+        n_heads: heads,
+        head_dim,
+        n_groups: if name == "tiny-hybrid" { 1 } else { 8 },
+        d_state: if name == "tiny-hybrid" { 64 } else { 128 },
+        d_conv: 4,
+        chunk_size: 128,
+        norm_eps: 1e-5,
+        tie_embeddings: false,
+        conv_bias: true,
+        time_step_limit: (0.001, f64::INFINITY),
+        blocks,
+        attention: Some(AttentionConfig {
+            heads: q,
+            kv_heads: kv,
+            head_dim: attn_dim,
+            bias: false,
+            rope_theta: None,
+            scale: 1.0 / (attn_dim as f64).sqrt(),
+        }),
+        mlp: Some(MlpConfig {
+            intermediate: mlp,
+            act: MlpAct::Relu2,
+            bias: false,
+        }),
+        max_context: Some(ctx),
+    })
+}
+
+/// The pure Mamba2 presets.
+fn mamba2_preset(name: &str) -> Option<ModelConfig> {
     let (d, layers, groups, vocab, tied) = match name {
         "tiny" => (256, 4, 1, 4096, true),
         "130m" => (768, 24, 1, 50288, true),
@@ -59,6 +139,10 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
         tie_embeddings: tied,
         conv_bias: true,
         time_step_limit: (0.0, f64::INFINITY),
+        blocks: vec![crate::config::BlockKind::Mamba2; layers],
+        attention: None,
+        mlp: None,
+        max_context: None,
     })
 }
 
@@ -121,6 +205,26 @@ pub fn anchors(preset: &str, format: &str) -> Vec<Anchor> {
                 _ => {}
             }
         }
+        "nemotron-h-8b" => {
+            let peer = "llama.cpp Vulkan, same H200 (1k context)";
+            match format {
+                "q8_0" => {
+                    a.push(Anchor {
+                        what: peer,
+                        ms_per_token: 5.04,
+                    });
+                    a.push(Anchor {
+                        what: "target (q8_0, 2x the 1.92 ms floor)",
+                        ms_per_token: 3.85,
+                    });
+                }
+                "f16" => a.push(Anchor {
+                    what: peer,
+                    ms_per_token: 5.92,
+                }),
+                _ => {}
+            }
+        }
         _ => {}
     }
     a
@@ -130,6 +234,8 @@ pub fn anchors(preset: &str, format: &str) -> Vec<Anchor> {
 #[derive(Clone, Debug, Serialize)]
 pub struct DecodeReport {
     pub config: String,
+    /// Tokens already in the KV caches when timing started.
+    pub context: usize,
     pub format: String,
     pub device: String,
     pub fused: bool,
@@ -172,11 +278,18 @@ pub fn decode(
     tokens: usize,
     warmup: usize,
     profiled: usize,
+    cached: usize,
 ) -> Result<DecodeReport> {
     if tokens < 2 {
         return Err(Error::InvalidInput("bench needs at least 2 tokens".into()));
     }
     backend.reset()?;
+    // Decode speed with `cached` tokens already in the KV caches: their values do not
+    // change the work, so the caches are taken as filled (zeros) up to that length.
+    backend
+        .engine
+        .check_room(cached + warmup + tokens + profiled + 2)?;
+    backend.engine.len = cached;
     let greedy = Sampling::greedy();
     let first = backend.prefill_sample(&[1], &greedy, 1)?;
     let mut arrivals: Vec<Instant> = Vec::with_capacity(warmup + tokens);
@@ -212,7 +325,7 @@ pub fn decode(
         .map(|p| p.kernels.as_slice())
         .unwrap_or(&[])
     {
-        let kind = kernel_kind(&k.name);
+        let kind = k.kind();
         if !kinds.contains(&kind) {
             kinds.push(kind);
         }
@@ -223,7 +336,7 @@ pub fn decode(
             let v = per(&|p| {
                 p.kernels
                     .iter()
-                    .filter(|k| kernel_kind(&k.name) == kind)
+                    .filter(|k| k.kind() == kind)
                     .map(|k| k.ns)
                     .sum()
             });
@@ -231,7 +344,7 @@ pub fn decode(
         })
         .collect();
     let engine = &backend.engine;
-    let bytes = engine.bytes_per_token();
+    let bytes = engine.bytes_per_token(cached);
     let format = engine.format.name().to_string();
     let anchors = anchors(preset_name, &format).into_iter().map(|a| {
         let ratio = a.ms_per_token / med;
@@ -239,6 +352,7 @@ pub fn decode(
     });
     Ok(DecodeReport {
         config: preset_name.to_string(),
+        context: cached,
         format,
         device: engine.ctx().describe(),
         fused: engine.fused,
@@ -416,7 +530,7 @@ pub fn prefill(
         median_ms: med,
         tokens_per_s: tokens as f64 / (med / 1e3),
         sections_ms: sum_by(&|k| k.section.name().to_string()),
-        kernels_ms: sum_by(&|k| kernel_kind(&k.name)),
+        kernels_ms: sum_by(&|k| k.kind()),
         gemm_tflops: if gemm_ms > 0.0 {
             flops / (gemm_ms * 1e-3) / 1e12
         } else {
@@ -470,23 +584,20 @@ fn gaps_ms(arrivals: &[Instant], warmup: usize) -> Vec<f64> {
         .collect()
 }
 
-/// `layers.12.in_proj+norm+conv` → `in_proj+norm+conv`.
-fn kernel_kind(name: &str) -> String {
-    match name.strip_prefix("layers.") {
-        Some(rest) => rest.split_once('.').map_or(rest, |(_, k)| k).to_string(),
-        None => name.to_string(),
-    }
-}
-
 impl DecodeReport {
     /// A human-readable summary.
     pub fn text(&self) -> String {
         let mut s = format!(
-            "{} {} on {} ({})\n  decode: {:.3} ms/token median (p10 {:.3}, p90 {:.3}) over {} tokens = {:.1} tok/s\n  traffic: {:.1} MB/token → {:.0} GB/s\n  dispatches/token: {}\n",
+            "{} {} on {} ({}{})\n  decode: {:.3} ms/token median (p10 {:.3}, p90 {:.3}) over {} tokens = {:.1} tok/s\n  traffic: {:.1} MB/token → {:.0} GB/s\n  dispatches/token: {}\n",
             self.config,
             self.format,
             self.device,
             if self.fused { "fused" } else { "unfused" },
+            if self.context > 0 {
+                format!(", {} tokens of context cached", self.context)
+            } else {
+                String::new()
+            },
             self.median_ms,
             self.p10_ms,
             self.p90_ms,

@@ -17,7 +17,7 @@ pub enum ModelFormat {
     MambaSsm,
     /// Mistral's Mamba-Codestral, `params.json`.
     Mistral,
-    /// HF transformers `nemotron_h` whose layers are all Mamba.
+    /// HF transformers `nemotron_h`: Mamba2, attention and MLP layers.
     NemotronH,
 }
 
@@ -27,9 +27,89 @@ impl ModelFormat {
             ModelFormat::HfMamba2 => "HF transformers mamba2",
             ModelFormat::MambaSsm => "mamba_ssm",
             ModelFormat::Mistral => "Mistral params.json",
-            ModelFormat::NemotronH => "HF transformers nemotron_h (all Mamba)",
+            ModelFormat::NemotronH => "HF transformers nemotron_h",
         }
     }
+}
+
+/// What a layer's mixer is: every layer is `x ← x + mixer(rmsnorm(x))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BlockKind {
+    Mamba2,
+    Attention,
+    Mlp,
+}
+
+impl BlockKind {
+    /// The letter of Nemotron-H's `hybrid_override_pattern`.
+    pub fn letter(self) -> char {
+        match self {
+            BlockKind::Mamba2 => 'M',
+            BlockKind::Attention => '*',
+            BlockKind::Mlp => '-',
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockKind::Mamba2 => "mamba2",
+            BlockKind::Attention => "attention",
+            BlockKind::Mlp => "mlp",
+        }
+    }
+}
+
+/// The attention layers' shape: `H` query heads and `Hkv` key/value heads of `head_dim`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionConfig {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// q/k/v/o projection biases.
+    pub bias: bool,
+    /// Rotary embeddings with this base, or none (Nemotron-H has no positional encoding).
+    pub rope_theta: Option<f64>,
+    /// The softmax scale, `1/sqrt(head_dim)` unless the format says otherwise.
+    pub scale: f64,
+}
+
+impl AttentionConfig {
+    pub fn dims(&self) -> crate::reference::attention::AttnDims {
+        crate::reference::attention::AttnDims {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+    /// Rows of the fused `[q | k | v]` projection, `(H + 2·Hkv)·hd`.
+    pub fn qkv_rows(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+    /// `H·hd`, the width of the attention output (o_proj's input).
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    /// `Hkv·hd`, one cached row of K (or V).
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// The activation of an MLP block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpAct {
+    /// `down(relu(up(x))²)` (Nemotron-H).
+    Relu2,
+    /// `down(silu(gate(x)) · up(x))`.
+    SiluGated,
+}
+
+/// The MLP layers' shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlpConfig {
+    pub intermediate: usize,
+    pub act: MlpAct,
+    /// up/gate/down biases.
+    pub bias: bool,
 }
 
 /// The normalized model description. Field names follow MAMBA2.md: `d` model width,
@@ -62,9 +142,36 @@ pub struct ModelConfig {
     /// `(min, max)` clamp on dt. Applied in prefill and decode alike (as HF does; mamba_ssm
     /// clamps in prefill only), so both paths agree. The default `(0, inf)` is a no-op.
     pub time_step_limit: (f64, f64),
+    /// The mixer of each layer (`n_layer` entries).
+    pub blocks: Vec<BlockKind>,
+    /// The attention layers' shape (when there are any).
+    pub attention: Option<AttentionConfig>,
+    /// The MLP layers' shape (when there are any).
+    pub mlp: Option<MlpConfig>,
+    /// The longest context the model was trained for (`max_position_embeddings`).
+    pub max_context: Option<usize>,
 }
 
 impl ModelConfig {
+    /// How many layers have mixer `kind`.
+    pub fn count(&self, kind: BlockKind) -> usize {
+        self.blocks.iter().filter(|&&k| k == kind).count()
+    }
+    /// Whether any layer is not Mamba2.
+    pub fn is_hybrid(&self) -> bool {
+        self.blocks.iter().any(|&k| k != BlockKind::Mamba2)
+    }
+    /// The layer pattern in Nemotron-H's letters, e.g. `M-M*-M`.
+    pub fn pattern(&self) -> String {
+        self.blocks.iter().map(|k| k.letter()).collect()
+    }
+    /// Bytes of K and V one token adds to the caches (all attention layers), at `elem`
+    /// bytes per value.
+    pub fn kv_bytes_per_token(&self, elem: usize) -> usize {
+        self.attention.as_ref().map_or(0, |a| {
+            2 * a.kv_width() * elem * self.count(BlockKind::Attention)
+        })
+    }
     /// `conv_dim = d_inner + 2·G·N`
     pub fn conv_dim(&self) -> usize {
         self.d_inner + 2 * self.n_groups * self.d_state
@@ -89,31 +196,55 @@ impl ModelConfig {
     pub fn conv_state_len(&self) -> usize {
         self.conv_dim() * (self.d_conv - 1)
     }
-    /// Bytes of recurrent state one sequence carries (f32, all layers).
+    /// Bytes of fixed-size recurrent state one sequence carries (f32, all Mamba layers);
+    /// the KV caches come on top (`kv_bytes_per_token`).
     pub fn state_bytes(&self) -> usize {
-        4 * self.n_layer * (self.ssm_state_len() + self.conv_state_len())
+        4 * self.count(BlockKind::Mamba2) * (self.ssm_state_len() + self.conv_state_len())
     }
     /// Parameter count implied by the config (lm_head counted once when tied).
     pub fn param_count(&self) -> usize {
-        let per_layer = self.d_model // block norm
-            + self.d_in_proj() * self.d_model
+        let d = self.d_model;
+        let mamba = self.d_in_proj() * d
             + self.conv_dim() * self.d_conv
             + if self.conv_bias { self.conv_dim() } else { 0 }
             + 3 * self.n_heads
             + self.d_inner
-            + self.d_model * self.d_inner;
+            + d * self.d_inner;
+        let attention = self.attention.as_ref().map_or(0, |a| {
+            let bias = if a.bias { a.qkv_rows() + d } else { 0 };
+            a.qkv_rows() * d + d * a.q_width() + bias
+        });
+        let mlp = self.mlp.as_ref().map_or(0, |m| {
+            let ups = if m.act == MlpAct::SiluGated { 2 } else { 1 };
+            let bias = if m.bias { ups * m.intermediate + d } else { 0 };
+            (ups + 1) * m.intermediate * d + bias
+        });
+        let layers: usize = self
+            .blocks
+            .iter()
+            .map(|k| {
+                d + match k {
+                    BlockKind::Mamba2 => mamba,
+                    BlockKind::Attention => attention,
+                    BlockKind::Mlp => mlp,
+                }
+            })
+            .sum();
         let head = if self.tie_embeddings {
             0
         } else {
-            self.vocab_size * self.d_model
+            self.vocab_size * d
         };
-        self.vocab_size * self.d_model + self.n_layer * per_layer + self.d_model + head
+        self.vocab_size * d + layers + d + head
     }
 
     /// This config as an HF transformers `mamba2` `config.json` (what `Model::save` writes).
     /// Nemotron-H configs with G > 1 stay exact: HF's own Mamba2 would normalize over all of
     /// d_inner, but this engine reads the field back with its per-group meaning.
     pub fn to_hf_json(&self) -> serde_json::Value {
+        if self.is_hybrid() {
+            return self.to_nemotron_h_json();
+        }
         let limit = |x: f64| {
             if x.is_finite() {
                 serde_json::json!(x)
@@ -144,6 +275,42 @@ impl ModelConfig {
             "use_bias": false,
             "time_step_limit": [limit(self.time_step_limit.0), limit(self.time_step_limit.1)],
         })
+    }
+
+    /// A hybrid config as HF transformers `nemotron_h` writes it (the pattern spelling).
+    fn to_nemotron_h_json(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "model_type": "nemotron_h",
+            "architectures": ["NemotronHForCausalLM"],
+            "hidden_size": self.d_model,
+            "hybrid_override_pattern": self.pattern(),
+            "vocab_size": self.vocab_size,
+            "mamba_num_heads": self.n_heads,
+            "mamba_head_dim": self.head_dim,
+            "n_groups": self.n_groups,
+            "ssm_state_size": self.d_state,
+            "conv_kernel": self.d_conv,
+            "chunk_size": self.chunk_size,
+            "layer_norm_epsilon": self.norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "use_conv_bias": self.conv_bias,
+            "time_step_min": self.time_step_limit.0,
+        });
+        if let Some(a) = &self.attention {
+            v["num_attention_heads"] = a.heads.into();
+            v["num_key_value_heads"] = a.kv_heads.into();
+            v["head_dim"] = a.head_dim.into();
+            v["attention_bias"] = a.bias.into();
+        }
+        if let Some(m) = &self.mlp {
+            v["intermediate_size"] = m.intermediate.into();
+            v["mlp_bias"] = m.bias.into();
+            v["mlp_hidden_act"] = "relu2".into();
+        }
+        if let Some(n) = self.max_context {
+            v["max_position_embeddings"] = n.into();
+        }
+        v
     }
 
     /// Reads the config of a model directory: `config.json` (HF, mamba_ssm, nemotron_h) or
@@ -193,7 +360,7 @@ impl ModelConfig {
             _ if obj.contains_key("dim") && obj.contains_key("n_layers") => parse_mistral(&f)?,
             Some(other) => {
                 return Err(Error::Unsupported(format!(
-                    "{}: model_type `{other}` (supported: mamba2, nemotron_h with only Mamba layers, mamba_ssm and Mistral Mamba2 configs)",
+                    "{}: model_type `{other}` (supported: mamba2, nemotron_h, mamba_ssm and Mistral Mamba2 configs)",
                     path.display()
                 )));
             }
@@ -204,6 +371,10 @@ impl ModelConfig {
                 ));
             }
         };
+        let mut config = config;
+        if config.blocks.is_empty() {
+            config.blocks = vec![BlockKind::Mamba2; config.n_layer];
+        }
         config.validate(path)?;
         Ok(config)
     }
@@ -267,6 +438,80 @@ impl ModelConfig {
                 "time_step_limit",
                 format!("must be 0 ≤ min ≤ max, found ({lo}, {hi})"),
             ));
+        }
+        if self.blocks.len() != self.n_layer {
+            return Err(err(
+                "n_layer",
+                format!(
+                    "{} layers but {} block kinds",
+                    self.n_layer,
+                    self.blocks.len()
+                ),
+            ));
+        }
+        match (&self.attention, self.count(BlockKind::Attention)) {
+            (None, n) if n > 0 => {
+                return Err(err(
+                    "num_attention_heads",
+                    format!("{n} attention layers but no attention shape"),
+                ));
+            }
+            (Some(a), _) => {
+                for (field, v) in [
+                    ("num_attention_heads", a.heads),
+                    ("num_key_value_heads", a.kv_heads),
+                    ("head_dim", a.head_dim),
+                ] {
+                    if v == 0 {
+                        return Err(err(field, "must be positive".into()));
+                    }
+                }
+                if !a.heads.is_multiple_of(a.kv_heads) {
+                    return Err(err(
+                        "num_key_value_heads",
+                        format!(
+                            "{} attention heads cannot share {} key/value heads evenly",
+                            a.heads, a.kv_heads
+                        ),
+                    ));
+                }
+                if a.rope_theta.is_some() && !a.head_dim.is_multiple_of(2) {
+                    return Err(err(
+                        "head_dim",
+                        format!(
+                            "rotary embeddings need an even head_dim, found {}",
+                            a.head_dim
+                        ),
+                    ));
+                }
+                if let Some(t) = a.rope_theta
+                    && !(t > 0.0 && t.is_finite())
+                {
+                    return Err(err("rope_theta", format!("must be positive, found {t}")));
+                }
+                if !(a.scale > 0.0 && a.scale.is_finite()) {
+                    return Err(err(
+                        "attention scale",
+                        format!("must be positive, found {}", a.scale),
+                    ));
+                }
+            }
+            _ => {}
+        }
+        match (&self.mlp, self.count(BlockKind::Mlp)) {
+            (None, n) if n > 0 => {
+                return Err(err(
+                    "intermediate_size",
+                    format!("{n} MLP layers but no MLP shape"),
+                ));
+            }
+            (Some(m), _) if m.intermediate == 0 => {
+                return Err(err("intermediate_size", "must be positive".into()));
+            }
+            _ => {}
+        }
+        if self.max_context == Some(0) {
+            return Err(err("max_position_embeddings", "must be positive".into()));
         }
         Ok(())
     }
@@ -487,61 +732,79 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
         tie_embeddings: f.bool_or("tie_word_embeddings", true)?,
         conv_bias: f.bool_or("use_conv_bias", true)?,
         time_step_limit: f.pair_or("time_step_limit", NO_LIMIT)?,
+        ..mamba_only()
     })
 }
 
 fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
-    let kinds: Vec<String> = if let Some(pattern) = f.opt_str("hybrid_override_pattern")? {
-        pattern.chars().map(|c| c.to_string()).collect()
-    } else if let Some(Value::Array(items)) = f.get("layers_block_type") {
-        items
-            .iter()
-            .map(|v| v.as_str().map(str::to_string))
-            .collect::<Option<_>>()
-            .ok_or_else(|| f.err("layers_block_type", "expected a list of strings"))?
-    } else {
-        return Err(f.err(
+    let (kinds, field): (Vec<String>, &str) =
+        if let Some(pattern) = f.opt_str("hybrid_override_pattern")? {
+            (
+                pattern.chars().map(|c| c.to_string()).collect(),
+                "hybrid_override_pattern",
+            )
+        } else if let Some(Value::Array(items)) = f.get("layers_block_type") {
+            let kinds = items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| f.err("layers_block_type", "expected a list of strings"))?;
+            (kinds, "layers_block_type")
+        } else {
+            return Err(f.err(
             "hybrid_override_pattern",
             "missing: a nemotron_h config needs `hybrid_override_pattern` or `layers_block_type`",
         ));
-    };
+        };
     // transformers 5.x writes no num_hidden_layers: the pattern is the layer list.
     let n_layer = f.usize_or("num_hidden_layers", kinds.len())?;
     if kinds.len() != n_layer {
         return Err(f.err(
-            "hybrid_override_pattern",
+            field,
             format!(
                 "describes {} layers but num_hidden_layers is {n_layer}",
                 kinds.len()
             ),
         ));
     }
-    // A Mamba layer is `M` in released configs, `mamba` in newer ones and
-    // `linear_attention` in what transformers 5.17 writes.
-    if let Some((i, kind)) = kinds
-        .iter()
-        .enumerate()
-        .find(|(_, k)| !matches!(k.as_str(), "M" | "mamba" | "linear_attention"))
-    {
-        let what = match kind.as_str() {
-            "*" | "attention" => "attention",
-            "-" | "mlp" => "MLP",
-            "E" | "moe" => "mixture-of-experts",
-            _ => "unknown",
-        };
-        return Err(Error::Unsupported(format!(
-            "{}: layer {i} is a{} {what} layer (`{kind}`); only all-Mamba nemotron_h models run today",
-            f.path.display(),
-            if what.starts_with(['a', 'e', 'i', 'o', 'u', 'M']) {
-                "n"
-            } else {
-                ""
-            },
-        )));
+    let mut blocks = Vec::with_capacity(n_layer);
+    for (i, kind) in kinds.iter().enumerate() {
+        // Each kind has a letter in the pattern, an old name and the name transformers
+        // 5.x writes.
+        blocks.push(match kind.as_str() {
+            "M" | "mamba" | "linear_attention" => BlockKind::Mamba2,
+            "*" | "attention" | "full_attention" => BlockKind::Attention,
+            "-" | "mlp" => BlockKind::Mlp,
+            "E" | "moe" => {
+                return Err(Error::Unsupported(format!(
+                    "{}: layer {i} is a mixture-of-experts layer (`{kind}`): MoE blocks come with \
+                     \"Hybrid models, part 2\" (Nemotron 3 Nano, Granite-4.0-H); dense \
+                     Nemotron-H (M, *, -) runs today",
+                    f.path.display()
+                )));
+            }
+            _ => {
+                return Err(f.err(
+                    field,
+                    format!(
+                        "layer {i} has the unknown block type `{kind}` (expected M, *, - or E / \
+                         mamba, attention, mlp, moe / linear_attention, full_attention)"
+                    ),
+                ));
+            }
+        });
+    }
+    if f.usize_or("num_nextn_predict_layers", 0)? > 0 {
+        tracing::info!(
+            "{}: ignoring the multi-token-prediction layers (`num_nextn_predict_layers`): \
+             they serve speculative decoding only",
+            f.path.display()
+        );
     }
     let n_heads = f.usize("mamba_num_heads")?;
     let head_dim = f.usize("mamba_head_dim")?;
     f.require_flag("mamba_proj_bias", false, "in_proj/out_proj biases")?;
+    f.require_flag("use_bias", false, "Mamba in_proj/out_proj biases")?;
     if let Some(act) = f.opt_str("mamba_hidden_act")? {
         f.reject_if(
             "mamba_hidden_act",
@@ -549,25 +812,106 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
             "activations other than silu",
         )?;
     }
+    let d_model = f.usize("hidden_size")?;
+    let attention = if blocks.contains(&BlockKind::Attention) {
+        let heads = f.usize("num_attention_heads")?;
+        let kv_heads = f.usize_or("num_key_value_heads", heads)?;
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(h) => h,
+            None => match f.opt_usize("attention_head_dim")? {
+                Some(h) => h,
+                None => d_model / heads.max(1),
+            },
+        };
+        f.reject_if(
+            "sliding_window",
+            f.get("sliding_window").is_some(),
+            "sliding-window attention",
+        )?;
+        Some(AttentionConfig {
+            heads,
+            kv_heads,
+            head_dim,
+            // transformers' NemotronH builds q/k/v/o without biases whatever
+            // `attention_bias` says: follow the implementation the checkpoints come from.
+            bias: false,
+            rope_theta: None,
+            scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+        })
+    } else {
+        None
+    };
+    let mlp = if blocks.contains(&BlockKind::Mlp) {
+        if let Some(act) = f.opt_str("mlp_hidden_act")? {
+            f.reject_if(
+                "mlp_hidden_act",
+                act != "relu2",
+                &format!("the MLP activation `{act}` (Nemotron-H MLPs are relu2)"),
+            )?;
+        }
+        Some(MlpConfig {
+            intermediate: f.usize("intermediate_size")?,
+            act: MlpAct::Relu2,
+            bias: f.bool_or("mlp_bias", false)?,
+        })
+    } else {
+        None
+    };
+    // Older configs spell the Mamba options with a `mamba_` prefix.
+    let either = |a: &str, b: &str, default: usize| -> Result<usize> {
+        match f.opt_usize(a)? {
+            Some(v) => Ok(v),
+            None => f.usize_or(b, default),
+        }
+    };
     Ok(ModelConfig {
         format: ModelFormat::NemotronH,
-        d_model: f.usize("hidden_size")?,
+        d_model,
         n_layer,
         vocab_size: f.usize("vocab_size")?,
         d_inner: n_heads * head_dim,
         n_heads,
         head_dim,
-        n_groups: f.usize_or("n_groups", 1)?,
+        n_groups: either("n_groups", "mamba_n_groups", 8)?,
         d_state: f.usize_or("ssm_state_size", 128)?,
-        d_conv: f.usize_or("conv_kernel", 4)?,
-        chunk_size: f.usize_or("chunk_size", 128)?,
+        d_conv: either("conv_kernel", "mamba_d_conv", 4)?,
+        chunk_size: either("chunk_size", "mamba_chunk_size", 128)?,
         norm_eps: f.f64_or("layer_norm_epsilon", 1e-5)?,
         tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
         conv_bias: f.bool_or("use_conv_bias", true)?,
         // HF's NemotronH mixer ignores `time_step_limit` and clamps δ to
         // (time_step_min, inf); follow the implementation the checkpoints come from.
         time_step_limit: (f.f64_or("time_step_min", 0.001)?, f64::INFINITY),
+        blocks,
+        attention,
+        mlp,
+        max_context: f.opt_usize("max_position_embeddings")?,
     })
+}
+
+/// The non-Mamba fields of a pure Mamba2 config (`blocks` is filled in by `finish`).
+fn mamba_only() -> ModelConfig {
+    ModelConfig {
+        format: ModelFormat::HfMamba2,
+        d_model: 0,
+        n_layer: 0,
+        vocab_size: 0,
+        d_inner: 0,
+        n_heads: 0,
+        head_dim: 0,
+        n_groups: 0,
+        d_state: 0,
+        d_conv: 0,
+        chunk_size: 0,
+        norm_eps: 0.0,
+        tie_embeddings: false,
+        conv_bias: false,
+        time_step_limit: NO_LIMIT,
+        blocks: Vec::new(),
+        attention: None,
+        mlp: None,
+        max_context: None,
+    }
 }
 
 /// mamba_ssm's `MambaConfig`: the mixer options live in `ssm_cfg` with `Mamba2`'s
@@ -627,6 +971,7 @@ fn parse_mamba_ssm(f: &Fields) -> Result<ModelConfig> {
         tie_embeddings: f.bool_or("tie_embeddings", true)?,
         conv_bias: ssm.bool_or("conv_bias", true)?,
         time_step_limit: ssm.pair_or("dt_limit", NO_LIMIT)?,
+        ..mamba_only()
     })
 }
 
@@ -655,6 +1000,7 @@ fn parse_mistral(f: &Fields) -> Result<ModelConfig> {
         tie_embeddings: f.bool_or("tie_embeddings", false)?,
         conv_bias: true,
         time_step_limit: NO_LIMIT,
+        ..mamba_only()
     })
 }
 
@@ -750,11 +1096,13 @@ mod tests {
     fn unsupported_configs_say_why() {
         let e = parse(
             r#"{"model_type":"nemotron_h","hidden_size":48,"num_hidden_layers":3,"vocab_size":100,
-            "hybrid_override_pattern":"M*M","mamba_num_heads":8,"mamba_head_dim":12}"#,
+            "hybrid_override_pattern":"MEM","mamba_num_heads":8,"mamba_head_dim":12,"n_groups":1}"#,
         )
         .unwrap_err();
         assert!(
-            e.to_string().contains("layer 1 is an attention layer"),
+            e.to_string()
+                .contains("layer 1 is a mixture-of-experts layer")
+                && e.to_string().contains("part 2"),
             "{e}"
         );
         let e = parse(r#"{"d_model":64,"n_layer":2,"vocab_size":10,"ssm_cfg":{}}"#).unwrap_err();

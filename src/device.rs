@@ -25,6 +25,15 @@ pub fn open_backend(
                 &Engine::needs(&model.config, opts.format),
             )?);
             let engine = Engine::new(ctx, model, opts)?;
+            if engine.context() > 0 {
+                notice(&format!(
+                    "KV cache: {} tokens × {} attention layers in {} ({:.1} MiB)",
+                    engine.context(),
+                    model.config.count(crate::config::BlockKind::Attention),
+                    opts.kv.name(),
+                    engine.state.kv_bytes() as f64 / (1024.0 * 1024.0)
+                ));
+            }
             Ok(Box::new(GpuBackend::new(engine)?))
         }
         None => {
@@ -33,10 +42,11 @@ pub fn open_backend(
                     "no GPU adapter found: running on the CPU reference (install a Vulkan driver for the GPU path)",
                 );
             }
-            Ok(Box::new(CpuBackend::new(CpuModel::<f32>::new(
-                &model.config,
-                &model.weights,
-            ))))
+            let mut cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+            if model.config.attention.is_some() {
+                cpu = cpu.with_context(opts.context_for(&model.config, u64::MAX, notice)?);
+            }
+            Ok(Box::new(CpuBackend::new(cpu)))
         }
     }
 }

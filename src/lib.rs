@@ -23,6 +23,7 @@ pub mod progress;
 pub mod reference;
 pub mod sampling;
 pub mod session;
+pub mod state;
 pub mod tokenizer;
 #[cfg(feature = "ui")]
 pub mod ui;

@@ -107,6 +107,15 @@ impl Backend for CpuBackend {
         stop: &[u32],
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
+        // Each step feeds one token: stop where the KV caches are full (as the GPU does).
+        let room = self.model.context.saturating_sub(self.state.len);
+        if room == 0 {
+            return Err(Error::InvalidInput(format!(
+                "the context is full: {} tokens (--ctx)",
+                self.state.len
+            )));
+        }
+        let max_new = max_new.min(room);
         let mut token = first;
         for i in 0..max_new {
             let logits =

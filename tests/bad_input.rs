@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use mamba2_wgpu::model::synthetic::tiny_config;
+use mamba2_wgpu::model::synthetic::{tiny_config, tiny_hybrid};
 use mamba2_wgpu::model::{Model, Tensor};
 use mamba2_wgpu::{CpuBackend, CpuModel, GenerateOptions, Session};
 
@@ -41,10 +41,15 @@ fn a_good_model_loads() {
     let (dir, model) = saved_model("good");
     let loaded = Model::load(&dir).unwrap();
     assert_eq!(loaded.config, model.config);
-    assert_eq!(
-        loaded.weights.layers[1].out_proj.to_f32(),
-        model.weights.layers[1].out_proj.to_f32()
-    );
+    let out_proj = |m: &Model| {
+        m.weights.layers[1]
+            .mixer
+            .mamba()
+            .expect("a Mamba2 layer")
+            .out_proj
+            .to_f32()
+    };
+    assert_eq!(out_proj(&loaded), out_proj(&model));
 }
 
 #[test]
@@ -127,7 +132,7 @@ fn extra_tensor() {
     });
     assert_eq!(
         load_err(&dir),
-        "tensor `backbone.layers.0.mixer.in_proj.bias`: unexpected tensor: not part of a Mamba2 model"
+        "tensor `backbone.layers.0.mixer.in_proj.bias`: unexpected tensor: not part of a supported model"
     );
     resave(&dir, &model, |t| {
         t.push(Tensor::from_f32(
@@ -231,4 +236,139 @@ fn empty_prompt_and_bad_sampling() {
         e.to_string(),
         "invalid input: token id 99 is outside the vocabulary (size 77)"
     );
+}
+
+/// A tiny Nemotron-H hybrid saved as `save_pretrained` would name it.
+fn saved_hybrid(name: &str) -> (PathBuf, Model) {
+    let dir = scratch(name);
+    let model = Model::synthetic(tiny_hybrid("M*-M", 2), 1);
+    model.save(&dir).unwrap();
+    (dir, model)
+}
+
+#[test]
+fn a_hybrid_round_trips_and_its_tensors_are_checked() {
+    let (dir, model) = saved_hybrid("hybrid");
+    let loaded = Model::load(&dir).unwrap();
+    assert_eq!(loaded.config, model.config);
+    assert_eq!(loaded.config.pattern(), "M*-M");
+    // An attention weight of the wrong shape, a missing MLP weight, an attention tensor
+    // in a Mamba layer: each error names the tensor.
+    resave(&dir, &model, |t| {
+        let i = t
+            .iter()
+            .position(|t| t.name == "backbone.layers.1.mixer.k_proj.weight")
+            .unwrap();
+        t[i] = Tensor::from_f32(t[i].name.clone(), vec![8, 32], &[0.0; 8 * 32]);
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains(
+            "tensor `backbone.layers.1.mixer.k_proj.weight`: expected shape [16, 32], found [8, 32]"
+        ),
+        "{e}"
+    );
+    resave(&dir, &model, |t| {
+        t.retain(|t| t.name != "backbone.layers.2.mixer.down_proj.weight")
+    });
+    assert!(
+        load_err(&dir).starts_with(
+            "tensor `backbone.layers.2.mixer.down_proj.weight`: missing from the checkpoint"
+        ),
+        "{}",
+        load_err(&dir)
+    );
+    resave(&dir, &model, |t| {
+        let q = t
+            .iter()
+            .find(|t| t.name == "backbone.layers.1.mixer.q_proj.weight")
+            .unwrap()
+            .clone();
+        t.push(Tensor::from_f32(
+            "backbone.layers.0.mixer.q_proj.weight",
+            q.shape.clone(),
+            &q.to_f32(),
+        ));
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains("backbone.layers.0.mixer.q_proj.weight")
+            && e.contains("layer 0 is a mamba2 layer"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_hybrid_configs_name_the_field() {
+    let (dir, _) = saved_hybrid("hybrid_config");
+    let config = dir.join("config.json");
+    let good: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    let with = |key: &str, v: serde_json::Value| {
+        let mut c = good.clone();
+        c[key] = v;
+        c.to_string()
+    };
+    let cases = [
+        (
+            with("num_key_value_heads", 3.into()),
+            "field `num_key_value_heads`: 4 attention heads cannot share 3 key/value heads evenly",
+        ),
+        (
+            with("hybrid_override_pattern", "M*-X".into()),
+            "field `hybrid_override_pattern`: layer 3 has the unknown block type `X`",
+        ),
+        (
+            with("hybrid_override_pattern", "M*E-".into()),
+            "layer 2 is a mixture-of-experts layer (`E`)",
+        ),
+        (
+            with("num_attention_heads", 0.into()),
+            "field `num_attention_heads`: must be positive",
+        ),
+        (
+            with("mlp_hidden_act", "gelu".into()),
+            "`mlp_hidden_act`: the MLP activation `gelu`",
+        ),
+        (
+            with("num_hidden_layers", 7.into()),
+            "field `hybrid_override_pattern`: describes 4 layers but num_hidden_layers is 7",
+        ),
+    ];
+    for (text, want) in cases {
+        std::fs::write(&config, &text).unwrap();
+        let e = load_err(&dir);
+        assert!(e.contains(want), "{text}\n  gave: {e}\n  want: {want}");
+        assert!(e.contains("config.json"), "the error names the file: {e}");
+    }
+}
+
+#[test]
+fn a_kv_cache_larger_than_the_adapter_binds_is_refused_with_sizes() {
+    let model = Model::synthetic(tiny_hybrid("M*-", 2), 1);
+    let opts = mamba2_wgpu::EngineOptions {
+        context: Some(1 << 30),
+        ..Default::default()
+    };
+    // 128 MiB per binding (lavapipe's limit): 2 kv heads × 8 values × 2 bytes per row.
+    let e = opts
+        .context_for(&model.config, 128 << 20, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--ctx 1073741824")
+            && e.contains("32 bytes")
+            && e.contains("128.0 MiB per buffer")
+            && e.contains("at most 4194304 tokens fit"),
+        "{e}"
+    );
+    // Without --ctx the config's context is taken, capped to what fits, and said so.
+    let mut c = model.config.clone();
+    c.max_context = Some(1 << 30);
+    let mut said = String::new();
+    let n = mamba2_wgpu::EngineOptions::default()
+        .context_for(&c, 128 << 20, &mut |m| said = m.to_string())
+        .unwrap();
+    assert_eq!(n, 4194304);
+    assert!(said.contains("KV cache capped at 4194304 tokens"), "{said}");
 }

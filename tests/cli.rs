@@ -34,10 +34,17 @@ fn join(ids: &[u32]) -> String {
 
 #[test]
 fn generate_prompt_ids_on_every_device() {
-    let dir = common::fixture("nemotron_h_g2");
+    for name in ["nemotron_h_g2", "nemotron_h_hybrid"] {
+        generate_fixture_greedy(name);
+    }
+}
+
+/// The oracle's 24 greedy ids from `mamba2 generate` on the CPU and the GPU (f32).
+fn generate_fixture_greedy(name: &str) {
+    let dir = common::fixture(name);
     let (prompt, greedy) = (
-        oracle_ids("nemotron_h_g2", "prompt_ids"),
-        oracle_ids("nemotron_h_g2", "greedy_ids"),
+        oracle_ids(name, "prompt_ids"),
+        oracle_ids(name, "greedy_ids"),
     );
     let mut devices = vec!["cpu"];
     if common::gpu(&Default::default()).is_some() {
@@ -56,17 +63,19 @@ fn generate_prompt_ids_on_every_device() {
             device,
             "--dtype",
             "f32",
+            "--kv",
+            "f32",
         ]);
-        assert!(ok, "{device}: {err}");
+        assert!(ok, "{name} {device}: {err}");
         // The prompt ids are echoed, then each generated id streams as ",id".
         assert_eq!(
             out.trim(),
             join(&[prompt.clone(), greedy.clone()].concat()),
-            "{device}"
+            "{name} {device}"
         );
         assert!(
             err.contains("37 prompt + 24 generated tokens"),
-            "{device}: {err}"
+            "{name} {device}: {err}"
         );
     }
 }
@@ -77,7 +86,7 @@ fn info_describes_the_model() {
     let (ok, out, err) = mamba2(&["info", "--model", dir.to_str().unwrap()]);
     assert!(ok, "{err}");
     for want in [
-        "format     HF transformers nemotron_h (all Mamba)",
+        "format     HF transformers nemotron_h",
         "layers     3",
         "d_inner    96  (8 heads × head_dim 12)",
         "groups     2  (d_state 16, conv kernel 4)",
@@ -85,6 +94,19 @@ fn info_describes_the_model() {
         "tied head  no",
         "dtypes     f32 ×",
         "tokenizer  none",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
+    // A hybrid: its layer pattern, attention and MLP shapes, and the KV cache per token.
+    let dir = common::fixture("nemotron_h_hybrid");
+    let (ok, out, err) = mamba2(&["info", "--model", dir.to_str().unwrap(), "--ctx", "1000"]);
+    assert!(ok, "{err}");
+    for want in [
+        "pattern    M*-M-*M  (3 Mamba2 `M`, 2 attention `*`, 2 MLP `-`)",
+        "attention  4 heads, 2 key/value heads, head_dim 16, no positional encoding",
+        "mlp        96 wide, relu²",
+        // 2 layers × (K + V) × 2 kv heads × 16 × 2 bytes = 256 bytes per token.
+        "KV cache   0.2 MiB at 1000 tokens in f16 (0.2 KiB per token",
     ] {
         assert!(out.contains(want), "missing `{want}` in:\n{out}");
     }

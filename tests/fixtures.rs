@@ -1,6 +1,7 @@
-//! The external oracles: HF transformers' Mamba2ForCausalLM (G = 1, tied) and
-//! NemotronHForCausalLM (G = 2, head dim 12, per-group gated norm), run on the CPU in
-//! float32 by scripts/make_fixtures.py. Our CPU reference must match their logits at every
+//! The external oracles: HF transformers' Mamba2ForCausalLM (G = 1, tied),
+//! NemotronHForCausalLM all-Mamba (G = 2, head dim 12, per-group gated norm) and two
+//! NemotronH hybrids (Mamba2 + attention + MLP; GQA with 2 kv heads, and MQA with MLP
+//! biases), run on the CPU in float32 by scripts/make_fixtures.py. Our CPU reference must match their logits at every
 //! prompt position and their 24 greedy tokens.
 
 mod common;
@@ -122,9 +123,52 @@ fn nemotron_h_g2_matches_transformers() {
 }
 
 #[test]
+fn nemotron_h_hybrid_matches_transformers() {
+    check_fixture("nemotron_h_hybrid");
+}
+
+#[test]
+fn nemotron_h_mqa_matches_transformers() {
+    check_fixture("nemotron_h_mqa");
+}
+
+#[test]
+fn hybrid_fixtures_in_f64_and_in_prompt_pieces() {
+    // The f64 reference matches the f32 oracle too, and a prompt fed in pieces (several
+    // prefill calls, chunk 8) gives the same logits as the oracle's one pass.
+    for name in ["nemotron_h_hybrid", "nemotron_h_mqa"] {
+        let dir = common::fixture(name);
+        let model = Model::load(&dir).unwrap();
+        let o = oracle(&dir);
+        let cpu = CpuModel::<f64>::new(&model.config, &model.weights);
+        let mut state = cpu.new_state();
+        let mut logits = Vec::new();
+        for piece in [&o.prompt[..3], &o.prompt[3..20], &o.prompt[20..]] {
+            logits.extend(
+                cpu.forward(&mut state, piece, Scan::Chunked(8), Logits::All)
+                    .unwrap(),
+            );
+        }
+        for (t, (got, want)) in logits.iter().zip(&o.prompt_logits).enumerate() {
+            let got: Vec<f32> = got.iter().map(|&v| v as f32).collect();
+            let e = max_abs(&got, want);
+            assert!(
+                e <= 1e-4,
+                "{name} f64: prompt position {t}: max |Δlogit| {e:e}"
+            );
+        }
+    }
+}
+
+#[test]
 fn oracle_prompt_nll_is_what_its_logits_say() {
     // The fixture's own NLL figure agrees with its logits (guards the perplexity tests).
-    for name in ["hf_mamba2_g1", "nemotron_h_g2"] {
+    for name in [
+        "hf_mamba2_g1",
+        "nemotron_h_g2",
+        "nemotron_h_hybrid",
+        "nemotron_h_mqa",
+    ] {
         let o = oracle(&common::fixture(name));
         let nll: f64 = o
             .prompt_logits

@@ -387,12 +387,14 @@ fn inspector_steps_times_and_flags_nan() {
             .count(),
         0
     );
-    let mut st = State {
-        conv: vec![vec![0.5; config.conv_state_len()]; config.n_layer],
-        ssm: vec![vec![0.25; config.ssm_state_len()]; config.n_layer],
-    };
+    let mut st = State::new(&config);
+    for l in 0..config.n_layer {
+        let (conv, ssm) = st.mamba_mut(l).expect("all layers are Mamba2");
+        conv.fill(0.5);
+        ssm.fill(0.25);
+    }
     let head_len = config.head_dim * config.d_state;
-    st.ssm[2][5 * head_len + 7] = f32::NAN;
+    st.mamba_mut(2).expect("Mamba2").1[5 * head_len + 7] = f32::NAN;
     h.state_mut()
         .panel
         .inject_state(&st)
@@ -410,7 +412,7 @@ fn inspector_steps_times_and_flags_nan() {
         "the flag names the head"
     );
     // A state of the wrong shape is refused, not shown.
-    st.ssm.pop();
+    st.layers.pop();
     assert!(h.state_mut().panel.inject_state(&st).is_err());
 }
 
@@ -559,7 +561,7 @@ fn state_tap_reads_what_the_engine_holds() {
         tapped, blocking,
         "the asynchronous copy is the state, layer by layer"
     );
-    assert!(tapped.ssm.iter().flatten().any(|&v| v != 0.0));
+    assert!(tapped.values().iter().any(|&v| v != 0.0));
     // Nothing in flight: nothing to take.
     assert!(tap.poll().expect("poll").is_none());
 }

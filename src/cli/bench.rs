@@ -12,7 +12,8 @@ use mamba2_wgpu::{DeviceChoice, WeightFormat};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Model shapes: tiny, 130m, 370m, 780m, 1.3b, 2.7b, codestral-7b (comma-separated list allowed).
+    /// Model shapes: tiny, tiny-hybrid, 130m, 370m, 780m, 1.3b, 2.7b, codestral-7b,
+    /// nemotron-h-8b, nemotron-nano-9b-v2 (comma-separated list allowed).
     #[arg(long, default_value = "130m", value_delimiter = ',')]
     config: Vec<String>,
     /// Weight formats of the big matrices (comma-separated list allowed).
@@ -48,6 +49,10 @@ pub struct BenchArgs {
     /// SSD chunk length of prefill (default: the model's, 256).
     #[arg(long)]
     chunk_size: Option<usize>,
+    /// Hybrids: time decode with this many tokens already in the KV caches, e.g.
+    /// 1024,32768 (0 = an empty cache).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    ctx: Vec<usize>,
     /// Print JSON lines instead of text.
     #[arg(long)]
     json: bool,
@@ -92,25 +97,38 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         if fused { "fused" } else { "unfused" }
                     );
                 }
-                let mut engine = Engine::synthetic(ctx.clone(), &config, format, fused, 7)?;
-                let chunk = mamba2_wgpu::EngineOptions {
+                // Room for the longest cached context plus every timed token, and for the
+                // longest prompt.
+                let longest = args.ctx.iter().max().copied().unwrap_or(0)
+                    + args.warmup
+                    + args.tokens
+                    + args.profile_tokens
+                    + 8;
+                let longest = longest.max(args.prefill.iter().max().copied().unwrap_or(0));
+                let opts = mamba2_wgpu::EngineOptions {
+                    format,
+                    fused,
                     chunk_size: args.chunk_size,
+                    context: config.attention.as_ref().map(|_| longest),
                     ..Default::default()
                 };
-                engine.chunk = chunk.chunk_for(&config)?;
+                let engine = Engine::synthetic(ctx.clone(), &config, opts, 7)?;
                 let mut backend = GpuBackend::new(engine)?;
                 if !args.no_decode {
-                    let report = decode(
-                        &mut backend,
-                        name,
-                        args.tokens,
-                        args.warmup,
-                        args.profile_tokens,
-                    )?;
-                    if args.json {
-                        println!("{}", serde_json::to_string(&report)?);
-                    } else {
-                        print!("{}", report.text());
+                    for &cached in &args.ctx {
+                        let report = decode(
+                            &mut backend,
+                            name,
+                            args.tokens,
+                            args.warmup,
+                            args.profile_tokens,
+                            cached,
+                        )?;
+                        if args.json {
+                            println!("{}", serde_json::to_string(&report)?);
+                        } else {
+                            print!("{}", report.text());
+                        }
                     }
                 }
                 for &len in &args.prefill {

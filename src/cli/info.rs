@@ -2,11 +2,16 @@
 
 use super::ModelArgs;
 use clap::Args;
+use mamba2_wgpu::config::{BlockKind, MlpAct};
 
 #[derive(Args)]
 pub struct InfoArgs {
     #[command(flatten)]
     model: ModelArgs,
+    /// Hybrids: the context the per-sequence state is shown for (default: the config's
+    /// max_position_embeddings).
+    #[arg(long, value_name = "N")]
+    ctx: Option<usize>,
 }
 
 pub fn run(args: InfoArgs) -> anyhow::Result<()> {
@@ -16,6 +21,38 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     println!("model      {}", args.model.name());
     println!("format     {}", c.format.name());
     println!("layers     {}", c.n_layer);
+    if c.is_hybrid() {
+        println!(
+            "pattern    {}  ({} Mamba2 `M`, {} attention `*`, {} MLP `-`)",
+            c.pattern(),
+            c.count(BlockKind::Mamba2),
+            c.count(BlockKind::Attention),
+            c.count(BlockKind::Mlp)
+        );
+    }
+    if let Some(a) = &c.attention {
+        println!(
+            "attention  {} heads, {} key/value heads, head_dim {}, {}, scale {:.4}",
+            a.heads,
+            a.kv_heads,
+            a.head_dim,
+            match a.rope_theta {
+                Some(t) => format!("RoPE θ {t}"),
+                None => "no positional encoding".into(),
+            },
+            a.scale
+        );
+    }
+    if let Some(m) = &c.mlp {
+        println!(
+            "mlp        {} wide, {}",
+            m.intermediate,
+            match m.act {
+                MlpAct::Relu2 => "relu²",
+                MlpAct::SiluGated => "silu-gated",
+            }
+        );
+    }
     println!("d_model    {}", c.d_model);
     println!(
         "d_inner    {}  ({} heads × head_dim {})",
@@ -55,12 +92,24 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     println!("dtypes     {}", dtypes.join(", "));
     let weight_bytes: usize = model.weights.all().iter().map(|t| t.bytes().len()).sum();
     println!("weights    {:.1} MiB on disk", mib(weight_bytes));
+    let mamba = c.count(BlockKind::Mamba2);
     println!(
         "state      {:.2} MiB per sequence (SSM {:.2} MiB + conv {:.3} MiB, f32)",
         mib(c.state_bytes()),
-        mib(4 * c.n_layer * c.ssm_state_len()),
-        mib(4 * c.n_layer * c.conv_state_len())
+        mib(4 * mamba * c.ssm_state_len()),
+        mib(4 * mamba * c.conv_state_len())
     );
+    if c.attention.is_some() && c.count(BlockKind::Attention) > 0 {
+        let ctx = args.ctx.or(c.max_context).unwrap_or(4096);
+        println!(
+            "KV cache   {:.1} MiB at {ctx} tokens in f16 ({:.1} KiB per token; f32: {:.1} MiB); \
+             state + KV {:.1} MiB",
+            mib(ctx * c.kv_bytes_per_token(2)),
+            c.kv_bytes_per_token(2) as f64 / 1024.0,
+            mib(ctx * c.kv_bytes_per_token(4)),
+            mib(c.state_bytes() + ctx * c.kv_bytes_per_token(2)),
+        );
+    }
     match &tokenizer {
         Some(t) => println!(
             "tokenizer  {} tokens; end of sequence {}; chat template {}",

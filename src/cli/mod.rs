@@ -96,6 +96,13 @@ pub struct DeviceArgs {
     /// Feed prompts token by token through the decode graph instead of the chunked prefill.
     #[arg(long)]
     pub prefill_by_decode: bool,
+    /// Hybrid models: tokens the attention layers' KV caches hold (default: the config's
+    /// max_position_embeddings, capped by what the adapter can bind).
+    #[arg(long, value_name = "N")]
+    pub ctx: Option<usize>,
+    /// Hybrid models: how the KV caches store K and V on the GPU, f16 or f32.
+    #[arg(long, default_value = "f16")]
+    pub kv: mamba2_wgpu::gpu::state_store::KvFormat,
 }
 
 impl DeviceArgs {
@@ -103,6 +110,8 @@ impl DeviceArgs {
         let mut o = mamba2_wgpu::EngineOptions {
             format: self.dtype,
             chunk_size: self.chunk_size,
+            context: self.ctx,
+            kv: self.kv,
             ..Default::default()
         };
         if self.prefill_by_decode {

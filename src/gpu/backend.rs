@@ -11,10 +11,11 @@ use std::time::Instant;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
-use crate::gpu::engine::{DeviceSnapshot, Engine, PROMPT_WINDOW, PrefillMode};
+use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode};
 use crate::gpu::graph::{Ctrl, Tail};
 use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
 use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
+use crate::gpu::state_store::DeviceSnapshot;
 use crate::sampling::{Sampling, seed_key};
 use crate::session::Backend;
 
@@ -94,7 +95,7 @@ impl GpuBackend {
             top_p: sampling.top_p,
             cursor: 0,
             prompt_len: 0,
-            kv_len: 0,
+            kv_len: self.engine.len as u32,
             pad: 0,
         })
     }
@@ -119,9 +120,12 @@ impl GpuBackend {
             Some(_) => Some(logits_readback(&ctx, vocab, window)?),
             None => None,
         };
+        self.engine.check_room(tokens.len())?;
+        let start = self.engine.len;
         for (wi, chunk) in tokens.chunks(window).enumerate() {
             ctx.queue
                 .write_buffer(&self.engine.scratch.prompt, 0, bytemuck::cast_slice(chunk));
+            ctrl.kv_len = (start + wi * window) as u32;
             ctrl.token = chunk[0];
             ctrl.cursor = 0;
             ctrl.prompt_len = chunk.len() as u32;
@@ -154,6 +158,7 @@ impl GpuBackend {
                 read_logits(&ctx, rb, vocab, chunk.len(), out)?;
             }
         }
+        self.engine.len = start + tokens.len();
         ctx.check()
     }
 
@@ -182,12 +187,15 @@ impl GpuBackend {
             None
         };
         let head_graph = head.map(|t| self.engine.head_graph(t));
+        self.engine.check_room(tokens.len())?;
+        let start = self.engine.len;
         let blocks: Vec<&[u32]> = tokens.chunks(block).collect();
         for (bi, chunk) in blocks.iter().enumerate() {
             let last = bi + 1 == blocks.len();
             ctx.queue
                 .write_buffer(&p.prompt, 0, bytemuck::cast_slice(chunk));
             ctrl.prompt_len = chunk.len() as u32;
+            ctrl.kv_len = (start + bi * block) as u32;
             self.engine.write_ctrl(&ctrl);
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             {
@@ -220,6 +228,7 @@ impl GpuBackend {
                 read_logits(&ctx, rb, vocab, chunk.len(), out)?;
             }
         }
+        self.engine.len = start + tokens.len();
         ctx.check()
     }
 
@@ -232,10 +241,13 @@ impl GpuBackend {
         let profiler = Profiler::new(&ctx, p.graph.len())?
             .ok_or_else(|| Error::Gpu("this adapter has no timestamp queries".into()))?;
         let mut times = Vec::new();
+        self.engine.check_room(tokens.len())?;
         for chunk in tokens.chunks(p.max_tokens) {
             ctx.queue
                 .write_buffer(&p.prompt, 0, bytemuck::cast_slice(chunk));
             ctrl.prompt_len = chunk.len() as u32;
+            ctrl.kv_len = self.engine.len as u32;
+            self.engine.len += chunk.len();
             self.engine.write_ctrl(&ctrl);
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             profiler.record(&mut enc, &p.graph, Some(chunk.len() as u32))?;
@@ -393,6 +405,13 @@ impl Backend for GpuBackend {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
         let tail = Tail::sampling(sampling);
+        // Each step feeds one token into the KV caches: stop where they are full.
+        self.engine.check_room(1)?;
+        let max_new = if self.engine.state.kv_bytes() > 0 {
+            max_new.min(self.engine.context() - self.engine.len)
+        } else {
+            max_new
+        };
         let ctrl = self.ctrl(first, pos, sampling, stop)?;
         self.engine.write_ctrl(&ctrl);
         let mut inflight: VecDeque<(usize, wgpu::SubmissionIndex, MapResult)> = VecDeque::new();
@@ -414,6 +433,8 @@ impl Backend for GpuBackend {
                 break;
             };
             let c = self.read_slot(slot, index, rx)?;
+            // The device counts the tokens it fed (a stopped step feeds none).
+            self.engine.len = c.kv_len as usize;
             if done && c.stopped != 0 {
                 continue; // a no-op step after the stop token
             }
@@ -434,7 +455,7 @@ impl Backend for GpuBackend {
         Some(self)
     }
 
-    fn state(&self) -> Result<crate::reference::State<f32>> {
+    fn state(&self) -> Result<crate::state::State<f32>> {
         self.engine.read_state()
     }
 
@@ -443,7 +464,7 @@ impl Backend for GpuBackend {
             return self.engine.restore(s);
         }
         let state = snapshot
-            .downcast_ref::<crate::reference::State<f32>>()
+            .downcast_ref::<crate::state::State<f32>>()
             .ok_or_else(|| {
                 Error::InvalidInput("snapshot was taken on another kind of device".into())
             })?;

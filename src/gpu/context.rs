@@ -199,8 +199,10 @@ impl GpuContext {
             }
         };
         let mut limits = wgpu::Limits::default();
-        limits.max_buffer_size = limits.max_buffer_size.max(*size);
-        limits.max_storage_buffer_binding_size = limits.max_storage_buffer_binding_size.max(*size);
+        // All the adapter allows for buffer sizes: the KV caches are sized to it once the
+        // device exists (`EngineOptions::context_for`).
+        limits.max_buffer_size = al.max_buffer_size.max(*size);
+        limits.max_storage_buffer_binding_size = al.max_storage_buffer_binding_size.max(*size);
         limits.max_storage_buffers_per_shader_stage =
             limits.max_storage_buffers_per_shader_stage.max(check(
                 "storage buffers per stage",

@@ -1,108 +1,26 @@
-//! `Engine`: a model resident on one device. Weights are uploaded once (f32, f16 or q8_0
-//! for the big matrices; the small per-layer tensors stay f32 in one buffer per layer),
-//! the recurrent state and the activation scratch live in storage buffers, and the token
-//! graphs (fused and unfused, for each `Tail`) are built once with all their bind groups.
+//! `Engine`: a model resident on one device — its weights (`DeviceWeights`), one
+//! sequence's state (`DeviceState`), the activation scratch (`Scratch`) — and its token
+//! graphs (fused and unfused, for each `Tail`), built once by the graph builder
+//! (`gpu::blocks`) with all their bind groups.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::gpu::blocks::{self, BlockCtx, mamba2};
 use crate::gpu::context::{GpuContext, Needs};
+use crate::gpu::device_weights::{DeviceWeights, ParamLayout};
 use crate::gpu::graph::{Ctrl, Graph, Tail};
-use crate::gpu::kernels::gated_norm::{Batch, GatedNormBuffers};
-use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
-use crate::gpu::kernels::rmsnorm::NormBuffers;
-use crate::gpu::kernels::ssd_step::{self, SsdBuffers, SsdConsts};
-use crate::gpu::kernels::{
-    Kernels, advance, argmax, conv_step, embed, gated_norm, residual_add, rmsnorm, sample,
-};
-use crate::gpu::weights::DeviceMatrix;
+use crate::gpu::kernels::Kernels;
+use crate::gpu::scratch::{Scratch, widest_input};
+use crate::gpu::state_store::{DeviceSnapshot, DeviceState, KvFormat};
 use crate::model::Model;
-use crate::model::quant::{Packed, WeightFormat, pack};
-use crate::reference::State;
+use crate::model::quant::WeightFormat;
+use crate::state::State;
 
-/// Offsets (in f32) of the small tensors inside a layer's parameter buffer:
-/// `[conv_w | conv_b | dt_bias | A | D | norm | mixer_norm]`.
-#[derive(Clone, Copy, Debug)]
-pub struct ParamLayout {
-    pub conv_w: usize,
-    pub conv_b: usize,
-    pub dt_bias: usize,
-    pub a: usize,
-    pub d: usize,
-    pub norm: usize,
-    pub mixer_norm: usize,
-    pub len: usize,
-}
-
-impl ParamLayout {
-    pub fn new(c: &ModelConfig) -> Self {
-        let conv_b = c.conv_dim() * c.d_conv;
-        let dt_bias = conv_b + c.conv_dim();
-        let a = dt_bias + c.n_heads;
-        let d = a + c.n_heads;
-        let norm = d + c.n_heads;
-        let mixer_norm = norm + c.d_model;
-        ParamLayout {
-            conv_w: 0,
-            conv_b,
-            dt_bias,
-            a,
-            d,
-            norm,
-            mixer_norm,
-            len: mixer_norm + c.d_inner,
-        }
-    }
-}
-
-/// Host-side f32 values of one layer's small tensors, in `ParamLayout` order.
-pub struct LayerParams {
-    pub values: Vec<f32>,
-}
-
-/// One layer on the device.
-pub struct Layer {
-    pub in_proj: DeviceMatrix,
-    pub out_proj: DeviceMatrix,
-    pub params: wgpu::Buffer,
-    pub conv_state: wgpu::Buffer,
-    pub ssm_state: wgpu::Buffer,
-}
-
-/// A sequence's state copied on the device: conv and SSM state buffers per layer.
-pub struct DeviceSnapshot {
-    buffers: Vec<wgpu::Buffer>,
-}
-
-/// Activation scratch and control buffers, shared by every layer.
-pub struct Scratch {
-    pub resid: wgpu::Buffer,
-    /// `[z | xBC → u | dt → δ]`, d_in_proj values.
-    pub mix: wgpu::Buffer,
-    /// The SSD step's output (fused: `y·silu(z)·w_norm`, the out_proj input).
-    pub y: wgpu::Buffer,
-    /// Σv² per SSD channel block (fused).
-    pub part: wgpu::Buffer,
-    /// The normed input of in_proj / lm_head (f32, zero-padded to a multiple of 32).
-    pub h: wgpu::Buffer,
-    /// The gated-normed input of out_proj (unfused).
-    pub v: wgpu::Buffer,
-    /// q8 blocks of the next q8_0 GEMV's input: int8 ×4 per u32, and one scale per block.
-    pub xq: wgpu::Buffer,
-    pub xd: wgpu::Buffer,
-    pub out: wgpu::Buffer,
-    pub logits: wgpu::Buffer,
-    pub probs: wgpu::Buffer,
-    pub ctrl: wgpu::Buffer,
-    pub prompt: wgpu::Buffer,
-    /// The final norm weight (`[d]`).
-    pub final_params: wgpu::Buffer,
-}
-
-/// Prompt tokens fed per submit when prefilling through the decode graph.
-pub const PROMPT_WINDOW: usize = 256;
+pub use crate::gpu::device_weights::pack_parallel;
+pub use crate::gpu::scratch::PROMPT_WINDOW;
 
 /// A model resident on a device, with its token graphs.
 pub struct Engine {
@@ -110,15 +28,16 @@ pub struct Engine {
     pub config: ModelConfig,
     pub format: WeightFormat,
     pub layout: ParamLayout,
-    pub embedding: DeviceMatrix,
-    pub lm_head: Option<DeviceMatrix>,
-    pub layers: Vec<Layer>,
+    pub weights: DeviceWeights,
+    pub state: DeviceState,
     pub scratch: Scratch,
     graphs: HashMap<(bool, Tail), Graph>,
     pub fused: bool,
     /// SSD chunk length of prefill.
     pub chunk: usize,
     pub prefill_mode: PrefillMode,
+    /// Tokens fed into the state so far (the rows in use in every KV cache).
+    pub len: usize,
 }
 
 /// Options of an engine.
@@ -131,6 +50,11 @@ pub struct EngineOptions {
     pub chunk_size: Option<usize>,
     /// How prompts are fed.
     pub prefill: PrefillMode,
+    /// Tokens the KV caches hold (`--ctx`); `None` takes the config's
+    /// `max_position_embeddings`, capped by what the adapter can bind.
+    pub context: Option<usize>,
+    /// How the KV caches store K and V.
+    pub kv: KvFormat,
 }
 
 /// How a prompt is fed into the state.
@@ -149,11 +73,59 @@ impl Default for EngineOptions {
             fused: std::env::var_os("MAMBA2_NO_FUSE").is_none(),
             chunk_size: None,
             prefill: PrefillMode::Chunked,
+            context: None,
+            kv: KvFormat::F16,
         }
     }
 }
 
 impl EngineOptions {
+    /// The KV cache length for `config` on a device that binds at most `max_binding` bytes
+    /// per buffer: `--ctx` if it fits (an error naming the sizes if not), else the config's
+    /// `max_position_embeddings` (4096 when it has none), capped to what fits — `notice`
+    /// says so. 0 for models without attention layers.
+    pub fn context_for(
+        &self,
+        c: &ModelConfig,
+        max_binding: u64,
+        notice: &mut dyn FnMut(&str),
+    ) -> Result<usize> {
+        let Some(a) = &c.attention else {
+            return Ok(0);
+        };
+        if c.count(crate::config::BlockKind::Attention) == 0 {
+            return Ok(0);
+        }
+        let row = (a.kv_width() * self.kv.bytes()) as u64;
+        let fits = (max_binding / row.max(1)).min(u32::MAX as u64 / 2) as usize;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        match self.context {
+            Some(0) => Err(Error::InvalidInput("--ctx must be at least 1".into())),
+            Some(n) if n > fits => Err(Error::InvalidInput(format!(
+                "--ctx {n}: each attention layer's K (and V) cache would need {:.1} MiB ({n} \
+                 rows of {row} bytes, {} KV) but the adapter binds at most {:.1} MiB per \
+                 buffer: at most {fits} tokens fit (try --kv f16 or a smaller --ctx)",
+                mib(n as u64 * row),
+                self.kv.name(),
+                mib(max_binding)
+            ))),
+            Some(n) => Ok(n),
+            None => {
+                let want = c.max_context.unwrap_or(4096);
+                if want > fits {
+                    notice(&format!(
+                        "KV cache capped at {fits} tokens (the model allows {want}): the \
+                         adapter binds at most {:.1} MiB per buffer",
+                        mib(max_binding)
+                    ));
+                    Ok(fits)
+                } else {
+                    Ok(want)
+                }
+            }
+        }
+    }
+
     /// The chunk length for `config`, checked to lie in 8…256.
     pub fn chunk_for(&self, config: &ModelConfig) -> Result<usize> {
         let q = self.chunk_size.unwrap_or(config.chunk_size);
@@ -167,18 +139,38 @@ impl EngineOptions {
 }
 
 impl Engine {
-    /// What a model needs of a device in `format`, for `GpuContext::new`.
+    /// What a model needs of a device in `format`, for `GpuContext::new` (the KV caches are
+    /// sized later, to what the device binds).
     pub fn needs(c: &ModelConfig, format: WeightFormat) -> Needs {
+        let attn = c.attention.as_ref();
+        let mlp_rows = c.mlp.as_ref().map_or(0, |m| {
+            if m.act == crate::config::MlpAct::SiluGated {
+                2 * m.intermediate
+            } else {
+                m.intermediate
+            }
+        });
         let mats = [
             ("embedding / lm_head", c.vocab_size, c.d_model),
             ("in_proj", c.d_in_proj(), c.d_model),
             ("out_proj", c.d_model, c.d_inner),
+            ("qkv_proj", attn.map_or(0, |a| a.qkv_rows()), c.d_model),
+            ("o_proj", c.d_model, attn.map_or(0, |a| a.q_width())),
+            ("up_proj", mlp_rows, c.d_model),
+            (
+                "down_proj",
+                c.d_model,
+                c.mlp.as_ref().map_or(0, |m| m.intermediate),
+            ),
         ];
         let mut largest = (
             "SSM state (one layer)".to_string(),
             4 * c.ssm_state_len() as u64,
         );
         for (name, rows, cols) in mats {
+            if rows == 0 || cols == 0 {
+                continue;
+            }
             let kp = format.padded_cols(cols);
             let bytes = match format {
                 WeightFormat::Q8_0 => (rows * kp) as u64,
@@ -196,7 +188,7 @@ impl Engine {
         Needs {
             largest_buffer: largest,
             storage_buffers_per_stage: 8,
-            workgroup_storage: reduce + 1024,
+            workgroup_storage: (reduce + 1024).max(16 * 1024),
             invocations_per_workgroup: 256,
         }
     }
@@ -204,134 +196,43 @@ impl Engine {
     /// Uploads `model` (converting the big matrices to `opts.format`, with progress) and
     /// builds the graphs.
     pub fn new(ctx: Arc<GpuContext>, model: &Model, opts: EngineOptions) -> Result<Self> {
-        let c = &model.config;
-        let w = &model.weights;
-        let format = opts.format;
-        let total: u64 = w.all().iter().map(|t| t.numel() as u64).sum();
-        let bar = crate::progress::bar(total, "uploading weights");
-        let upload = |name: &str, t: &crate::model::Tensor| -> Result<DeviceMatrix> {
-            let (rows, cols) = (t.shape[0], t.shape[1]);
-            let packed = pack_parallel(format, &t.to_f32(), rows, cols);
-            let m = DeviceMatrix::upload(&ctx, name, &packed)?;
-            bar.inc(t.numel() as u64);
-            Ok(m)
-        };
-        let embedding = upload("embedding", &w.embedding)?;
-        let lm_head = w
-            .lm_head
-            .as_ref()
-            .map(|t| upload("lm_head", t))
-            .transpose()?;
-        let layout = ParamLayout::new(c);
-        let mut params = Vec::with_capacity(c.n_layer);
-        let mut mats = Vec::with_capacity(c.n_layer);
-        for (i, l) in w.layers.iter().enumerate() {
-            let mut v = Vec::with_capacity(layout.len);
-            v.extend(l.conv_weight.to_f32());
-            match &l.conv_bias {
-                Some(b) => v.extend(b.to_f32()),
-                None => v.extend(std::iter::repeat_n(0.0, c.conv_dim())),
-            }
-            v.extend(l.dt_bias.to_f32());
-            v.extend(l.a_log.to_f32().into_iter().map(|a| -a.exp()));
-            v.extend(l.d_skip.to_f32());
-            v.extend(l.norm.to_f32());
-            v.extend(l.mixer_norm.to_f32());
-            debug_assert_eq!(v.len(), layout.len);
-            params.push(LayerParams { values: v });
-            let in_proj = upload(&format!("layers.{i}.in_proj"), &l.in_proj)?;
-            let out_proj = upload(&format!("layers.{i}.out_proj"), &l.out_proj)?;
-            bar.inc((layout.len) as u64);
-            mats.push((in_proj, out_proj));
-            // Flush staged uploads layer by layer so host memory stays bounded.
-            ctx.queue.submit([]);
-            ctx.wait()?;
-        }
-        bar.finish_and_clear();
-        let final_norm = w.final_norm.to_f32();
-        let mut engine = Self::assemble(
-            ctx,
-            c,
-            format,
-            opts.fused,
-            embedding,
-            lm_head,
-            mats,
-            params,
-            &final_norm,
-        )?;
-        engine.chunk = opts.chunk_for(c)?;
-        engine.prefill_mode = opts.prefill;
-        Ok(engine)
+        let weights = DeviceWeights::upload(&ctx, model, opts.format)?;
+        Self::assemble(ctx, &model.config, weights, opts)
     }
 
-    /// Wires uploaded matrices, parameters and fresh state/scratch into an engine.
-    #[allow(clippy::too_many_arguments)]
+    /// Wires uploaded weights and fresh state/scratch into an engine and builds its graphs.
     pub(crate) fn assemble(
         ctx: Arc<GpuContext>,
         c: &ModelConfig,
-        format: WeightFormat,
-        fused: bool,
-        embedding: DeviceMatrix,
-        lm_head: Option<DeviceMatrix>,
-        mats: Vec<(DeviceMatrix, DeviceMatrix)>,
-        params: Vec<LayerParams>,
-        final_norm: &[f32],
+        weights: DeviceWeights,
+        opts: EngineOptions,
     ) -> Result<Self> {
+        let format = opts.format;
         let layout = ParamLayout::new(c);
-        let f32s = |n: usize| 4 * n as u64;
-        let mut layers = Vec::with_capacity(c.n_layer);
-        for (i, ((in_proj, out_proj), p)) in mats.into_iter().zip(params).enumerate() {
-            layers.push(Layer {
-                in_proj,
-                out_proj,
-                params: ctx.storage_with(
-                    &format!("layers.{i}.params"),
-                    bytemuck::cast_slice(&p.values),
-                )?,
-                conv_state: ctx
-                    .storage_zeroed(&format!("layers.{i}.conv_state"), f32s(c.conv_state_len()))?,
-                ssm_state: ctx
-                    .storage_zeroed(&format!("layers.{i}.ssm_state"), f32s(c.ssm_state_len()))?,
-            });
-        }
-        let blocks = ssd_consts(c, &layout).blocks();
-        let widest = c.d_model.max(c.d_inner).next_multiple_of(32);
-        let scratch = Scratch {
-            resid: ctx.storage_zeroed("resid", f32s(c.d_model))?,
-            mix: ctx.storage_zeroed("mix", f32s(c.d_in_proj()))?,
-            y: ctx.storage_zeroed("y", f32s(c.d_inner.next_multiple_of(32)))?,
-            part: ctx.storage_zeroed("part", f32s(blocks))?,
-            h: ctx.storage_zeroed("h", f32s(c.d_model.next_multiple_of(32)))?,
-            v: ctx.storage_zeroed("v", f32s(c.d_inner.next_multiple_of(32)))?,
-            xq: ctx.storage_zeroed("xq", f32s(widest / 4))?,
-            xd: ctx.storage_zeroed("xd", f32s(widest / 32))?,
-            out: ctx.storage_zeroed("out", f32s(c.d_model))?,
-            logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
-            probs: ctx.storage_zeroed("probs", f32s(c.vocab_size))?,
-            ctrl: ctx.storage_zeroed("ctrl", std::mem::size_of::<Ctrl>() as u64)?,
-            prompt: ctx.storage_zeroed("prompt", f32s(PROMPT_WINDOW))?,
-            final_params: ctx.storage_with("final_norm", bytemuck::cast_slice(final_norm))?,
-        };
-        let fusable = fusable(c, format);
+        let max_binding = ctx.limits.max_storage_buffer_binding_size;
+        let context = opts.context_for(c, max_binding, &mut |m| tracing::warn!("{m}"))?;
+        let state = DeviceState::new(&ctx, c, context, opts.kv)?;
+        let blocks = mamba2::ssd_consts(c, &layout).blocks();
+        let attn_part = blocks::attention::partials_len(c, context);
+        let scratch = Scratch::new(&ctx, c, blocks, attn_part)?;
+        let fusable = mamba2::fusable(c, format);
         let mut engine = Engine {
             kernels: Kernels::new(ctx),
             config: c.clone(),
             format,
             layout,
-            embedding,
-            lm_head,
-            layers,
+            weights,
+            state,
             scratch,
             graphs: HashMap::new(),
-            fused: fused && fusable,
-            chunk: c.chunk_size.clamp(8, 256),
-            prefill_mode: PrefillMode::Chunked,
+            fused: opts.fused && fusable,
+            chunk: opts.chunk_for(c)?,
+            prefill_mode: opts.prefill,
+            len: 0,
         };
         for fused in [true, false] {
             for tail in [Tail::Greedy, Tail::Sample, Tail::Feed, Tail::FeedLogits] {
-                // Shapes the fused kernels cannot take run the unfused graph in both modes.
-                let g = engine.build_graph(fused && fusable, tail)?;
+                let g = blocks::decode_graph(&engine.block_ctx(), &engine.weights, fused, tail)?;
                 engine.graphs.insert((fused, tail), g);
             }
         }
@@ -341,6 +242,35 @@ impl Engine {
 
     pub fn ctx(&self) -> &Arc<GpuContext> {
         &self.kernels.ctx
+    }
+
+    /// What the graph builder reads.
+    pub fn block_ctx(&self) -> BlockCtx<'_> {
+        BlockCtx {
+            k: &self.kernels,
+            c: &self.config,
+            format: self.format,
+            layout: &self.layout,
+            s: &self.scratch,
+            state: &self.state,
+        }
+    }
+
+    /// Tokens the KV caches hold (0 without attention layers: no limit).
+    pub fn context(&self) -> usize {
+        self.state.ctx
+    }
+
+    /// Checks that `n` more tokens fit the KV caches.
+    pub fn check_room(&self, n: usize) -> Result<()> {
+        if self.state.kv_bytes() > 0 && self.len + n > self.state.ctx {
+            return Err(Error::InvalidInput(format!(
+                "the context is full: {} tokens so far + {n} new exceed the {}-token KV cache \
+                 (--ctx)",
+                self.len, self.state.ctx
+            )));
+        }
+        Ok(())
     }
 
     /// The token graph in the current fusion mode.
@@ -358,216 +288,8 @@ impl Engine {
     }
 
     /// The matrix that produces logits (lm_head, or the tied embedding).
-    pub fn head(&self) -> &DeviceMatrix {
-        self.lm_head.as_ref().unwrap_or(&self.embedding)
-    }
-
-    pub fn mixer_consts(&self) -> MixerConsts {
-        let c = &self.config;
-        MixerConsts {
-            d_inner: c.d_inner,
-            conv_dim: c.conv_dim(),
-            heads: c.n_heads,
-            kernel: c.d_conv,
-            cw_off: self.layout.conv_w,
-            cb_off: self.layout.conv_b,
-            dtb_off: self.layout.dt_bias,
-            dt_limit: c.time_step_limit,
-        }
-    }
-
-    fn build_graph(&self, fused: bool, tail: Tail) -> Result<Graph> {
-        let k = &self.kernels;
-        let c = &self.config;
-        let s = &self.scratch;
-        let eps = c.norm_eps;
-        let ssd = ssd_consts(c, &self.layout);
-        // The q8 activation blocks, when the matrices are q8_0.
-        let q8 = (self.format == WeightFormat::Q8_0).then_some((&s.xq, &s.xd));
-        let gemv_in = |src| GemvBuffers {
-            src,
-            q8,
-            dst: &s.mix,
-            part: None,
-            params: None,
-            conv_state: None,
-            ctrl: None,
-        };
-        let mut d = vec![embed::embed(k, &self.embedding, &s.ctrl, &s.resid)?];
-        for (i, l) in self.layers.iter().enumerate() {
-            let name = |what: &str| format!("layers.{i}.{what}");
-            let norm = NormBuffers {
-                src: &s.resid,
-                params: &l.params,
-                dst: &s.h,
-                q8,
-            };
-            d.push(rmsnorm::rmsnorm(
-                k,
-                &name("norm"),
-                c.d_model,
-                eps,
-                self.layout.norm,
-                1,
-                norm,
-            )?);
-            if fused {
-                d.push(gemv::gemv(
-                    k,
-                    &name("in_proj+conv"),
-                    &l.in_proj,
-                    GemvInput::Plain,
-                    GemvOutput::Mixer(self.mixer_consts()),
-                    GemvBuffers {
-                        params: Some(&l.params),
-                        conv_state: Some(&l.conv_state),
-                        ctrl: Some(&s.ctrl),
-                        ..gemv_in(&s.h)
-                    },
-                )?);
-                d.push(ssd_step::ssd_step(
-                    k,
-                    &name("ssd_step+gate"),
-                    ssd,
-                    SsdBuffers {
-                        mix: &s.mix,
-                        params: &l.params,
-                        state: &l.ssm_state,
-                        y: &s.y,
-                        part: Some(&s.part),
-                        q8,
-                        ctrl: &s.ctrl,
-                    },
-                )?);
-                d.push(gemv::gemv(
-                    k,
-                    &name("out_proj+norm+residual"),
-                    &l.out_proj,
-                    GemvInput::Group {
-                        groups: c.n_groups,
-                        group_size: c.group_size(),
-                        blocks_per_group: ssd.blocks() / c.n_groups,
-                        eps,
-                    },
-                    GemvOutput::Add,
-                    GemvBuffers {
-                        dst: &s.resid,
-                        part: Some(&s.part),
-                        ..gemv_in(&s.y)
-                    },
-                )?);
-            } else {
-                d.push(gemv::gemv(
-                    k,
-                    &name("in_proj"),
-                    &l.in_proj,
-                    GemvInput::Plain,
-                    GemvOutput::Store,
-                    gemv_in(&s.h),
-                )?);
-                d.push(conv_step::conv_step(
-                    k,
-                    &name("conv_step"),
-                    self.mixer_consts(),
-                    &s.mix,
-                    &l.params,
-                    &l.conv_state,
-                    &s.ctrl,
-                )?);
-                d.push(ssd_step::ssd_step(
-                    k,
-                    &name("ssd_step"),
-                    ssd,
-                    SsdBuffers {
-                        mix: &s.mix,
-                        params: &l.params,
-                        state: &l.ssm_state,
-                        y: &s.y,
-                        part: None,
-                        q8: None,
-                        ctrl: &s.ctrl,
-                    },
-                )?);
-                let gated = GatedNormBuffers {
-                    y: &s.y,
-                    mix: &s.mix,
-                    params: &l.params,
-                    dst: &s.v,
-                    q8,
-                };
-                d.push(gated_norm::gated_norm(
-                    k,
-                    &name("gated_norm"),
-                    c.d_inner,
-                    c.n_groups,
-                    eps,
-                    self.layout.mixer_norm,
-                    Batch {
-                        tokens: 1,
-                        mix_stride: c.d_in_proj(),
-                    },
-                    gated,
-                )?);
-                d.push(gemv::gemv(
-                    k,
-                    &name("out_proj"),
-                    &l.out_proj,
-                    GemvInput::Plain,
-                    GemvOutput::Store,
-                    GemvBuffers {
-                        dst: &s.out,
-                        ..gemv_in(&s.v)
-                    },
-                )?);
-                d.push(residual_add::residual_add(
-                    k,
-                    &name("residual"),
-                    c.d_model,
-                    &s.out,
-                    &s.resid,
-                )?);
-            }
-        }
-        if tail != Tail::Feed {
-            let norm = NormBuffers {
-                src: &s.resid,
-                params: &s.final_params,
-                dst: &s.h,
-                q8,
-            };
-            d.push(rmsnorm::rmsnorm(
-                k,
-                "final_norm",
-                c.d_model,
-                eps,
-                0,
-                1,
-                norm,
-            )?);
-            d.push(gemv::gemv(
-                k,
-                "lm_head",
-                self.head(),
-                GemvInput::Plain,
-                GemvOutput::Store,
-                GemvBuffers {
-                    dst: &s.logits,
-                    ..gemv_in(&s.h)
-                },
-            )?);
-        }
-        match tail {
-            Tail::Greedy => d.push(argmax::argmax(k, c.vocab_size, &s.logits, &s.ctrl)?),
-            Tail::Sample => d.push(sample::sample(
-                k,
-                c.vocab_size,
-                &s.logits,
-                &s.ctrl,
-                &s.probs,
-            )?),
-            Tail::Feed | Tail::FeedLogits => d.push(advance::advance(k, &s.prompt, &s.ctrl)?),
-        }
-        Ok(Graph { dispatches: d })
+    pub fn head(&self) -> &crate::gpu::weights::DeviceMatrix {
+        self.weights.head()
     }
 
     pub fn write_ctrl(&self, ctrl: &Ctrl) {
@@ -590,194 +312,66 @@ impl Engine {
             .read_f32(&self.scratch.logits, self.config.vocab_size)
     }
 
-    /// Zeroes the recurrent state (a fresh sequence).
-    pub fn reset_state(&self) -> Result<()> {
-        let mut enc = self
-            .ctx()
-            .device
-            .create_command_encoder(&Default::default());
-        for l in &self.layers {
-            enc.clear_buffer(&l.conv_state, 0, None);
-            enc.clear_buffer(&l.ssm_state, 0, None);
-        }
-        self.ctx().queue.submit([enc.finish()]);
-        self.ctx().check()
+    /// Zeroes the state (a fresh sequence).
+    pub fn reset_state(&mut self) -> Result<()> {
+        self.len = 0;
+        self.state.reset(self.ctx())
     }
 
     /// The state as the CPU reference lays it out (blocking read; not for the hot path).
     pub fn read_state(&self) -> Result<State<f32>> {
-        let c = &self.config;
-        let mut st = State {
-            conv: Vec::new(),
-            ssm: Vec::new(),
-        };
-        for l in &self.layers {
-            st.conv
-                .push(self.ctx().read_f32(&l.conv_state, c.conv_state_len())?);
-            st.ssm
-                .push(self.ctx().read_f32(&l.ssm_state, c.ssm_state_len())?);
-        }
-        Ok(st)
+        self.state.read(self.ctx(), &self.config, self.len)
     }
 
     /// A copy of the state kept on the device (no host round trip): for branching a
     /// conversation or regenerating a reply without re-reading the prompt.
     pub fn snapshot(&self) -> Result<DeviceSnapshot> {
-        let ctx = self.ctx();
-        let mut enc = ctx.device.create_command_encoder(&Default::default());
-        let mut copy = |src: &wgpu::Buffer, label: &str| -> Result<wgpu::Buffer> {
-            let dst = ctx.storage_zeroed(label, src.size())?;
-            enc.copy_buffer_to_buffer(src, 0, &dst, 0, None);
-            Ok(dst)
-        };
-        let mut buffers = Vec::with_capacity(2 * self.layers.len());
-        for l in &self.layers {
-            buffers.push(copy(&l.conv_state, "snapshot conv")?);
-            buffers.push(copy(&l.ssm_state, "snapshot ssm")?);
-        }
-        ctx.queue.submit([enc.finish()]);
-        ctx.check()?;
-        Ok(DeviceSnapshot { buffers })
+        self.state.snapshot(self.ctx(), self.len)
     }
 
     /// Puts a snapshot of this engine's state back.
-    pub fn restore(&self, s: &DeviceSnapshot) -> Result<()> {
-        if s.buffers.len() != 2 * self.layers.len() {
-            return Err(Error::InvalidInput(
-                "snapshot belongs to another model".into(),
-            ));
-        }
-        let ctx = self.ctx();
-        let mut enc = ctx.device.create_command_encoder(&Default::default());
-        for (l, pair) in self.layers.iter().zip(s.buffers.chunks(2)) {
-            enc.copy_buffer_to_buffer(&pair[0], 0, &l.conv_state, 0, None);
-            enc.copy_buffer_to_buffer(&pair[1], 0, &l.ssm_state, 0, None);
-        }
-        ctx.queue.submit([enc.finish()]);
-        ctx.check()
+    pub fn restore(&mut self, s: &DeviceSnapshot) -> Result<()> {
+        self.state.restore(self.ctx(), s)?;
+        self.len = s.len;
+        Ok(())
     }
 
     /// Replaces the state (e.g. to continue from a CPU-computed one).
-    pub fn write_state(&self, st: &State<f32>) -> Result<()> {
-        let c = &self.config;
-        if st.conv.len() != c.n_layer || st.ssm.len() != c.n_layer {
-            return Err(Error::InvalidInput(format!(
-                "state has {} layers, the model {}",
-                st.conv.len(),
-                c.n_layer
-            )));
-        }
-        for (l, (conv, ssm)) in self.layers.iter().zip(st.conv.iter().zip(&st.ssm)) {
-            if conv.len() != c.conv_state_len() || ssm.len() != c.ssm_state_len() {
-                return Err(Error::InvalidInput(
-                    "state shape does not match the model".into(),
-                ));
-            }
-            self.ctx()
-                .queue
-                .write_buffer(&l.conv_state, 0, bytemuck::cast_slice(conv));
-            self.ctx()
-                .queue
-                .write_buffer(&l.ssm_state, 0, bytemuck::cast_slice(ssm));
-        }
-        self.ctx().queue.submit([]);
-        self.ctx().check()
+    pub fn write_state(&mut self, st: &State<f32>) -> Result<()> {
+        self.state.write(self.ctx(), &self.config, st)?;
+        self.len = st.len;
+        Ok(())
     }
 
     /// Bytes of weights on the device.
     pub fn weight_bytes(&self) -> u64 {
-        let mut b = self.embedding.bytes() + self.lm_head.as_ref().map_or(0, |m| m.bytes());
-        for l in &self.layers {
-            b += l.in_proj.bytes() + l.out_proj.bytes() + l.params.size();
-        }
-        b + self.scratch.final_params.size()
+        self.weights.bytes()
     }
 
-    /// Bytes of recurrent state per sequence.
+    /// Bytes of fixed-size recurrent state per sequence (the KV caches come on top).
     pub fn state_bytes(&self) -> u64 {
-        self.layers
-            .iter()
-            .map(|l| l.conv_state.size() + l.ssm_state.size())
-            .sum()
+        self.state.fixed_bytes()
     }
 
     /// Bytes of activation scratch.
     pub fn scratch_bytes(&self) -> u64 {
-        let s = &self.scratch;
-        [
-            &s.resid, &s.mix, &s.y, &s.part, &s.h, &s.v, &s.out, &s.logits, &s.probs, &s.ctrl,
-            &s.prompt,
-        ]
-        .iter()
-        .map(|b| b.size())
-        .sum()
+        self.scratch.bytes()
     }
 
-    /// Bytes a decode step reads or writes: weights once, the state read and written.
-    pub fn bytes_per_token(&self) -> u64 {
-        let embed_row = (self.embedding.bytes() / self.embedding.rows as u64).max(1);
-        let mut b = embed_row + self.head().bytes() + 2 * self.state_bytes();
-        for l in &self.layers {
-            b += l.in_proj.bytes() + l.out_proj.bytes() + l.params.size();
+    /// Bytes a decode step reads or writes with `cached` tokens in the KV caches: weights
+    /// once, the recurrent state read and written, the cached K/V read.
+    pub fn bytes_per_token(&self, cached: usize) -> u64 {
+        let w = &self.weights;
+        let embed_row = (w.embedding.bytes() / w.embedding.rows as u64).max(1);
+        let mut b = embed_row + w.head().bytes() + 2 * self.state_bytes();
+        for l in &w.layers {
+            b += l.matrices().iter().map(|m| m.bytes()).sum::<u64>() + l.params.size();
         }
-        b
+        b + (cached as u64) * self.config.kv_bytes_per_token(self.state.kv.bytes()) as u64
     }
-}
 
-/// The SSD step's sizes for a config.
-pub fn ssd_consts(c: &ModelConfig, layout: &ParamLayout) -> SsdConsts {
-    SsdConsts {
-        heads: c.n_heads,
-        head_dim: c.head_dim,
-        groups: c.n_groups,
-        d_state: c.d_state,
-        d_inner: c.d_inner,
-        conv_dim: c.conv_dim(),
-        a_off: layout.a,
-        d_off: layout.d,
-        nw_off: layout.mixer_norm,
+    /// The widest GEMV input (sizes the q8 activation blocks).
+    pub fn widest_input(&self) -> usize {
+        widest_input(&self.config)
     }
-}
-
-/// Whether the fused graph can run these shapes: its out_proj scales whole input vectors
-/// (4 columns, or 32 for q8_0) by one group's 1/rms, so groups must split into them.
-pub fn fusable(c: &ModelConfig, format: WeightFormat) -> bool {
-    let unit = if format == WeightFormat::Q8_0 { 32 } else { 4 };
-    c.group_size().is_multiple_of(unit)
-}
-
-/// `pack` split by rows over the machine's cores (quantizing 7B weights is otherwise
-/// tens of seconds on one core).
-pub fn pack_parallel(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> Packed {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if threads == 1 || rows * cols < 1 << 20 {
-        return pack(format, values, rows, cols);
-    }
-    let per = rows.div_ceil(threads);
-    let parts: Vec<Packed> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..rows)
-            .step_by(per)
-            .map(|r0| {
-                let r1 = (r0 + per).min(rows);
-                s.spawn(move || pack(format, &values[r0 * cols..r1 * cols], r1 - r0, cols))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("pack thread panicked"))
-            .collect()
-    });
-    let mut out = Packed {
-        format,
-        rows,
-        cols,
-        kp: format.padded_cols(cols),
-        data: Vec::new(),
-        scales: Vec::new(),
-    };
-    for p in parts {
-        out.data.extend(p.data);
-        out.scales.extend(p.scales);
-    }
-    out
 }

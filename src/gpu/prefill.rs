@@ -1,22 +1,17 @@
 //! Chunked prefill: a block of prompt tokens goes through each layer as matrices — GEMMs
-//! for the projections, a causal conv that continues from the cached columns, and the
-//! chunked SSD (cumsum → C·Bᵀ → chunk states → state passing from the sequence's current
-//! state → chunk outputs) — so a prompt costs a few dispatches per layer per block instead
-//! of a decode graph per token, and a new chat turn continues from the carried state.
+//! for the projections; in Mamba2 blocks a causal conv that continues from the cached
+//! columns and the chunked SSD (cumsum → C·Bᵀ → chunk states → state passing from the
+//! sequence's current state → chunk outputs); in attention blocks the new K/V rows stored
+//! after the cached ones and causal attention over all of them — so a prompt costs a few
+//! dispatches per layer per block instead of a decode graph per token, and a new chat turn
+//! continues from the carried state. The block graph comes from `gpu::blocks`.
 
-use crate::config::ModelConfig;
+use crate::config::{BlockKind, MlpAct, ModelConfig};
 use crate::error::Result;
+use crate::gpu::blocks::prefill_graph;
 use crate::gpu::engine::Engine;
 use crate::gpu::graph::Graph;
 use crate::gpu::kernels::chunk::ChunkConsts;
-use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
-use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
-use crate::gpu::kernels::prefill_conv::ConvBuffers;
-use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
-use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
-use crate::gpu::kernels::{
-    embed, prefill_conv, ssd_cb, ssd_chunk_state, ssd_cumsum, ssd_state_pass,
-};
 
 /// Largest prompt block processed per submit.
 pub const MAX_BLOCK: usize = 512;
@@ -31,15 +26,22 @@ pub struct Prefill {
     pub prompt: wgpu::Buffer,
     /// `[T][d]` residual rows; the last row feeds the decode head.
     pub resid: wgpu::Buffer,
-    h: wgpu::Buffer,
-    mix: wgpu::Buffer,
+    /// `[T][ceil32(d)]` normed rows (every block's first GEMM input).
+    pub h: wgpu::Buffer,
+    pub mix: wgpu::Buffer,
     /// The conv output `[T][conv_dim]` (x B C).
-    u: wgpu::Buffer,
-    y: wgpu::Buffer,
-    v: wgpu::Buffer,
-    lam: wgpu::Buffer,
-    cb: wgpu::Buffer,
-    cst: wgpu::Buffer,
+    pub u: wgpu::Buffer,
+    pub y: wgpu::Buffer,
+    pub v: wgpu::Buffer,
+    pub lam: wgpu::Buffer,
+    pub cb: wgpu::Buffer,
+    pub cst: wgpu::Buffer,
+    /// Attention: `[T][qkv_rows]` projections and `[T][ceil32(H·hd)]` outputs.
+    pub qkv: wgpu::Buffer,
+    pub attn: wgpu::Buffer,
+    /// MLP: `[T][up rows]` projections and `[T][ceil32(I)]` activations.
+    pub mlp_up: wgpu::Buffer,
+    pub mlp: wgpu::Buffer,
     /// `[T][V]` logits (perplexity blocks only).
     pub logits: Option<wgpu::Buffer>,
     /// Feeds a block: the state advances by its tokens.
@@ -60,219 +62,59 @@ impl Prefill {
         let c = &e.config;
         let ctx = e.ctx();
         let t = block_tokens(chunk);
-        let f32s = |n: usize| 4 * n as u64;
+        let f32s = |n: usize| 4 * n.max(1) as u64;
         let cc = chunk_consts(c, chunk, t);
         let pad = |n: usize| n.next_multiple_of(32);
+        let (qkv, attn) = c
+            .attention
+            .as_ref()
+            .map_or((0, 0), |a| (a.qkv_rows(), pad(a.q_width())));
+        let (up, mlp) = c.mlp.as_ref().map_or((0, 0), |m| {
+            let ups = if m.act == MlpAct::SiluGated { 2 } else { 1 };
+            (ups * m.intermediate, pad(m.intermediate))
+        });
+        let mamba = c.count(BlockKind::Mamba2) > 0;
+        let m = |n: usize| if mamba { n } else { 1 };
         let mut p = Prefill {
             chunk,
             max_tokens: t,
             prompt: ctx.storage_zeroed("prefill prompt", f32s(t))?,
             resid: ctx.storage_zeroed("prefill resid", f32s(t * c.d_model))?,
             h: ctx.storage_zeroed("prefill h", f32s(t * pad(c.d_model)))?,
-            mix: ctx.storage_zeroed("prefill mix", f32s(t * c.d_in_proj()))?,
-            u: ctx.storage_zeroed("prefill u", f32s(t * c.conv_dim()))?,
-            y: ctx.storage_zeroed("prefill y", f32s(t * c.d_inner))?,
-            v: ctx.storage_zeroed("prefill v", f32s(t * pad(c.d_inner)))?,
-            lam: ctx.storage_zeroed("prefill lam", f32s(cc.chunks() * c.n_heads * chunk))?,
-            cb: ctx.storage_zeroed("prefill cb", f32s(cc.chunks() * c.n_groups * chunk * chunk))?,
+            mix: ctx.storage_zeroed("prefill mix", f32s(m(t * c.d_in_proj())))?,
+            u: ctx.storage_zeroed("prefill u", f32s(m(t * c.conv_dim())))?,
+            y: ctx.storage_zeroed("prefill y", f32s(m(t * c.d_inner)))?,
+            v: ctx.storage_zeroed("prefill v", f32s(m(t * pad(c.d_inner))))?,
+            lam: ctx.storage_zeroed("prefill lam", f32s(m(cc.chunks() * c.n_heads * chunk)))?,
+            cb: ctx.storage_zeroed(
+                "prefill cb",
+                f32s(m(cc.chunks() * c.n_groups * chunk * chunk)),
+            )?,
             cst: ctx.storage_zeroed(
                 "prefill chunk states",
-                f32s(cc.chunks() * c.ssm_state_len()),
+                f32s(m(cc.chunks() * c.ssm_state_len())),
             )?,
+            qkv: ctx.storage_zeroed("prefill qkv", f32s(t * qkv))?,
+            attn: ctx.storage_zeroed("prefill attn", f32s(t * attn))?,
+            mlp_up: ctx.storage_zeroed("prefill mlp up", f32s(t * up))?,
+            mlp: ctx.storage_zeroed("prefill mlp", f32s(t * mlp))?,
             logits: None,
             graph: Graph::default(),
             logits_graph: None,
         };
-        p.graph = p.build(e, cc, false)?;
+        p.graph = prefill_graph(&e.block_ctx(), &e.weights, &p, cc, false)?;
         if with_logits {
             let lt = t.min(MAX_LOGITS_BLOCK);
             p.logits = Some(ctx.storage_zeroed("prefill logits", f32s(lt * c.vocab_size))?);
-            p.logits_graph = Some(p.build(e, chunk_consts(c, chunk, lt), true)?);
+            p.logits_graph = Some(prefill_graph(
+                &e.block_ctx(),
+                &e.weights,
+                &p,
+                chunk_consts(c, chunk, lt),
+                true,
+            )?);
         }
         Ok(p)
-    }
-
-    fn build(&self, e: &Engine, cc: ChunkConsts, logits: bool) -> Result<Graph> {
-        let k = &e.kernels;
-        let c = &e.config;
-        let s = &e.scratch;
-        let t = cc.max_tokens;
-        let eps = c.norm_eps;
-        let l = &e.layout;
-        let mut d = vec![
-            embed::embed_prompt(k, &e.embedding, t, &self.prompt, &self.resid, &s.ctrl)?
-                .per_token(1, 1, 1),
-        ];
-        for (i, layer) in e.layers.iter().enumerate() {
-            let name = |what: &str| format!("layers.{i}.{what}");
-            let norm = NormBuffers {
-                src: &self.resid,
-                params: &layer.params,
-                dst: &self.h,
-                q8: None,
-            };
-            d.push(
-                rmsnorm::rmsnorm(k, &name("norm"), c.d_model, eps, l.norm, t, norm)?
-                    .per_token(1, 1, 1),
-            );
-            d.push(
-                gemm(
-                    k,
-                    &name("in_proj"),
-                    &layer.in_proj,
-                    t,
-                    &self.h,
-                    &self.mix,
-                    c.d_in_proj(),
-                    GemmOutput::Store,
-                    &s.ctrl,
-                )?
-                .per_token(1, TILE.1, 1),
-            );
-            let conv = ConvBuffers {
-                mix: &self.mix,
-                params: &layer.params,
-                conv_state: &layer.conv_state,
-                u: &self.u,
-                ctrl: &s.ctrl,
-            };
-            d.push(prefill_conv::prefill_conv(
-                k,
-                &name("conv"),
-                cc,
-                e.mixer_consts(),
-                conv,
-            )?);
-            d.push(prefill_conv::prefill_conv_state(
-                k,
-                &name("conv_state"),
-                cc,
-                e.mixer_consts(),
-                &self.mix,
-                &layer.conv_state,
-                &s.ctrl,
-            )?);
-            d.push(
-                ssd_cumsum::ssd_cumsum(
-                    k,
-                    &name("ssd_cumsum"),
-                    cc,
-                    l.a,
-                    &self.mix,
-                    &layer.params,
-                    &self.lam,
-                    &s.ctrl,
-                )?
-                .per_token(1, cc.q, 1),
-            );
-            d.push(
-                ssd_cb::ssd_cb(k, &name("ssd_cb"), cc, &self.u, &self.cb, &s.ctrl)?
-                    .per_token(2, cc.q, c.n_groups),
-            );
-            d.push(
-                ssd_chunk_state::ssd_chunk_state(
-                    k,
-                    &name("ssd_chunk_state"),
-                    cc,
-                    &self.mix,
-                    &self.u,
-                    &self.lam,
-                    &self.cst,
-                    &s.ctrl,
-                )?
-                .per_token(2, cc.q, c.n_heads),
-            );
-            d.push(ssd_state_pass::ssd_state_pass(
-                k,
-                &name("ssd_state_pass"),
-                cc,
-                &self.lam,
-                &self.cst,
-                &layer.ssm_state,
-                &s.ctrl,
-            )?);
-            let scan = ScanBuffers {
-                mix: &self.mix,
-                u: &self.u,
-                params: &layer.params,
-                lam: &self.lam,
-                cb: &self.cb,
-                cst: &self.cst,
-                y: &self.y,
-                ctrl: &s.ctrl,
-            };
-            d.push(
-                ssd_chunk_scan(k, &name("ssd_chunk_scan"), cc, l.d, scan)?.per_token(2, cc.q, 1),
-            );
-            let gated = GatedNormBuffers {
-                y: &self.y,
-                mix: &self.mix,
-                params: &layer.params,
-                dst: &self.v,
-                q8: None,
-            };
-            let batch = Batch {
-                tokens: t,
-                mix_stride: c.d_in_proj(),
-            };
-            d.push(
-                gated_norm::gated_norm(
-                    k,
-                    &name("gated_norm"),
-                    c.d_inner,
-                    c.n_groups,
-                    eps,
-                    l.mixer_norm,
-                    batch,
-                    gated,
-                )?
-                .per_token(1, 1, 1),
-            );
-            d.push(
-                gemm(
-                    k,
-                    &name("out_proj+residual"),
-                    &layer.out_proj,
-                    t,
-                    &self.v,
-                    &self.resid,
-                    c.d_model,
-                    GemmOutput::Add,
-                    &s.ctrl,
-                )?
-                .per_token(1, TILE.1, 1),
-            );
-        }
-        if logits {
-            let out = self
-                .logits
-                .as_ref()
-                .expect("logits buffer allocated before the logits graph");
-            let norm = NormBuffers {
-                src: &self.resid,
-                params: &s.final_params,
-                dst: &self.h,
-                q8: None,
-            };
-            d.push(
-                rmsnorm::rmsnorm(k, "final_norm", c.d_model, eps, 0, t, norm)?.per_token(1, 1, 1),
-            );
-            d.push(
-                gemm(
-                    k,
-                    "lm_head",
-                    e.head(),
-                    t,
-                    &self.h,
-                    out,
-                    c.vocab_size,
-                    GemmOutput::Store,
-                    &s.ctrl,
-                )?
-                .per_token(1, TILE.1, 1),
-            );
-        }
-        Ok(Graph { dispatches: d })
     }
 }
 

@@ -6,14 +6,27 @@
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::graph::Graph;
-use crate::gpu::kernels::Section;
+use crate::gpu::kernels::{Label, Section};
 
 /// One kernel's GPU time in one token.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelTime {
     pub name: String,
     pub section: Section,
+    /// The dispatch's place in the model (layer, block kind, kernel role).
+    pub label: Label,
     pub ns: f64,
+}
+
+impl KernelTime {
+    /// The kernel's role without the layer, with its block kind (`mamba2/in_proj+conv`,
+    /// `attention/kv_store`, `lm_head`…): what bench and the inspector group by.
+    pub fn kind(&self) -> String {
+        match self.label.block {
+            Some(b) => format!("{}/{}", b.name(), self.label.kernel),
+            None => self.name.clone(),
+        }
+    }
 }
 
 /// Everything measured about one profiled token.
@@ -150,6 +163,7 @@ impl Profiler {
                 KernelTime {
                     name: d.name.clone(),
                     section: d.section,
+                    label: d.label.clone(),
                     ns: b.saturating_sub(a) as f64 * self.period_ns,
                 }
             })

@@ -5,10 +5,11 @@
 
 use std::sync::Arc;
 
-use crate::config::ModelConfig;
+use crate::config::{BlockKind, MlpAct, ModelConfig};
 use crate::error::Result;
 use crate::gpu::context::GpuContext;
-use crate::gpu::engine::{Engine, LayerParams, ParamLayout};
+use crate::gpu::device_weights::{DeviceLayer, DeviceMixer, DeviceWeights, ParamLayout};
+use crate::gpu::engine::{Engine, EngineOptions};
 use crate::gpu::kernels::Kernels;
 use crate::gpu::kernels::fill::{FillMode, fill};
 use crate::gpu::weights::DeviceMatrix;
@@ -74,76 +75,102 @@ fn random_matrix(
 }
 
 impl Engine {
-    /// An engine over random weights at `config`'s shapes, in `format`.
+    /// An engine over random weights at `config`'s shapes, in `opts.format`.
     pub fn synthetic(
         ctx: Arc<GpuContext>,
         config: &ModelConfig,
-        format: WeightFormat,
-        fused: bool,
+        opts: EngineOptions,
         seed: u64,
     ) -> Result<Self> {
         let c = config;
+        let format = opts.format;
         let k = Kernels::new(ctx.clone());
         let s = |i: u64| (seed as u32).wrapping_mul(7919).wrapping_add(i as u32);
         let in_scale = (3.0 / c.d_model as f32).sqrt();
-        let out_scale = (3.0 / c.d_inner as f32).sqrt() * 0.5;
-        let embedding = random_matrix(&k, "embedding", c.vocab_size, c.d_model, format, 1.0, s(0))?;
+        let out_scale = |k: usize| (3.0 / k as f32).sqrt() * 0.5;
+        let mat = |name: &str, rows, cols, scale, i| {
+            random_matrix(&k, name, rows, cols, format, scale, s(i))
+        };
+        let embedding = mat("embedding", c.vocab_size, c.d_model, 1.0, 0)?;
         let lm_head = if c.tie_embeddings {
             None
         } else {
-            Some(random_matrix(
-                &k,
-                "lm_head",
-                c.vocab_size,
-                c.d_model,
-                format,
-                in_scale * 2.0,
-                s(1),
-            )?)
+            Some(mat("lm_head", c.vocab_size, c.d_model, in_scale * 2.0, 1)?)
         };
         let layout = ParamLayout::new(c);
-        let mut mats = Vec::with_capacity(c.n_layer);
-        let mut params = Vec::with_capacity(c.n_layer);
-        for i in 0..c.n_layer as u64 {
-            mats.push((
-                random_matrix(
-                    &k,
-                    &format!("layers.{i}.in_proj"),
-                    c.d_in_proj(),
-                    c.d_model,
-                    format,
-                    in_scale,
-                    s(10 + 2 * i),
-                )?,
-                random_matrix(
-                    &k,
-                    &format!("layers.{i}.out_proj"),
-                    c.d_model,
-                    c.d_inner,
-                    format,
-                    out_scale,
-                    s(11 + 2 * i),
-                )?,
-            ));
-            let u =
-                |j: usize, lo: f32, hi: f32| lo + (hi - lo) * uniform(seed ^ (i << 20), j as u64);
-            let mut v = vec![0f32; layout.len];
-            for (j, x) in v.iter_mut().enumerate() {
-                *x = if j < layout.conv_b {
-                    u(j, -0.6, 0.6)
-                } else if j < layout.dt_bias {
-                    u(j, -0.2, 0.2)
-                } else if j < layout.a {
-                    u(j, -4.0, -1.0)
-                } else if j < layout.d {
-                    -u(j, 1.0, 12.0)
-                } else if j < layout.norm {
-                    u(j, 0.5, 1.5)
-                } else {
-                    u(j, 0.6, 1.4)
-                };
-            }
-            params.push(LayerParams { values: v });
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for (i, &kind) in c.blocks.iter().enumerate() {
+            let n = |what: &str| format!("layers.{i}.{what}");
+            let (a, b) = (10 + 2 * i as u64, 11 + 2 * i as u64);
+            let u = |j: usize, lo: f32, hi: f32| {
+                lo + (hi - lo) * uniform(seed ^ ((i as u64) << 20), j as u64)
+            };
+            let (mixer, params) = match kind {
+                BlockKind::Mamba2 => {
+                    let mut v = vec![0f32; layout.len];
+                    for (j, x) in v.iter_mut().enumerate() {
+                        *x = if j < layout.conv_b {
+                            u(j, -0.6, 0.6)
+                        } else if j < layout.dt_bias {
+                            u(j, -0.2, 0.2)
+                        } else if j < layout.a {
+                            u(j, -4.0, -1.0)
+                        } else if j < layout.d {
+                            -u(j, 1.0, 12.0)
+                        } else if j < layout.norm {
+                            u(j, 0.5, 1.5)
+                        } else {
+                            u(j, 0.6, 1.4)
+                        };
+                    }
+                    let m = DeviceMixer::Mamba2 {
+                        in_proj: mat(&n("in_proj"), c.d_in_proj(), c.d_model, in_scale, a)?,
+                        out_proj: mat(
+                            &n("out_proj"),
+                            c.d_model,
+                            c.d_inner,
+                            out_scale(c.d_inner),
+                            b,
+                        )?,
+                    };
+                    (m, v)
+                }
+                BlockKind::Attention => {
+                    let at = c.attention.as_ref().expect("attention layers have a shape");
+                    let m = DeviceMixer::Attention {
+                        qkv: mat(&n("qkv_proj"), at.qkv_rows(), c.d_model, in_scale, a)?,
+                        o: mat(
+                            &n("o_proj"),
+                            c.d_model,
+                            at.q_width(),
+                            out_scale(at.q_width()),
+                            b,
+                        )?,
+                    };
+                    (m, (0..c.d_model).map(|j| u(j, 0.6, 1.4)).collect())
+                }
+                BlockKind::Mlp => {
+                    let ml = c.mlp.as_ref().expect("MLP layers have a shape");
+                    let ups = if ml.act == MlpAct::SiluGated { 2 } else { 1 };
+                    let m = DeviceMixer::Mlp {
+                        up: mat(&n("up_proj"), ups * ml.intermediate, c.d_model, in_scale, a)?,
+                        down: mat(
+                            &n("down_proj"),
+                            c.d_model,
+                            ml.intermediate,
+                            out_scale(ml.intermediate),
+                            b,
+                        )?,
+                        bias: None,
+                    };
+                    (m, (0..c.d_model).map(|j| u(j, 0.6, 1.4)).collect())
+                }
+            };
+            layers.push(DeviceLayer {
+                kind,
+                params: ctx.storage_with(&n("params"), bytemuck::cast_slice(&params))?,
+                mixer,
+            });
             if i % 8 == 7 {
                 ctx.wait()?;
             }
@@ -151,16 +178,12 @@ impl Engine {
         let final_norm: Vec<f32> = (0..c.d_model)
             .map(|j| 0.6 + 0.8 * uniform(seed, (1 << 40) + j as u64))
             .collect();
-        Self::assemble(
-            ctx,
-            c,
-            format,
-            fused,
+        let weights = DeviceWeights {
             embedding,
             lm_head,
-            mats,
-            params,
-            &final_norm,
-        )
+            layers,
+            final_params: ctx.storage_with("final_norm", bytemuck::cast_slice(&final_norm))?,
+        };
+        Self::assemble(ctx, c, weights, opts)
     }
 }

@@ -9,7 +9,9 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 
 pub use self::safetensors::{DType, Tensor, TensorStore};
-pub use self::weights::{LayerWeights, Mamba2Weights};
+pub use self::weights::{
+    AttentionWeights, LayerWeights, MambaWeights, MixerWeights, MlpWeights, ModelWeights,
+};
 use crate::config::ModelConfig;
 use crate::error::Result;
 
@@ -17,7 +19,7 @@ use crate::error::Result;
 #[derive(Clone, Debug)]
 pub struct Model {
     pub config: ModelConfig,
-    pub weights: Mamba2Weights,
+    pub weights: ModelWeights,
     /// The directory it came from (`None` for synthetic or embedded models).
     pub dir: Option<PathBuf>,
 }
@@ -27,7 +29,7 @@ impl Model {
     pub fn load(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let store = TensorStore::open_dir(dir)?;
-        let weights = Mamba2Weights::from_tensors(&config, store.into_tensors())?;
+        let weights = ModelWeights::from_tensors(&config, store.into_tensors())?;
         Ok(Model {
             config,
             weights,

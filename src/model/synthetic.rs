@@ -2,8 +2,10 @@
 //! experiments. Scales keep activations and state in a realistic range, so a forward pass
 //! over hundreds of tokens neither explodes nor vanishes.
 
-use crate::config::ModelConfig;
-use crate::model::{LayerWeights, Mamba2Weights, Tensor};
+use crate::config::{AttentionConfig, BlockKind, MlpAct, MlpConfig, ModelConfig};
+use crate::model::{
+    AttentionWeights, LayerWeights, MambaWeights, MixerWeights, MlpWeights, ModelWeights, Tensor,
+};
 use crate::sampling::uniform;
 
 /// A counter-based stream of uniform numbers (the sampler's hash, keyed by `seed`).
@@ -24,7 +26,7 @@ impl Stream {
 }
 
 /// Random weights named as HF transformers names them, f32.
-pub fn random_weights(c: &ModelConfig, seed: u64) -> Mamba2Weights {
+pub fn random_weights(c: &ModelConfig, seed: u64) -> ModelWeights {
     let mut s = Stream { seed, next: 0 };
     let mut t = |name: String, shape: Vec<usize>, lo: f32, hi: f32| {
         let values = s.fill(shape.iter().product(), lo, hi);
@@ -33,37 +35,84 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> Mamba2Weights {
     let (d, di, h) = (c.d_model, c.d_inner, c.n_heads);
     let in_scale = (3.0 / d as f32).sqrt();
     let out_scale = (3.0 / di as f32).sqrt() * 0.5;
-    let layers = (0..c.n_layer)
-        .map(|i| {
+    let layers = c
+        .blocks
+        .iter()
+        .enumerate()
+        .map(|(i, &kind)| {
             let p = |n: &str| format!("backbone.layers.{i}.{n}");
-            LayerWeights {
-                norm: t(p("norm.weight"), vec![d], 0.6, 1.4),
-                in_proj: t(
-                    p("mixer.in_proj.weight"),
-                    vec![c.d_in_proj(), d],
-                    -in_scale,
-                    in_scale,
-                ),
-                conv_weight: t(
-                    p("mixer.conv1d.weight"),
-                    vec![c.conv_dim(), 1, c.d_conv],
-                    -0.6,
-                    0.6,
-                ),
-                conv_bias: c
-                    .conv_bias
-                    .then(|| t(p("mixer.conv1d.bias"), vec![c.conv_dim()], -0.2, 0.2)),
-                dt_bias: t(p("mixer.dt_bias"), vec![h], -4.0, -1.0),
-                a_log: t(p("mixer.A_log"), vec![h], 0.0, 2.5),
-                d_skip: t(p("mixer.D"), vec![h], 0.5, 1.5),
-                mixer_norm: t(p("mixer.norm.weight"), vec![di], 0.6, 1.4),
-                out_proj: t(
-                    p("mixer.out_proj.weight"),
-                    vec![d, di],
-                    -out_scale,
-                    out_scale,
-                ),
-            }
+            let norm = t(p("norm.weight"), vec![d], 0.6, 1.4);
+            let mixer = match kind {
+                BlockKind::Mamba2 => MixerWeights::Mamba2(MambaWeights {
+                    in_proj: t(
+                        p("mixer.in_proj.weight"),
+                        vec![c.d_in_proj(), d],
+                        -in_scale,
+                        in_scale,
+                    ),
+                    conv_weight: t(
+                        p("mixer.conv1d.weight"),
+                        vec![c.conv_dim(), 1, c.d_conv],
+                        -0.6,
+                        0.6,
+                    ),
+                    conv_bias: c
+                        .conv_bias
+                        .then(|| t(p("mixer.conv1d.bias"), vec![c.conv_dim()], -0.2, 0.2)),
+                    dt_bias: t(p("mixer.dt_bias"), vec![h], -4.0, -1.0),
+                    a_log: t(p("mixer.A_log"), vec![h], 0.0, 2.5),
+                    d_skip: t(p("mixer.D"), vec![h], 0.5, 1.5),
+                    mixer_norm: t(p("mixer.norm.weight"), vec![di], 0.6, 1.4),
+                    out_proj: t(
+                        p("mixer.out_proj.weight"),
+                        vec![d, di],
+                        -out_scale,
+                        out_scale,
+                    ),
+                }),
+                BlockKind::Attention => {
+                    let a = c.attention.as_ref().expect("attention layers have a shape");
+                    let (qw, kw) = (a.q_width(), a.kv_width());
+                    // Scores of order one: q·k over hd terms of (in_scale·|h|)² each.
+                    let qk = in_scale * 2.0;
+                    let o_scale = (3.0 / qw as f32).sqrt() * 0.5;
+                    let mut m = |n: &str, shape: Vec<usize>, s: f32| t(p(n), shape, -s, s);
+                    MixerWeights::Attention(AttentionWeights {
+                        q: m("mixer.q_proj.weight", vec![qw, d], qk),
+                        k: m("mixer.k_proj.weight", vec![kw, d], qk),
+                        v: m("mixer.v_proj.weight", vec![kw, d], in_scale),
+                        o: m("mixer.o_proj.weight", vec![d, qw], o_scale),
+                        bias: a.bias.then(|| {
+                            [
+                                m("mixer.q_proj.bias", vec![qw], 0.1),
+                                m("mixer.k_proj.bias", vec![kw], 0.1),
+                                m("mixer.v_proj.bias", vec![kw], 0.1),
+                                m("mixer.o_proj.bias", vec![d], 0.1),
+                            ]
+                        }),
+                    })
+                }
+                BlockKind::Mlp => {
+                    let mc = c.mlp.as_ref().expect("MLP layers have a shape");
+                    let n = mc.intermediate;
+                    let gated = mc.act == MlpAct::SiluGated;
+                    let down_scale = (3.0 / n as f32).sqrt() * 0.5;
+                    let mut m = |n: &str, shape: Vec<usize>, s: f32| t(p(n), shape, -s, s);
+                    let up = m("mixer.up_proj.weight", vec![n, d], in_scale);
+                    let gate = gated.then(|| m("mixer.gate_proj.weight", vec![n, d], in_scale));
+                    let down = m("mixer.down_proj.weight", vec![d, n], down_scale);
+                    MixerWeights::Mlp(MlpWeights {
+                        up,
+                        gate,
+                        down,
+                        up_bias: mc.bias.then(|| m("mixer.up_proj.bias", vec![n], 0.1)),
+                        gate_bias: (mc.bias && gated)
+                            .then(|| m("mixer.gate_proj.bias", vec![n], 0.1)),
+                        down_bias: mc.bias.then(|| m("mixer.down_proj.bias", vec![d], 0.1)),
+                    })
+                }
+            };
+            LayerWeights { norm, mixer }
         })
         .collect();
     let embedding = t(
@@ -82,7 +131,7 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> Mamba2Weights {
             head_scale,
         )
     });
-    Mamba2Weights {
+    ModelWeights {
         embedding,
         layers,
         final_norm,
@@ -110,5 +159,41 @@ pub fn tiny_config(n_groups: usize, head_dim: usize) -> ModelConfig {
         tie_embeddings: n_groups == 1,
         conv_bias: true,
         time_step_limit: (0.0, f64::INFINITY),
+        blocks: vec![BlockKind::Mamba2; 2],
+        attention: None,
+        mlp: None,
+        max_context: None,
     }
+}
+
+/// A tiny Nemotron-H-style hybrid for tests: `pattern` in Nemotron-H letters (`M`, `*`,
+/// `-`), Mamba G = 2, attention with `kv_heads` of 4 heads (head_dim 8, not d/heads),
+/// a relu² MLP of width 40.
+pub fn tiny_hybrid(pattern: &str, kv_heads: usize) -> ModelConfig {
+    let mut c = tiny_config(2, 8);
+    c.format = crate::config::ModelFormat::NemotronH;
+    c.blocks = pattern
+        .chars()
+        .map(|ch| match ch {
+            '*' => BlockKind::Attention,
+            '-' => BlockKind::Mlp,
+            _ => BlockKind::Mamba2,
+        })
+        .collect();
+    c.n_layer = c.blocks.len();
+    c.tie_embeddings = false;
+    c.attention = Some(AttentionConfig {
+        heads: 4,
+        kv_heads,
+        head_dim: 8,
+        bias: false,
+        rope_theta: None,
+        scale: 1.0 / 8f64.sqrt(),
+    });
+    c.mlp = Some(MlpConfig {
+        intermediate: 40,
+        act: MlpAct::Relu2,
+        bias: false,
+    });
+    c
 }

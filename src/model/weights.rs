@@ -1,20 +1,21 @@
-//! `Mamba2Weights`: the checkpoint's tensors mapped onto one normalized structure, each
-//! shape checked against the config. Name maps cover HF (`backbone.embeddings`), mamba_ssm
-//! (`backbone.embedding`), Mistral (`model.backbone.…`) and Nemotron-H (`model.` or
-//! `backbone.` + `embeddings`).
+//! `ModelWeights`: the checkpoint's tensors mapped onto one normalized structure — the
+//! embedding, one `LayerWeights` per block (its pre-norm and its mixer's tensors), the final
+//! norm and the head — each shape checked against the config. Name maps cover HF
+//! (`backbone.embeddings`), mamba_ssm (`backbone.embedding`), Mistral (`model.backbone.…`)
+//! and Nemotron-H (`model.` or `backbone.` + `embeddings`, `mixer.{q,k,v,o}_proj`,
+//! `mixer.{up,down}_proj`).
 
 use std::collections::BTreeMap;
 
-use crate::config::ModelConfig;
+use crate::config::{BlockKind, MlpAct, ModelConfig};
 use crate::error::{Error, Result};
 use crate::model::safetensors::Tensor;
 
-/// One Mamba2 block's tensors. Shapes (MAMBA2.md): `norm [d]`, `in_proj [d_in_proj, d]`,
+/// A Mamba2 mixer's tensors. Shapes (MAMBA2.md): `in_proj [d_in_proj, d]`,
 /// `conv_weight [conv_dim, 1, K]` (or `[conv_dim, K]`), `conv_bias [conv_dim]`,
 /// `dt_bias, a_log, d_skip [H]`, `mixer_norm [d_inner]`, `out_proj [d, d_inner]`.
 #[derive(Clone, Debug)]
-pub struct LayerWeights {
-    pub norm: Tensor,
+pub struct MambaWeights {
     pub in_proj: Tensor,
     pub conv_weight: Tensor,
     pub conv_bias: Option<Tensor>,
@@ -25,17 +26,103 @@ pub struct LayerWeights {
     pub out_proj: Tensor,
 }
 
+/// An attention mixer's tensors: `q [H·hd, d]`, `k, v [Hkv·hd, d]`, `o [d, H·hd]`, and
+/// their biases when the config has them.
+#[derive(Clone, Debug)]
+pub struct AttentionWeights {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub o: Tensor,
+    /// `[q | k | v | o]` biases.
+    pub bias: Option<[Tensor; 4]>,
+}
+
+/// An MLP mixer's tensors: `up [I, d]`, `gate [I, d]` (gated form only), `down [d, I]`,
+/// and biases `[up, down]` (+ gate) when the config has them.
+#[derive(Clone, Debug)]
+pub struct MlpWeights {
+    pub up: Tensor,
+    pub gate: Option<Tensor>,
+    pub down: Tensor,
+    pub up_bias: Option<Tensor>,
+    pub gate_bias: Option<Tensor>,
+    pub down_bias: Option<Tensor>,
+}
+
+/// A block's mixer.
+#[derive(Clone, Debug)]
+pub enum MixerWeights {
+    Mamba2(MambaWeights),
+    Attention(AttentionWeights),
+    Mlp(MlpWeights),
+}
+
+impl MixerWeights {
+    pub fn kind(&self) -> BlockKind {
+        match self {
+            MixerWeights::Mamba2(_) => BlockKind::Mamba2,
+            MixerWeights::Attention(_) => BlockKind::Attention,
+            MixerWeights::Mlp(_) => BlockKind::Mlp,
+        }
+    }
+
+    /// The mixer's tensors in a stable order.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            MixerWeights::Mamba2(m) => {
+                let mut out = vec![&m.in_proj, &m.conv_weight];
+                out.extend(m.conv_bias.as_ref());
+                out.extend([&m.dt_bias, &m.a_log, &m.d_skip, &m.mixer_norm, &m.out_proj]);
+                out
+            }
+            MixerWeights::Attention(a) => {
+                let mut out = vec![&a.q, &a.k, &a.v, &a.o];
+                if let Some(b) = &a.bias {
+                    out.extend(b.iter());
+                }
+                out
+            }
+            MixerWeights::Mlp(m) => {
+                let mut out = vec![&m.up];
+                out.extend(m.gate.as_ref());
+                out.push(&m.down);
+                out.extend(m.up_bias.as_ref());
+                out.extend(m.gate_bias.as_ref());
+                out.extend(m.down_bias.as_ref());
+                out
+            }
+        }
+    }
+
+    /// The Mamba2 tensors, if this is a Mamba2 mixer.
+    pub fn mamba(&self) -> Option<&MambaWeights> {
+        match self {
+            MixerWeights::Mamba2(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+/// One block: `x ← x + mixer(rmsnorm(x) ⊙ norm)`.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    /// The pre-norm weight `[d]`.
+    pub norm: Tensor,
+    pub mixer: MixerWeights,
+}
+
 /// Every tensor of a model: `embedding [V, d]`, the layers, `final_norm [d]`, and
 /// `lm_head [V, d]` (`None` when tied to the embedding).
 #[derive(Clone, Debug)]
-pub struct Mamba2Weights {
+pub struct ModelWeights {
     pub embedding: Tensor,
     pub layers: Vec<LayerWeights>,
     pub final_norm: Tensor,
     pub lm_head: Option<Tensor>,
 }
 
-impl Mamba2Weights {
+impl ModelWeights {
     /// The matrix that produces logits: lm_head, or the embedding when tied.
     pub fn head(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
@@ -45,9 +132,8 @@ impl Mamba2Weights {
     pub fn all(&self) -> Vec<&Tensor> {
         let mut out = vec![&self.embedding];
         for l in &self.layers {
-            out.extend([&l.norm, &l.in_proj, &l.conv_weight]);
-            out.extend(l.conv_bias.as_ref());
-            out.extend([&l.dt_bias, &l.a_log, &l.d_skip, &l.mixer_norm, &l.out_proj]);
+            out.push(&l.norm);
+            out.extend(l.mixer.tensors());
         }
         out.push(&self.final_norm);
         out.extend(self.lm_head.as_ref());
@@ -63,7 +149,7 @@ impl Mamba2Weights {
         let mut slots: BTreeMap<Slot, Tensor> = BTreeMap::new();
         for t in tensors {
             let slot = Slot::parse(&t.name).ok_or_else(|| {
-                Error::tensor(&t.name, "unexpected tensor: not part of a Mamba2 model")
+                Error::tensor(&t.name, "unexpected tensor: not part of a supported model")
             })?;
             if let Slot::Layer(i, _) = slot
                 && i >= config.n_layer
@@ -100,30 +186,76 @@ impl Mamba2Weights {
         let embedding = take(Slot::Embedding, &[vec![v, d]])?;
         let final_norm = take(Slot::FinalNorm, &[vec![d]])?;
         let mut layers = Vec::with_capacity(c.n_layer);
-        for i in 0..c.n_layer {
+        for (i, &kind) in c.blocks.iter().enumerate() {
             let l = |p| Slot::Layer(i, p);
-            let conv_bias = if c.conv_bias {
-                Some(take(l(Part::ConvBias), &[vec![c.conv_dim()]])?)
-            } else {
-                None
+            let norm = take(l(Part::Norm), &[vec![d]])?;
+            let mixer = match kind {
+                BlockKind::Mamba2 => {
+                    let conv_bias = if c.conv_bias {
+                        Some(take(l(Part::ConvBias), &[vec![c.conv_dim()]])?)
+                    } else {
+                        None
+                    };
+                    MixerWeights::Mamba2(MambaWeights {
+                        in_proj: take(l(Part::InProj), &[vec![c.d_in_proj(), d]])?,
+                        conv_weight: take(
+                            l(Part::ConvWeight),
+                            &[
+                                vec![c.conv_dim(), 1, c.d_conv],
+                                vec![c.conv_dim(), c.d_conv],
+                            ],
+                        )?,
+                        conv_bias,
+                        dt_bias: take(l(Part::DtBias), &[vec![h]])?,
+                        a_log: take(l(Part::ALog), &[vec![h]])?,
+                        d_skip: take(l(Part::D), &[vec![h]])?,
+                        mixer_norm: take(l(Part::MixerNorm), &[vec![c.d_inner]])?,
+                        out_proj: take(l(Part::OutProj), &[vec![d, c.d_inner]])?,
+                    })
+                }
+                BlockKind::Attention => {
+                    let a = c.attention.as_ref().ok_or_else(|| {
+                        Error::InvalidInput(format!("layer {i}: attention without a shape"))
+                    })?;
+                    let (qw, kw) = (a.q_width(), a.kv_width());
+                    let bias = if a.bias {
+                        Some([
+                            take(l(Part::QBias), &[vec![qw]])?,
+                            take(l(Part::KBias), &[vec![kw]])?,
+                            take(l(Part::VBias), &[vec![kw]])?,
+                            take(l(Part::OBias), &[vec![d]])?,
+                        ])
+                    } else {
+                        None
+                    };
+                    MixerWeights::Attention(AttentionWeights {
+                        q: take(l(Part::Q), &[vec![qw, d]])?,
+                        k: take(l(Part::K), &[vec![kw, d]])?,
+                        v: take(l(Part::V), &[vec![kw, d]])?,
+                        o: take(l(Part::O), &[vec![d, qw]])?,
+                        bias,
+                    })
+                }
+                BlockKind::Mlp => {
+                    let m = c.mlp.as_ref().ok_or_else(|| {
+                        Error::InvalidInput(format!("layer {i}: MLP without a shape"))
+                    })?;
+                    let n = m.intermediate;
+                    let gated = m.act == MlpAct::SiluGated;
+                    let mut opt = |on: bool, part, shape: Vec<usize>| -> Result<Option<Tensor>> {
+                        on.then(|| take(l(part), &[shape])).transpose()
+                    };
+                    MixerWeights::Mlp(MlpWeights {
+                        gate: opt(gated, Part::Gate, vec![n, d])?,
+                        up_bias: opt(m.bias, Part::UpBias, vec![n])?,
+                        gate_bias: opt(m.bias && gated, Part::GateBias, vec![n])?,
+                        down_bias: opt(m.bias, Part::DownBias, vec![d])?,
+                        up: take(l(Part::Up), &[vec![n, d]])?,
+                        down: take(l(Part::Down), &[vec![d, n]])?,
+                    })
+                }
             };
-            layers.push(LayerWeights {
-                norm: take(l(Part::Norm), &[vec![d]])?,
-                in_proj: take(l(Part::InProj), &[vec![c.d_in_proj(), d]])?,
-                conv_weight: take(
-                    l(Part::ConvWeight),
-                    &[
-                        vec![c.conv_dim(), 1, c.d_conv],
-                        vec![c.conv_dim(), c.d_conv],
-                    ],
-                )?,
-                conv_bias,
-                dt_bias: take(l(Part::DtBias), &[vec![h]])?,
-                a_log: take(l(Part::ALog), &[vec![h]])?,
-                d_skip: take(l(Part::D), &[vec![h]])?,
-                mixer_norm: take(l(Part::MixerNorm), &[vec![c.d_inner]])?,
-                out_proj: take(l(Part::OutProj), &[vec![d, c.d_inner]])?,
-            });
+            layers.push(LayerWeights { norm, mixer });
         }
         let lm_head = match slots.remove(&Slot::LmHead) {
             Some(t) if t.shape == [v, d] => Some(t),
@@ -141,10 +273,17 @@ impl Mamba2Weights {
                 ));
             }
         };
-        if let Some((_, t)) = slots.into_iter().next() {
-            return Err(Error::tensor(&t.name, "unexpected tensor for this config"));
+        if let Some((slot, t)) = slots.into_iter().next() {
+            let why = match slot {
+                Slot::Layer(i, _) => format!(
+                    "unexpected tensor for this config (layer {i} is a {} layer)",
+                    c.blocks[i].name()
+                ),
+                _ => "unexpected tensor for this config".to_string(),
+            };
+            return Err(Error::tensor(&t.name, why));
         }
-        Ok(Mamba2Weights {
+        Ok(ModelWeights {
             embedding,
             layers,
             final_norm,
@@ -173,7 +312,48 @@ enum Part {
     D,
     MixerNorm,
     OutProj,
+    Q,
+    K,
+    V,
+    O,
+    QBias,
+    KBias,
+    VBias,
+    OBias,
+    Up,
+    Gate,
+    Down,
+    UpBias,
+    GateBias,
+    DownBias,
 }
+
+/// Each part's name after `layers.N.` (the HF / Nemotron-H spelling).
+const PART_NAMES: [(Part, &str); 23] = [
+    (Part::Norm, "norm.weight"),
+    (Part::InProj, "mixer.in_proj.weight"),
+    (Part::ConvWeight, "mixer.conv1d.weight"),
+    (Part::ConvBias, "mixer.conv1d.bias"),
+    (Part::DtBias, "mixer.dt_bias"),
+    (Part::ALog, "mixer.A_log"),
+    (Part::D, "mixer.D"),
+    (Part::MixerNorm, "mixer.norm.weight"),
+    (Part::OutProj, "mixer.out_proj.weight"),
+    (Part::Q, "mixer.q_proj.weight"),
+    (Part::K, "mixer.k_proj.weight"),
+    (Part::V, "mixer.v_proj.weight"),
+    (Part::O, "mixer.o_proj.weight"),
+    (Part::QBias, "mixer.q_proj.bias"),
+    (Part::KBias, "mixer.k_proj.bias"),
+    (Part::VBias, "mixer.v_proj.bias"),
+    (Part::OBias, "mixer.o_proj.bias"),
+    (Part::Up, "mixer.up_proj.weight"),
+    (Part::Gate, "mixer.gate_proj.weight"),
+    (Part::Down, "mixer.down_proj.weight"),
+    (Part::UpBias, "mixer.up_proj.bias"),
+    (Part::GateBias, "mixer.gate_proj.bias"),
+    (Part::DownBias, "mixer.down_proj.bias"),
+];
 
 impl Slot {
     /// Strips the `model.` / `backbone.` prefixes every format adds in its own way, then
@@ -195,18 +375,7 @@ impl Slot {
         let rest = rest.strip_prefix("layers.")?;
         let (index, part) = rest.split_once('.')?;
         let index: usize = index.parse().ok()?;
-        let part = match part {
-            "norm.weight" => Part::Norm,
-            "mixer.in_proj.weight" => Part::InProj,
-            "mixer.conv1d.weight" => Part::ConvWeight,
-            "mixer.conv1d.bias" => Part::ConvBias,
-            "mixer.dt_bias" => Part::DtBias,
-            "mixer.A_log" => Part::ALog,
-            "mixer.D" => Part::D,
-            "mixer.norm.weight" => Part::MixerNorm,
-            "mixer.out_proj.weight" => Part::OutProj,
-            _ => return None,
-        };
+        let part = PART_NAMES.iter().find(|(_, n)| *n == part)?.0;
         Some(Slot::Layer(index, part))
     }
 
@@ -217,17 +386,10 @@ impl Slot {
             Slot::FinalNorm => "backbone.norm_f.weight".into(),
             Slot::LmHead => "lm_head.weight".into(),
             Slot::Layer(i, p) => {
-                let part = match p {
-                    Part::Norm => "norm.weight",
-                    Part::InProj => "mixer.in_proj.weight",
-                    Part::ConvWeight => "mixer.conv1d.weight",
-                    Part::ConvBias => "mixer.conv1d.bias",
-                    Part::DtBias => "mixer.dt_bias",
-                    Part::ALog => "mixer.A_log",
-                    Part::D => "mixer.D",
-                    Part::MixerNorm => "mixer.norm.weight",
-                    Part::OutProj => "mixer.out_proj.weight",
-                };
+                let part = PART_NAMES
+                    .iter()
+                    .find(|(q, _)| *q == p)
+                    .map_or("?", |(_, n)| n);
                 format!("backbone.layers.{i}.{part}")
             }
         }
@@ -263,5 +425,17 @@ mod tests {
         }
         assert_eq!(Slot::parse("backbone.layers.x.norm.weight"), None);
         assert_eq!(Slot::parse("backbone.layers.0.mixer.in_proj.bias"), None);
+        assert_eq!(
+            Slot::parse("backbone.layers.4.mixer.k_proj.weight"),
+            Some(Slot::Layer(4, Part::K))
+        );
+        assert_eq!(
+            Slot::parse("backbone.layers.2.mixer.down_proj.weight"),
+            Some(Slot::Layer(2, Part::Down))
+        );
+        for (p, _) in PART_NAMES {
+            let name = Slot::Layer(3, p).canonical_name();
+            assert_eq!(Slot::parse(&name), Some(Slot::Layer(3, p)), "{name}");
+        }
     }
 }

@@ -141,7 +141,8 @@ mod tests {
         assert_eq!(x, before);
         rope(&mut x, 4, 7, 10000.0);
         let n = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>();
-        assert!((n(&x) - n(&before)).abs() < 1e-9);
+        // sin and cos come from f32 (as HF computes them): norms hold to f32 rounding.
+        assert!((n(&x) - n(&before)).abs() < 1e-5 * n(&before));
         assert_ne!(x, before);
     }
 }

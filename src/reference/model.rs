@@ -1,11 +1,14 @@
-//! `CpuModel`: the whole Mamba2 forward pass on the CPU, in f32 or f64, from any state,
-//! with either scan. It is the oracle every GPU path is judged against.
+//! `CpuModel`: the whole forward pass on the CPU — embedding, blocks (Mamba2, attention,
+//! MLP), final norm, head — in f32 or f64, from any state, with either scan. It is the
+//! oracle every GPU path is judged against.
 
+use super::attention::{attend, rope};
 use super::math::{Real, gated_group_rmsnorm, matmul, rmsnorm, silu, softplus};
 use super::ssd::{ScanDims, ScanInputs, scan_chunked, scan_sequential};
-use crate::config::ModelConfig;
+use crate::config::{AttentionConfig, MlpAct, MlpConfig, ModelConfig};
 use crate::error::{Error, Result};
-use crate::model::{Mamba2Weights, Tensor};
+use crate::model::{MambaWeights, MixerWeights, ModelWeights, Tensor};
+pub use crate::state::{LayerState, State};
 
 /// How the SSM part of a forward pass is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,16 +27,8 @@ pub enum Logits {
     All,
 }
 
-/// The recurrent state of one sequence: per layer, the conv state `[conv_dim][K−1]`
-/// (oldest column first) and the SSM state `[H][P][N]`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct State<T> {
-    pub conv: Vec<Vec<T>>,
-    pub ssm: Vec<Vec<T>>,
-}
-
-struct Layer<T> {
-    norm: Vec<T>,
+/// A Mamba2 mixer's weights in `T`.
+struct Mamba<T> {
     in_proj: Vec<T>,
     conv_weight: Vec<T>,
     conv_bias: Vec<T>,
@@ -45,9 +40,39 @@ struct Layer<T> {
     out_proj: Vec<T>,
 }
 
+/// An attention mixer's weights in `T`: `[q | k | v]` rows stacked, `o`, biases.
+struct Attention<T> {
+    qkv: Vec<T>,
+    qkv_bias: Option<Vec<T>>,
+    o: Vec<T>,
+    o_bias: Option<Vec<T>>,
+}
+
+/// An MLP mixer's weights in `T`.
+struct Mlp<T> {
+    up: Vec<T>,
+    up_bias: Option<Vec<T>>,
+    gate: Option<(Vec<T>, Option<Vec<T>>)>,
+    down: Vec<T>,
+    down_bias: Option<Vec<T>>,
+}
+
+enum Mixer<T> {
+    Mamba2(Mamba<T>),
+    Attention(Attention<T>),
+    Mlp(Mlp<T>),
+}
+
+struct Layer<T> {
+    norm: Vec<T>,
+    mixer: Mixer<T>,
+}
+
 /// The model's weights converted to `T`, ready to run.
 pub struct CpuModel<T> {
     pub config: ModelConfig,
+    /// The longest sequence the KV caches may hold (`--ctx`; no limit without attention).
+    pub context: usize,
     embedding: Vec<T>,
     layers: Vec<Layer<T>>,
     final_norm: Vec<T>,
@@ -60,35 +85,59 @@ fn convert<T: Real>(t: &Tensor) -> Vec<T> {
 
 impl<T: Real> CpuModel<T> {
     /// Converts every weight to `T` (the memory cost is the model at `T`'s width).
-    pub fn new(config: &ModelConfig, weights: &Mamba2Weights) -> Self {
+    pub fn new(config: &ModelConfig, weights: &ModelWeights) -> Self {
         let total: u64 = weights.all().iter().map(|t| t.numel() as u64).sum();
         let bar = crate::progress::bar(total, "converting weights");
         let layers = weights
             .layers
             .iter()
-            .inspect(|l| bar.inc((l.in_proj.numel() + l.out_proj.numel()) as u64))
+            .inspect(|l| {
+                bar.inc(
+                    l.mixer
+                        .tensors()
+                        .iter()
+                        .map(|t| t.numel() as u64)
+                        .sum::<u64>(),
+                )
+            })
             .map(|l| Layer {
                 norm: convert(&l.norm),
-                in_proj: convert(&l.in_proj),
-                conv_weight: convert(&l.conv_weight),
-                conv_bias: l
-                    .conv_bias
-                    .as_ref()
-                    .map(convert)
-                    .unwrap_or_else(|| vec![T::zero(); config.conv_dim()]),
-                dt_bias: convert(&l.dt_bias),
-                a: l.a_log
-                    .to_f32()
-                    .into_iter()
-                    .map(|v| T::of_f32(-v.exp()))
-                    .collect(),
-                d_skip: convert(&l.d_skip),
-                mixer_norm: convert(&l.mixer_norm),
-                out_proj: convert(&l.out_proj),
+                mixer: match &l.mixer {
+                    MixerWeights::Mamba2(m) => Mixer::Mamba2(mamba(config, m)),
+                    MixerWeights::Attention(a) => {
+                        let mut qkv: Vec<T> = convert(&a.q);
+                        qkv.extend(convert::<T>(&a.k));
+                        qkv.extend(convert::<T>(&a.v));
+                        Mixer::Attention(Attention {
+                            qkv,
+                            qkv_bias: a
+                                .bias
+                                .as_ref()
+                                .map(|b| b[..3].iter().flat_map(|t| convert::<T>(t)).collect()),
+                            o: convert(&a.o),
+                            o_bias: a.bias.as_ref().map(|b| convert(&b[3])),
+                        })
+                    }
+                    MixerWeights::Mlp(m) => Mixer::Mlp(Mlp {
+                        up: convert(&m.up),
+                        up_bias: m.up_bias.as_ref().map(convert),
+                        gate: m
+                            .gate
+                            .as_ref()
+                            .map(|g| (convert(g), m.gate_bias.as_ref().map(convert))),
+                        down: convert(&m.down),
+                        down_bias: m.down_bias.as_ref().map(convert),
+                    }),
+                },
             })
             .collect();
         let model = CpuModel {
             config: config.clone(),
+            context: if config.attention.is_some() {
+                config.max_context.unwrap_or(usize::MAX)
+            } else {
+                usize::MAX
+            },
             embedding: convert(&weights.embedding),
             layers,
             final_norm: convert(&weights.final_norm),
@@ -100,11 +149,13 @@ impl<T: Real> CpuModel<T> {
 
     /// A zero state (a fresh sequence).
     pub fn new_state(&self) -> State<T> {
-        let c = &self.config;
-        State {
-            conv: vec![vec![T::zero(); c.conv_state_len()]; c.n_layer],
-            ssm: vec![vec![T::zero(); c.ssm_state_len()]; c.n_layer],
-        }
+        State::new(&self.config)
+    }
+
+    /// Limits the sequence length (the KV caches) to `n` tokens.
+    pub fn with_context(mut self, n: usize) -> Self {
+        self.context = n;
+        self
     }
 
     /// Feeds `tokens` through the model from `state` (updated in place) and returns the
@@ -124,16 +175,44 @@ impl<T: Real> CpuModel<T> {
                 c.vocab_size
             )));
         }
+        state.check(c)?;
+        if state.len.saturating_add(tokens.len()) > self.context {
+            return Err(Error::InvalidInput(format!(
+                "the context is full: {} tokens so far + {} new exceed the {}-token context \
+                 (--ctx)",
+                state.len,
+                tokens.len(),
+                self.context
+            )));
+        }
         let mut resid: Vec<Vec<T>> = tokens
             .iter()
             .map(|&t| self.embedding[t as usize * d..][..d].to_vec())
             .collect();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let out = self.mixer(layer, &mut state.conv[i], &mut state.ssm[i], &resid, scan);
+        let pos0 = state.len;
+        for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
+            let hs: Vec<Vec<T>> = resid
+                .iter()
+                .map(|r| rmsnorm(r, &layer.norm, c.norm_eps))
+                .collect();
+            let out = match (&layer.mixer, st) {
+                (Mixer::Mamba2(m), LayerState::Mamba2 { conv, ssm }) => {
+                    self.mamba(m, conv, ssm, &hs, scan)
+                }
+                (Mixer::Attention(a), LayerState::Attention { k, v }) => {
+                    let ac = c.attention.as_ref().expect("checked by the config");
+                    attention(ac, a, k, v, pos0, &hs)
+                }
+                (Mixer::Mlp(m), LayerState::Stateless) => {
+                    mlp(c.mlp.as_ref().expect("checked by the config"), m, &hs)
+                }
+                _ => unreachable!("State::check matched the layers"),
+            };
             for (r, o) in resid.iter_mut().zip(out) {
                 r.iter_mut().zip(o).for_each(|(r, o)| *r = *r + o);
             }
         }
+        state.len += tokens.len();
         let positions: &[Vec<T>] = match want {
             Logits::None => &[],
             Logits::Last => &resid[resid.len().saturating_sub(1)..],
@@ -152,23 +231,19 @@ impl<T: Real> CpuModel<T> {
         matmul(head, self.config.vocab_size, &hs)
     }
 
-    /// One block's mixer over `L` tokens: returns the residual update of each token.
-    fn mixer(
+    /// A Mamba2 mixer over the `L` normed inputs `hs`: the residual update of each token.
+    fn mamba(
         &self,
-        w: &Layer<T>,
+        w: &Mamba<T>,
         conv_state: &mut [T],
         ssm_state: &mut [T],
-        resid: &[Vec<T>],
+        hs: &[Vec<T>],
         scan: Scan,
     ) -> Vec<Vec<T>> {
         let c = &self.config;
         let (di, cd, heads, gn) = (c.d_inner, c.conv_dim(), c.n_heads, c.n_groups * c.d_state);
-        let l = resid.len();
-        let hs: Vec<Vec<T>> = resid
-            .iter()
-            .map(|r| rmsnorm(r, &w.norm, c.norm_eps))
-            .collect();
-        let zxbcdt = matmul(&w.in_proj, c.d_in_proj(), &hs);
+        let l = hs.len();
+        let zxbcdt = matmul(&w.in_proj, c.d_in_proj(), hs);
         // Causal depthwise conv over [cached K−1 columns | this chunk], then SiLU.
         let k = c.d_conv;
         let mut x = Vec::with_capacity(l * di);
@@ -235,4 +310,88 @@ impl<T: Real> CpuModel<T> {
             .collect();
         matmul(&w.out_proj, c.d_model, &vs)
     }
+}
+
+/// A Mamba2 mixer's weights in `T` (`A = −exp(A_log)` computed in f32, as every
+/// implementation does, then widened).
+fn mamba<T: Real>(c: &ModelConfig, m: &MambaWeights) -> Mamba<T> {
+    Mamba {
+        in_proj: convert(&m.in_proj),
+        conv_weight: convert(&m.conv_weight),
+        conv_bias: m
+            .conv_bias
+            .as_ref()
+            .map(convert)
+            .unwrap_or_else(|| vec![T::zero(); c.conv_dim()]),
+        dt_bias: convert(&m.dt_bias),
+        a: m.a_log
+            .to_f32()
+            .into_iter()
+            .map(|v| T::of_f32(-v.exp()))
+            .collect(),
+        d_skip: convert(&m.d_skip),
+        mixer_norm: convert(&m.mixer_norm),
+        out_proj: convert(&m.out_proj),
+    }
+}
+
+/// `W·x + b` for each row of `xs`.
+fn linear<T: Real>(w: &[T], bias: Option<&Vec<T>>, rows: usize, xs: &[Vec<T>]) -> Vec<Vec<T>> {
+    let mut out = matmul(w, rows, xs);
+    if let Some(b) = bias {
+        for o in &mut out {
+            o.iter_mut().zip(b).for_each(|(o, &b)| *o = *o + b);
+        }
+    }
+    out
+}
+
+/// An attention mixer over the normed inputs `hs` of the tokens at `pos0…`: their K and V
+/// rows are appended to the caches, then each token attends to every row up to its own.
+fn attention<T: Real>(
+    ac: &AttentionConfig,
+    w: &Attention<T>,
+    k_cache: &mut Vec<T>,
+    v_cache: &mut Vec<T>,
+    pos0: usize,
+    hs: &[Vec<T>],
+) -> Vec<Vec<T>> {
+    let (qw, kw) = (ac.q_width(), ac.kv_width());
+    let qkv = linear(&w.qkv, w.qkv_bias.as_ref(), ac.qkv_rows(), hs);
+    let mut q = Vec::with_capacity(hs.len() * qw);
+    for (t, row) in qkv.iter().enumerate() {
+        let (mut qt, mut kt) = (row[..qw].to_vec(), row[qw..qw + kw].to_vec());
+        if let Some(theta) = ac.rope_theta {
+            rope(&mut qt, ac.head_dim, pos0 + t, theta);
+            rope(&mut kt, ac.head_dim, pos0 + t, theta);
+        }
+        q.extend(qt);
+        k_cache.extend(kt);
+        v_cache.extend_from_slice(&row[qw + kw..]);
+    }
+    let o = attend(ac.dims(), &q, k_cache, v_cache, pos0, T::of(ac.scale));
+    let rows: Vec<Vec<T>> = o.chunks(qw).map(<[T]>::to_vec).collect();
+    linear(&w.o, w.o_bias.as_ref(), w.o.len() / qw, &rows)
+}
+
+/// An MLP mixer: `down(relu(up(x))²)` or `down(silu(gate(x)) · up(x))`.
+fn mlp<T: Real>(mc: &MlpConfig, w: &Mlp<T>, hs: &[Vec<T>]) -> Vec<Vec<T>> {
+    let n = mc.intermediate;
+    let mut a = linear(&w.up, w.up_bias.as_ref(), n, hs);
+    match (mc.act, &w.gate) {
+        (MlpAct::Relu2, _) => {
+            for x in a.iter_mut().flatten() {
+                let r = x.max(T::zero());
+                *x = r * r;
+            }
+        }
+        (MlpAct::SiluGated, Some((g, gb))) => {
+            let g = linear(g, gb.as_ref(), n, hs);
+            for (x, g) in a.iter_mut().flatten().zip(g.iter().flatten()) {
+                *x = silu(*g) * *x;
+            }
+        }
+        (MlpAct::SiluGated, None) => unreachable!("gated MLPs load a gate"),
+    }
+    linear(&w.down, w.down_bias.as_ref(), w.down.len() / n, &a)
 }

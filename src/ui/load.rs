@@ -159,9 +159,9 @@ impl GpuInfo {
             caps,
             limits,
             weight_bytes: e.weight_bytes(),
-            state_bytes: e.state_bytes(),
+            state_bytes: e.state_bytes() + e.state.kv_bytes(),
             scratch_bytes: e.scratch_bytes(),
-            bytes_per_token: e.bytes_per_token(),
+            bytes_per_token: e.bytes_per_token(e.len),
             dispatches_greedy: e.graph(Tail::Greedy).len(),
             dispatches_sample: e.graph(Tail::Sample).len(),
             format: e.format.name(),
@@ -437,8 +437,8 @@ fn open_preset(
     };
     let ctx = GpuContext::new(adapter, &Engine::needs(&config, opts.format))
         .map_err(|e| e.to_string())?;
-    let engine = Engine::synthetic(Arc::new(ctx), &config, opts.format, opts.fused, seed)
-        .map_err(|e| e.to_string())?;
+    let engine =
+        Engine::synthetic(Arc::new(ctx), &config, opts, seed).map_err(|e| e.to_string())?;
     let backend = GpuBackend::new(engine).map_err(|e| e.to_string())?;
     let info = ModelInfo {
         source: label,

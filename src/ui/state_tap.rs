@@ -1,5 +1,5 @@
-//! Reading the GPU state back without stalling decode: a copy of every layer's conv and
-//! SSM state buffers into staging buffers is queued behind the tokens already submitted
+//! Reading the GPU state back without stalling decode: a copy of every Mamba2 layer's conv
+//! and SSM state buffers into staging buffers is queued behind the tokens already submitted
 //! (so it sees the state at a token boundary), mapped asynchronously, and picked up later
 //! when the decode loop's own polling has completed it. Nothing waits for it on the hot
 //! path; at most one copy is in flight.
@@ -7,20 +7,25 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use crate::config::{BlockKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::engine::Engine;
-use crate::reference::State;
+use crate::gpu::state_store::DeviceLayerState;
+use crate::state::{LayerState, State};
 
 struct Pending {
     remaining: Arc<AtomicUsize>,
     failed: Arc<AtomicBool>,
     position: u64,
+    /// Tokens in the KV caches when the copy was queued.
+    len: usize,
 }
 
 /// Asynchronous snapshots of an engine's state.
 pub struct StateTap {
     ctx: Arc<GpuContext>,
+    config: ModelConfig,
     /// Per layer: (conv state, SSM state) buffers of the engine.
     sources: Vec<(wgpu::Buffer, wgpu::Buffer)>,
     conv_bytes: u64,
@@ -35,10 +40,15 @@ impl StateTap {
         let c = &engine.config;
         StateTap {
             ctx: engine.ctx().clone(),
+            config: c.clone(),
             sources: engine
+                .state
                 .layers
                 .iter()
-                .map(|l| (l.conv_state.clone(), l.ssm_state.clone()))
+                .filter_map(|l| match l {
+                    DeviceLayerState::Mamba2 { conv, ssm } => Some((conv.clone(), ssm.clone())),
+                    _ => None,
+                })
                 .collect(),
             conv_bytes: 4 * c.conv_state_len() as u64,
             ssm_bytes: 4 * c.ssm_state_len() as u64,
@@ -90,6 +100,8 @@ impl StateTap {
             remaining,
             failed,
             position,
+            // Tokens fed so far: the rows in every KV cache.
+            len: position as usize,
         });
         Ok(true)
     }
@@ -116,21 +128,37 @@ impl StateTap {
             ));
         }
         let conv_len = (self.conv_bytes / 4) as usize;
-        let mut st = State {
-            conv: Vec::new(),
-            ssm: Vec::new(),
-        };
+        let mut tapped = Vec::with_capacity(self.staging.len());
         for b in &self.staging {
             {
                 let view = b
                     .get_mapped_range(..)
                     .map_err(|e| Error::Gpu(format!("state readback: {e}")))?;
                 let all: &[f32] = bytemuck::cast_slice(&view);
-                st.conv.push(all[..conv_len].to_vec());
-                st.ssm.push(all[conv_len..].to_vec());
+                tapped.push((all[..conv_len].to_vec(), all[conv_len..].to_vec()));
             }
             b.unmap();
         }
+        // The Mamba2 layers as read; attention layers with their length only (the view
+        // shows their occupancy, not their values).
+        let mut tapped = tapped.into_iter();
+        let layers = self
+            .config
+            .blocks
+            .iter()
+            .map(|k| match k {
+                BlockKind::Mamba2 => {
+                    let (conv, ssm) = tapped.next().unwrap_or_default();
+                    LayerState::Mamba2 { conv, ssm }
+                }
+                BlockKind::Attention => LayerState::Attention {
+                    k: Vec::new(),
+                    v: Vec::new(),
+                },
+                BlockKind::Mlp => LayerState::Stateless,
+            })
+            .collect();
+        let st = State { layers, len: p.len };
         Ok(Some((st, p.position)))
     }
 

@@ -1,6 +1,7 @@
-//! The live recurrent state, summarized for the eye: one cell per (layer, head) holding a
-//! norm of that head's P×N SSM state (RMS or max |S|), one strip per layer for the conv
-//! state (max |x| over bins of channels), and every NaN/Inf found, located. The summary is
+//! The live recurrent state, summarized for the eye: one cell per (Mamba2 layer, head)
+//! holding a norm of that head's P×N SSM state (RMS or max |S|), one strip per Mamba2 layer
+//! for the conv state (max |x| over bins of channels), the KV occupancy of the attention
+//! layers, and every NaN/Inf found, located. The summary is
 //! a plain value computed from a `State<f32>` anywhere (the worker, a test), so a test can
 //! inject a state with a NaN and watch the flag go up.
 
@@ -47,7 +48,13 @@ const MAX_BAD: usize = 16;
 /// A per-(layer, head) summary of a state.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StateSummary {
+    /// Rows of the heatmaps: the Mamba2 layers.
     pub layers: usize,
+    /// The model layer of each row.
+    pub layer_ids: Vec<usize>,
+    /// The attention layers, and the tokens their KV caches hold.
+    pub kv_layers: Vec<usize>,
+    pub kv_len: usize,
     pub heads: usize,
     pub head_dim: usize,
     pub d_state: usize,
@@ -79,27 +86,27 @@ pub struct StateSummary {
 impl StateSummary {
     /// Summarizes `state` for `config`, checking its shape.
     pub fn from_state(config: &ModelConfig, state: &State<f32>) -> Result<Self, String> {
-        let (layers, heads, p, n) = (
-            config.n_layer,
-            config.n_heads,
-            config.head_dim,
-            config.d_state,
-        );
+        let (heads, p, n) = (config.n_heads, config.head_dim, config.d_state);
         let conv_dim = config.conv_dim();
         let conv_cols = config.d_conv.saturating_sub(1);
-        if state.ssm.len() != layers || state.conv.len() != layers {
+        if state.layers.len() != config.n_layer {
             return Err(format!(
-                "the state has {} SSM and {} conv layers; the model has {layers}",
-                state.ssm.len(),
-                state.conv.len()
+                "the state has {} layers; the model has {}",
+                state.layers.len(),
+                config.n_layer
             ));
         }
+        let layer_ids: Vec<usize> = state.mamba_layers().map(|(i, ..)| i).collect();
+        let layers = layer_ids.len();
         let head_len = p * n;
         let conv_bins = conv_dim.clamp(1, CONV_BINS);
         let conv_bin = conv_dim.div_ceil(conv_bins).max(1);
         let conv_bins = conv_dim.div_ceil(conv_bin).max(1);
         let mut s = StateSummary {
             layers,
+            layer_ids,
+            kv_layers: state.kv_layers().map(|(i, ..)| i).collect(),
+            kv_len: state.len,
             heads,
             head_dim: p,
             d_state: n,
@@ -116,7 +123,7 @@ impl StateSummary {
             total_nonfinite: 0,
             position: None,
         };
-        for (l, (ssm, conv)) in state.ssm.iter().zip(&state.conv).enumerate() {
+        for (row, (l, conv, ssm)) in state.mamba_layers().enumerate() {
             if ssm.len() != heads * head_len {
                 return Err(format!(
                     "layer {l}: SSM state has {} values, expected H·P·N = {heads}·{p}·{n} = {}",
@@ -155,7 +162,7 @@ impl StateSummary {
                         }
                     }
                 }
-                let i = l * heads + h;
+                let i = row * heads + h;
                 s.rms[i] = if count > 0 {
                     (sum / count as f64).sqrt() as f32
                 } else {
@@ -166,7 +173,7 @@ impl StateSummary {
                 s.total_nonfinite += bad as usize;
             }
             for c in 0..conv_dim {
-                let b = l * conv_bins + c / conv_bin;
+                let b = row * conv_bins + c / conv_bin;
                 for &v in &conv[c * conv_cols..(c + 1) * conv_cols] {
                     if v.is_finite() {
                         s.conv_max[b] = s.conv_max[b].max(v.abs());
@@ -400,6 +407,18 @@ pub fn state_panel(ui: &mut Ui, summary: &StateSummary, norm: &mut StateNorm) {
             ui.weak(format!("at token {p}"));
         }
     });
+    if summary.layers < summary.layer_ids.last().map_or(0, |l| l + 1) {
+        ui.weak(format!(
+            "rows are the Mamba2 layers {:?}",
+            summary.layer_ids
+        ));
+    }
+    if !summary.kv_layers.is_empty() {
+        ui.label(format!(
+            "KV caches: {} tokens in each of the attention layers {:?}",
+            summary.kv_len, summary.kv_layers
+        ));
+    }
     ui.horizontal(|ui| {
         ui.label("cell =");
         ui.selectable_value(norm, StateNorm::Rms, "RMS");
@@ -465,12 +484,37 @@ fn nonfinite_note(ui: &mut Ui, nonfinite: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::synthetic::tiny_config;
+    use crate::model::synthetic::{tiny_config, tiny_hybrid};
+    use crate::state::LayerState;
+
+    #[test]
+    fn hybrid_rows_are_the_mamba_layers() {
+        let c = tiny_hybrid("M*-M", 2);
+        let mut st = zero_state(&c);
+        ssm(&mut st, 3)[0] = f32::NAN;
+        st.len = 5;
+        let s = StateSummary::from_state(&c, &st).expect("shape");
+        assert_eq!((s.layers, s.layer_ids.clone()), (2, vec![0, 3]));
+        assert_eq!((s.kv_layers.clone(), s.kv_len), (vec![1], 5));
+        assert_eq!(s.bad[0].layer, 3);
+        assert_eq!(s.nonfinite[s.heads], 1);
+    }
 
     fn zero_state(c: &ModelConfig) -> State<f32> {
-        State {
-            conv: vec![vec![0.0; c.conv_state_len()]; c.n_layer],
-            ssm: vec![vec![0.0; c.ssm_state_len()]; c.n_layer],
+        State::new(c)
+    }
+
+    fn ssm(st: &mut State<f32>, layer: usize) -> &mut Vec<f32> {
+        match &mut st.layers[layer] {
+            LayerState::Mamba2 { ssm, .. } => ssm,
+            _ => panic!("layer {layer} is not Mamba2"),
+        }
+    }
+
+    fn conv(st: &mut State<f32>, layer: usize) -> &mut Vec<f32> {
+        match &mut st.layers[layer] {
+            LayerState::Mamba2 { conv, .. } => conv,
+            _ => panic!("layer {layer} is not Mamba2"),
         }
     }
 
@@ -479,9 +523,9 @@ mod tests {
         let c = tiny_config(2, 6);
         let mut st = zero_state(&c);
         let head_len = c.head_dim * c.d_state;
-        st.ssm[1][3 * head_len + 5] = f32::NAN;
-        st.ssm[0][head_len] = 2.0;
-        st.conv[0][7] = f32::INFINITY;
+        ssm(&mut st, 1)[3 * head_len + 5] = f32::NAN;
+        ssm(&mut st, 0)[head_len] = 2.0;
+        conv(&mut st, 0)[7] = f32::INFINITY;
         let s = StateSummary::from_state(&c, &st).expect("shape");
         assert_eq!((s.layers, s.heads), (2, 8));
         assert_eq!(s.total_nonfinite, 2);
@@ -499,13 +543,13 @@ mod tests {
     fn summary_rejects_wrong_shapes() {
         let c = tiny_config(1, 4);
         let mut st = zero_state(&c);
-        st.ssm[0].pop();
+        ssm(&mut st, 0).pop();
         assert!(
             StateSummary::from_state(&c, &st)
                 .unwrap_err()
                 .contains("layer 0")
         );
-        st.ssm.pop();
+        st.layers.pop();
         assert!(StateSummary::from_state(&c, &st).is_err());
     }
 

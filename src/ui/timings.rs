@@ -34,14 +34,6 @@ pub fn section_color(s: Section) -> Color32 {
     }
 }
 
-/// A kernel's name without its layer prefix: `layers.3.ssd_step` → `ssd_step`.
-pub fn kernel_kind(name: &str) -> &str {
-    match name.strip_prefix("layers.") {
-        Some(rest) => rest.split_once('.').map_or(rest, |(_, k)| k),
-        None => name,
-    }
-}
-
 /// One kernel kind's share of a token.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KindRow {
@@ -182,12 +174,12 @@ impl Timings {
         let mut kinds: Vec<KindRow> = Vec::new();
         for (j, p) in recent.iter().enumerate() {
             for k in &p.kernels {
-                let kind = kernel_kind(&k.name);
+                let kind = k.kind();
                 let i = match kinds.iter().position(|r| r.kind == kind) {
                     Some(i) => i,
                     None => {
                         kinds.push(KindRow {
-                            kind: kind.to_string(),
+                            kind: kind.clone(),
                             section: k.section,
                             count: 0,
                             ns: 0.0,
@@ -524,13 +516,26 @@ pub fn plots_ui(ui: &mut Ui, t: &Timings) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::BlockKind;
+    use crate::gpu::kernels::Label;
     use crate::gpu::profiler::KernelTime;
 
     fn profile(scale: f64) -> TokenProfile {
-        let k = |name: &str, section, ns: f64| KernelTime {
-            name: name.into(),
-            section,
-            ns: ns * scale,
+        let k = |name: &str, section, ns: f64| {
+            let label = match name.strip_prefix("layers.").and_then(|r| r.split_once('.')) {
+                Some((layer, kernel)) => Label {
+                    layer: layer.parse().ok(),
+                    block: Some(BlockKind::Mamba2),
+                    kernel: kernel.into(),
+                },
+                None => Label::default(),
+            };
+            KernelTime {
+                name: name.into(),
+                section,
+                label,
+                ns: ns * scale,
+            }
         };
         TokenProfile {
             kernels: vec![
@@ -544,15 +549,6 @@ mod tests {
             encode_ns: 500.0,
             submit_ns: 700.0,
         }
-    }
-
-    #[test]
-    fn kinds_strip_layers() {
-        assert_eq!(
-            kernel_kind("layers.12.in_proj+norm+conv"),
-            "in_proj+norm+conv"
-        );
-        assert_eq!(kernel_kind("final_norm+lm_head"), "final_norm+lm_head");
     }
 
     #[test]
@@ -571,10 +567,10 @@ mod tests {
         let in_proj = s
             .kinds
             .iter()
-            .find(|k| k.kind == "in_proj")
+            .find(|k| k.kind == "mamba2/in_proj")
             .expect("in_proj row");
         assert_eq!((in_proj.count, in_proj.ns), (2, 16_000.0));
-        assert_eq!(s.kinds[0].kind, "in_proj");
+        assert_eq!(s.kinds[0].kind, "mamba2/in_proj");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `advance.wgsl`: in a prefill through the decode graph, the next embed reads the next
 //! prompt token (`prompt [n]`, cursor in the control block).
 
-use super::{Dispatch, Kernels, Section};
+use super::{Dispatch, Kernels, Label, Section};
 use crate::error::Result;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/advance.wgsl")];
@@ -15,5 +15,6 @@ pub fn advance(k: &Kernels, prompt: &wgpu::Buffer, ctrl: &wgpu::Buffer) -> Resul
         name: "advance".into(),
         per_token: None,
         section: Section::Other,
+        label: Label::default(),
     })
 }

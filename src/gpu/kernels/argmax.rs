@@ -1,6 +1,6 @@
 //! `argmax.wgsl`: greedy choice over `logits [V]` into the control block.
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -26,5 +26,6 @@ pub fn argmax(
         name: "argmax".into(),
         per_token: None,
         section: Section::Other,
+        label: Label::default(),
     })
 }

@@ -2,7 +2,7 @@
 //! `[u | δ]` in place; the conv state `[conv_dim][K−1]` moves one step.
 
 use super::gemv::MixerConsts;
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -42,5 +42,6 @@ pub fn conv_step(
         name: name.to_string(),
         per_token: None,
         section: Section::Conv,
+        label: Label::default(),
     })
 }

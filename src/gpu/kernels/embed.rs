@@ -1,7 +1,7 @@
 //! `embed.wgsl`: `resid [D] = embedding [V, D] row ctrl.token` (decode), or for a prefill
 //! block `resid [T][D]` = the rows of `prompt [T]`; any weight format.
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
@@ -36,6 +36,7 @@ fn dispatch(
         name: name.into(),
         per_token: None,
         section: Section::Other,
+        label: Label::default(),
     })
 }
 

@@ -2,7 +2,7 @@
 //! of a block (`ctrl.prompt_len`), W a `DeviceMatrix` `[M, K]` in any format; X rows are
 //! `xs = ceil32(K)` values, zero past K (what the batched norms write).
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
@@ -74,5 +74,6 @@ pub fn gemm(
         name: name.to_string(),
         per_token: None,
         section: Section::Matmul,
+        label: Label::default(),
     })
 }

@@ -4,7 +4,7 @@
 //! weights, q8 blocks `xq [KP/4]`, `xd [KP/32]` for q8_0 weights; `dst [M]`;
 //! `part [G·blocks_per_group]` per-block Σv².
 
-use super::{Dispatch, Kernels, Section, check_len, finite, grid};
+use super::{Dispatch, Kernels, Label, Section, check_len, finite, grid};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
@@ -194,5 +194,6 @@ pub fn gemv(
         name: name.to_string(),
         per_token: None,
         section: Section::Matmul,
+        label: Label::default(),
     })
 }

@@ -4,6 +4,10 @@
 
 pub mod advance;
 pub mod argmax;
+pub mod attention_combine;
+pub mod attention_decode;
+pub mod attention_prefill;
+pub mod attn;
 pub mod chunk;
 pub mod conv_step;
 pub mod embed;
@@ -12,6 +16,8 @@ pub mod gated_norm;
 pub mod gemm;
 pub mod gemm_coop;
 pub mod gemv;
+pub mod kv_store;
+pub mod mlp_act;
 pub mod prefill_conv;
 pub mod residual_add;
 pub mod rmsnorm;
@@ -76,6 +82,18 @@ pub struct Dispatch {
     pub per_token: Option<TokenAxis>,
     pub name: String,
     pub section: Section,
+    /// Where the dispatch sits in the model, for the profiler, bench and inspector.
+    pub label: Label,
+}
+
+/// A dispatch's place in the model: its layer and block kind (none for the embedding,
+/// head and sampler) and its kernel's role, e.g. `in_proj+conv` — read by the profiler,
+/// `bench` and the inspector instead of parsing names.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Label {
+    pub layer: Option<usize>,
+    pub block: Option<crate::config::BlockKind>,
+    pub kernel: String,
 }
 
 /// A grid axis sized by the number of tokens of a prefill block: `ceil(T / per) · mult`.
@@ -101,6 +119,27 @@ impl Dispatch {
             g[a.axis] = g[a.axis].min(t.div_ceil(a.per).max(1) * a.mult);
         }
         pass.dispatch_workgroups(g[0], g[1], g[2]);
+    }
+
+    /// Places the dispatch in layer `layer`, a `block` block: the name becomes
+    /// `layers.{layer}.{kernel}`.
+    pub fn at(mut self, layer: usize, block: crate::config::BlockKind) -> Self {
+        self.label = Label {
+            layer: Some(layer),
+            block: Some(block),
+            kernel: std::mem::take(&mut self.name),
+        };
+        self.name = format!("layers.{layer}.{}", self.label.kernel);
+        self
+    }
+
+    /// The kernel's role (`in_proj+conv`, `lm_head`…), without the layer.
+    pub fn kernel(&self) -> &str {
+        if self.label.kernel.is_empty() {
+            &self.name
+        } else {
+            &self.label.kernel
+        }
     }
 
     /// Marks the grid axis that counts tokens (prefill kernels).

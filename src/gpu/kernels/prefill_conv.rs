@@ -4,7 +4,7 @@
 
 use super::chunk::ChunkConsts;
 use super::gemv::MixerConsts;
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -59,6 +59,7 @@ pub fn prefill_conv(
         name: name.to_string(),
         per_token: None,
         section: Section::Conv,
+        label: Label::default(),
     }
     .per_token(1, 1, 1))
 }
@@ -88,5 +89,6 @@ pub fn prefill_conv_state(
         name: name.to_string(),
         per_token: None,
         section: Section::Conv,
+        label: Label::default(),
     })
 }

@@ -1,6 +1,6 @@
 //! `residual_add.wgsl` (unfused graph): `resid [D] += src [D]`.
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -24,5 +24,6 @@ pub fn residual_add(
         name: name.to_string(),
         per_token: None,
         section: Section::Other,
+        label: Label::default(),
     })
 }

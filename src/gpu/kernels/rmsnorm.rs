@@ -2,7 +2,7 @@
 //! tokens (KP = D rounded up to 32), and with `q8` the q8 blocks `xq [T][KP/4]`,
 //! `xd [T][KP/32]` of the result: the input of the next GEMV or GEMM, made once.
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -52,15 +52,45 @@ pub fn rmsnorm(
 pub(super) fn norm_dispatch<'a>(
     k: &Kernels,
     name: &str,
+    shader: (&str, super::Sources),
+    consts: &[(&str, Const)],
+    entries: Vec<(u32, &'a wgpu::Buffer)>,
+    q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    width: usize,
+    tokens: usize,
+) -> Result<Dispatch> {
+    norm_dispatch_flags(
+        k,
+        name,
+        shader,
+        consts,
+        entries,
+        q8,
+        width,
+        tokens,
+        &[],
+        &[],
+    )
+}
+
+/// `norm_dispatch` with the kernel's own `extra` flags, and `tail` bindings after the q8
+/// ones.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn norm_dispatch_flags<'a>(
+    k: &Kernels,
+    name: &str,
     (shader, sources): (&str, super::Sources),
     consts: &[(&str, Const)],
     mut entries: Vec<(u32, &'a wgpu::Buffer)>,
     q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     width: usize,
     tokens: usize,
+    extra: &[&'static str],
+    tail: &[(u32, &'a wgpu::Buffer)],
 ) -> Result<Dispatch> {
     let kp = width.next_multiple_of(32);
     let mut flags = vec!["REDUCE"];
+    flags.extend_from_slice(extra);
     if let Some((q, s)) = q8 {
         check_len(&format!("{name}: xq"), q, tokens * kp / 4)?;
         check_len(&format!("{name}: xd"), s, tokens * kp / 32)?;
@@ -68,6 +98,7 @@ pub(super) fn norm_dispatch<'a>(
         let next = entries.len() as u32;
         entries.extend([(next, q), (next + 1, s)]);
     }
+    entries.extend_from_slice(tail);
     let pipeline = k.pipeline(shader, sources, consts, &flags, true)?;
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
@@ -85,5 +116,6 @@ pub(super) fn norm_dispatch<'a>(
         name: name.to_string(),
         per_token: None,
         section: Section::Norm,
+        label: Label::default(),
     })
 }

@@ -1,7 +1,7 @@
 //! `sample.wgsl`: seeded temperature / top-k / top-p sampling over `logits [V]` into the
 //! control block (which carries the options); `probs [V]` is scratch.
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -28,5 +28,6 @@ pub fn sample(
         name: "sample".into(),
         per_token: None,
         section: Section::Other,
+        label: Label::default(),
     })
 }

@@ -2,7 +2,7 @@
 //! output `u [T][conv_dim]`.
 
 use super::chunk::ChunkConsts;
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 
 const SOURCES: super::Sources = &[
@@ -32,5 +32,6 @@ pub fn ssd_cb(
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
+        label: Label::default(),
     })
 }

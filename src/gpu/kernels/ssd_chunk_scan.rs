@@ -2,7 +2,7 @@
 //! cumsums and D·x.
 
 use super::chunk::ChunkConsts;
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -55,5 +55,6 @@ pub fn ssd_chunk_scan(
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
+        label: Label::default(),
     })
 }

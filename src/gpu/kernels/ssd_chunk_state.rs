@@ -1,7 +1,7 @@
 //! `ssd_chunk_state.wgsl`: `cst [NC][H][P][N]`, the state each chunk adds.
 
 use super::chunk::ChunkConsts;
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 
 const SOURCES: super::Sources = &[
@@ -41,5 +41,6 @@ pub fn ssd_chunk_state(
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
+        label: Label::default(),
     })
 }

@@ -1,7 +1,7 @@
 //! `ssd_cumsum.wgsl`: `lam [NC][H][Q]`, the per-chunk inclusive cumsum of δ·A.
 
 use super::chunk::ChunkConsts;
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
@@ -33,5 +33,6 @@ pub fn ssd_cumsum(
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
+        label: Label::default(),
     })
 }

@@ -2,7 +2,7 @@
 //! state `[H][P][N]` after the block.
 
 use super::chunk::ChunkConsts;
-use super::{Dispatch, Kernels, Section, check_len, grid};
+use super::{Dispatch, Kernels, Label, Section, check_len, grid};
 use crate::error::Result;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/ssd_state_pass.wgsl")];
@@ -30,5 +30,6 @@ pub fn ssd_state_pass(
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
+        label: Label::default(),
     })
 }

@@ -2,7 +2,7 @@
 //! consecutive channels. Shapes: `mix [d_in_proj]` = [z | x B C | δ], `state [H][P][N]`,
 //! `y [H·P]`; gated: `part [d_inner/CB]`, and with q8 `xq [d_inner/4]`, `xd [d_inner/32]`.
 
-use super::{Dispatch, Kernels, Section, check_len};
+use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
@@ -119,5 +119,6 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
+        label: Label::default(),
     })
 }

@@ -1,0 +1,150 @@
+//! The attention block's dispatches. Decode (5 after the pre-norm): the `[q|k|v]` GEMV,
+//! `kv_store` (the token's K/V into cache row `ctrl.kv_len`, RoPE when asked), flash-decoding
+//! over the cached rows in segments (`attention_decode`) and the merge of the segments
+//! (`attention_combine`, with the q8 blocks of the heads' output for a q8_0 o_proj), then
+//! o_proj adding into the residual. Prefill: the same with GEMMs, and causal tiled
+//! attention of the block's tokens over every cached row (`attention_prefill`).
+
+use super::BlockCtx;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::gpu::kernels::attention_combine::attention_combine;
+use crate::gpu::kernels::attention_decode::{attention_decode, decode_partials_len};
+use crate::gpu::kernels::attention_prefill::attention_prefill;
+use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
+use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::kv_store::kv_store;
+use crate::gpu::kernels::{Dispatch, Section};
+use crate::gpu::prefill::Prefill;
+use crate::gpu::state_store::KvFormat;
+use crate::gpu::weights::DeviceMatrix;
+
+/// The attention kernels' view of a layer of `c` with caches of `ctx` rows.
+pub fn consts(c: &ModelConfig, ctx: usize, kv: KvFormat) -> Option<AttnConsts> {
+    let a = c.attention.as_ref()?;
+    Some(AttnConsts {
+        dims: a.dims(),
+        ctx,
+        format: kv,
+        qkv_stride: a.qkv_rows(),
+        scale: a.scale,
+        rope: a.rope_theta,
+    })
+}
+
+/// f32 values of the decode partials buffer (0 without attention layers).
+pub fn partials_len(c: &ModelConfig, ctx: usize) -> usize {
+    match consts(c, ctx, KvFormat::F16) {
+        Some(ac) if ctx > 0 => decode_partials_len(&ac),
+        _ => 0,
+    }
+}
+
+fn attn_section(d: Dispatch) -> Dispatch {
+    Dispatch {
+        section: Section::Attn,
+        ..d
+    }
+}
+
+/// One decode token through an attention layer (after the pre-norm into `h`).
+pub fn decode(
+    b: &BlockCtx,
+    qkv: &DeviceMatrix,
+    o: &DeviceMatrix,
+    k_cache: &wgpu::Buffer,
+    v_cache: &wgpu::Buffer,
+) -> Result<Vec<Dispatch>> {
+    let (k, s) = (b.k, b.s);
+    let ac = consts(b.c, b.state.ctx, b.state.kv).expect("attention layers have a shape");
+    let q8 = b.q8();
+    let gemv_in = |src, dst| GemvBuffers {
+        src,
+        q8,
+        dst,
+        part: None,
+        params: None,
+        conv_state: None,
+        ctrl: None,
+    };
+    let bufs = AttnBuffers {
+        qkv: &s.qkv,
+        k_cache,
+        v_cache,
+        ctrl: &s.ctrl,
+    };
+    Ok(vec![
+        attn_section(gemv::gemv(
+            k,
+            "qkv_proj",
+            qkv,
+            GemvInput::Plain,
+            GemvOutput::Store,
+            gemv_in(&s.h, &s.qkv),
+        )?),
+        kv_store(k, "kv_store", ac, None, &bufs)?,
+        attention_decode(k, "attention", ac, &bufs, &s.attn_part)?,
+        attention_combine(k, "combine", ac, &s.attn_part, &s.ctrl, &s.attn, q8)?,
+        attn_section(gemv::gemv(
+            k,
+            "o_proj+residual",
+            o,
+            GemvInput::Plain,
+            GemvOutput::Add,
+            gemv_in(&s.attn, &s.resid),
+        )?),
+    ])
+}
+
+/// A prefill block through an attention layer (after the batched pre-norm into `p.h`).
+pub fn prefill(
+    b: &BlockCtx,
+    p: &Prefill,
+    tokens: usize,
+    qkv: &DeviceMatrix,
+    o: &DeviceMatrix,
+    k_cache: &wgpu::Buffer,
+    v_cache: &wgpu::Buffer,
+) -> Result<Vec<Dispatch>> {
+    let (k, s) = (b.k, b.s);
+    let ac = consts(b.c, b.state.ctx, b.state.kv).expect("attention layers have a shape");
+    let bufs = AttnBuffers {
+        qkv: &p.qkv,
+        k_cache,
+        v_cache,
+        ctrl: &s.ctrl,
+    };
+    Ok(vec![
+        attn_section(
+            gemm(
+                k,
+                "qkv_proj",
+                qkv,
+                tokens,
+                &p.h,
+                &p.qkv,
+                qkv.rows,
+                GemmOutput::Store,
+                &s.ctrl,
+            )?
+            .per_token(1, TILE.1, 1),
+        ),
+        kv_store(k, "kv_store", ac, Some(tokens), &bufs)?,
+        attention_prefill(k, "attention", ac, tokens, &bufs, &p.attn)?,
+        attn_section(
+            gemm(
+                k,
+                "o_proj+residual",
+                o,
+                tokens,
+                &p.attn,
+                &p.resid,
+                b.c.d_model,
+                GemmOutput::Add,
+                &s.ctrl,
+            )?
+            .per_token(1, TILE.1, 1),
+        ),
+    ])
+}

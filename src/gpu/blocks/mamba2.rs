@@ -1,0 +1,333 @@
+//! The Mamba2 block's dispatches. Decode, fused (4): the pre-norm (+ q8 of its output),
+//! in_proj with the conv step and dt softplus in its epilogue, the SSD step with the gate
+//! and the per-block Σv², out_proj with the group norm in its prologue and the residual
+//! add in its epilogue. Unfused (7, the parity baseline): rmsnorm, gemv, conv_step,
+//! ssd_step, gated_norm, gemv, residual_add. Prefill: norm, in_proj GEMM, conv (+ conv
+//! state), the five chunked-SSD kernels, gated norm, out_proj GEMM with the residual.
+
+use super::BlockCtx;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::gpu::device_weights::ParamLayout;
+use crate::gpu::kernels::chunk::ChunkConsts;
+use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
+use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
+use crate::gpu::kernels::prefill_conv::ConvBuffers;
+use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
+use crate::gpu::kernels::ssd_step::{self, SsdBuffers, SsdConsts};
+use crate::gpu::kernels::{
+    Dispatch, conv_step, prefill_conv, residual_add, ssd_cb, ssd_chunk_state, ssd_cumsum,
+    ssd_state_pass,
+};
+use crate::gpu::prefill::Prefill;
+use crate::gpu::weights::DeviceMatrix;
+
+/// A Mamba2 layer's device buffers.
+pub struct MambaLayer<'a> {
+    pub in_proj: &'a DeviceMatrix,
+    pub out_proj: &'a DeviceMatrix,
+    pub params: &'a wgpu::Buffer,
+    pub conv_state: &'a wgpu::Buffer,
+    pub ssm_state: &'a wgpu::Buffer,
+}
+
+/// The SSD step's sizes for a config.
+pub fn ssd_consts(c: &ModelConfig, layout: &ParamLayout) -> SsdConsts {
+    SsdConsts {
+        heads: c.n_heads,
+        head_dim: c.head_dim,
+        groups: c.n_groups,
+        d_state: c.d_state,
+        d_inner: c.d_inner,
+        conv_dim: c.conv_dim(),
+        a_off: layout.a,
+        d_off: layout.d,
+        nw_off: layout.mixer_norm,
+    }
+}
+
+/// Sizes and parameter offsets of the conv step and the in_proj epilogue.
+pub fn mixer_consts(c: &ModelConfig, layout: &ParamLayout) -> MixerConsts {
+    MixerConsts {
+        d_inner: c.d_inner,
+        conv_dim: c.conv_dim(),
+        heads: c.n_heads,
+        kernel: c.d_conv,
+        cw_off: layout.conv_w,
+        cb_off: layout.conv_b,
+        dtb_off: layout.dt_bias,
+        dt_limit: c.time_step_limit,
+    }
+}
+
+/// Whether the fused graph can run these shapes: its out_proj scales whole input vectors
+/// (4 columns, or 32 for q8_0) by one group's 1/rms, so groups must split into them.
+pub fn fusable(c: &ModelConfig, format: crate::model::quant::WeightFormat) -> bool {
+    let unit = if format == crate::model::quant::WeightFormat::Q8_0 {
+        32
+    } else {
+        4
+    };
+    c.group_size().is_multiple_of(unit)
+}
+
+/// One decode token through the layer (after the pre-norm).
+pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>> {
+    let (k, c, s) = (b.k, b.c, b.s);
+    let eps = c.norm_eps;
+    let ssd = ssd_consts(c, b.layout);
+    let q8 = b.q8();
+    let gemv_in = |src| GemvBuffers {
+        src,
+        q8,
+        dst: &s.mix,
+        part: None,
+        params: None,
+        conv_state: None,
+        ctrl: None,
+    };
+    let mut d = Vec::new();
+    if fused {
+        d.push(gemv::gemv(
+            k,
+            "in_proj+conv",
+            l.in_proj,
+            GemvInput::Plain,
+            GemvOutput::Mixer(mixer_consts(c, b.layout)),
+            GemvBuffers {
+                params: Some(l.params),
+                conv_state: Some(l.conv_state),
+                ctrl: Some(&s.ctrl),
+                ..gemv_in(&s.h)
+            },
+        )?);
+        d.push(ssd_step::ssd_step(
+            k,
+            "ssd_step+gate",
+            ssd,
+            SsdBuffers {
+                mix: &s.mix,
+                params: l.params,
+                state: l.ssm_state,
+                y: &s.y,
+                part: Some(&s.part),
+                q8,
+                ctrl: &s.ctrl,
+            },
+        )?);
+        d.push(gemv::gemv(
+            k,
+            "out_proj+norm+residual",
+            l.out_proj,
+            GemvInput::Group {
+                groups: c.n_groups,
+                group_size: c.group_size(),
+                blocks_per_group: ssd.blocks() / c.n_groups,
+                eps,
+            },
+            GemvOutput::Add,
+            GemvBuffers {
+                dst: &s.resid,
+                part: Some(&s.part),
+                ..gemv_in(&s.y)
+            },
+        )?);
+        return Ok(d);
+    }
+    d.push(gemv::gemv(
+        k,
+        "in_proj",
+        l.in_proj,
+        GemvInput::Plain,
+        GemvOutput::Store,
+        gemv_in(&s.h),
+    )?);
+    d.push(conv_step::conv_step(
+        k,
+        "conv_step",
+        mixer_consts(c, b.layout),
+        &s.mix,
+        l.params,
+        l.conv_state,
+        &s.ctrl,
+    )?);
+    d.push(ssd_step::ssd_step(
+        k,
+        "ssd_step",
+        ssd,
+        SsdBuffers {
+            mix: &s.mix,
+            params: l.params,
+            state: l.ssm_state,
+            y: &s.y,
+            part: None,
+            q8: None,
+            ctrl: &s.ctrl,
+        },
+    )?);
+    d.push(gated_norm::gated_norm(
+        k,
+        "gated_norm",
+        c.d_inner,
+        c.n_groups,
+        eps,
+        b.layout.mixer_norm,
+        Batch {
+            tokens: 1,
+            mix_stride: c.d_in_proj(),
+        },
+        GatedNormBuffers {
+            y: &s.y,
+            mix: &s.mix,
+            params: l.params,
+            dst: &s.v,
+            q8,
+        },
+    )?);
+    d.push(gemv::gemv(
+        k,
+        "out_proj",
+        l.out_proj,
+        GemvInput::Plain,
+        GemvOutput::Store,
+        GemvBuffers {
+            dst: &s.out,
+            ..gemv_in(&s.v)
+        },
+    )?);
+    d.push(residual_add::residual_add(
+        k, "residual", c.d_model, &s.out, &s.resid,
+    )?);
+    Ok(d)
+}
+
+/// A prefill block through the layer (after the batched pre-norm into `p.h`).
+pub fn prefill(
+    b: &BlockCtx,
+    p: &Prefill,
+    cc: ChunkConsts,
+    l: &MambaLayer,
+) -> Result<Vec<Dispatch>> {
+    let (k, c, s) = (b.k, b.c, b.s);
+    let t = cc.max_tokens;
+    let lay = b.layout;
+    let mc = mixer_consts(c, lay);
+    let mut d = vec![
+        gemm(
+            k,
+            "in_proj",
+            l.in_proj,
+            t,
+            &p.h,
+            &p.mix,
+            c.d_in_proj(),
+            GemmOutput::Store,
+            &s.ctrl,
+        )?
+        .per_token(1, TILE.1, 1),
+    ];
+    let conv = ConvBuffers {
+        mix: &p.mix,
+        params: l.params,
+        conv_state: l.conv_state,
+        u: &p.u,
+        ctrl: &s.ctrl,
+    };
+    d.push(prefill_conv::prefill_conv(k, "conv", cc, mc, conv)?);
+    d.push(prefill_conv::prefill_conv_state(
+        k,
+        "conv_state",
+        cc,
+        mc,
+        &p.mix,
+        l.conv_state,
+        &s.ctrl,
+    )?);
+    d.push(
+        ssd_cumsum::ssd_cumsum(
+            k,
+            "ssd_cumsum",
+            cc,
+            lay.a,
+            &p.mix,
+            l.params,
+            &p.lam,
+            &s.ctrl,
+        )?
+        .per_token(1, cc.q, 1),
+    );
+    d.push(ssd_cb::ssd_cb(k, "ssd_cb", cc, &p.u, &p.cb, &s.ctrl)?.per_token(2, cc.q, c.n_groups));
+    d.push(
+        ssd_chunk_state::ssd_chunk_state(
+            k,
+            "ssd_chunk_state",
+            cc,
+            &p.mix,
+            &p.u,
+            &p.lam,
+            &p.cst,
+            &s.ctrl,
+        )?
+        .per_token(2, cc.q, c.n_heads),
+    );
+    d.push(ssd_state_pass::ssd_state_pass(
+        k,
+        "ssd_state_pass",
+        cc,
+        &p.lam,
+        &p.cst,
+        l.ssm_state,
+        &s.ctrl,
+    )?);
+    let scan = ScanBuffers {
+        mix: &p.mix,
+        u: &p.u,
+        params: l.params,
+        lam: &p.lam,
+        cb: &p.cb,
+        cst: &p.cst,
+        y: &p.y,
+        ctrl: &s.ctrl,
+    };
+    d.push(ssd_chunk_scan(k, "ssd_chunk_scan", cc, lay.d, scan)?.per_token(2, cc.q, 1));
+    let gated = GatedNormBuffers {
+        y: &p.y,
+        mix: &p.mix,
+        params: l.params,
+        dst: &p.v,
+        q8: None,
+    };
+    let batch = Batch {
+        tokens: t,
+        mix_stride: c.d_in_proj(),
+    };
+    d.push(
+        gated_norm::gated_norm(
+            k,
+            "gated_norm",
+            c.d_inner,
+            c.n_groups,
+            c.norm_eps,
+            lay.mixer_norm,
+            batch,
+            gated,
+        )?
+        .per_token(1, 1, 1),
+    );
+    d.push(
+        gemm(
+            k,
+            "out_proj+residual",
+            l.out_proj,
+            t,
+            &p.v,
+            &p.resid,
+            c.d_model,
+            GemmOutput::Add,
+            &s.ctrl,
+        )?
+        .per_token(1, TILE.1, 1),
+    );
+    Ok(d)
+}

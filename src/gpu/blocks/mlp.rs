@@ -1,0 +1,134 @@
+//! The MLP block's dispatches. Decode (3 after the pre-norm): up (or gate+up) GEMV, the
+//! activation (relu² or silu-gated, biases added, with the q8 blocks of its output for a
+//! q8_0 down),
+//! down GEMV adding into the residual. Prefill: the same as GEMMs over the block's tokens.
+
+use super::BlockCtx;
+use crate::error::Result;
+use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::mlp_act::{MlpBias, mlp_act};
+use crate::gpu::kernels::rmsnorm::NormBuffers;
+use crate::gpu::kernels::{Dispatch, Section};
+use crate::gpu::prefill::Prefill;
+use crate::gpu::weights::DeviceMatrix;
+
+fn mlp_section(d: Dispatch) -> Dispatch {
+    Dispatch {
+        section: Section::Mlp,
+        ..d
+    }
+}
+
+/// One decode token through an MLP (after the pre-norm into `h`).
+pub fn decode(
+    b: &BlockCtx,
+    up: &DeviceMatrix,
+    down: &DeviceMatrix,
+    bias: Option<MlpBias>,
+) -> Result<Vec<Dispatch>> {
+    let (k, s) = (b.k, b.s);
+    let m = b.c.mlp.as_ref().expect("MLP blocks have a shape");
+    let q8 = b.q8();
+    let gemv_in = |src, dst| GemvBuffers {
+        src,
+        q8,
+        dst,
+        part: None,
+        params: None,
+        conv_state: None,
+        ctrl: None,
+    };
+    Ok(vec![
+        mlp_section(gemv::gemv(
+            k,
+            "up_proj",
+            up,
+            GemvInput::Plain,
+            GemvOutput::Store,
+            gemv_in(&s.h, &s.mlp_up),
+        )?),
+        mlp_act(
+            k,
+            "act",
+            m.act,
+            m.intermediate,
+            up.rows,
+            1,
+            NormBuffers {
+                src: &s.mlp_up,
+                params: &s.mlp_up,
+                dst: &s.mlp,
+                q8,
+            },
+            bias,
+        )?,
+        mlp_section(gemv::gemv(
+            k,
+            "down_proj+residual",
+            down,
+            GemvInput::Plain,
+            GemvOutput::Add,
+            gemv_in(&s.mlp, &s.resid),
+        )?),
+    ])
+}
+
+/// A prefill block through an MLP (after the batched pre-norm into `p.h`).
+pub fn prefill(
+    b: &BlockCtx,
+    p: &Prefill,
+    tokens: usize,
+    up: &DeviceMatrix,
+    down: &DeviceMatrix,
+    bias: Option<MlpBias>,
+) -> Result<Vec<Dispatch>> {
+    let (k, s) = (b.k, b.s);
+    let m = b.c.mlp.as_ref().expect("MLP blocks have a shape");
+    Ok(vec![
+        mlp_section(
+            gemm(
+                k,
+                "up_proj",
+                up,
+                tokens,
+                &p.h,
+                &p.mlp_up,
+                up.rows,
+                GemmOutput::Store,
+                &s.ctrl,
+            )?
+            .per_token(1, TILE.1, 1),
+        ),
+        mlp_act(
+            k,
+            "act",
+            m.act,
+            m.intermediate,
+            up.rows,
+            tokens,
+            NormBuffers {
+                src: &p.mlp_up,
+                params: &p.mlp_up,
+                dst: &p.mlp,
+                q8: None,
+            },
+            bias,
+        )?
+        .per_token(1, 1, 1),
+        mlp_section(
+            gemm(
+                k,
+                "down_proj+residual",
+                down,
+                tokens,
+                &p.mlp,
+                &p.resid,
+                b.c.d_model,
+                GemmOutput::Add,
+                &s.ctrl,
+            )?
+            .per_token(1, TILE.1, 1),
+        ),
+    ])
+}

@@ -1,0 +1,262 @@
+//! The graph builder: a token's decode graph (fused or unfused) and a prefill block's
+//! graph are built by walking the model's blocks and asking each for its dispatches —
+//! pre-norm, then the mixer's recipe (`mamba2`, `attention`, `mlp`), each dispatch labelled
+//! with its layer and block kind. Around the blocks: the embedding first; the final norm,
+//! lm_head and the sampler (or `advance`, when a token only feeds the state) last.
+
+pub mod attention;
+pub mod mamba2;
+pub mod mlp;
+
+use crate::config::{BlockKind, ModelConfig};
+use crate::error::Result;
+use crate::gpu::device_weights::{DeviceMixer, DeviceWeights, ParamLayout};
+use crate::gpu::graph::{Graph, Tail};
+use crate::gpu::kernels::chunk::ChunkConsts;
+use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::mlp_act::MlpBias;
+use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
+use crate::gpu::kernels::{Dispatch, Kernels, advance, argmax, embed, sample};
+use crate::gpu::prefill::Prefill;
+use crate::gpu::scratch::Scratch;
+use crate::gpu::state_store::{DeviceLayerState, DeviceState};
+use crate::model::quant::WeightFormat;
+
+/// What every block's recipe reads: kernels, shapes, the weight format, the Mamba2
+/// parameter layout, the decode scratch and the state store.
+pub struct BlockCtx<'a> {
+    pub k: &'a Kernels,
+    pub c: &'a ModelConfig,
+    pub format: WeightFormat,
+    pub layout: &'a ParamLayout,
+    pub s: &'a Scratch,
+    pub state: &'a DeviceState,
+}
+
+impl BlockCtx<'_> {
+    /// The q8 activation blocks, when the matrices are q8_0.
+    pub fn q8(&self) -> Option<(&wgpu::Buffer, &wgpu::Buffer)> {
+        (self.format == WeightFormat::Q8_0).then_some((&self.s.xq, &self.s.xd))
+    }
+}
+
+/// The decode graph of one token: `fused` picks the Mamba2 recipe (shapes the fused
+/// kernels cannot take run the unfused one), `tail` what ends it.
+pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) -> Result<Graph> {
+    let (k, c, s) = (b.k, b.c, b.s);
+    let mut d = vec![embed::embed(k, &w.embedding, &s.ctrl, &s.resid)?];
+    for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
+        let mut ds = vec![pre_norm(
+            b,
+            &layer.params,
+            layer.norm_offset(b.layout),
+            None,
+        )?];
+        ds.extend(match (&layer.mixer, st) {
+            (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
+                let l = mamba2::MambaLayer {
+                    in_proj,
+                    out_proj,
+                    params: &layer.params,
+                    conv_state: conv,
+                    ssm_state: ssm,
+                };
+                mamba2::decode(b, &l, fused && mamba2::fusable(c, b.format))?
+            }
+            (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
+                attention::decode(b, qkv, o, kc, vc)?
+            }
+            (DeviceMixer::Mlp { up, down, bias }, DeviceLayerState::Stateless) => {
+                mlp::decode(b, up, down, mlp_bias(b, &layer.params, *bias, &b.s.resid))?
+            }
+            _ => unreachable!("the state store is built from the same blocks"),
+        });
+        d.extend(ds.into_iter().map(|x| x.at(i, layer.kind)));
+    }
+    if tail != Tail::Feed {
+        d.push(rmsnorm::rmsnorm(
+            k,
+            "final_norm",
+            c.d_model,
+            c.norm_eps,
+            0,
+            1,
+            NormBuffers {
+                src: &s.resid,
+                params: &w.final_params,
+                dst: &s.h,
+                q8: b.q8(),
+            },
+        )?);
+        d.push(gemv::gemv(
+            k,
+            "lm_head",
+            w.head(),
+            GemvInput::Plain,
+            GemvOutput::Store,
+            GemvBuffers {
+                src: &s.h,
+                q8: b.q8(),
+                dst: &s.logits,
+                part: None,
+                params: None,
+                conv_state: None,
+                ctrl: None,
+            },
+        )?);
+    }
+    d.push(match tail {
+        Tail::Greedy => argmax::argmax(k, c.vocab_size, &s.logits, &s.ctrl)?,
+        Tail::Sample => sample::sample(k, c.vocab_size, &s.logits, &s.ctrl, &s.probs)?,
+        Tail::Feed | Tail::FeedLogits => advance::advance(k, &s.prompt, &s.ctrl)?,
+    });
+    Ok(Graph { dispatches: d })
+}
+
+/// The graph of a prefill block of up to `cc.max_tokens` tokens; with `logits`, the final
+/// norm and lm_head of every position into `p.logits`.
+pub fn prefill_graph(
+    b: &BlockCtx,
+    w: &DeviceWeights,
+    p: &Prefill,
+    cc: ChunkConsts,
+    logits: bool,
+) -> Result<Graph> {
+    let (k, c, s) = (b.k, b.c, b.s);
+    let t = cc.max_tokens;
+    let mut d = vec![
+        embed::embed_prompt(k, &w.embedding, t, &p.prompt, &p.resid, &s.ctrl)?.per_token(1, 1, 1),
+    ];
+    for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
+        let mut ds = vec![pre_norm(
+            b,
+            &layer.params,
+            layer.norm_offset(b.layout),
+            Some((p, t)),
+        )?];
+        ds.extend(match (&layer.mixer, st) {
+            (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
+                let l = mamba2::MambaLayer {
+                    in_proj,
+                    out_proj,
+                    params: &layer.params,
+                    conv_state: conv,
+                    ssm_state: ssm,
+                };
+                mamba2::prefill(b, p, cc, &l)?
+            }
+            (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
+                attention::prefill(b, p, t, qkv, o, kc, vc)?
+            }
+            (DeviceMixer::Mlp { up, down, bias }, DeviceLayerState::Stateless) => mlp::prefill(
+                b,
+                p,
+                t,
+                up,
+                down,
+                mlp_bias(b, &layer.params, *bias, &p.resid),
+            )?,
+            _ => unreachable!("the state store is built from the same blocks"),
+        });
+        d.extend(ds.into_iter().map(|x| x.at(i, layer.kind)));
+    }
+    if logits {
+        let out = p
+            .logits
+            .as_ref()
+            .expect("logits buffer allocated before the logits graph");
+        let norm = NormBuffers {
+            src: &p.resid,
+            params: &w.final_params,
+            dst: &p.h,
+            q8: None,
+        };
+        d.push(
+            rmsnorm::rmsnorm(k, "final_norm", c.d_model, c.norm_eps, 0, t, norm)?
+                .per_token(1, 1, 1),
+        );
+        d.push(
+            gemm(
+                k,
+                "lm_head",
+                w.head(),
+                t,
+                &p.h,
+                out,
+                c.vocab_size,
+                GemmOutput::Store,
+                &s.ctrl,
+            )?
+            .per_token(1, TILE.1, 1),
+        );
+    }
+    Ok(Graph { dispatches: d })
+}
+
+/// An MLP layer's biases as its activation kernel takes them.
+fn mlp_bias<'a>(
+    b: &BlockCtx,
+    params: &'a wgpu::Buffer,
+    offsets: Option<(usize, usize)>,
+    resid: &'a wgpu::Buffer,
+) -> Option<MlpBias<'a>> {
+    offsets.map(|(up_off, down_off)| MlpBias {
+        params,
+        up_off,
+        down_off,
+        resid,
+        d: b.c.d_model,
+    })
+}
+
+/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows.
+fn pre_norm(
+    b: &BlockCtx,
+    params: &wgpu::Buffer,
+    offset: usize,
+    prefill: Option<(&Prefill, usize)>,
+) -> Result<Dispatch> {
+    let c = b.c;
+    Ok(match prefill {
+        None => rmsnorm::rmsnorm(
+            b.k,
+            "norm",
+            c.d_model,
+            c.norm_eps,
+            offset,
+            1,
+            NormBuffers {
+                src: &b.s.resid,
+                params,
+                dst: &b.s.h,
+                q8: b.q8(),
+            },
+        )?,
+        Some((p, t)) => rmsnorm::rmsnorm(
+            b.k,
+            "norm",
+            c.d_model,
+            c.norm_eps,
+            offset,
+            t,
+            NormBuffers {
+                src: &p.resid,
+                params,
+                dst: &p.h,
+                q8: None,
+            },
+        )?
+        .per_token(1, 1, 1),
+    })
+}
+
+/// How many dispatches a block kind adds to a decode token (for `info` and the docs).
+pub fn decode_dispatches(kind: BlockKind, fused: bool) -> usize {
+    match kind {
+        BlockKind::Mamba2 if fused => 4,
+        BlockKind::Mamba2 => 7,
+        BlockKind::Attention => 6,
+        BlockKind::Mlp => 4,
+    }
+}

@@ -1,0 +1,262 @@
+//! The model's weights resident on the device: big matrices in the engine's format
+//! (`DeviceMatrix`), and per layer one small f32 parameter buffer holding the block's
+//! pre-norm weight and its mixer's small tensors (`ParamLayout` for Mamba2; just the
+//! norm for attention and MLP blocks). Uploaded once, from a checkpoint or made at random
+//! on the device (`gpu::synthetic`).
+
+use crate::config::{BlockKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::gpu::context::GpuContext;
+use crate::gpu::weights::DeviceMatrix;
+use crate::model::quant::{Packed, WeightFormat, pack};
+use crate::model::{MixerWeights, Model};
+
+/// Offsets (in f32) of the small tensors inside a Mamba2 layer's parameter buffer:
+/// `[conv_w | conv_b | dt_bias | A | D | norm | mixer_norm]`.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamLayout {
+    pub conv_w: usize,
+    pub conv_b: usize,
+    pub dt_bias: usize,
+    pub a: usize,
+    pub d: usize,
+    pub norm: usize,
+    pub mixer_norm: usize,
+    pub len: usize,
+}
+
+impl ParamLayout {
+    pub fn new(c: &ModelConfig) -> Self {
+        let conv_b = c.conv_dim() * c.d_conv;
+        let dt_bias = conv_b + c.conv_dim();
+        let a = dt_bias + c.n_heads;
+        let d = a + c.n_heads;
+        let norm = d + c.n_heads;
+        let mixer_norm = norm + c.d_model;
+        ParamLayout {
+            conv_w: 0,
+            conv_b,
+            dt_bias,
+            a,
+            d,
+            norm,
+            mixer_norm,
+            len: mixer_norm + c.d_inner,
+        }
+    }
+}
+
+/// A block's big matrices.
+pub enum DeviceMixer {
+    Mamba2 {
+        in_proj: DeviceMatrix,
+        out_proj: DeviceMatrix,
+    },
+    /// `qkv` is `[q; k; v]` stacked (one GEMV per token), `o` the output projection.
+    Attention { qkv: DeviceMatrix, o: DeviceMatrix },
+    /// `up` is `[I, d]`, or `[gate; up]` `[2I, d]` for gated MLPs; `bias`: where the up
+    /// (or gate+up) and down biases start in the layer's parameters.
+    Mlp {
+        up: DeviceMatrix,
+        down: DeviceMatrix,
+        bias: Option<(usize, usize)>,
+    },
+}
+
+/// One block on the device.
+pub struct DeviceLayer {
+    pub kind: BlockKind,
+    /// f32 small tensors: `ParamLayout` for Mamba2, `[norm]` otherwise.
+    pub params: wgpu::Buffer,
+    pub mixer: DeviceMixer,
+}
+
+impl DeviceLayer {
+    /// Where the pre-norm weight starts in `params`.
+    pub fn norm_offset(&self, layout: &ParamLayout) -> usize {
+        match self.kind {
+            BlockKind::Mamba2 => layout.norm,
+            _ => 0,
+        }
+    }
+
+    pub fn matrices(&self) -> [&DeviceMatrix; 2] {
+        match &self.mixer {
+            DeviceMixer::Mamba2 { in_proj, out_proj } => [in_proj, out_proj],
+            DeviceMixer::Attention { qkv, o } => [qkv, o],
+            DeviceMixer::Mlp { up, down, .. } => [up, down],
+        }
+    }
+}
+
+/// Every weight of the model on the device.
+pub struct DeviceWeights {
+    pub embedding: DeviceMatrix,
+    pub lm_head: Option<DeviceMatrix>,
+    pub layers: Vec<DeviceLayer>,
+    /// The final norm weight `[d]`.
+    pub final_params: wgpu::Buffer,
+}
+
+impl DeviceWeights {
+    /// The matrix that produces logits (lm_head, or the tied embedding).
+    pub fn head(&self) -> &DeviceMatrix {
+        self.lm_head.as_ref().unwrap_or(&self.embedding)
+    }
+
+    /// Device bytes of all weights.
+    pub fn bytes(&self) -> u64 {
+        let mut b = self.embedding.bytes() + self.lm_head.as_ref().map_or(0, |m| m.bytes());
+        for l in &self.layers {
+            b += l.matrices().iter().map(|m| m.bytes()).sum::<u64>() + l.params.size();
+        }
+        b + self.final_params.size()
+    }
+
+    /// Uploads `model`'s weights, converting the big matrices to `format` (with progress,
+    /// layer by layer so host memory stays bounded).
+    pub fn upload(ctx: &GpuContext, model: &Model, format: WeightFormat) -> Result<Self> {
+        let c = &model.config;
+        let w = &model.weights;
+        let total: u64 = w.all().iter().map(|t| t.numel() as u64).sum();
+        let bar = crate::progress::bar(total, "uploading weights");
+        let upload = |name: &str, parts: &[&crate::model::Tensor]| -> Result<DeviceMatrix> {
+            let cols = parts[0].shape[1];
+            let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
+            let mut values = Vec::with_capacity(rows * cols);
+            for t in parts {
+                values.extend(t.to_f32());
+                bar.inc(t.numel() as u64);
+            }
+            DeviceMatrix::upload(ctx, name, &pack_parallel(format, &values, rows, cols))
+        };
+        let embedding = upload("embedding", &[&w.embedding])?;
+        let lm_head = w
+            .lm_head
+            .as_ref()
+            .map(|t| upload("lm_head", &[t]))
+            .transpose()?;
+        let layout = ParamLayout::new(c);
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for (i, l) in w.layers.iter().enumerate() {
+            let name = |what: &str| format!("layers.{i}.{what}");
+            let mut params = Vec::new();
+            let mixer = match &l.mixer {
+                MixerWeights::Mamba2(m) => {
+                    params.extend(m.conv_weight.to_f32());
+                    match &m.conv_bias {
+                        Some(b) => params.extend(b.to_f32()),
+                        None => params.extend(std::iter::repeat_n(0.0, c.conv_dim())),
+                    }
+                    params.extend(m.dt_bias.to_f32());
+                    params.extend(m.a_log.to_f32().into_iter().map(|a| -a.exp()));
+                    params.extend(m.d_skip.to_f32());
+                    params.extend(l.norm.to_f32());
+                    params.extend(m.mixer_norm.to_f32());
+                    debug_assert_eq!(params.len(), layout.len);
+                    DeviceMixer::Mamba2 {
+                        in_proj: upload(&name("in_proj"), &[&m.in_proj])?,
+                        out_proj: upload(&name("out_proj"), &[&m.out_proj])?,
+                    }
+                }
+                MixerWeights::Attention(a) => {
+                    if a.bias.is_some() {
+                        return Err(gpu_unsupported(i, "attention projection biases"));
+                    }
+                    params.extend(l.norm.to_f32());
+                    DeviceMixer::Attention {
+                        qkv: upload(&name("qkv_proj"), &[&a.q, &a.k, &a.v])?,
+                        o: upload(&name("o_proj"), &[&a.o])?,
+                    }
+                }
+                MixerWeights::Mlp(m) => {
+                    params.extend(l.norm.to_f32());
+                    // Biases in the order of the up rows ([gate | up]), then down's.
+                    let bias = match (&m.up_bias, &m.down_bias) {
+                        (Some(ub), Some(db)) => {
+                            let up_off = params.len();
+                            if let Some(gb) = &m.gate_bias {
+                                params.extend(gb.to_f32());
+                            }
+                            params.extend(ub.to_f32());
+                            let down_off = params.len();
+                            params.extend(db.to_f32());
+                            Some((up_off, down_off))
+                        }
+                        _ => None,
+                    };
+                    let up = match &m.gate {
+                        Some(g) => upload(&name("gate_up_proj"), &[g, &m.up])?,
+                        None => upload(&name("up_proj"), &[&m.up])?,
+                    };
+                    DeviceMixer::Mlp {
+                        up,
+                        down: upload(&name("down_proj"), &[&m.down])?,
+                        bias,
+                    }
+                }
+            };
+            bar.inc((params.len()) as u64);
+            layers.push(DeviceLayer {
+                kind: l.mixer.kind(),
+                params: ctx.storage_with(&name("params"), bytemuck::cast_slice(&params))?,
+                mixer,
+            });
+            // Flush staged uploads layer by layer so host memory stays bounded.
+            ctx.queue.submit([]);
+            ctx.wait()?;
+        }
+        bar.finish_and_clear();
+        let final_params =
+            ctx.storage_with("final_norm", bytemuck::cast_slice(&w.final_norm.to_f32()))?;
+        Ok(DeviceWeights {
+            embedding,
+            lm_head,
+            layers,
+            final_params,
+        })
+    }
+}
+
+fn gpu_unsupported(layer: usize, what: &str) -> Error {
+    Error::Unsupported(format!(
+        "layer {layer}: {what} are not implemented on the GPU yet (the CPU reference runs \
+         them: --device cpu)"
+    ))
+}
+
+/// `pack` split by rows over the machine's cores (quantizing 7B weights is otherwise
+/// tens of seconds on one core).
+pub fn pack_parallel(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> Packed {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if threads == 1 || rows * cols < 1 << 20 {
+        return pack(format, values, rows, cols);
+    }
+    let per = rows.div_ceil(threads);
+    let parts: Vec<Packed> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..rows)
+            .step_by(per)
+            .map(|r0| {
+                let r1 = (r0 + per).min(rows);
+                s.spawn(move || pack(format, &values[r0 * cols..r1 * cols], r1 - r0, cols))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("pack thread panicked"))
+            .collect()
+    });
+    let mut out = Packed {
+        format,
+        rows,
+        cols,
+        kp: format.padded_cols(cols),
+        data: Vec::new(),
+        scales: Vec::new(),
+    };
+    for p in parts {
+        out.data.extend(p.data);
+        out.scales.extend(p.scales);
+    }
+    out
+}

@@ -1,0 +1,83 @@
+//! `attention_decode.wgsl` (+ `attn_tile.wgsl`): flash-decoding's first half for one token.
+//! Cache rows `0 ..= ctrl.kv_len` are cut into segments of `decode_segment` keys; the grid
+//! covers the whole capacity (`ctx`), and workgroups past the length only mark their
+//! partial empty. Shapes: `qkv [qkv_stride]` (q of the token, already rotated), the caches
+//! (see `attn`), `part [H][NSEG][hd + 2]` f32 (`decode_partials_len`); then
+//! `attention_combine` turns the partials into `o`.
+
+use super::attn::{AttnBuffers, AttnConsts};
+use super::{Dispatch, Kernels, Label, Section, check_len};
+use crate::error::{Error, Result};
+use crate::gpu::shader::Const;
+
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/attn_tile.wgsl"),
+    include_str!("../../../shaders/attention_decode.wgsl"),
+];
+
+/// Segments a full cache is cut into (about): enough workgroups to fill a large GPU at a
+/// long context, few enough partials that the combine stays short.
+pub const SEGMENTS: usize = 128;
+
+/// Keys per segment: a multiple of the key tile, ≈ ctx / SEGMENTS.
+pub fn decode_segment(c: &AttnConsts) -> usize {
+    let kt = c.tile(false).keys;
+    kt * c.ctx.div_ceil(kt * SEGMENTS).max(1)
+}
+
+/// Segments of the whole cache (the grid's x).
+pub fn decode_segments(c: &AttnConsts) -> usize {
+    c.ctx.div_ceil(decode_segment(c))
+}
+
+/// f32 values of the partials buffer: `H · NSEG · (hd + 2)`.
+pub fn decode_partials_len(c: &AttnConsts) -> usize {
+    c.dims.heads * decode_segments(c) * (c.dims.head_dim + 2)
+}
+
+/// Constants of both halves: the segment length and count.
+pub(super) fn segment_consts(c: &AttnConsts) -> [(&'static str, Const); 2] {
+    [
+        ("SEG", Const::U32(decode_segment(c) as u32)),
+        ("NSEG", Const::U32(decode_segments(c) as u32)),
+    ]
+}
+
+pub fn attention_decode(
+    k: &Kernels,
+    name: &str,
+    c: AttnConsts,
+    b: &AttnBuffers,
+    part: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    c.check(name)?;
+    c.check_buffers(name, b, 1, c.dims.q_len())?;
+    check_len(&format!("{name}: partials"), part, decode_partials_len(&c))?;
+    let tile = c.tile(false);
+    let mut consts = c.tile_consts(name, tile)?;
+    consts.extend(segment_consts(&c));
+    let nseg = decode_segments(&c);
+    if nseg > 65535 {
+        return Err(Error::Gpu(format!("{name}: {nseg} segments")));
+    }
+    let pipeline = k.pipeline("attention_decode", SOURCES, &consts, &c.flags(), false)?;
+    Ok(Dispatch {
+        bind_group: k.bind(
+            &pipeline,
+            name,
+            &[
+                (0, b.qkv),
+                (1, b.k_cache),
+                (2, b.v_cache),
+                (3, b.ctrl),
+                (4, part),
+            ],
+        ),
+        pipeline,
+        workgroups: (nseg as u32, (c.dims.kv_heads * tile.chunks) as u32, 1),
+        name: name.to_string(),
+        per_token: None,
+        section: Section::Attn,
+        label: Label::default(),
+    })
+}

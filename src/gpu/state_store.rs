@@ -1,0 +1,310 @@
+//! The state store on the device: per layer, a Mamba2 layer's conv `[conv_dim][K−1]` and
+//! SSM `[H][P][N]` state (f32), an attention layer's K and V caches `[ctx][Hkv][hd]`
+//! (f16 by default, f32 on request) sized at load for `ctx` tokens. It reads and writes
+//! itself as `state::State` (the CPU reference's form), and snapshots on the device copy the
+//! fixed part plus the KV prefix in use. One sequence today; the layout is per sequence so
+//! slots can sit side by side.
+
+use crate::config::{BlockKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::gpu::context::GpuContext;
+use crate::state::{LayerState, State};
+
+/// How the KV caches store their values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvFormat {
+    /// Two f16 per u32 (the default: half the memory and bandwidth).
+    F16,
+    F32,
+}
+
+impl KvFormat {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvFormat::F16 => 2,
+            KvFormat::F32 => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            KvFormat::F16 => "f16",
+            KvFormat::F32 => "f32",
+        }
+    }
+}
+
+impl std::str::FromStr for KvFormat {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f16" => Ok(KvFormat::F16),
+            "f32" => Ok(KvFormat::F32),
+            _ => Err(format!("`{s}`: expected f16 or f32")),
+        }
+    }
+}
+
+/// One layer's state buffers.
+pub enum DeviceLayerState {
+    Mamba2 {
+        conv: wgpu::Buffer,
+        ssm: wgpu::Buffer,
+    },
+    Attention {
+        k: wgpu::Buffer,
+        v: wgpu::Buffer,
+    },
+    Stateless,
+}
+
+/// A sequence's state on the device.
+pub struct DeviceState {
+    pub layers: Vec<DeviceLayerState>,
+    /// Rows each KV cache holds.
+    pub ctx: usize,
+    pub kv: KvFormat,
+    /// Values of one cached row, `Hkv·hd`.
+    kv_width: usize,
+}
+
+/// A copy of a sequence's state kept on the device: the buffers in use, and the length.
+pub struct DeviceSnapshot {
+    buffers: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
+    pub len: usize,
+}
+
+impl DeviceState {
+    /// Zeroed state for `c` with KV caches of `ctx` rows.
+    pub fn new(gpu: &GpuContext, c: &ModelConfig, ctx: usize, kv: KvFormat) -> Result<Self> {
+        let f32s = |n: usize| 4 * n as u64;
+        let kv_width = c.attention.as_ref().map_or(0, |a| a.kv_width());
+        let kv_bytes = (ctx as u64)
+            .checked_mul((kv_width * kv.bytes()) as u64)
+            .ok_or_else(|| Error::InvalidInput(format!("a {ctx}-token KV cache overflows")))?
+            .next_multiple_of(4);
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for (i, kind) in c.blocks.iter().enumerate() {
+            layers.push(match kind {
+                BlockKind::Mamba2 => DeviceLayerState::Mamba2 {
+                    conv: gpu.storage_zeroed(
+                        &format!("layers.{i}.conv_state"),
+                        f32s(c.conv_state_len()),
+                    )?,
+                    ssm: gpu.storage_zeroed(
+                        &format!("layers.{i}.ssm_state"),
+                        f32s(c.ssm_state_len()),
+                    )?,
+                },
+                BlockKind::Attention => DeviceLayerState::Attention {
+                    k: gpu.storage_zeroed(&format!("layers.{i}.k_cache"), kv_bytes)?,
+                    v: gpu.storage_zeroed(&format!("layers.{i}.v_cache"), kv_bytes)?,
+                },
+                BlockKind::Mlp => DeviceLayerState::Stateless,
+            });
+        }
+        Ok(DeviceState {
+            layers,
+            ctx,
+            kv,
+            kv_width,
+        })
+    }
+
+    fn pairs(&self) -> impl Iterator<Item = Option<(&wgpu::Buffer, &wgpu::Buffer)>> {
+        self.layers.iter().map(|l| match l {
+            DeviceLayerState::Mamba2 { conv, ssm } => Some((conv, ssm)),
+            DeviceLayerState::Attention { k, v } => Some((k, v)),
+            DeviceLayerState::Stateless => None,
+        })
+    }
+
+    /// Bytes of the first `len` rows of a KV cache.
+    fn kv_prefix(&self, len: usize) -> u64 {
+        ((len * self.kv_width * self.kv.bytes()) as u64).next_multiple_of(4)
+    }
+
+    /// Bytes a pair of a layer holds for a sequence of `len` tokens.
+    fn in_use(&self, layer: &DeviceLayerState, len: usize) -> u64 {
+        match layer {
+            DeviceLayerState::Mamba2 { conv, .. } => conv.size(),
+            DeviceLayerState::Attention { .. } => self.kv_prefix(len),
+            DeviceLayerState::Stateless => 0,
+        }
+    }
+
+    /// Zeroes every buffer (a fresh sequence).
+    pub fn reset(&self, gpu: &GpuContext) -> Result<()> {
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        for (a, b) in self.pairs().flatten() {
+            enc.clear_buffer(a, 0, None);
+            enc.clear_buffer(b, 0, None);
+        }
+        gpu.queue.submit([enc.finish()]);
+        gpu.check()
+    }
+
+    /// Bytes of the fixed part (Mamba2 layers).
+    pub fn fixed_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                DeviceLayerState::Mamba2 { conv, ssm } => conv.size() + ssm.size(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Bytes of the KV caches at full capacity.
+    pub fn kv_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                DeviceLayerState::Attention { k, v } => k.size() + v.size(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// The state of a sequence of `len` tokens as the CPU reference lays it out (blocking
+    /// reads; not for the hot path).
+    pub fn read(&self, gpu: &GpuContext, c: &ModelConfig, len: usize) -> Result<State<f32>> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            layers.push(match l {
+                DeviceLayerState::Mamba2 { conv, ssm } => LayerState::Mamba2 {
+                    conv: gpu.read_f32(conv, c.conv_state_len())?,
+                    ssm: gpu.read_f32(ssm, c.ssm_state_len())?,
+                },
+                DeviceLayerState::Attention { k, v } => LayerState::Attention {
+                    k: self.read_kv(gpu, k, len)?,
+                    v: self.read_kv(gpu, v, len)?,
+                },
+                DeviceLayerState::Stateless => LayerState::Stateless,
+            });
+        }
+        Ok(State { layers, len })
+    }
+
+    fn read_kv(&self, gpu: &GpuContext, b: &wgpu::Buffer, len: usize) -> Result<Vec<f32>> {
+        let n = len * self.kv_width;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(match self.kv {
+            KvFormat::F32 => gpu.read_f32(b, n)?,
+            KvFormat::F16 => {
+                let bytes = gpu.read(b, 2 * n as u64)?;
+                bytemuck::cast_slice::<u8, u16>(&bytes[..2 * n])
+                    .iter()
+                    .map(|&h| half::f16::from_bits(h).to_f32())
+                    .collect()
+            }
+        })
+    }
+
+    /// Replaces the state (e.g. to continue from a CPU-computed one).
+    pub fn write(&self, gpu: &GpuContext, c: &ModelConfig, st: &State<f32>) -> Result<()> {
+        st.check(c)?;
+        if st.len > self.ctx {
+            return Err(Error::InvalidInput(format!(
+                "the state holds {} tokens, more than the {}-token context",
+                st.len, self.ctx
+            )));
+        }
+        let put = |b: &wgpu::Buffer, v: &[f32]| {
+            if v.is_empty() {
+                return;
+            }
+            match self.kv {
+                KvFormat::F32 => gpu.queue.write_buffer(b, 0, bytemuck::cast_slice(v)),
+                KvFormat::F16 => {
+                    let mut h: Vec<u16> = v
+                        .iter()
+                        .map(|&x| half::f16::from_f32(x).to_bits())
+                        .collect();
+                    if h.len() % 2 == 1 {
+                        h.push(0);
+                    }
+                    gpu.queue.write_buffer(b, 0, bytemuck::cast_slice(&h));
+                }
+            }
+        };
+        for (l, s) in self.layers.iter().zip(&st.layers) {
+            match (l, s) {
+                (
+                    DeviceLayerState::Mamba2 { conv, ssm },
+                    LayerState::Mamba2 { conv: c0, ssm: s0 },
+                ) => {
+                    gpu.queue.write_buffer(conv, 0, bytemuck::cast_slice(c0));
+                    gpu.queue.write_buffer(ssm, 0, bytemuck::cast_slice(s0));
+                }
+                (DeviceLayerState::Attention { k, v }, LayerState::Attention { k: k0, v: v0 }) => {
+                    put(k, k0);
+                    put(v, v0);
+                }
+                _ => {}
+            }
+        }
+        gpu.queue.submit([]);
+        gpu.check()
+    }
+
+    /// A copy of the state of a sequence of `len` tokens kept on the device.
+    pub fn snapshot(&self, gpu: &GpuContext, len: usize) -> Result<DeviceSnapshot> {
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        let mut buffers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let Some((a, b)) = pair(l) else {
+                buffers.push(None);
+                continue;
+            };
+            let (sa, sb) = match l {
+                DeviceLayerState::Mamba2 { .. } => (a.size(), b.size()),
+                _ => (self.in_use(l, len), self.in_use(l, len)),
+            };
+            let ca = gpu.storage_zeroed("snapshot", sa.max(4))?;
+            let cb = gpu.storage_zeroed("snapshot", sb.max(4))?;
+            if sa > 0 {
+                enc.copy_buffer_to_buffer(a, 0, &ca, 0, Some(sa));
+                enc.copy_buffer_to_buffer(b, 0, &cb, 0, Some(sb));
+            }
+            buffers.push(Some((ca, cb)));
+        }
+        gpu.queue.submit([enc.finish()]);
+        gpu.check()?;
+        Ok(DeviceSnapshot { buffers, len })
+    }
+
+    /// Puts a snapshot of this state back.
+    pub fn restore(&self, gpu: &GpuContext, s: &DeviceSnapshot) -> Result<()> {
+        if s.buffers.len() != self.layers.len() || s.len > self.ctx {
+            return Err(Error::InvalidInput(
+                "snapshot belongs to another model or context".into(),
+            ));
+        }
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
+        for (l, saved) in self.layers.iter().zip(&s.buffers) {
+            if let (Some((a, b)), Some((sa, sb))) = (pair(l), saved) {
+                let n = self.in_use(l, s.len).min(sa.size());
+                if n > 0 {
+                    let nb = match l {
+                        DeviceLayerState::Mamba2 { .. } => sb.size(),
+                        _ => n,
+                    };
+                    enc.copy_buffer_to_buffer(sa, 0, a, 0, Some(n));
+                    enc.copy_buffer_to_buffer(sb, 0, b, 0, Some(nb));
+                }
+            }
+        }
+        gpu.queue.submit([enc.finish()]);
+        gpu.check()
+    }
+}
+
+fn pair(l: &DeviceLayerState) -> Option<(&wgpu::Buffer, &wgpu::Buffer)> {
+    match l {
+        DeviceLayerState::Mamba2 { conv, ssm } => Some((conv, ssm)),
+        DeviceLayerState::Attention { k, v } => Some((k, v)),
+        DeviceLayerState::Stateless => None,
+    }
+}

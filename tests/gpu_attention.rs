@@ -1,0 +1,413 @@
+//! The attention kernels (kv_store → attention_decode + attention_combine, or kv_store →
+//! attention_prefill) against the CPU oracle `reference::attention` in f64, from one table
+//! of cases. The oracle reads the K/V the GPU stored (read back, so f16 caches are compared
+//! on the same rounded values) and the queries rotated on the host. Cache rows past the
+//! ones a case stores hold NaN: a kernel that reads past the length fails.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::f16;
+use mamba2_wgpu::gpu::context::{GpuContext, Needs};
+use mamba2_wgpu::gpu::graph::Ctrl;
+use mamba2_wgpu::gpu::kernels::attention_combine::attention_combine;
+use mamba2_wgpu::gpu::kernels::attention_decode::{
+    attention_decode, decode_partials_len, decode_segment,
+};
+use mamba2_wgpu::gpu::kernels::attention_prefill::attention_prefill;
+use mamba2_wgpu::gpu::kernels::attn::{AttnBuffers, AttnConsts, KvFormat};
+use mamba2_wgpu::gpu::kernels::kv_store::kv_store;
+use mamba2_wgpu::gpu::kernels::{Dispatch, Kernels};
+use mamba2_wgpu::model::quant::quantize_activation_block;
+use mamba2_wgpu::reference::attention::{AttnDims, attend, rope};
+use mamba2_wgpu::sampling::uniform;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kernel {
+    /// One token: attention_decode + attention_combine (the combine writes q8 too).
+    Decode,
+    /// A block of `tokens` tokens: attention_prefill.
+    Prefill,
+}
+use Kernel::*;
+use KvFormat::{F16, F32};
+
+/// One row of the table. The cache holds `pos0` rows before the step; the step stores
+/// `tokens` more (rows pos0 … pos0+tokens−1) and attends to them causally.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    name: &'static str,
+    kernel: Kernel,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Cache capacity (rows).
+    ctx: usize,
+    pos0: usize,
+    tokens: usize,
+    format: KvFormat,
+    /// RoPE θ.
+    rope: Option<f64>,
+    /// Largest |o − oracle| allowed.
+    tol: f64,
+}
+
+#[rustfmt::skip]
+const CASES: &[Case] = &[
+    // name                                                   kernel  H  Hkv  hd   ctx     pos0 T   cache rope          tol
+    Case { name: "nemotron-h-8b: H 32, Hkv 8, hd 128, len 1000", kernel: Decode, heads: 32, kv_heads: 8, head_dim: 128, ctx: 4096, pos0: 999, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "nemotron-h-8b: first token (len 1)", kernel: Decode, heads: 32, kv_heads: 8, head_dim: 128, ctx: 4096, pos0: 0, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "nemotron-h-8b: f32 cache, len 37", kernel: Decode, heads: 32, kv_heads: 8, head_dim: 128, ctx: 300, pos0: 36, tokens: 1, format: F32, rope: None, tol: 2e-6 },
+    Case { name: "granite-4.0-h-tiny: H 12, Hkv 4, hd 64, len 300", kernel: Decode, heads: 12, kv_heads: 4, head_dim: 64, ctx: 1000, pos0: 299, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "granite-4.0-h-tiny: long segments, len 5001 of 20000", kernel: Decode, heads: 12, kv_heads: 4, head_dim: 64, ctx: 20000, pos0: 5000, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "mqa: H 16, Hkv 1, hd 128 (two head chunks), len 300", kernel: Decode, heads: 16, kv_heads: 1, head_dim: 128, ctx: 1000, pos0: 299, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "mqa, ragged head chunks: H 9, Hkv 1, hd 128 (5 + 4), len 77", kernel: Decode, heads: 9, kv_heads: 1, head_dim: 128, ctx: 200, pos0: 76, tokens: 1, format: F32, rope: None, tol: 2e-6 },
+    Case { name: "mha + rope: H 8, Hkv 8, hd 64, len 1000 = ctx", kernel: Decode, heads: 8, kv_heads: 8, head_dim: 64, ctx: 1000, pos0: 999, tokens: 1, format: F16, rope: Some(10000.0), tol: 1e-5 },
+    Case { name: "small: H 6, Hkv 2, hd 16, f32 + rope, len 37 = ctx", kernel: Decode, heads: 6, kv_heads: 2, head_dim: 16, ctx: 37, pos0: 36, tokens: 1, format: F32, rope: Some(500.0), tol: 1e-5 },
+    Case { name: "odd: H 3, Hkv 1, hd 18 (o padded, q8 blocks span heads), len 21", kernel: Decode, heads: 3, kv_heads: 1, head_dim: 18, ctx: 50, pos0: 20, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "nemotron-h-8b: block 40 at pos0 300", kernel: Prefill, heads: 32, kv_heads: 8, head_dim: 128, ctx: 512, pos0: 300, tokens: 40, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "granite-4.0-h-tiny: block 64 at pos0 0, f32 cache", kernel: Prefill, heads: 12, kv_heads: 4, head_dim: 64, ctx: 100, pos0: 0, tokens: 64, format: F32, rope: None, tol: 2e-6 },
+    Case { name: "granite-4.0-h-tiny: block 37 ending at ctx 1000", kernel: Prefill, heads: 12, kv_heads: 4, head_dim: 64, ctx: 1000, pos0: 963, tokens: 37, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "mqa + rope: H 16, Hkv 1, hd 128, block 20 at pos0 5", kernel: Prefill, heads: 16, kv_heads: 1, head_dim: 128, ctx: 64, pos0: 5, tokens: 20, format: F16, rope: Some(10000.0), tol: 1e-5 },
+    Case { name: "mqa, ragged head chunks: H 9, Hkv 1, hd 128, block 9 at pos0 50", kernel: Prefill, heads: 9, kv_heads: 1, head_dim: 128, ctx: 59, pos0: 50, tokens: 9, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "odd + rope: H 3, Hkv 1, hd 18, f32, block 33 at pos0 7", kernel: Prefill, heads: 3, kv_heads: 1, head_dim: 18, ctx: 45, pos0: 7, tokens: 33, format: F32, rope: Some(10000.0), tol: 1e-5 },
+    Case { name: "small: H 6, Hkv 2, hd 16, block 1 at pos0 0", kernel: Prefill, heads: 6, kv_heads: 2, head_dim: 16, ctx: 8, pos0: 0, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+];
+
+/// Extra values at the end of each qkv row (the stride is not the row length).
+const QKV_PAD: usize = 3;
+/// Prefill buffers hold this many more tokens than the block (the grid is for all of them).
+const SPARE_TOKENS: usize = 5;
+
+struct Gpu {
+    k: Kernels,
+}
+
+impl Gpu {
+    fn new() -> Option<Self> {
+        let needs = Needs {
+            largest_buffer: ("test".into(), 64 << 20),
+            storage_buffers_per_stage: 8,
+            workgroup_storage: 16384,
+            invocations_per_workgroup: 256,
+        };
+        common::gpu(&needs).map(|ctx| Gpu {
+            k: Kernels::new(ctx),
+        })
+    }
+    fn ctx(&self) -> &Arc<GpuContext> {
+        &self.k.ctx
+    }
+    fn buf(&self, bytes: &[u8]) -> wgpu::Buffer {
+        self.ctx().storage_with("test", bytes).unwrap()
+    }
+    fn zeros(&self, n: usize) -> wgpu::Buffer {
+        self.ctx().storage_zeroed("test", 4 * n as u64).unwrap()
+    }
+    fn run(&self, ds: &[&Dispatch]) {
+        let mut enc = self
+            .ctx()
+            .device
+            .create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            for d in ds {
+                d.record(&mut pass);
+            }
+        }
+        self.ctx().queue.submit([enc.finish()]);
+        self.ctx().wait().unwrap();
+    }
+    fn words(&self, b: &wgpu::Buffer, n: usize) -> Vec<u32> {
+        bytemuck::cast_slice(&self.ctx().read(b, 4 * n as u64).unwrap()).to_vec()
+    }
+    fn read(&self, b: &wgpu::Buffer, n: usize) -> Vec<f32> {
+        self.ctx().read_f32(b, n).unwrap()
+    }
+}
+
+fn rand(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| lo + (hi - lo) * uniform(seed, i))
+        .collect()
+}
+
+/// A cache's host image: `rows` of values, then NaN up to `cap_rows` (never to be read).
+fn cache_bytes(format: KvFormat, vals: &[f32], cap_values: usize) -> Vec<u8> {
+    match format {
+        KvFormat::F32 => {
+            let mut v = vals.to_vec();
+            v.resize(cap_values, f32::NAN);
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        KvFormat::F16 => {
+            let mut v: Vec<f16> = vals.iter().map(|&x| f16::from_f32(x)).collect();
+            v.resize(cap_values, f16::NAN);
+            bytemuck::cast_slice(&v).to_vec()
+        }
+    }
+}
+
+/// The first `n` values of a cache as f64.
+fn cache_values(g: &Gpu, format: KvFormat, b: &wgpu::Buffer, n: usize) -> Vec<f64> {
+    match format {
+        KvFormat::F32 => g.read(b, n).iter().map(|&x| x as f64).collect(),
+        KvFormat::F16 => g
+            .words(b, n.div_ceil(2))
+            .iter()
+            .flat_map(|w| [*w as u16, (*w >> 16) as u16])
+            .take(n)
+            .map(|h| f16::from_bits(h).to_f64())
+            .collect(),
+    }
+}
+
+fn consts(c: &Case) -> AttnConsts {
+    let dims = AttnDims {
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+    };
+    AttnConsts {
+        dims,
+        ctx: c.ctx,
+        format: c.format,
+        qkv_stride: (c.heads + 2 * c.kv_heads) * c.head_dim + QKV_PAD,
+        scale: 1.0 / (c.head_dim as f64).sqrt(),
+        rope: c.rope,
+    }
+}
+
+/// Runs a case; returns the largest |o − oracle|.
+fn run_case(g: &Gpu, c: &Case) -> f64 {
+    let ac = consts(c);
+    let dims = ac.dims;
+    let (qs, os) = (ac.qkv_stride, ac.o_stride());
+    let t_cap = match c.kernel {
+        Decode => 1,
+        Prefill => c.tokens + SPARE_TOKENS,
+    };
+    let seed = c.name.len() as u64 * 1000 + c.pos0 as u64;
+    // Queries large enough for peaked softmaxes (scores of several units).
+    let mut qkv = rand(seed, t_cap * qs, -1.0, 1.0);
+    for t in 0..t_cap {
+        for x in &mut qkv[t * qs..][..dims.q_len()] {
+            *x *= 4.0;
+        }
+    }
+    let kvl = dims.kv_len();
+    let old_k = rand(seed + 1, c.pos0 * kvl, -1.0, 1.0);
+    let old_v = rand(seed + 2, c.pos0 * kvl, -1.0, 1.0);
+    let (kb, vb) = (
+        g.buf(&cache_bytes(c.format, &old_k, c.ctx * kvl)),
+        g.buf(&cache_bytes(c.format, &old_v, c.ctx * kvl)),
+    );
+    let qkv_buf = g.buf(bytemuck::cast_slice(&qkv));
+    let ctrl = Ctrl {
+        kv_len: c.pos0 as u32,
+        prompt_len: c.tokens as u32,
+        ..Default::default()
+    };
+    let ctrl_buf = g.buf(bytemuck::bytes_of(&ctrl));
+    let b = AttnBuffers {
+        qkv: &qkv_buf,
+        k_cache: &kb,
+        v_cache: &vb,
+        ctrl: &ctrl_buf,
+    };
+    // NaN in o: every value must be written.
+    let o = g.buf(bytemuck::cast_slice(&vec![f32::NAN; t_cap * os]));
+    let nb = os / 32;
+    let (xq, xd) = (g.zeros(nb * 8), g.zeros(nb));
+    match c.kernel {
+        Decode => {
+            let part = g.zeros(decode_partials_len(&ac));
+            let store = kv_store(&g.k, "kv_store", ac, None, &b).unwrap();
+            let attn = attention_decode(&g.k, "attn", ac, &b, &part).unwrap();
+            let comb =
+                attention_combine(&g.k, "combine", ac, &part, &ctrl_buf, &o, Some((&xq, &xd)))
+                    .unwrap();
+            g.run(&[&store, &attn, &comb]);
+        }
+        Prefill => {
+            let store = kv_store(&g.k, "kv_store", ac, Some(t_cap), &b).unwrap();
+            let attn = attention_prefill(&g.k, "attn", ac, t_cap, &b, &o).unwrap();
+            g.run(&[&store, &attn]);
+        }
+    }
+    // The oracle: host-rotated queries, the K/V the GPU holds.
+    let len = c.pos0 + c.tokens;
+    let k = cache_values(g, c.format, &kb, len * kvl);
+    let v = cache_values(g, c.format, &vb, len * kvl);
+    let mut q = Vec::with_capacity(c.tokens * dims.q_len());
+    for t in 0..c.tokens {
+        let mut qt: Vec<f64> = qkv[t * qs..][..dims.q_len()]
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        if let Some(theta) = c.rope {
+            rope(&mut qt, c.head_dim, c.pos0 + t, theta);
+        }
+        q.extend(qt);
+    }
+    let want = attend(dims, &q, &k, &v, c.pos0, ac.scale);
+    let got = g.read(&o, c.tokens * os);
+    let mut err = 0f64;
+    for t in 0..c.tokens {
+        let row = &got[t * os..][..os];
+        for (i, &x) in row.iter().enumerate() {
+            let w = if i < dims.q_len() {
+                want[t * dims.q_len() + i]
+            } else {
+                0.0
+            };
+            assert!(x.is_finite(), "{}: o[{t}][{i}] = {x}", c.name);
+            err = err.max((x as f64 - w).abs());
+        }
+    }
+    if c.kernel == Decode {
+        // The q8 blocks are those of o (ggml's rule).
+        let (gq, gd) = (g.words(&xq, nb * 8), g.read(&xd, nb));
+        for (bi, blk) in got[..os].chunks(32).enumerate() {
+            let (q, d) = quantize_activation_block(blk.try_into().unwrap());
+            assert!((gd[bi] - d).abs() <= 1e-6 * d.abs(), "{}: xd[{bi}]", c.name);
+            for (j, &qi) in q.iter().enumerate() {
+                let gi = (gq[bi * 8 + j / 4] >> (8 * (j % 4))) as u8 as i8;
+                assert!(
+                    (gi as i32 - qi as i32).abs() <= 1,
+                    "{}: xq block {bi}",
+                    c.name
+                );
+            }
+        }
+    }
+    err
+}
+
+#[test]
+fn attention_matches_the_oracle() {
+    let Some(g) = Gpu::new() else { return };
+    let mut failed = Vec::new();
+    for c in CASES {
+        let start = Instant::now();
+        let err = run_case(&g, c);
+        let seg = match c.kernel {
+            Decode => format!(", segment {}", decode_segment(&consts(c))),
+            Prefill => String::new(),
+        };
+        eprintln!(
+            "{:<72} max |err| {err:.2e} (tol {:.0e}){seg}, {:.2} s",
+            c.name,
+            c.tol,
+            start.elapsed().as_secs_f64()
+        );
+        if err.is_nan() || err > c.tol {
+            failed.push(format!("{}: {err:e} > {:e}", c.name, c.tol));
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+/// kv_store alone: rows land at kv_len + t and nowhere else (not even past ctx), q and k
+/// are rotated as `rope` does, and a stopped step changes nothing.
+#[test]
+fn kv_store_rows_rope_and_stop() {
+    let Some(g) = Gpu::new() else { return };
+    let dims = AttnDims {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+    };
+    let (ctx, kvl) = (10, dims.kv_len());
+    for format in [F32, F16] {
+        for rope_theta in [None, Some(10000.0)] {
+            // (kv_len, tokens, stopped): a block in the middle, a block running past ctx
+            // (only rows < ctx are stored), one decode token at the last row, a stopped step.
+            for (kv_len, tokens, stopped) in [(5, 3, 0), (8, 4, 0), (9, 0, 0), (2, 2, 1)] {
+                let ac = AttnConsts {
+                    dims,
+                    ctx,
+                    format,
+                    qkv_stride: (dims.heads + 2 * dims.kv_heads) * 16 + QKV_PAD,
+                    scale: 1.0,
+                    rope: rope_theta,
+                };
+                let qs = ac.qkv_stride;
+                let decode = tokens == 0;
+                let t = tokens.max(1);
+                let qkv = rand(7 + kv_len as u64, t * qs, -2.0, 2.0);
+                // A block's buffer has room for its capacity (two spare tokens).
+                let block = (!decode).then_some(t + 2);
+                let mut room = qkv.clone();
+                room.resize(block.unwrap_or(1) * qs, 0.0);
+                let qkv_buf = g.buf(bytemuck::cast_slice(&room));
+                // Two spare rows past ctx: they must stay untouched.
+                let spare = (ctx + 2) * kvl;
+                let sentinel = cache_bytes(format, &[], spare);
+                let (kb, vb) = (g.buf(&sentinel), g.buf(&sentinel));
+                let ctrl = Ctrl {
+                    kv_len,
+                    prompt_len: t as u32,
+                    stopped,
+                    ..Default::default()
+                };
+                let ctrl_buf = g.buf(bytemuck::bytes_of(&ctrl));
+                let b = AttnBuffers {
+                    qkv: &qkv_buf,
+                    k_cache: &kb,
+                    v_cache: &vb,
+                    ctrl: &ctrl_buf,
+                };
+                g.run(&[&kv_store(&g.k, "kv_store", ac, block, &b).unwrap()]);
+                let what = format!("{format:?} rope {rope_theta:?} kv_len {kv_len} T {t}");
+                let got_q = g.read(&qkv_buf, t * qs);
+                let got_k = cache_values(&g, format, &kb, spare);
+                let got_v = cache_values(&g, format, &vb, spare);
+                let ftol = |x: f64| match format {
+                    F32 => 2e-6 * x.abs().max(1.0),
+                    F16 => x.abs() / 1024.0 + 1e-7,
+                };
+                for row in 0..ctx + 2 {
+                    let tok = row as isize - kv_len as isize;
+                    let stored = stopped == 0 && row < ctx && tok >= 0 && (tok as usize) < t;
+                    for i in 0..kvl {
+                        let (gk, gv) = (got_k[row * kvl + i], got_v[row * kvl + i]);
+                        if !stored {
+                            assert!(gk.is_nan() && gv.is_nan(), "{what}: row {row} written");
+                            continue;
+                        }
+                        let src = &qkv[tok as usize * qs..];
+                        let mut k: Vec<f64> = src[dims.q_len()..][..kvl]
+                            .iter()
+                            .map(|&x| x as f64)
+                            .collect();
+                        if let Some(theta) = rope_theta {
+                            rope(&mut k, 16, row, theta);
+                        }
+                        let v = src[dims.q_len() + kvl + i] as f64;
+                        assert!((gk - k[i]).abs() <= ftol(k[i]), "{what}: k[{row}][{i}]");
+                        assert!((gv - v).abs() <= ftol(v), "{what}: v[{row}][{i}]");
+                    }
+                }
+                // q: rotated in place for stored tokens only; nothing else in qkv moves.
+                for tk in 0..t {
+                    let row = &qkv[tk * qs..][..qs];
+                    let mut want: Vec<f64> = row.iter().map(|&x| x as f64).collect();
+                    let pos = kv_len as usize + tk;
+                    if let Some(theta) = rope_theta
+                        && stopped == 0
+                        && pos < ctx
+                    {
+                        rope(&mut want[..dims.q_len()], 16, pos, theta);
+                    }
+                    for (i, w) in want.iter().enumerate() {
+                        let gq = got_q[tk * qs + i] as f64;
+                        assert!((gq - w).abs() <= 1e-5, "{what}: qkv[{tk}][{i}] {gq} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+}
