@@ -3,7 +3,7 @@
 // H·HD) and, with Q8, the q8 blocks `xq [OS/4]`, `xd [OS/32]` of o for the o_proj GEMV.
 // Workgroup b writes element block b (32 values); lane e of split k folds segments
 // k, k + NSPLIT, … of its element with the running-max rescale, and the NSPLIT splits
-// meet in workgroup memory. Only the segments that hold rows (ceil(len / SEG)) are read.
+// meet in workgroup memory. Only the segments that hold rows are read.
 
 @group(0) @binding(0) var<storage, read> part: array<f32>;
 @group(0) @binding(1) var<storage, read> ctrl: Ctrl;
@@ -32,7 +32,9 @@ fn main(
     let split = lid / 32u;
     let ge = blk * 32u + e;
     let len = min(ctrl.kv_len + 1u, CTX);
-    let live = (len + SEG - 1u) / SEG;
+    // The segments attention_decode cut the rows into (its seg_len).
+    let seg = SEGK * max(1u, (len + SEGK * NSEG - 1u) / (SEGK * NSEG));
+    let live = (len + seg - 1u) / seg;
     var m = NEG;
     var l = 0.0;
     var a = 0.0;

@@ -1,6 +1,7 @@
 // Flash-decoding, first half (after attn_tile.wgsl): one token's queries against cache rows
-// 0 ..= ctrl.kv_len (the token's own row, stored by kv_store). The rows are cut into NSEG
-// segments of SEG keys; workgroup (s, y) takes segment s for GB query heads of kv head
+// 0 ..= ctrl.kv_len (the token's own row, stored by kv_store). The rows in use are cut into
+// at most NSEG segments of seg_len(len) keys (whole key tiles), so any length spreads over
+// the grid; workgroup (s, y) takes segment s for GB query heads of kv head
 // y / NGC, so K and V are read once per GB heads. It writes, per head h and segment s,
 // the partial `part [H][NSEG][HD + 2]`: the unnormalized Σ p·v (HD values), then the max
 // score m and the sum l of p = exp(score − m). A segment that starts past the length
@@ -12,6 +13,11 @@
 
 const PS: u32 = HD + 2u;
 
+// Keys per segment for `len` rows in use: the rows over NSEG, rounded up to SEGK.
+fn seg_len(len: u32) -> u32 {
+    return SEGK * max(1u, (len + SEGK * NSEG - 1u) / (SEGK * NSEG));
+}
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -21,7 +27,8 @@ fn main(
     let kvh = wid.y / NGC;
     let g0 = (wid.y % NGC) * GB;
     let len = min(ctrl.kv_len + 1u, CTX);
-    let k0 = s * SEG;
+    let seg = seg_len(len);
+    let k0 = s * seg;
     if (k0 >= len) {
         if (lid < GB && g0 + lid < G) {
             let at = ((kvh * G + g0 + lid) * NSEG + s) * PS;
@@ -30,7 +37,7 @@ fn main(
         }
         return;
     }
-    let k1 = min(k0 + SEG, len);
+    let k1 = min(k0 + seg, len);
     // Row r is head kvh·G + g0 + r (zero past the group's heads).
     for (var i = lid; i < R * HD; i += WG) {
         let r = i / HD;
@@ -39,7 +46,7 @@ fn main(
         if (g0 + r < G) {
             x = qkv[(kvh * G + g0 + r) * HD + d] * SCALE;
         }
-        qs[r * QP + d] = x;
+        put_q(r, d, x);
     }
     if (lid < R) {
         row_lim[lid] = k1 - 1u;

@@ -35,7 +35,7 @@ fn main(
         if (t < t_end && g < G) {
             x = qkv[t * QS + (kvh * G + g) * HD + d] * SCALE;
         }
-        qs[r * QP + d] = x;
+        put_q(r, d, x);
     }
     if (lid < R) {
         let t = min(t0 + lid / GB, t_end - 1u);

@@ -10,18 +10,68 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<f32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<f32>;
 #else
+#if KV_VEC
+// f16 caches read 16 bytes (eight values) per load when HD is a multiple of 8: 4-byte
+// loads left the H200 far from its bandwidth at long contexts.
+@group(0) @binding(1) var<storage, read> k_cache: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> v_cache: array<vec4<u32>>;
+#else
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 #endif
+#endif
 
-// Rows in workgroup memory are padded by one value: key j and query r start in different
-// banks, so the R×KT dot products read without conflicts.
-const QP: u32 = HD + 1u;
 // The -∞ of masked scores and empty partials (finite: -inf is not a WGSL literal).
 const NEG: f32 = -3.0e38;
 
+#if VEC4
+// HD a multiple of 4: rows as vec4s padded by one vec4, so a score is HD/4 independent
+// 16-byte products (a quarter of the dependent chain of the scalar layout; measured on the
+// H200, the scalar chain made decode attention latency-bound at long contexts).
+const QP: u32 = HD / 4u + 1u;
+var<workgroup> qs: array<vec4<f32>, R * QP>;
+var<workgroup> kvs: array<vec4<f32>, KT * QP>;
+
+fn put_q(r: u32, d: u32, x: f32) {
+    qs[r * QP + d / 4u][d % 4u] = x;
+}
+fn put_kv(j: u32, d: u32, x: f32) {
+    kvs[j * QP + d / 4u][d % 4u] = x;
+}
+fn get_kv(j: u32, d: u32) -> f32 {
+    return kvs[j * QP + d / 4u][d % 4u];
+}
+fn score(r: u32, j: u32) -> f32 {
+    var acc = vec4<f32>(0.0);
+    for (var c = 0u; c < HD / 4u; c++) {
+        acc += qs[r * QP + c] * kvs[j * QP + c];
+    }
+    return (acc.x + acc.y) + (acc.z + acc.w);
+}
+#else
+// Rows in workgroup memory are padded by one value: key j and query r start in different
+// banks, so the R×KT dot products read without conflicts.
+const QP: u32 = HD + 1u;
 var<workgroup> qs: array<f32, R * QP>;
 var<workgroup> kvs: array<f32, KT * QP>;
+
+fn put_q(r: u32, d: u32, x: f32) {
+    qs[r * QP + d] = x;
+}
+fn put_kv(j: u32, d: u32, x: f32) {
+    kvs[j * QP + d] = x;
+}
+fn get_kv(j: u32, d: u32) -> f32 {
+    return kvs[j * QP + d];
+}
+fn score(r: u32, j: u32) -> f32 {
+    var dot = 0.0;
+    for (var d = 0u; d < HD; d++) {
+        dot += qs[r * QP + d] * kvs[j * QP + d];
+    }
+    return dot;
+}
+#endif
 var<workgroup> ps: array<f32, R * KT>;
 var<workgroup> row_m: array<f32, R>;
 var<workgroup> row_l: array<f32, R>;
@@ -43,7 +93,26 @@ fn load_tile(is_k: bool, kvh: u32, j0: u32, end: u32, lid: u32) {
                 x = v_cache[at];
             }
         }
-        kvs[j * QP + d] = x;
+        put_kv(j, d, x);
+    }
+#else
+#if KV_VEC
+    let hv = HD / 8u;
+    for (var i = lid; i < KT * hv; i += WG) {
+        let j = i / hv;
+        let c = i % hv;
+        var w = vec4<u32>(0u);
+        if (j0 + j < end) {
+            let at = ((j0 + j) * HKV + kvh) * hv + c;
+            if (is_k) {
+                w = k_cache[at];
+            } else {
+                w = v_cache[at];
+            }
+        }
+        // KV_VEC implies VEC4 (HD a multiple of 8): two whole vec4s of the row.
+        kvs[j * QP + 2u * c] = vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
+        kvs[j * QP + 2u * c + 1u] = vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w));
     }
 #else
     let hw = HD / 2u;
@@ -61,9 +130,10 @@ fn load_tile(is_k: bool, kvh: u32, j0: u32, end: u32, lid: u32) {
             }
             x = unpack2x16float(w);
         }
-        kvs[j * QP + 2u * c] = x.x;
-        kvs[j * QP + 2u * c + 1u] = x.y;
+        put_kv(j, 2u * c, x.x);
+        put_kv(j, 2u * c + 1u, x.y);
     }
+#endif
 #endif
 }
 
@@ -86,11 +156,7 @@ fn attend_rows(kvh: u32, k_begin: u32, k_end: u32, lid: u32) -> array<f32, NO> {
             let j = i % KT;
             var s = NEG;
             if (j0 + j <= row_lim[r] && j0 + j < k_end) {
-                var dot = 0.0;
-                for (var d = 0u; d < HD; d++) {
-                    dot += qs[r * QP + d] * kvs[j * QP + d];
-                }
-                s = dot;
+                s = score(r, j);
             }
             ps[i] = s;
         }
@@ -122,7 +188,7 @@ fn attend_rows(kvh: u32, k_begin: u32, k_end: u32, lid: u32) -> array<f32, NO> {
                 let d = i % HD;
                 var x = acc[o] * row_a[r];
                 for (var j = 0u; j < KT; j++) {
-                    x += ps[r * KT + j] * kvs[j * QP + d];
+                    x += ps[r * KT + j] * get_kv(j, d);
                 }
                 acc[o] = x;
             }

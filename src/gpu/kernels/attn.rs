@@ -136,7 +136,8 @@ impl AttnConsts {
         let queries = if prefill { max_rows / heads } else { 1 };
         let rows = heads * queries;
         // What workgroup memory has left once qs and the per-row arrays are in.
-        let room = (WG_BYTES / 4 - rows * (hd + 1) - 4 * rows) / (hd + 1 + rows);
+        let row = self.row_values();
+        let room = (WG_BYTES / 4 - rows * row - 4 * rows) / (row + rows);
         let keys = (KV_VALUES / hd).min(Q_VALUES / rows).min(64).min(room);
         Tile {
             rows,
@@ -151,7 +152,8 @@ impl AttnConsts {
     pub(super) fn tile_consts(&self, name: &str, t: Tile) -> Result<Vec<(&'static str, Const)>> {
         let hd = self.dims.head_dim;
         // qs, kvs (rows padded by one), ps, and four per-row arrays.
-        let bytes = 4 * (t.rows * (hd + 1) + t.keys * (hd + 1) + t.rows * t.keys + 4 * t.rows);
+        let row = self.row_values();
+        let bytes = 4 * (t.rows * row + t.keys * row + t.rows * t.keys + 4 * t.rows);
         if bytes > WG_BYTES {
             return Err(Error::Gpu(format!(
                 "{name}: {bytes} bytes of workgroup memory (tiling {t:?})"
@@ -188,10 +190,24 @@ impl AttnConsts {
 
     /// `KV_F32` for f32 caches.
     pub(super) fn flags(&self) -> Vec<&'static str> {
-        match self.format {
+        let hd = self.dims.head_dim;
+        let mut flags = match self.format {
+            // 16-byte loads of eight f16 values where rows split into them.
+            KvFormat::F16 if hd.is_multiple_of(8) => vec!["KV_VEC"],
             KvFormat::F16 => vec![],
             KvFormat::F32 => vec!["KV_F32"],
+        };
+        if hd.is_multiple_of(4) {
+            flags.push("VEC4");
         }
+        flags
+    }
+
+    /// f32 values of one query or key row in workgroup memory: padded by a value, or by
+    /// a vec4 in the VEC4 layout.
+    fn row_values(&self) -> usize {
+        let hd = self.dims.head_dim;
+        if hd.is_multiple_of(4) { hd + 4 } else { hd + 1 }
     }
 }
 
