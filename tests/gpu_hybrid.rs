@@ -236,3 +236,40 @@ fn a_full_context_is_an_error_not_a_wrap() {
         .to_string();
     assert!(err.contains("the context is full"), "{err}");
 }
+
+#[test]
+fn gated_mlps_with_biases_match_the_cpu() {
+    // The gated form `down(silu(gate(x))·up(x))` (Granite and other families) with up,
+    // gate and down biases: the GPU's fused [gate; up] projection and activation kernel
+    // against the CPU reference, in decode and in chunked prefill.
+    let mut config = tiny_hybrid("M-*-", 2);
+    if let Some(m) = config.mlp.as_mut() {
+        m.act = mamba2_wgpu::config::MlpAct::SiluGated;
+        m.bias = true;
+    }
+    let model = Model::synthetic(config, 31);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let toks = tokens(70, 6, model.config.vocab_size);
+    let want = cpu
+        .forward(&mut cpu.new_state(), &toks, Scan::Sequential, Logits::All)
+        .unwrap();
+    for (prefill, format, tol) in [
+        (PrefillMode::Decode, WeightFormat::F32, 1e-8),
+        (PrefillMode::Chunked, WeightFormat::F32, 1e-8),
+        (PrefillMode::Decode, WeightFormat::Q8_0, 2e-3),
+    ] {
+        let Some(mut gpu) = backend(
+            &model,
+            Gpu {
+                prefill,
+                format,
+                ..Default::default()
+            },
+        ) else {
+            return;
+        };
+        let got = gpu.prefill_logits(&toks).unwrap();
+        let e = common::nmse(&got.concat(), &want.concat());
+        assert!(e <= tol, "{prefill:?} {format:?}: logits NMSE {e:e}");
+    }
+}

@@ -634,3 +634,137 @@ fn argmax_and_sampling_follow_the_host_rule() {
         "GPU sampling agreed with the host rule in {agree}/{cases} draws"
     );
 }
+
+/// One `mlp_act` case: a shape named after a model (scaled where lavapipe needs it).
+struct ActCase {
+    name: &'static str,
+    intermediate: usize,
+    gated: bool,
+    bias: bool,
+    tokens: usize,
+}
+
+const ACT_CASES: [ActCase; 6] = [
+    ActCase {
+        name: "nemotron-h-8b relu² (decode, I 21504)",
+        intermediate: 21504,
+        gated: false,
+        bias: false,
+        tokens: 1,
+    },
+    ActCase {
+        name: "nemotron-nano-9b-v2 relu² (prefill, I 15680, 3 tokens)",
+        intermediate: 15680,
+        gated: false,
+        bias: false,
+        tokens: 3,
+    },
+    ActCase {
+        name: "granite-4.0-h-tiny shared MLP silu-gated (decode, I 1024)",
+        intermediate: 1024,
+        gated: true,
+        bias: false,
+        tokens: 1,
+    },
+    ActCase {
+        name: "odd relu² with biases (decode, I 40)",
+        intermediate: 40,
+        gated: false,
+        bias: true,
+        tokens: 1,
+    },
+    ActCase {
+        name: "odd silu-gated with biases (prefill, I 70, 5 tokens)",
+        intermediate: 70,
+        gated: true,
+        bias: true,
+        tokens: 5,
+    },
+    ActCase {
+        name: "odd relu² (prefill, I 33, 2 tokens)",
+        intermediate: 33,
+        gated: false,
+        bias: false,
+        tokens: 2,
+    },
+];
+
+#[test]
+fn mlp_activation_every_form() {
+    use mamba2_wgpu::config::MlpAct;
+    use mamba2_wgpu::gpu::kernels::mlp_act::{MlpBias, mlp_act};
+    let Some(g) = Gpu::new() else { return };
+    let d = 24;
+    for c in ACT_CASES {
+        let n = c.intermediate;
+        let kp = n.next_multiple_of(32);
+        let ups = if c.gated { 2 } else { 1 };
+        let stride = ups * n + 3;
+        let src = rand(40 + n as u64, c.tokens * stride, -2.0, 2.0);
+        // params: [5 unused | up biases (ups·n) | down bias (d)]
+        let params = rand(41, 5 + ups * n + d, -0.5, 0.5);
+        let resid0 = rand(42, c.tokens * d, -1.0, 1.0);
+        let (sbuf, pbuf, rbuf) = (g.buf(&src), g.buf(&params), g.buf(&resid0));
+        let dst = g.buf(&vec![f32::NAN; c.tokens * kp]);
+        let (xq, xd) = (g.zeros(c.tokens * kp / 4), g.zeros(c.tokens * kp / 32));
+        let act = if c.gated {
+            MlpAct::SiluGated
+        } else {
+            MlpAct::Relu2
+        };
+        let bias = c.bias.then(|| MlpBias {
+            params: &pbuf,
+            up_off: 5,
+            down_off: 5 + ups * n,
+            resid: &rbuf,
+            d,
+        });
+        let b = NormBuffers {
+            src: &sbuf,
+            params: &pbuf,
+            dst: &dst,
+            q8: (c.tokens == 1).then_some((&xq, &xd)),
+        };
+        g.run(&mlp_act(&g.k, "t", act, n, stride, c.tokens, b, bias).unwrap());
+        let got = g.read(&dst, c.tokens * kp);
+        let mut want = vec![0f32; c.tokens * kp];
+        let mut resid = resid0.clone();
+        for t in 0..c.tokens {
+            let up = |k: usize| src[t * stride + k] + if c.bias { params[5 + k] } else { 0.0 };
+            for k in 0..n {
+                want[t * kp + k] = if c.gated {
+                    silu(up(k)) * up(n + k)
+                } else {
+                    let r = up(k).max(0.0);
+                    r * r
+                };
+            }
+            if c.bias {
+                for j in 0..d {
+                    resid[t * d + j] += params[5 + ups * n + j];
+                }
+            }
+        }
+        assert_nmse(c.name, &got, &want, 1e-12);
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a == b || (a - b).abs() <= 1e-5 * b.abs()),
+            "{}: padding past I must be zero and values exact to f32 rounding",
+            c.name
+        );
+        assert_nmse(
+            &format!("{}: residual", c.name),
+            &g.read(&rbuf, c.tokens * d),
+            &resid,
+            1e-14,
+        );
+        if c.tokens == 1 {
+            let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, kp as u64).unwrap()).to_vec();
+            // The blocks of the kernel's own f32 output (ggml's rule, as the host packs it).
+            let (q8, s8) = q8_blocks(&got[..n]);
+            assert_eq!(q, q8, "{}: q8 blocks", c.name);
+            assert_eq!(g.read(&xd, kp / 32), s8, "{}: q8 scales", c.name);
+        }
+    }
+}

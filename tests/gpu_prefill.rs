@@ -6,6 +6,7 @@ mod common;
 
 use mamba2_wgpu::gpu::GpuBackend;
 use mamba2_wgpu::gpu::engine::{Engine, EngineOptions, PrefillMode};
+use mamba2_wgpu::gpu::state_store::KvFormat;
 use mamba2_wgpu::model::Model;
 use mamba2_wgpu::model::quant::WeightFormat;
 use mamba2_wgpu::model::synthetic::tiny_config;
@@ -22,6 +23,8 @@ fn backend(model: &Model, prefill: PrefillMode, chunk: usize) -> Option<GpuBacke
         fused: true,
         chunk_size: Some(chunk),
         prefill,
+        // The f32 oracle to 1e-5: hybrids keep K and V in f32 too.
+        kv: KvFormat::F32,
         ..Default::default()
     };
     Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
@@ -135,7 +138,14 @@ fn two_turns_equal_one_prefill_and_snapshots_restore() {
 
 #[test]
 fn perplexity_equals_the_oracle_figure() {
-    let dir = common::fixture("nemotron_h_g2");
+    // All-Mamba and both hybrids (attention + MLP blocks, KV caches carried over the blocks).
+    for name in ["nemotron_h_g2", "nemotron_h_hybrid", "nemotron_h_mqa"] {
+        perplexity_of(name);
+    }
+}
+
+fn perplexity_of(name: &str) {
+    let dir = common::fixture(name);
     let model = Model::load(&dir).unwrap();
     let bytes = std::fs::read(dir.join("oracle.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -159,7 +169,7 @@ fn perplexity_equals_the_oracle_figure() {
     assert_eq!(p.predicted, prompt.len() - 1);
     assert!(
         (p.nll - nll).abs() < 1e-5,
-        "perplexity NLL {} vs the oracle's {nll}",
+        "{name}: perplexity NLL {} vs the oracle's {nll}",
         p.nll
     );
 }

@@ -324,7 +324,7 @@ fn inspector_steps_times_and_flags_nan() {
             assert!(sum.gpu_ns > 0.0);
             h.step();
             assert!(
-                h.query_by_label("ssd_step+gate").is_some(),
+                h.query_by_label("mamba2/ssd_step+gate").is_some(),
                 "kernel rows in the table"
             );
             assert!(

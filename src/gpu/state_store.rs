@@ -118,6 +118,15 @@ impl DeviceState {
         })
     }
 
+    /// Whether any layer keeps a KV cache (the context limits the length only then).
+    fn has_kv(&self) -> bool {
+        self.kv_width > 0
+            && self
+                .layers
+                .iter()
+                .any(|l| matches!(l, DeviceLayerState::Attention { .. }))
+    }
+
     /// Bytes of the first `len` rows of a KV cache.
     fn kv_prefix(&self, len: usize) -> u64 {
         ((len * self.kv_width * self.kv.bytes()) as u64).next_multiple_of(4)
@@ -205,7 +214,7 @@ impl DeviceState {
     /// Replaces the state (e.g. to continue from a CPU-computed one).
     pub fn write(&self, gpu: &GpuContext, c: &ModelConfig, st: &State<f32>) -> Result<()> {
         st.check(c)?;
-        if st.len > self.ctx {
+        if self.has_kv() && st.len > self.ctx {
             return Err(Error::InvalidInput(format!(
                 "the state holds {} tokens, more than the {}-token context",
                 st.len, self.ctx
@@ -277,7 +286,7 @@ impl DeviceState {
 
     /// Puts a snapshot of this state back.
     pub fn restore(&self, gpu: &GpuContext, s: &DeviceSnapshot) -> Result<()> {
-        if s.buffers.len() != self.layers.len() || s.len > self.ctx {
+        if s.buffers.len() != self.layers.len() || (self.has_kv() && s.len > self.ctx) {
             return Err(Error::InvalidInput(
                 "snapshot belongs to another model or context".into(),
             ));
