@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use half::f16;
-use mamba2_wgpu::gpu::context::{GpuContext, Needs};
+use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::attention_combine::attention_combine;
 use mamba2_wgpu::gpu::kernels::attention_decode::{
@@ -87,15 +87,7 @@ struct Gpu {
 
 impl Gpu {
     fn new() -> Option<Self> {
-        let needs = Needs {
-            largest_buffer: ("test".into(), 64 << 20),
-            storage_buffers_per_stage: 8,
-            workgroup_storage: 16384,
-            invocations_per_workgroup: 256,
-        };
-        common::gpu(&needs).map(|ctx| Gpu {
-            k: Kernels::new(ctx),
-        })
+        common::kernels(64 << 20).map(|k| Gpu { k })
     }
     fn ctx(&self) -> &Arc<GpuContext> {
         &self.k.ctx

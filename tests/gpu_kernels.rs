@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use mamba2_wgpu::gpu::context::{GpuContext, Needs};
+use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::gated_norm::{Batch, GatedNormBuffers};
 use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, MixerConsts, gemv};
@@ -34,15 +34,7 @@ struct Gpu {
 
 impl Gpu {
     fn new() -> Option<Self> {
-        let needs = Needs {
-            largest_buffer: ("test".into(), 1 << 20),
-            storage_buffers_per_stage: 8,
-            workgroup_storage: 16384,
-            invocations_per_workgroup: 256,
-        };
-        common::gpu(&needs).map(|ctx| Gpu {
-            k: Kernels::new(ctx),
-        })
+        common::kernels(1 << 20).map(|k| Gpu { k })
     }
     fn ctx(&self) -> &Arc<GpuContext> {
         &self.k.ctx
@@ -137,15 +129,7 @@ fn gemv_buffers<'a>(
     q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     dst: &'a wgpu::Buffer,
 ) -> GemvBuffers<'a> {
-    GemvBuffers {
-        src,
-        q8,
-        dst,
-        part: None,
-        params: None,
-        conv_state: None,
-        ctrl: None,
-    }
+    GemvBuffers::plain(src, q8, dst)
 }
 
 #[test]

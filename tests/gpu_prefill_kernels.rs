@@ -22,7 +22,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use mamba2_wgpu::gpu::context::{GpuContext, Needs};
+use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::chunk::ChunkConsts;
 use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
@@ -490,15 +490,7 @@ fn err(e: impl std::fmt::Display) -> String {
 
 impl Gpu {
     fn new() -> Option<Self> {
-        let needs = Needs {
-            largest_buffer: ("test".into(), 1 << 27),
-            storage_buffers_per_stage: 8,
-            workgroup_storage: 16384,
-            invocations_per_workgroup: 256,
-        };
-        common::gpu(&needs).map(|ctx| Gpu {
-            k: Kernels::new(ctx),
-        })
+        common::kernels(1 << 27).map(|k| Gpu { k })
     }
     fn ctx(&self) -> &Arc<GpuContext> {
         &self.k.ctx

@@ -152,35 +152,41 @@ fn flat<T: Clone>(v: &[Vec<T>]) -> Vec<T> {
     v.concat()
 }
 
+/// From the same non-zero state (a previous turn of 11 tokens), `len` tokens through the
+/// chunked SSD with chunks of `q` give the sequential scan's logits and state to 1e-10.
+fn model_chunked_equals_sequential(m: &CpuModel<f64>, what: &str, q: usize, len: usize) {
+    let vocab = m.config.vocab_size;
+    let toks = tokens(len, len as u64, vocab);
+    let mut warm = m.new_state();
+    m.forward(
+        &mut warm,
+        &tokens(11, 99, vocab),
+        Scan::Sequential,
+        Logits::None,
+    )
+    .unwrap();
+    let mut s_seq = warm.clone();
+    let l_seq = m
+        .forward(&mut s_seq, &toks, Scan::Sequential, Logits::All)
+        .unwrap();
+    let mut s_chk = warm.clone();
+    let l_chk = m
+        .forward(&mut s_chk, &toks, Scan::Chunked(q), Logits::All)
+        .unwrap();
+    let e = rel_err(&flat(&l_chk), &flat(&l_seq));
+    assert!(e <= 1e-10, "{what} Q={q} L={len}: logits rel err {e:e}");
+    assert_eq!(s_chk.len, 11 + len, "{what}: tokens in the state");
+    let e = rel_err(&s_chk.values(), &s_seq.values());
+    assert!(e <= 1e-10, "{what} Q={q} L={len}: state rel err {e:e}");
+}
+
 #[test]
 fn model_chunked_prefill_equals_sequential() {
     for (groups, head_dim) in [(1, 8), (2, 6)] {
         let m = models::<f64>(groups, head_dim);
-        let vocab = m.config.vocab_size;
         for q in [8, 16, 32] {
             for len in [1, q - 1, q, q + 1, 3 * q + 5] {
-                let toks = tokens(len, len as u64, vocab);
-                // Start both from the same non-zero state: a previous turn.
-                let mut warm = m.new_state();
-                m.forward(
-                    &mut warm,
-                    &tokens(11, 99, vocab),
-                    Scan::Sequential,
-                    Logits::None,
-                )
-                .unwrap();
-                let mut s_seq = warm.clone();
-                let l_seq = m
-                    .forward(&mut s_seq, &toks, Scan::Sequential, Logits::All)
-                    .unwrap();
-                let mut s_chk = warm.clone();
-                let l_chk = m
-                    .forward(&mut s_chk, &toks, Scan::Chunked(q), Logits::All)
-                    .unwrap();
-                let e = rel_err(&flat(&l_chk), &flat(&l_seq));
-                assert!(e <= 1e-10, "G={groups} Q={q} L={len}: logits rel err {e:e}");
-                let e = rel_err(&s_chk.values(), &s_seq.values());
-                assert!(e <= 1e-10, "G={groups} Q={q} L={len}: state rel err {e:e}");
+                model_chunked_equals_sequential(&m, &format!("G={groups}"), q, len);
             }
         }
     }
@@ -189,32 +195,9 @@ fn model_chunked_prefill_equals_sequential() {
 #[test]
 fn hybrid_chunked_prefill_equals_sequential() {
     for m in hybrids::<f64>() {
-        let vocab = m.config.vocab_size;
-        let pattern = m.config.pattern();
         for q in [8, 16, 64] {
             for len in [1, q - 1, q + 1, 2 * q + 3] {
-                let toks = tokens(len, len as u64 + 7, vocab);
-                let mut warm = m.new_state();
-                m.forward(
-                    &mut warm,
-                    &tokens(13, 5, vocab),
-                    Scan::Sequential,
-                    Logits::None,
-                )
-                .unwrap();
-                let mut s_seq = warm.clone();
-                let l_seq = m
-                    .forward(&mut s_seq, &toks, Scan::Sequential, Logits::All)
-                    .unwrap();
-                let mut s_chk = warm.clone();
-                let l_chk = m
-                    .forward(&mut s_chk, &toks, Scan::Chunked(q), Logits::All)
-                    .unwrap();
-                let e = rel_err(&flat(&l_chk), &flat(&l_seq));
-                assert!(e <= 1e-10, "{pattern} Q={q} L={len}: logits rel err {e:e}");
-                assert_eq!(s_chk.len, 13 + len);
-                let e = rel_err(&s_chk.values(), &s_seq.values());
-                assert!(e <= 1e-10, "{pattern} Q={q} L={len}: state rel err {e:e}");
+                model_chunked_equals_sequential(&m, &m.config.pattern(), q, len);
             }
         }
     }

@@ -110,14 +110,6 @@ impl DeviceState {
         })
     }
 
-    fn pairs(&self) -> impl Iterator<Item = Option<(&wgpu::Buffer, &wgpu::Buffer)>> {
-        self.layers.iter().map(|l| match l {
-            DeviceLayerState::Mamba2 { conv, ssm } => Some((conv, ssm)),
-            DeviceLayerState::Attention { k, v } => Some((k, v)),
-            DeviceLayerState::Stateless => None,
-        })
-    }
-
     /// Whether any layer keeps a KV cache (the context limits the length only then).
     fn has_kv(&self) -> bool {
         self.kv_width > 0
@@ -144,7 +136,7 @@ impl DeviceState {
     /// Zeroes every buffer (a fresh sequence).
     pub fn reset(&self, gpu: &GpuContext) -> Result<()> {
         let mut enc = gpu.device.create_command_encoder(&Default::default());
-        for (a, b) in self.pairs().flatten() {
+        for (a, b) in self.layers.iter().filter_map(pair) {
             enc.clear_buffer(a, 0, None);
             enc.clear_buffer(b, 0, None);
         }

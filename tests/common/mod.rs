@@ -27,6 +27,18 @@ pub fn gpu(needs: &Needs) -> Option<Arc<GpuContext>> {
     }
 }
 
+/// Kernels on a device that binds buffers of up to `largest` bytes, with the workgroup
+/// limits every kernel test needs (lavapipe's 16 KiB of workgroup memory).
+pub fn kernels(largest: u64) -> Option<mamba2_wgpu::gpu::kernels::Kernels> {
+    let needs = Needs {
+        largest_buffer: ("test".into(), largest),
+        storage_buffers_per_stage: 8,
+        workgroup_storage: 16384,
+        invocations_per_workgroup: 256,
+    };
+    gpu(&needs).map(mamba2_wgpu::gpu::kernels::Kernels::new)
+}
+
 /// Normalized mean squared error: Σ(a−b)² / Σb².
 pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");

@@ -59,15 +59,7 @@ pub fn decode(
     let (k, s) = (b.k, b.s);
     let ac = consts(b.c, b.state.ctx, b.state.kv).expect("attention layers have a shape");
     let q8 = b.q8();
-    let gemv_in = |src, dst| GemvBuffers {
-        src,
-        q8,
-        dst,
-        part: None,
-        params: None,
-        conv_state: None,
-        ctrl: None,
-    };
+    let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
     let bufs = AttnBuffers {
         qkv: &s.qkv,
         k_cache,

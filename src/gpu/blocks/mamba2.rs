@@ -32,6 +32,24 @@ pub struct MambaLayer<'a> {
     pub ssm_state: &'a wgpu::Buffer,
 }
 
+impl<'a> MambaLayer<'a> {
+    pub fn new(
+        in_proj: &'a DeviceMatrix,
+        out_proj: &'a DeviceMatrix,
+        params: &'a wgpu::Buffer,
+        conv_state: &'a wgpu::Buffer,
+        ssm_state: &'a wgpu::Buffer,
+    ) -> Self {
+        MambaLayer {
+            in_proj,
+            out_proj,
+            params,
+            conv_state,
+            ssm_state,
+        }
+    }
+}
+
 /// The SSD step's sizes for a config.
 pub fn ssd_consts(c: &ModelConfig, layout: &ParamLayout) -> SsdConsts {
     SsdConsts {
@@ -78,15 +96,7 @@ pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>
     let eps = c.norm_eps;
     let ssd = ssd_consts(c, b.layout);
     let q8 = b.q8();
-    let gemv_in = |src| GemvBuffers {
-        src,
-        q8,
-        dst: &s.mix,
-        part: None,
-        params: None,
-        conv_state: None,
-        ctrl: None,
-    };
+    let gemv_in = |src| GemvBuffers::plain(src, q8, &s.mix);
     let mut d = Vec::new();
     if fused {
         d.push(gemv::gemv(

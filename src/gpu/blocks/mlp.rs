@@ -30,15 +30,7 @@ pub fn decode(
     let (k, s) = (b.k, b.s);
     let m = b.c.mlp.as_ref().expect("MLP blocks have a shape");
     let q8 = b.q8();
-    let gemv_in = |src, dst| GemvBuffers {
-        src,
-        q8,
-        dst,
-        part: None,
-        params: None,
-        conv_state: None,
-        ctrl: None,
-    };
+    let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
     Ok(vec![
         mlp_section(gemv::gemv(
             k,

@@ -55,13 +55,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
         )?];
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
-                let l = mamba2::MambaLayer {
-                    in_proj,
-                    out_proj,
-                    params: &layer.params,
-                    conv_state: conv,
-                    ssm_state: ssm,
-                };
+                let l = mamba2::MambaLayer::new(in_proj, out_proj, &layer.params, conv, ssm);
                 mamba2::decode(b, &l, fused && mamba2::fusable(c, b.format))?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
@@ -95,15 +89,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
             w.head(),
             GemvInput::Plain,
             GemvOutput::Store,
-            GemvBuffers {
-                src: &s.h,
-                q8: b.q8(),
-                dst: &s.logits,
-                part: None,
-                params: None,
-                conv_state: None,
-                ctrl: None,
-            },
+            GemvBuffers::plain(&s.h, b.q8(), &s.logits),
         )?);
     }
     d.push(match tail {
@@ -137,13 +123,7 @@ pub fn prefill_graph(
         )?];
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
-                let l = mamba2::MambaLayer {
-                    in_proj,
-                    out_proj,
-                    params: &layer.params,
-                    conv_state: conv,
-                    ssm_state: ssm,
-                };
+                let l = mamba2::MambaLayer::new(in_proj, out_proj, &layer.params, conv, ssm);
                 mamba2::prefill(b, p, cc, &l)?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {

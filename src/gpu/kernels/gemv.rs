@@ -87,6 +87,25 @@ pub struct GemvBuffers<'a> {
     pub ctrl: Option<&'a wgpu::Buffer>,
 }
 
+impl<'a> GemvBuffers<'a> {
+    /// A plain product `dst = W·src` (or the q8 blocks of src): no epilogue buffers.
+    pub fn plain(
+        src: &'a wgpu::Buffer,
+        q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+        dst: &'a wgpu::Buffer,
+    ) -> Self {
+        GemvBuffers {
+            src,
+            q8,
+            dst,
+            part: None,
+            params: None,
+            conv_state: None,
+            ctrl: None,
+        }
+    }
+}
+
 /// Weights per 16-byte vector load.
 fn vector_width(format: WeightFormat) -> usize {
     match format {
