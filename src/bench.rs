@@ -103,6 +103,7 @@ fn hybrid_preset(name: &str) -> Option<ModelConfig> {
             bias: false,
         }),
         max_context: Some(ctx),
+        notices: Vec::new(),
     })
 }
 
@@ -143,6 +144,7 @@ fn mamba2_preset(name: &str) -> Option<ModelConfig> {
         attention: None,
         mlp: None,
         max_context: None,
+        notices: Vec::new(),
     })
 }
 

@@ -150,6 +150,9 @@ pub struct ModelConfig {
     pub mlp: Option<MlpConfig>,
     /// The longest context the model was trained for (`max_position_embeddings`).
     pub max_context: Option<usize>,
+    /// What the parser noticed and ignored (e.g. multi-token-prediction layers), one line
+    /// each, for the front-ends to show.
+    pub notices: Vec<String>,
 }
 
 impl ModelConfig {
@@ -794,12 +797,14 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
             }
         });
     }
-    if f.usize_or("num_nextn_predict_layers", 0)? > 0 {
-        tracing::info!(
-            "{}: ignoring the multi-token-prediction layers (`num_nextn_predict_layers`): \
+    let mut notices = Vec::new();
+    let mtp = f.usize_or("num_nextn_predict_layers", 0)?;
+    if mtp > 0 {
+        notices.push(format!(
+            "{}: ignoring the {mtp} multi-token-prediction layer(s) (`num_nextn_predict_layers`): \
              they serve speculative decoding only",
             f.path.display()
-        );
+        ));
     }
     let n_heads = f.usize("mamba_num_heads")?;
     let head_dim = f.usize("mamba_head_dim")?;
@@ -886,6 +891,7 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
         attention,
         mlp,
         max_context: f.opt_usize("max_position_embeddings")?,
+        notices,
     })
 }
 
@@ -911,6 +917,7 @@ fn mamba_only() -> ModelConfig {
         attention: None,
         mlp: None,
         max_context: None,
+        notices: Vec::new(),
     }
 }
 
@@ -1089,6 +1096,40 @@ mod tests {
             e.to_string()
                 .contains("`n_groups`: 2 heads cannot be split into 3 groups"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn nemotron_h_hybrids_in_every_spelling() {
+        let base = r#"{"model_type":"nemotron_h","hidden_size":48,"vocab_size":100,
+            "mamba_num_heads":8,"mamba_head_dim":12,"num_attention_heads":4,
+            "num_key_value_heads":2,"head_dim":16,"intermediate_size":96,KINDS}"#;
+        let spellings = [
+            r#""hybrid_override_pattern":"M*-M""#,
+            r#""layers_block_type":["mamba","attention","mlp","mamba"]"#,
+            r#""layers_block_type":["linear_attention","full_attention","mlp","linear_attention"]"#,
+        ];
+        for kinds in spellings {
+            let c = parse(&base.replace("KINDS", kinds)).unwrap();
+            assert_eq!(c.pattern(), "M*-M", "{kinds}");
+            assert_eq!(c.n_groups, 8, "transformers' default n_groups");
+            let a = c.attention.as_ref().unwrap();
+            assert_eq!((a.heads, a.kv_heads, a.head_dim, a.q_width()), (4, 2, 16, 64));
+            assert_eq!(c.mlp.as_ref().unwrap().intermediate, 96);
+            assert!(c.notices.is_empty());
+        }
+        // Older option names, MTP layers noticed and ignored, attention_head_dim.
+        let c = parse(&base.replace(
+            "KINDS",
+            r#""hybrid_override_pattern":"M*","mamba_n_groups":2,"mamba_d_conv":3,
+            "num_nextn_predict_layers":1,"attention_head_dim":16"#,
+        ))
+        .unwrap();
+        assert_eq!((c.n_groups, c.d_conv), (2, 3));
+        assert!(
+            c.notices[0].contains("ignoring the 1 multi-token-prediction layer"),
+            "{:?}",
+            c.notices
         );
     }
 

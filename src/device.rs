@@ -24,6 +24,12 @@ pub fn open_backend(
                 adapter,
                 &Engine::needs(&model.config, opts.format),
             )?);
+            // The KV cache length, decided here so that a capped default is said.
+            let mut opts = opts;
+            if model.config.count(crate::config::BlockKind::Attention) > 0 {
+                let max_binding = ctx.limits.max_storage_buffer_binding_size;
+                opts.context = Some(opts.context_for(&model.config, max_binding, notice)?);
+            }
             let engine = Engine::new(ctx, model, opts)?;
             if engine.context() > 0 {
                 notice(&format!(

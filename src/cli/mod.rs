@@ -57,7 +57,7 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// The model and its tokenizer (when the directory has one).
     pub fn load(&self) -> anyhow::Result<(mamba2_wgpu::Model, Option<mamba2_wgpu::Tokenizer>)> {
-        Ok(match &self.model {
+        let loaded = match &self.model {
             Some(dir) => (
                 mamba2_wgpu::Model::load(dir)?,
                 mamba2_wgpu::Tokenizer::from_dir(dir)?,
@@ -66,7 +66,11 @@ impl ModelArgs {
                 let (m, t) = mamba2_wgpu::assets::embedded()?;
                 (m, Some(t))
             }
-        })
+        };
+        for n in &loaded.0.config.notices {
+            eprintln!("note: {n}");
+        }
+        Ok(loaded)
     }
 
     /// How to name the model in messages.

@@ -144,6 +144,18 @@ impl DeviceState {
         gpu.check()
     }
 
+    /// The conv and SSM state buffers of every Mamba2 layer, in layer order (for readers
+    /// that copy the state out asynchronously, like the inspector's state tap).
+    pub fn mamba_buffers(&self) -> Vec<(wgpu::Buffer, wgpu::Buffer)> {
+        self.layers
+            .iter()
+            .filter_map(|l| match l {
+                DeviceLayerState::Mamba2 { conv, ssm } => Some((conv.clone(), ssm.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Bytes of the fixed part (Mamba2 layers).
     pub fn fixed_bytes(&self) -> u64 {
         self.layers

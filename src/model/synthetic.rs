@@ -163,6 +163,7 @@ pub fn tiny_config(n_groups: usize, head_dim: usize) -> ModelConfig {
         attention: None,
         mlp: None,
         max_context: None,
+        notices: Vec::new(),
     }
 }
 

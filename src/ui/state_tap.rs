@@ -11,7 +11,6 @@ use crate::config::{BlockKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::engine::Engine;
-use crate::gpu::state_store::DeviceLayerState;
 use crate::state::{LayerState, State};
 
 struct Pending {
@@ -41,15 +40,7 @@ impl StateTap {
         StateTap {
             ctx: engine.ctx().clone(),
             config: c.clone(),
-            sources: engine
-                .state
-                .layers
-                .iter()
-                .filter_map(|l| match l {
-                    DeviceLayerState::Mamba2 { conv, ssm } => Some((conv.clone(), ssm.clone())),
-                    _ => None,
-                })
-                .collect(),
+            sources: engine.state.mamba_buffers(),
             conv_bytes: 4 * c.conv_state_len() as u64,
             ssm_bytes: 4 * c.ssm_state_len() as u64,
             staging: Vec::new(),
