@@ -1114,7 +1114,10 @@ mod tests {
             assert_eq!(c.pattern(), "M*-M", "{kinds}");
             assert_eq!(c.n_groups, 8, "transformers' default n_groups");
             let a = c.attention.as_ref().unwrap();
-            assert_eq!((a.heads, a.kv_heads, a.head_dim, a.q_width()), (4, 2, 16, 64));
+            assert_eq!(
+                (a.heads, a.kv_heads, a.head_dim, a.q_width()),
+                (4, 2, 16, 64)
+            );
             assert_eq!(c.mlp.as_ref().unwrap().intermediate, 96);
             assert!(c.notices.is_empty());
         }

@@ -244,12 +244,7 @@ impl Session {
         if prompt.is_empty() {
             return Err(Error::InvalidInput("the prompt is empty".into()));
         }
-        let vocab = self.config().vocab_size;
-        if let Some(&bad) = input.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::InvalidInput(format!(
-                "token id {bad} is outside the vocabulary (size {vocab})"
-            )));
-        }
+        self.check_ids(&input)?;
         let mut reply = Vec::new();
         if opts.max_new_tokens == 0 {
             let _ = self.backend.prefill_logits(&input)?;
@@ -305,11 +300,24 @@ impl Session {
         Ok((reply, finish))
     }
 
+    /// The one check where token ids enter, for every device: each must index the model's
+    /// vocabulary (a tokenizer may be larger than the model's embedding).
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(Error::InvalidInput(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Logits after every token of `tokens`, fed from the current state (perplexity).
     pub fn logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
         if tokens.is_empty() {
             return Err(Error::InvalidInput("no tokens to score".into()));
         }
+        self.check_ids(tokens)?;
         let mut input: Vec<u32> = self.pending.take().into_iter().collect();
         let skip = input.len();
         input.extend_from_slice(tokens);

@@ -372,3 +372,18 @@ fn a_kv_cache_larger_than_the_adapter_binds_is_refused_with_sizes() {
     assert_eq!(n, 4194304);
     assert!(said.contains("KV cache capped at 4194304 tokens"), "{said}");
 }
+
+#[test]
+fn ids_outside_the_vocabulary_are_refused_when_scored_too() {
+    // Perplexity feeds ids through `Session::logits`: a tokenizer larger than the model
+    // must not reach the logits.
+    let model = Model::synthetic(tiny_config(1, 8), 1);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let mut s = Session::new(Box::new(CpuBackend::new(cpu)));
+    let e = s.logits(&[1, 2, 77]).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "invalid input: token id 77 is outside the vocabulary (size 77)"
+    );
+    assert_eq!(s.position(), 0, "nothing was fed");
+}
