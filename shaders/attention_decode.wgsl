@@ -53,8 +53,8 @@ fn main(
     }
     workgroupBarrier();
     let acc = attend_rows(kvh, k0, k1, lid);
-    for (var o = 0u; o < NO; o++) {
-        let i = lid + o * WG;
+    for (var o = 0u; o < NOUT; o++) {
+        let i = out_index(lid, o);
         let r = i / HD;
         if (i < R * HD && g0 + r < G) {
             part[((kvh * G + g0 + r) * NSEG + s) * PS + i % HD] = acc[o];

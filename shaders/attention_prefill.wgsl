@@ -43,8 +43,8 @@ fn main(
     }
     workgroupBarrier();
     let acc = attend_rows(kvh, 0u, k_end, lid);
-    for (var k = 0u; k < NO; k++) {
-        let i = lid + k * WG;
+    for (var k = 0u; k < NOUT; k++) {
+        let i = out_index(lid, k);
         let r = i / HD;
         let t = t0 + r / GB;
         let g = g0 + r % GB;
