@@ -676,7 +676,7 @@ const ACT_CASES: [ActCase; 6] = [
 #[test]
 fn mlp_activation_every_form() {
     use mamba2_wgpu::config::MlpAct;
-    use mamba2_wgpu::gpu::kernels::mlp_act::{MlpBias, mlp_act};
+    use mamba2_wgpu::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act};
     let Some(g) = Gpu::new() else { return };
     let d = 24;
     for c in ACT_CASES {
@@ -703,9 +703,8 @@ fn mlp_activation_every_form() {
             resid: &rbuf,
             d,
         });
-        let b = NormBuffers {
+        let b = ActBuffers {
             src: &sbuf,
-            params: &pbuf,
             dst: &dst,
             q8: (c.tokens == 1).then_some((&xq, &xd)),
         };

@@ -7,8 +7,7 @@ use super::BlockCtx;
 use crate::error::Result;
 use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
-use crate::gpu::kernels::mlp_act::{MlpBias, mlp_act};
-use crate::gpu::kernels::rmsnorm::NormBuffers;
+use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act};
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
 use crate::gpu::weights::DeviceMatrix;
@@ -47,9 +46,8 @@ pub fn decode(
             m.intermediate,
             up.rows,
             1,
-            NormBuffers {
+            ActBuffers {
                 src: &s.mlp_up,
-                params: &s.mlp_up,
                 dst: &s.mlp,
                 q8,
             },
@@ -99,9 +97,8 @@ pub fn prefill(
             m.intermediate,
             up.rows,
             tokens,
-            NormBuffers {
+            ActBuffers {
                 src: &p.mlp_up,
-                params: &p.mlp_up,
                 dst: &p.mlp,
                 q8: None,
             },

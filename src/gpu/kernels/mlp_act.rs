@@ -4,7 +4,7 @@
 //! past I), with `q8` also the q8 blocks `xq [T][KP/4]`, `xd [T][KP/32]` for a q8_0 down
 //! projection.
 
-use super::rmsnorm::{CHUNK, NormBuffers, norm_dispatch_flags};
+use super::rmsnorm::{CHUNK, norm_dispatch_flags};
 use super::{Dispatch, Section, check_len};
 use crate::config::MlpAct;
 use crate::error::{Error, Result};
@@ -12,6 +12,13 @@ use crate::gpu::kernels::Kernels;
 use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/mlp_act.wgsl")];
+
+/// The activation's input rows, output rows and optional q8 blocks of the output.
+pub struct ActBuffers<'a> {
+    pub src: &'a wgpu::Buffer,
+    pub dst: &'a wgpu::Buffer,
+    pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+}
 
 /// An MLP's biases: in `params`, the up (or `[gate | up]`) biases at `up_off` and the
 /// down bias (`d` values) at `down_off`, which is added to `resid [T][d]` here.
@@ -23,7 +30,7 @@ pub struct MlpBias<'a> {
     pub d: usize,
 }
 
-/// The activation of `tokens` rows of width `intermediate`; `b.params` is unused.
+/// The activation of `tokens` rows of width `intermediate`.
 #[allow(clippy::too_many_arguments)]
 pub fn mlp_act(
     k: &Kernels,
@@ -32,7 +39,7 @@ pub fn mlp_act(
     intermediate: usize,
     src_stride: usize,
     tokens: usize,
-    b: NormBuffers,
+    b: ActBuffers,
     bias: Option<MlpBias>,
 ) -> Result<Dispatch> {
     let kp = intermediate.next_multiple_of(32);
