@@ -162,3 +162,33 @@ fn bad_input_is_a_clear_error() {
     );
     assert!(!err.contains("panicked"));
 }
+
+#[test]
+fn chat_survives_a_line_that_is_not_utf8() {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
+        .args(["chat", "--device", "cpu", "-n", "3"])
+        .env("XDG_RUNTIME_DIR", "/tmp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"\xff\xfe oops\nTell me a fortune\n/quit\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("that line is not valid UTF-8 (byte 0); nothing was sent"),
+        "{err}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).trim().is_empty(),
+        "the next line was answered"
+    );
+}

@@ -60,10 +60,21 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout();
     loop {
         eprint!("> ");
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 {
+        let mut bytes = Vec::new();
+        if stdin.lock().read_until(b'\n', &mut bytes)? == 0 {
             break;
         }
+        // A line that is not UTF-8 is refused on its own; the conversation goes on.
+        let line = match String::from_utf8(bytes) {
+            Ok(line) => line,
+            Err(e) => {
+                eprintln!(
+                    "error: that line is not valid UTF-8 (byte {}); nothing was sent",
+                    e.utf8_error().valid_up_to()
+                );
+                continue;
+            }
+        };
         let line = line.trim_end_matches(['\n', '\r']);
         let start = Instant::now();
         let stream = |piece: &str| {
