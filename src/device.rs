@@ -52,7 +52,12 @@ pub fn open_backend(
             if model.config.attention.is_some() {
                 cpu = cpu.with_context(opts.context_for(&model.config, u64::MAX, notice)?);
             }
-            Ok(Box::new(CpuBackend::new(cpu)))
+            // --chunk-size applies on the CPU too (checked to 8…256 as on the GPU).
+            let backend = match opts.chunk_size {
+                Some(_) => CpuBackend::new(cpu).with_chunk(opts.chunk_for(&model.config)?),
+                None => CpuBackend::new(cpu),
+            };
+            Ok(Box::new(backend))
         }
     }
 }

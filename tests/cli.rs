@@ -192,3 +192,33 @@ fn chat_survives_a_line_that_is_not_utf8() {
         "the next line was answered"
     );
 }
+
+#[test]
+fn chunk_size_is_checked_on_the_cpu_too() {
+    let (ok, _, err) = mamba2(&[
+        "generate",
+        "--device",
+        "cpu",
+        "--chunk-size",
+        "4",
+        "-n",
+        "2",
+        "hello",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("chunk size must be in 8…256, found 4"),
+        "{err}"
+    );
+    let (ok, _, err) = mamba2(&[
+        "generate",
+        "--device",
+        "cpu",
+        "--chunk-size",
+        "8",
+        "-n",
+        "2",
+        "hello",
+    ]);
+    assert!(ok, "{err}");
+}
