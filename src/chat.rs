@@ -120,10 +120,14 @@ impl Chat {
         if user.trim().is_empty() {
             return Err(Error::InvalidInput("the message is empty".into()));
         }
-        let snapshot = self.session.snapshot()?;
-        let (finish, fed) = (self.last_finish, self.fed.clone());
+        let fed = self.fed.clone();
         self.pending_render.clear();
         let ids = self.turn_input(user)?;
+        // The state `ids` are fed from: taken after turn_input, which resets the session
+        // when the template renders the past differently (a snapshot from before would make
+        // a regenerated reply read the history twice).
+        let snapshot = self.session.snapshot()?;
+        let finish = self.last_finish;
         let reply = self.reply(&ids, opts, on_text)?;
         self.before_last = Some((snapshot, ids, finish, fed));
         self.messages.push(("user".into(), user.to_string()));

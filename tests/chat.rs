@@ -86,3 +86,19 @@ fn plain_chat_carries_state_and_regenerates() {
         "invalid input: the message is empty"
     );
 }
+
+#[test]
+fn regenerate_after_a_template_that_rereads_the_past() {
+    // This template shows only the newest message, so turn 2 cannot continue turn 1's
+    // rendering: the session is reset and the new rendering read from zero. Regenerating
+    // must start from that same zero state (greedy: the same reply), not from turn 1's.
+    let template =
+        "{% for m in messages %}{% if loop.last %}{{ m.content }}\n{% endif %}{% endfor %}";
+    let mut c = chat(Some(template));
+    let opts = greedy(10, None);
+    c.say("Tell me a fortune", &opts, |_| true).unwrap();
+    let r2 = c.say("Another one", &opts, |_| true).unwrap();
+    let again = c.regenerate(&opts, |_| true).unwrap();
+    assert_eq!(again.text, r2.text, "the regenerated greedy reply");
+    assert_eq!(again.fed, r2.fed, "the same tokens fed");
+}
