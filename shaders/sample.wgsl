@@ -153,6 +153,11 @@ fn main(@builtin(local_invocation_index) lid: u32) {
                 }
             }
         }
+        if (t == 0xffffffffu) {
+            // Nothing was kept (non-finite logits): an id inside the vocabulary all the
+            // same, as argmax does, never one the next embed cannot read.
+            t = 0u;
+        }
         emit_token(t);
     }
 }

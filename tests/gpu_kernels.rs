@@ -617,6 +617,22 @@ fn argmax_and_sampling_follow_the_host_rule() {
         agree * 100 >= cases * 97,
         "GPU sampling agreed with the host rule in {agree}/{cases} draws"
     );
+    // Non-finite logits: both token pickers stay inside the vocabulary.
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let lb = g.buf(&vec![bad; vocab]);
+        let ctrl = g.ctrl(&Ctrl {
+            temperature: 0.8,
+            top_p: 0.9,
+            ..Default::default()
+        });
+        g.run(&sample::sample(&g.k, vocab, &lb, &ctrl, &probs).unwrap());
+        let t = g.read_ctrl(&ctrl).token;
+        assert!((t as usize) < vocab, "sampled id {t} from {bad} logits");
+        let ctrl = g.ctrl(&Ctrl::default());
+        g.run(&argmax::argmax(&g.k, vocab, &lb, &ctrl).unwrap());
+        let t = g.read_ctrl(&ctrl).token;
+        assert!((t as usize) < vocab, "argmax id {t} from {bad} logits");
+    }
 }
 
 /// One `mlp_act` case: a shape named after a model (scaled where lavapipe needs it).
