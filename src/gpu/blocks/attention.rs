@@ -7,7 +7,7 @@
 
 use super::BlockCtx;
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::kernels::attention_combine::attention_combine;
 use crate::gpu::kernels::attention_decode::{attention_decode, decode_partials_len};
 use crate::gpu::kernels::attention_prefill::attention_prefill;
@@ -57,7 +57,8 @@ pub fn decode(
     v_cache: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let ac = consts(b.c, b.state.ctx, b.state.kv).expect("attention layers have a shape");
+    let ac = consts(b.c, b.state.ctx, b.state.kv)
+        .ok_or_else(|| Error::Gpu("an attention layer in a config without attention".into()))?;
     let q8 = b.q8();
     let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
     let bufs = AttnBuffers {
@@ -100,7 +101,8 @@ pub fn prefill(
     v_cache: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let ac = consts(b.c, b.state.ctx, b.state.kv).expect("attention layers have a shape");
+    let ac = consts(b.c, b.state.ctx, b.state.kv)
+        .ok_or_else(|| Error::Gpu("an attention layer in a config without attention".into()))?;
     let bufs = AttnBuffers {
         qkv: &p.qkv,
         k_cache,

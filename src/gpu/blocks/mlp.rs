@@ -4,7 +4,7 @@
 //! down GEMV adding into the residual. Prefill: the same as GEMMs over the block's tokens.
 
 use super::BlockCtx;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act};
@@ -27,7 +27,10 @@ pub fn decode(
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let m = b.c.mlp.as_ref().expect("MLP blocks have a shape");
+    let m =
+        b.c.mlp
+            .as_ref()
+            .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))?;
     let q8 = b.q8();
     let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
     Ok(vec![
@@ -74,7 +77,10 @@ pub fn prefill(
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let m = b.c.mlp.as_ref().expect("MLP blocks have a shape");
+    let m =
+        b.c.mlp
+            .as_ref()
+            .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))?;
     Ok(vec![
         mlp_section(
             gemm(
