@@ -33,6 +33,12 @@ pub fn consts(c: &ModelConfig, ctx: usize, kv: KvFormat) -> Option<AttnConsts> {
     })
 }
 
+/// The kernels' view of this model's attention layers with the store's caches.
+fn layer_consts(b: &BlockCtx) -> Result<AttnConsts> {
+    consts(b.c, b.state.ctx, b.state.kv)
+        .ok_or_else(|| Error::Gpu("an attention layer in a config without attention".into()))
+}
+
 /// f32 values of the decode partials buffer (0 without attention layers).
 pub fn partials_len(c: &ModelConfig, ctx: usize) -> usize {
     match consts(c, ctx, KvFormat::F16) {
@@ -57,8 +63,7 @@ pub fn decode(
     v_cache: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let ac = consts(b.c, b.state.ctx, b.state.kv)
-        .ok_or_else(|| Error::Gpu("an attention layer in a config without attention".into()))?;
+    let ac = layer_consts(b)?;
     let q8 = b.q8();
     let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
     let bufs = AttnBuffers {
@@ -101,8 +106,7 @@ pub fn prefill(
     v_cache: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let ac = consts(b.c, b.state.ctx, b.state.kv)
-        .ok_or_else(|| Error::Gpu("an attention layer in a config without attention".into()))?;
+    let ac = layer_consts(b)?;
     let bufs = AttnBuffers {
         qkv: &p.qkv,
         k_cache,

@@ -4,6 +4,7 @@
 //! down GEMV adding into the residual. Prefill: the same as GEMMs over the block's tokens.
 
 use super::BlockCtx;
+use crate::config::MlpConfig;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
@@ -19,6 +20,13 @@ fn mlp_section(d: Dispatch) -> Dispatch {
     }
 }
 
+/// The model's MLP shape.
+fn shape<'a>(b: &BlockCtx<'a>) -> Result<&'a MlpConfig> {
+    b.c.mlp
+        .as_ref()
+        .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))
+}
+
 /// One decode token through an MLP (after the pre-norm into `h`).
 pub fn decode(
     b: &BlockCtx,
@@ -27,10 +35,7 @@ pub fn decode(
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let m =
-        b.c.mlp
-            .as_ref()
-            .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))?;
+    let m = shape(b)?;
     let q8 = b.q8();
     let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
     Ok(vec![
@@ -77,10 +82,7 @@ pub fn prefill(
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let m =
-        b.c.mlp
-            .as_ref()
-            .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))?;
+    let m = shape(b)?;
     Ok(vec![
         mlp_section(
             gemm(
