@@ -175,6 +175,8 @@ pub enum Finish {
     Stop,
     /// The callback asked to stop.
     Cancelled,
+    /// The KV caches are full (`--ctx`): no further token fits.
+    ContextFull,
 }
 
 /// A saved point of a session: state plus bookkeeping, to branch or regenerate.
@@ -290,10 +292,13 @@ impl Session {
         // Every sampled token but the last has been fed.
         self.pos += sampled as u64;
         self.pending = Some(last);
+        // A device stops decoding early only at a stop token, a cancel, or a full context.
         let finish = if opts.stop.contains(&last) {
             Finish::Stop
         } else if cancelled {
             Finish::Cancelled
+        } else if sampled < opts.max_new_tokens - 1 {
+            Finish::ContextFull
         } else {
             Finish::Length
         };

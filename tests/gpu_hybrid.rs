@@ -273,3 +273,35 @@ fn gated_mlps_with_biases_match_the_cpu() {
         assert!(e <= tol, "{prefill:?} {format:?}: logits NMSE {e:e}");
     }
 }
+
+#[test]
+fn a_reply_that_fills_the_context_says_so() {
+    let model = Model::synthetic(tiny_hybrid("M*-", 2), 2);
+    let prompt = tokens(28, 1, model.config.vocab_size);
+    let opts = GenerateOptions {
+        max_new_tokens: 10,
+        ..Default::default()
+    };
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).with_context(32);
+    let mut sessions = vec![Session::new(Box::new(CpuBackend::new(cpu)))];
+    if let Some(gpu) = backend(
+        &model,
+        Gpu {
+            ctx: 32,
+            ..Default::default()
+        },
+    ) {
+        sessions.push(Session::new(Box::new(gpu)));
+    }
+    let mut replies = Vec::new();
+    for s in &mut sessions {
+        // 28 prompt tokens + 4 fed replies fill the 32 rows; the fifth token is sampled
+        // from the last row, and there the reply ends, saying why.
+        let (ids, finish) = s.generate(&prompt, &opts, |_| true).unwrap();
+        assert_eq!(finish, mamba2_wgpu::session::Finish::ContextFull);
+        assert_eq!(ids.len(), 5, "{}", s.describe());
+        replies.push(ids);
+    }
+    replies.dedup();
+    assert_eq!(replies.len(), 1, "the CPU and the GPU give the same reply");
+}

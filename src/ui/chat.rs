@@ -563,6 +563,7 @@ fn message_ui(ui: &mut Ui, m: &Message, streaming: bool) {
                         Finish::Stop => " · end of text",
                         Finish::Length => " · max tokens",
                         Finish::Cancelled => " · stopped",
+                        Finish::ContextFull => " · context full",
                     });
                 }
                 ui.label(RichText::new(stats).small().weak());
