@@ -124,12 +124,13 @@ impl DeviceState {
         ((len * self.kv_width * self.kv.bytes()) as u64).next_multiple_of(4)
     }
 
-    /// Bytes a pair of a layer holds for a sequence of `len` tokens.
-    fn in_use(&self, layer: &DeviceLayerState, len: usize) -> u64 {
+    /// Bytes in use of each buffer of a layer's pair for a sequence of `len` tokens: all of
+    /// a Mamba2 layer's, the first `len` rows of the KV caches.
+    fn in_use(&self, layer: &DeviceLayerState, len: usize) -> (u64, u64) {
         match layer {
-            DeviceLayerState::Mamba2 { conv, .. } => conv.size(),
-            DeviceLayerState::Attention { .. } => self.kv_prefix(len),
-            DeviceLayerState::Stateless => 0,
+            DeviceLayerState::Mamba2 { conv, ssm } => (conv.size(), ssm.size()),
+            DeviceLayerState::Attention { .. } => (self.kv_prefix(len), self.kv_prefix(len)),
+            DeviceLayerState::Stateless => (0, 0),
         }
     }
 
@@ -271,10 +272,7 @@ impl DeviceState {
                 buffers.push(None);
                 continue;
             };
-            let (sa, sb) = match l {
-                DeviceLayerState::Mamba2 { .. } => (a.size(), b.size()),
-                _ => (self.in_use(l, len), self.in_use(l, len)),
-            };
+            let (sa, sb) = self.in_use(l, len);
             let ca = gpu.storage_zeroed("snapshot", sa.max(4))?;
             let cb = gpu.storage_zeroed("snapshot", sb.max(4))?;
             if sa > 0 {
@@ -298,13 +296,10 @@ impl DeviceState {
         let mut enc = gpu.device.create_command_encoder(&Default::default());
         for (l, saved) in self.layers.iter().zip(&s.buffers) {
             if let (Some((a, b)), Some((sa, sb))) = (pair(l), saved) {
-                let n = self.in_use(l, s.len).min(sa.size());
-                if n > 0 {
-                    let nb = match l {
-                        DeviceLayerState::Mamba2 { .. } => sb.size(),
-                        _ => n,
-                    };
-                    enc.copy_buffer_to_buffer(sa, 0, a, 0, Some(n));
+                let (na, nb) = self.in_use(l, s.len);
+                let (na, nb) = (na.min(sa.size()), nb.min(sb.size()));
+                if na > 0 {
+                    enc.copy_buffer_to_buffer(sa, 0, a, 0, Some(na));
                     enc.copy_buffer_to_buffer(sb, 0, b, 0, Some(nb));
                 }
             }

@@ -67,17 +67,7 @@ pub fn attention_decode(
     }
     let pipeline = k.pipeline("attention_decode", SOURCES, &consts, &c.flags(), false)?;
     Ok(Dispatch {
-        bind_group: k.bind(
-            &pipeline,
-            name,
-            &[
-                (0, b.qkv),
-                (1, b.k_cache),
-                (2, b.v_cache),
-                (3, b.ctrl),
-                (4, part),
-            ],
-        ),
+        bind_group: k.bind(&pipeline, name, &b.tile_entries(part)),
         pipeline,
         workgroups: (nseg as u32, (c.dims.kv_heads * tile.chunks) as u32, 1),
         name: name.to_string(),

@@ -30,17 +30,7 @@ pub fn attention_prefill(
     let consts = c.tile_consts(name, tile)?;
     let pipeline = k.pipeline("attention_prefill", SOURCES, &consts, &c.flags(), false)?;
     Ok(Dispatch {
-        bind_group: k.bind(
-            &pipeline,
-            name,
-            &[
-                (0, b.qkv),
-                (1, b.k_cache),
-                (2, b.v_cache),
-                (3, b.ctrl),
-                (4, o),
-            ],
-        ),
+        bind_group: k.bind(&pipeline, name, &b.tile_entries(o)),
         pipeline,
         workgroups: (
             (c.dims.kv_heads * tile.chunks) as u32,

@@ -46,6 +46,20 @@ pub struct AttnBuffers<'a> {
     pub ctrl: &'a wgpu::Buffer,
 }
 
+impl<'a> AttnBuffers<'a> {
+    /// The bindings of the tiled kernels (decode and prefill): qkv, the caches, ctrl, and
+    /// their output at binding 4.
+    pub(super) fn tile_entries(&self, out: &'a wgpu::Buffer) -> [(u32, &'a wgpu::Buffer); 5] {
+        [
+            (0, self.qkv),
+            (1, self.k_cache),
+            (2, self.v_cache),
+            (3, self.ctrl),
+            (4, out),
+        ]
+    }
+}
+
 /// How a tiled kernel splits its work: a workgroup takes `queries` tokens × `heads` query
 /// heads of one kv head (`chunks` workgroups cover the H/Hkv heads of a kv head) and walks
 /// the keys in tiles of `keys`.
