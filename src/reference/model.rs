@@ -200,11 +200,16 @@ impl<T: Real> CpuModel<T> {
                     self.mamba(m, conv, ssm, &hs, scan)
                 }
                 (Mixer::Attention(a), LayerState::Attention { k, v }) => {
-                    let ac = c.attention.as_ref().expect("checked by the config");
+                    let ac = c.attention.as_ref().ok_or_else(|| {
+                        Error::InvalidInput("an attention layer without an attention shape".into())
+                    })?;
                     attention(ac, a, k, v, pos0, &hs)
                 }
                 (Mixer::Mlp(m), LayerState::Stateless) => {
-                    mlp(c.mlp.as_ref().expect("checked by the config"), m, &hs)
+                    let mc = c.mlp.as_ref().ok_or_else(|| {
+                        Error::InvalidInput("an MLP layer without an MLP shape".into())
+                    })?;
+                    mlp(mc, m, &hs)
                 }
                 _ => unreachable!("State::check matched the layers"),
             };
