@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """External-oracle fixtures for mamba2-wgpu, made with HF transformers on the CPU in float32.
 
-Writes four folders under --out (default tests/fixtures):
+Writes six folders under --out (default tests/fixtures):
 
   hf_mamba2_g1/       HF Mamba2ForCausalLM (model_type mamba2), random tiny, n_groups = 1, tied embeddings
   nemotron_h_g2/      HF NemotronHForCausalLM, all-Mamba layers, n_groups = 2, head_dim 12, untied lm_head
@@ -9,9 +9,16 @@ Writes four folders under --out (default tests/fixtures):
                       head_dim 16 != hidden / heads, relu2 MLP), n_groups = 2, untied lm_head
   nemotron_h_mqa/     HF NemotronHForCausalLM, pattern "*M-M*" (attention first; multi-query: 4 q / 1 kv head
                       of head_dim 24), n_groups = 4, MLP with biases, untied lm_head
+  nemotron_h_moe/     HF NemotronHForCausalLM, pattern "ME*E-M": two mixture-of-experts layers (16 relu2 experts in 4
+                      groups, top-2 of the best 2 groups, sigmoid router with a random e_score_correction_bias,
+                      norm_topk_prob, routed_scaling_factor 2.5, a shared expert) among Mamba2, attention and MLP layers
+  granite_moe_hybrid/ HF GraniteMoeHybridForCausalLM, layers mamba/attention/mamba/mamba, each followed by a shared
+                      gated MLP plus an MoE (10 gated experts, softmax over the top 3 logits); all four multipliers
+                      != 1, NoPE, mamba_n_groups 1, tied embeddings
 
 Each folder holds config.json + model.safetensors exactly as `save_pretrained` writes them (f32),
-oracle.safetensors (prompt_ids, prompt_logits, greedy_ids, greedy_logits, prompt_nll),
+oracle.safetensors (prompt_ids, prompt_logits, greedy_ids, greedy_logits, prompt_nll; the MoE fixtures add their
+routing: each MoE layer's input, router logits, chosen expert ids and weights, routed and shared outputs),
 versions.json and README.md.
 
 Everything is deterministic (fixed seeds, CPU, float32, no TF32, deterministic algorithms), so the
@@ -43,6 +50,7 @@ import shutil
 import sys
 
 import torch
+import torch.nn.functional as F
 import transformers
 import safetensors
 from safetensors.torch import save_file, load_file
@@ -422,7 +430,9 @@ def hybrid_checks(model, prompt_ids, greedy_ids, greedy_logits):
 
 
 def make_one(name, builder, base_seed, out_root, vocab, min_margin=MIN_MARGIN, min_distinct=MIN_DISTINCT,
-             check_period=False, load_kwargs=None):
+             check_period=False, load_kwargs=None, accept=None):
+    """`accept(model, prompt_ids, greedy_ids) -> (ok, message)`, when given, can reject a seed for reasons of its
+    own (the MoE fixtures: a near tie in the router)."""
     for attempt in range(50):
         seed = base_seed + attempt
         model = builder(seed)
@@ -441,7 +451,10 @@ def make_one(name, builder, base_seed, out_root, vocab, min_margin=MIN_MARGIN, m
         if check_period:
             print(f"[{name}] seed {seed}: greedy_ids = {g_ids.tolist()}  tail period = {period}  "
                   f"max |logit| = {float(prompt_logits.abs().max()):.3f}")
-        if float(m.min()) >= min_margin and distinct >= min_distinct and period is None:
+        ok, why = (True, "") if accept is None else accept(model, prompt_ids, g_ids)
+        if why:
+            print(f"[{name}] seed {seed}: {why}")
+        if float(m.min()) >= min_margin and distinct >= min_distinct and period is None and ok:
             break
         print(f"[{name}] seed {seed} rejected, trying the next one")
     else:
@@ -744,7 +757,759 @@ def fixture_hybrid(name, out_root, vers):
         json.dump(vers | {"seed": seed}, f, indent=2)
 
 
-FIXTURES = ["hf_mamba2_g1", "nemotron_h_g2", "nemotron_h_hybrid", "nemotron_h_mqa"]
+# ----------------------------------------------------------------------------------------------------------------------
+# Mixture-of-experts fixtures ("Hybrid models, part 2"): a Nemotron-H with MoE layers and a GraniteMoeHybrid.
+
+ROUTE_MIN_GAP = 1e-5  # smallest allowed gap at every routing decision (see route_stats): f32 rounding can't flip one
+MIN_EXPERTS_USED = 0.75  # each MoE layer must choose at least this fraction of its experts along the greedy path
+MOE_ROUTER_SCALE = 2.0  # router weights get x2 only, so the sigmoid / softmax scores stay spread, not saturated
+
+MOES = {
+    "nemotron_h_moe": dict(
+        seed=7000,
+        pattern="ME*E-M",
+        hidden_size=48,
+        mamba_num_heads=8,
+        mamba_head_dim=12,  # d_inner 96
+        n_groups=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,  # the `-` layer's MLP
+        n_routed_experts=16,
+        n_group=4,  # 4 groups of 4 experts: a group's score is the sum of its best 2 of 4
+        topk_group=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        bias_range=0.2,  # e_score_correction_bias ~ U(-0.2, 0.2), set after the init (which zeroes it); the
+        # sigmoid scores' spread is ~0.26: the bias changes most choices, yet (unlike U(-0.5, 0.5)) leaves every
+        # expert a chance
+    ),
+    "granite_moe_hybrid": dict(
+        seed=8000,
+        layer_types=["mamba", "attention", "mamba", "mamba"],  # the released configs' names (5.17 renames them)
+        hidden_size=48,
+        mamba_n_heads=8,  # d_inner = mamba_expand * hidden = 96, head dim 12
+        mamba_d_state=16,
+        mamba_expand=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # head_dim = 48 / 4 = 12
+        num_local_experts=10,
+        num_experts_per_tok=3,
+        intermediate_size=16,  # per expert
+        shared_intermediate_size=32,
+        embedding_multiplier=4.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,  # != 1/sqrt(12) = 0.289
+        logits_scaling=2.5,
+    ),
+}
+
+
+def scale_moe_model(model, n_dt_rows):
+    """The hybrid fixtures' scaling (every 2-D weight x8, q/k x2, the Mamba in_proj's dt rows x1), plus: the stacked
+    expert tensors x8 like the other projections, the router weights x MOE_ROUTER_SCALE."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            if name.endswith("q_proj.weight") or name.endswith("k_proj.weight"):
+                p.mul_(HYBRID_QK_SCALE)
+            elif name.endswith("mixer.gate.weight") or name.endswith("block_sparse_moe.router.weight"):
+                p.mul_(MOE_ROUTER_SCALE)
+            elif name.endswith("in_proj.weight"):
+                p[:-n_dt_rows].mul_(HYBRID_WEIGHT_SCALE)
+            elif name.split(".")[-1] in ("up_proj", "down_proj", "gate_up_proj") and ".experts." in name:
+                p.mul_(HYBRID_WEIGHT_SCALE)  # [E, out, in]
+            elif p.ndim == 2:
+                p.mul_(HYBRID_WEIGHT_SCALE)
+
+
+def build_nemotron_h_moe(seed, *, pattern, hidden_size, mamba_num_heads, mamba_head_dim, n_groups, num_attention_heads,
+                         num_key_value_heads, head_dim, intermediate_size, n_routed_experts, n_group, topk_group,
+                         num_experts_per_tok, moe_intermediate_size, moe_shared_expert_intermediate_size,
+                         routed_scaling_factor, norm_topk_prob, bias_range):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(
+        vocab_size=101,
+        hidden_size=hidden_size,
+        hybrid_override_pattern=pattern,  # saved as layers_block_type (linear_attention / moe / full_attention / mlp)
+        mamba_num_heads=mamba_num_heads,
+        mamba_head_dim=mamba_head_dim,
+        n_groups=n_groups,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=16,
+        use_conv_bias=True,
+        use_bias=False,
+        mamba_proj_bias=False,
+        mamba_hidden_act="silu",
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        attention_bias=False,
+        attention_dropout=0.0,
+        intermediate_size=intermediate_size,
+        mlp_hidden_act="relu2",
+        mlp_bias=False,
+        n_routed_experts=n_routed_experts,
+        n_shared_experts=1,
+        moe_intermediate_size=moe_intermediate_size,
+        moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size,
+        moe_latent_size=None,
+        num_experts_per_tok=num_experts_per_tok,
+        routed_scaling_factor=routed_scaling_factor,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=norm_topk_prob,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+        use_mamba_kernels=False,
+        initializer_range=0.1,
+        residual_in_fp32=True,
+        num_logits_to_keep=1,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(cfg).float().eval()
+    print(f"[nemotron_h_moe] default experts implementation: {model.config._experts_implementation}")
+    model.set_attn_implementation("eager")  # the plain formulas (neither is saved in config.json)
+    model.set_experts_implementation("eager")
+    scale_moe_model(model, mamba_num_heads)
+    gen = torch.Generator().manual_seed(seed + 2000)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.block_type == "moe":
+                b = layer.mixer.gate.e_score_correction_bias
+                b.copy_((torch.rand(b.shape, generator=gen) * 2 - 1) * bias_range)
+    return model
+
+
+def build_granite_moe_hybrid(seed, *, layer_types, hidden_size, mamba_n_heads, mamba_d_state, mamba_expand,
+                             num_attention_heads, num_key_value_heads, num_local_experts, num_experts_per_tok,
+                             intermediate_size, shared_intermediate_size, embedding_multiplier, residual_multiplier,
+                             attention_multiplier, logits_scaling):
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=101,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        rms_norm_eps=1e-5,
+        pad_token_id=None,  # a padding_idx would zero one embedding row
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        attention_dropout=0.0,
+        embedding_multiplier=embedding_multiplier,
+        logits_scaling=logits_scaling,
+        residual_multiplier=residual_multiplier,
+        attention_multiplier=attention_multiplier,
+        num_local_experts=num_local_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        output_router_logits=False,
+        shared_intermediate_size=shared_intermediate_size,
+        position_embedding_type="nope",
+        layer_types=layer_types,
+        mamba_n_heads=mamba_n_heads,
+        mamba_n_groups=1,
+        mamba_d_state=mamba_d_state,
+        mamba_d_head="auto",
+        mamba_d_conv=4,
+        mamba_expand=mamba_expand,
+        mamba_chunk_size=16,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,
+    )
+    torch.manual_seed(seed)
+    model = GraniteMoeHybridForCausalLM(cfg).float().eval()
+    print(f"[granite_moe_hybrid] default experts implementation: {model.config._experts_implementation}")
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "embeddings not tied"
+    scale_moe_model(model, mamba_n_heads)
+    return model
+
+
+def moe_parts(model, family):
+    """(layer index, MoE module, router, experts, shared MLP) for every layer with an MoE."""
+    parts = []
+    for i, l in enumerate(model.model.layers):
+        if family == "nemotron":
+            if l.block_type == "moe":
+                parts.append((i, l.mixer, l.mixer.gate, l.mixer.experts, l.mixer.shared_experts))
+        else:
+            parts.append((i, l.block_sparse_moe, l.block_sparse_moe.router, l.block_sparse_moe.experts, l.shared_mlp))
+    return parts
+
+
+@torch.no_grad()
+def record_routing(model, ids, family):
+    """One full forward over `ids` with hooks on every MoE layer: its input, the router's logits / chosen ids /
+    weights, the routed experts' weighted sum and the shared MLP's output (rows = positions)."""
+    rec, hooks = {}, []
+
+    def rows(t):
+        return t.detach().reshape(-1, t.shape[-1]).clone().contiguous()
+
+    for i, moe, router, experts, shared in moe_parts(model, family):
+        hooks.append(moe.register_forward_pre_hook(lambda m, a, i=i: rec.__setitem__((i, "input"), rows(a[0]))))
+        hooks.append(router.register_forward_hook(lambda m, a, o, i=i: rec.__setitem__((i, "router"), o)))
+        hooks.append(experts.register_forward_hook(lambda m, a, o, i=i: rec.__setitem__((i, "routed"), rows(o))))
+        hooks.append(shared.register_forward_hook(lambda m, a, o, i=i: rec.__setitem__((i, "shared"), rows(o))))
+    try:
+        logits = logits_of(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = [p[0] for p in moe_parts(model, family)]
+    out = {"moe_layers": torch.tensor(layers, dtype=torch.int64), "moe_tokens": ids.clone().contiguous()}
+    for i in layers:
+        if family == "nemotron":
+            lg, w, idx = rec[(i, "router")]  # NemotronHTopkRouter: (router_logits, topk_weights, topk_indices)
+        else:
+            idx, w, lg = rec[(i, "router")]  # GraniteMoeHybridTopKRouter: (top_k_index, top_k_weights, router_logits)
+        out[f"moe.{i}.input"] = rec[(i, "input")]
+        out[f"moe.{i}.router_logits"] = rows(lg.float())
+        out[f"moe.{i}.expert_ids"] = rows(idx.to(torch.int64))
+        out[f"moe.{i}.expert_weights"] = rows(w.float())
+        out[f"moe.{i}.routed_out"] = rec[(i, "routed")]
+        out[f"moe.{i}.shared_out"] = rec[(i, "shared")]
+    return out, logits
+
+
+def nemotron_route_py(logits, bias, *, n_group, topk_group, top_k, norm, scale, fill=float("-inf"),
+                      bias_for_choice=True, groups=True, weights_from_choice=False):
+    """NemotronHTopkRouter.forward of transformers 5.17 from the router logits [T, E] (checked equal to it below),
+    with switches for the formulas one could get wrong. Returns (weights [T, k], ids [T, k])."""
+    E = logits.shape[-1]
+    scores = logits.float().sigmoid()
+    choice = scores + bias if bias_for_choice else scores.clone()
+    corrected = choice
+    if groups:
+        gs = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        gidx = torch.topk(gs, k=topk_group, dim=-1, sorted=False)[1]
+        gmask = torch.zeros_like(gs)
+        gmask.scatter_(1, gidx, 1)
+        smask = gmask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+        choice = choice.masked_fill(~smask.bool(), fill)
+    idx = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    w = (corrected if weights_from_choice else scores).gather(1, idx)
+    if norm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
+def granite_route_py(logits, *, top_k, softmax_all=False):
+    """GraniteMoeHybridTopKRouter's choice from the logits [T, E]; softmax_all: softmax over every expert, then top-k
+    without renormalising (a wrong formula). Returns (ids, weights)."""
+    if softmax_all:
+        top = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        return top.indices, top.values
+    vals, idx = logits.topk(top_k, dim=-1)
+    return idx, torch.softmax(vals, dim=-1)
+
+
+class patched_routers:
+    """Context manager: every MoE router of the model computes its routing through nemotron_route_py /
+    granite_route_py with `variant` switches."""
+
+    def __init__(self, model, family, **variant):
+        self.model, self.family, self.variant = model, family, variant
+
+    def __enter__(self):
+        self.routers = [p[2] for p in moe_parts(self.model, self.family)]
+        for r in self.routers:
+            if self.family == "nemotron":
+                def fwd(hidden_states, r=r):
+                    logits = F.linear(hidden_states.view(-1, r.hidden_dim).float(), r.weight.float())
+                    kw = dict(n_group=r.num_group, topk_group=r.topk_group, top_k=r.top_k, norm=r.norm_topk_prob,
+                              scale=r.routed_scaling_factor) | self.variant
+                    w, idx = nemotron_route_py(logits, r.e_score_correction_bias, **kw)
+                    return logits, w, idx
+            else:
+                def fwd(hidden_states, r=r):
+                    logits = F.linear(hidden_states, r.weight).float()
+                    idx, w = granite_route_py(logits, top_k=r.top_k, **self.variant)
+                    return idx, w.type_as(hidden_states), logits
+            r.forward = fwd
+        return self
+
+    def __exit__(self, *exc):
+        for r in self.routers:
+            del r.forward
+
+
+def route_stats(rec, model, family):
+    """How close each routing decision came to a tie, and how often the formulas one could get wrong would choose
+    other experts (from the recorded router logits, layer by layer)."""
+    cfg = model.config
+    st = {"min_gap_expert": float("inf"), "load": {}}
+    if family == "nemotron":
+        st |= {"min_gap_group": float("inf"), "choices_changed_without_bias": 0, "choices_changed_without_groups": 0,
+               "choices_changed_with_zero_fill": 0, "both_chosen_in_one_group": 0, "negative_corrected_scores": 0}
+    routers = {p[0]: p[2] for p in moe_parts(model, family)}
+    n = 0
+    for i in rec["moe_layers"].tolist():
+        lg = rec[f"moe.{i}.router_logits"]
+        ids = rec[f"moe.{i}.expert_ids"]
+        E, k = lg.shape[-1], ids.shape[-1]
+        n += lg.shape[0]
+        st["load"][i] = torch.bincount(ids.flatten(), minlength=E).tolist()
+        if family == "nemotron":
+            r = routers[i]
+            kw = dict(n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=k, norm=cfg.norm_topk_prob,
+                      scale=cfg.routed_scaling_factor)
+            w_py, ids_py = nemotron_route_py(lg, r.e_score_correction_bias, **kw)
+            assert torch.equal(ids_py.sort(-1).values, ids.sort(-1).values), "nemotron_route_py != the oracle"
+            c = (lg.sigmoid() + r.e_score_correction_bias).double()
+            st["negative_corrected_scores"] += int((c < 0).sum())
+            gsize = E // cfg.n_group
+            gs = c.view(-1, cfg.n_group, gsize).topk(2, dim=-1)[0].sum(-1)
+            if cfg.topk_group < cfg.n_group:
+                gsorted = gs.sort(-1, descending=True).values
+                st["min_gap_group"] = min(st["min_gap_group"],
+                                          float((gsorted[:, cfg.topk_group - 1] - gsorted[:, cfg.topk_group]).min()))
+            kept = torch.zeros_like(gs).scatter_(1, gs.topk(cfg.topk_group, dim=-1)[1], 1).bool()
+            ck = c.masked_fill(~kept.repeat_interleave(gsize, dim=-1), float("-inf")).sort(-1, descending=True).values
+            st["min_gap_expert"] = min(st["min_gap_expert"], float((ck[:, k - 1] - ck[:, k]).min()))
+            same = lambda a, b: int((a.sort(-1).values != b.sort(-1).values).any(-1).sum())
+            st["choices_changed_without_bias"] += same(ids, nemotron_route_py(
+                lg, r.e_score_correction_bias, bias_for_choice=False, **kw)[1])
+            st["choices_changed_without_groups"] += same(ids, nemotron_route_py(
+                lg, r.e_score_correction_bias, groups=False, **kw)[1])
+            st["choices_changed_with_zero_fill"] += same(ids, nemotron_route_py(
+                lg, r.e_score_correction_bias, fill=0.0, **kw)[1])
+            st["both_chosen_in_one_group"] += int(((ids // gsize).min(-1).values == (ids // gsize).max(-1).values).sum())
+        else:
+            srt = lg.double().sort(-1, descending=True).values
+            st["min_gap_expert"] = min(st["min_gap_expert"], float((srt[:, k - 1] - srt[:, k]).min()))
+    st["routings"] = n
+    return st
+
+
+def moe_accept(model, prompt_ids, g_ids, *, family):
+    rec, _ = record_routing(model, torch.cat([prompt_ids, g_ids[:-1]]), family)
+    st = route_stats(rec, model, family)
+    gaps = [st["min_gap_expert"]] + ([st["min_gap_group"]] if "min_gap_group" in st else [])
+    ok = min(gaps) >= ROUTE_MIN_GAP
+    ok = ok and all(sum(c > 0 for c in load) >= MIN_EXPERTS_USED * len(load) for load in st["load"].values())
+    if family == "nemotron":
+        ok = ok and st["choices_changed_without_bias"] > 0 and st["choices_changed_without_groups"] > 0
+    used = {i: sum(c > 0 for c in load) for i, load in st["load"].items()}
+    msg = "routing " + json.dumps({k: v for k, v in st.items() if k != "load"} | {"experts_used_per_layer": used})
+    return ok, msg + ("" if ok else "  -> rejected (a near tie, the bias / groups never change a choice, or too few "
+                                    "experts used)")
+
+
+def moe_diagnostics(model, family, prompt_ids):
+    """Max |diff| of the prompt logits under formulas one could get wrong (routing, experts, shared MLP)."""
+    ref = logits_of(model, prompt_ids)
+    info = {}
+    with patched_routers(model, family):
+        assert torch.equal(logits_of(model, prompt_ids), ref), "the python router differs from transformers'"
+
+    def diff_router(**variant):
+        with patched_routers(model, family, **variant):
+            return float((logits_of(model, prompt_ids) - ref).abs().max())
+
+    if family == "nemotron":
+        cfg = model.config
+        info["max_abs_logit_diff_if_bias_not_used_for_choice"] = diff_router(bias_for_choice=False)
+        info["max_abs_logit_diff_if_no_group_limit"] = diff_router(groups=False)
+        info["max_abs_logit_diff_if_weights_from_corrected_scores"] = diff_router(weights_from_choice=True)
+        info["max_abs_logit_diff_if_no_norm_topk_prob"] = diff_router(norm=not cfg.norm_topk_prob)
+        info["max_abs_logit_diff_if_routed_scaling_factor_ignored"] = diff_router(scale=1.0)
+        info["max_abs_logit_diff_if_masked_groups_filled_with_0"] = diff_router(fill=0.0)
+    else:
+        info["max_abs_logit_diff_if_softmax_over_all_experts"] = diff_router(softmax_all=True)
+
+    parts = moe_parts(model, family)
+    # experts: relu instead of relu^2 (Nemotron) / gate and up halves swapped (Granite, experts and shared MLP)
+    if family == "nemotron":
+        acts = [p[3].act_fn for p in parts]
+        for p in parts:
+            p[3].act_fn = torch.nn.ReLU()
+        info["max_abs_logit_diff_if_expert_act_is_relu"] = float((logits_of(model, prompt_ids) - ref).abs().max())
+        for p, a in zip(parts, acts):
+            p[3].act_fn = a
+    else:
+        def swap():
+            with torch.no_grad():
+                for p in parts:
+                    for w in (p[3].gate_up_proj, p[4].input_linear.weight):
+                        h = w.shape[-2] // 2
+                        w.copy_(torch.cat([w[..., h:, :], w[..., :h, :]], dim=-2))
+        swap()
+        info["max_abs_logit_diff_if_gate_up_halves_swapped"] = float((logits_of(model, prompt_ids) - ref).abs().max())
+        swap()
+    # the shared MLP dropped
+    for p in parts:
+        p[4].forward = lambda x: torch.zeros_like(x)
+    info["max_abs_logit_diff_if_shared_mlp_dropped"] = float((logits_of(model, prompt_ids) - ref).abs().max())
+    for p in parts:
+        del p[4].forward
+    # transformers' default experts implementation against the eager loop the oracle ran
+    try:
+        model.set_experts_implementation("grouped_mm")
+        info["max_abs_logit_diff_grouped_mm_vs_eager_experts"] = float((logits_of(model, prompt_ids) - ref).abs().max())
+    except Exception as e:  # not available on this machine
+        info["grouped_mm_experts"] = f"unavailable: {type(e).__name__}: {e}"[:200]
+    finally:
+        model.set_experts_implementation("eager")
+    assert torch.equal(logits_of(model, prompt_ids), ref), "diagnostics left the model changed"
+    return info
+
+
+def granite_checks(model, prompt_ids, greedy_ids, greedy_logits):
+    """Diagnostics for the Granite fixture: what a wrong formula would change, deltas, cached decode."""
+    info = {}
+    layers = model.model.layers
+    cfg = model.config
+    ref = logits_of(model, prompt_ids)
+    seen = {}
+
+    def grab(i):
+        return lambda mod, args, kwargs: seen.__setitem__(i, (kwargs.get("hidden_states") if args == () else args[0]))
+
+    hooks = [l.mamba.register_forward_pre_hook(grab(i), with_kwargs=True)
+             for i, l in enumerate(layers) if l.mamba is not None]
+    with torch.no_grad():
+        out = model(input_ids=prompt_ids[None, :], use_cache=False, output_attentions=True)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        mins = []
+        for i, l in enumerate(layers):
+            if l.mamba is not None:
+                dt = l.mamba.in_proj(seen[i])[..., -l.mamba.num_heads:]
+                mins.append(float(torch.nn.functional.softplus(dt + l.mamba.dt_bias).min()))
+    info["min_delta_per_mamba_layer"] = mins
+    info["attention_mean_max_weight_per_layer"] = [
+        round(float(a[0].max(-1).values[:, 8:].mean()), 3) for a in (out.attentions or ()) if a is not None]
+
+    def diff_with(fn_on, fn_off):
+        fn_on()
+        try:
+            return float((logits_of(model, prompt_ids) - ref).abs().max())
+        finally:
+            fn_off()
+
+    attn = [l.self_attn for l in layers if l.self_attn is not None]
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    info["max_abs_logit_diff_if_attention_scale_is_1_over_sqrt_head_dim"] = diff_with(
+        lambda: [setattr(a, "scaling", hd ** -0.5) for a in attn],
+        lambda: [setattr(a, "scaling", cfg.attention_multiplier) for a in attn])
+    info["max_abs_logit_diff_if_embedding_multiplier_ignored"] = diff_with(
+        lambda: setattr(model.model, "embedding_multiplier", 1.0),
+        lambda: setattr(model.model, "embedding_multiplier", cfg.embedding_multiplier))
+    info["max_abs_logit_diff_if_residual_multiplier_ignored"] = diff_with(
+        lambda: [setattr(l, "residual_multiplier", 1.0) for l in layers],
+        lambda: [setattr(l, "residual_multiplier", cfg.residual_multiplier) for l in layers])
+    ls = cfg.logits_scaling
+    info["max_abs_logit_diff_if_logits_scaling_ignored"] = diff_with(
+        lambda: setattr(model.config, "logits_scaling", 1.0), lambda: setattr(model.config, "logits_scaling", ls))
+    model.set_attn_implementation("sdpa")
+    try:
+        info["max_abs_logit_diff_sdpa_vs_eager"] = float((logits_of(model, prompt_ids) - ref).abs().max())
+    finally:
+        model.set_attn_implementation("eager")
+    assert torch.equal(logits_of(model, prompt_ids), ref), "diagnostics left the model changed"
+    c_ids, c_logits = cached_greedy(model, prompt_ids, len(greedy_ids))
+    info["cached_decode_greedy_ids_equal"] = bool(torch.equal(c_ids, greedy_ids))
+    info["max_abs_logit_diff_cached_decode"] = float((c_logits - greedy_logits).abs().max())
+    info["layer_kinds"] = [l.block_type for l in layers]
+    return info
+
+
+def saved_names_summary(sd):
+    """`name [shape]` lines with layer and expert numbers folded (`layers.N`, `experts.J`), with counts."""
+    import re
+    seen = {}
+    for k in sorted(sd):
+        key = re.sub(r"experts\.\d+\.", "experts.J.", re.sub(r"layers\.\d+\.", "layers.N.", k))
+        seen.setdefault((key, tuple(sd[k].shape)), []).append(k)
+    return "\n".join(f"- `{key}` {list(shape)} x{len(v)}" for (key, shape), v in seen.items())
+
+
+def add_routing_to_oracle(model, out, family):
+    """Record the routing over prompt + greedy_ids[:-1] (every position the oracle's greedy path saw) into
+    oracle.safetensors; returns the routing stats."""
+    path = os.path.join(out, "oracle.safetensors")
+    oracle = load_file(path)
+    ids = torch.cat([oracle["prompt_ids"], oracle["greedy_ids"][:-1]])
+    rec, logits = record_routing(model, ids, family)
+    d = float((logits[:PROMPT_LEN] - oracle["prompt_logits"]).abs().max())
+    assert d < 1e-4, f"the routing forward's prompt logits differ from prompt_logits by {d}"
+    assert int(torch.argmax(logits[-1])) == int(oracle["greedy_ids"][-1])
+    st = route_stats(rec, model, family)
+    save_file(oracle | rec, path)
+    return st, rec
+
+
+def write_readme_moe(out, name, what, seed, min_margin, st, rec, extra, vers, sd):
+    T = rec["moe_tokens"].numel()
+    k = rec[f"moe.{int(rec['moe_layers'][0])}.expert_ids"].shape[-1]
+    E = rec[f"moe.{int(rec['moe_layers'][0])}.router_logits"].shape[-1]
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(f"# Fixture `{name}`\n\n{what}\n\n")
+        f.write(
+            f"Made by `python3 scripts/make_fixtures.py --out tests/fixtures --only {name}` (from the repo root), on "
+            f"the CPU in float32, model seed {seed} (the script starts at a fixed seed and moves to the next one only if "
+            f"the greedy path has a top1-top2 logit gap below {HYBRID_MIN_MARGIN}, fewer than {HYBRID_MIN_DISTINCT} "
+            f"distinct ids or a period <= {MAX_PERIOD} in its last {PERIOD_TAIL} ids, or if a routing decision along "
+            f"the path comes within {ROUTE_MIN_GAP:g} of a tie, or if an MoE layer chooses fewer than "
+            f"{MIN_EXPERTS_USED:.0%} of its experts along it"
+            + (", or if the correction bias or the group limit never changes a choice" if "min_gap_group" in st else "")
+            + ").\n\n"
+            f"Versions: transformers {vers['transformers']}, torch {vers['torch']}, safetensors "
+            f"{vers['safetensors']}, python {vers['python']} (also in versions.json). transformers ran its `eager` "
+            "attention and its `eager` experts loop (the plain formulas).\n\n"
+            "Files:\n"
+            "- `config.json`, `model.safetensors`: exactly as `save_pretrained(dir, safe_serialization=True)` wrote "
+            f"them (f32). After the random init (initializer_range 0.1) every 2-D weight and the expert tensors were "
+            f"multiplied by {HYBRID_WEIGHT_SCALE:g}, except q_proj/k_proj (x{HYBRID_QK_SCALE:g}), the router weights "
+            f"(x{MOE_ROUTER_SCALE:g}, so the router scores stay spread) and the dt rows of each Mamba in_proj (x1). "
+            "Then every norm weight was multiplied by U(0.5, 1.5), N(0, 0.3) noise was added to `D`, `A_log` and "
+            "`conv1d.bias`, and `dt_bias` was replaced by U(-1.5, 1.0).\n"
+            f"- `oracle.safetensors`: `prompt_ids` int64 [{PROMPT_LEN}]; `prompt_logits` f32 [T, V] from one full "
+            f"forward (use_cache=False); `greedy_ids` int64 [{N_GREEDY}]; `greedy_logits` f32 [{N_GREEDY}, V] "
+            "(greedy_logits[i]: last-position logits of a fresh full forward over prompt + greedy_ids[:i], whose "
+            "argmax is greedy_ids[i]); `prompt_nll` f64 [1] (mean -log_softmax(prompt_logits[t])[prompt_ids[t+1]]).\n"
+            f"  Routing, from one full forward over `moe_tokens` int64 [{T}] = prompt_ids + greedy_ids[:-1] (rows "
+            f"0..{PROMPT_LEN - 1} are the prompt positions): `moe_layers` int64 [L] (the layers with an MoE), and for "
+            f"each such layer i: `moe.i.input` f32 [{T}, d] (the MoE block's input, after the layer's norm), "
+            f"`moe.i.router_logits` f32 [{T}, {E}] (x . W_router^T in f32, before any sigmoid / softmax), "
+            f"`moe.i.expert_ids` int64 [{T}, {k}] and `moe.i.expert_weights` f32 [{T}, {k}] (the router's output, "
+            "pairs in the order transformers returned them"
+            + (": torch.topk(sorted=False), so compare as sets" if "min_gap_group" in st else ": descending logits")
+            + f"), `moe.i.routed_out` f32 [{T}, d] (the experts' weighted sum), `moe.i.shared_out` f32 [{T}, d] (the "
+            "shared MLP's output on the same input).\n"
+            f"- Smallest top1-top2 gap along the greedy path: {min_margin:.4f}.\n"
+            "- Closest routing decisions over all MoE layers and positions: "
+            + (f"group selection gap {st['min_gap_group']:.2e} (topk_group-th minus next group score), "
+               if "min_gap_group" in st else "")
+            + f"expert gap {st['min_gap_expert']:.2e} (k-th minus (k+1)-th "
+            + ("corrected score inside the kept groups" if "min_gap_group" in st else "router logit") + ").\n"
+            f"- Expert load (how often each expert was chosen, per MoE layer, {st['routings'] // len(st['load'])} "
+            f"positions): {json.dumps(st['load'])}.\n"
+        )
+        if "min_gap_group" in st:
+            f.write(
+                f"- Of the {st['routings']} routings: the correction bias changes the chosen set in "
+                f"{st['choices_changed_without_bias']}, the group limit in {st['choices_changed_without_groups']}; "
+                f"both chosen experts sit in one group in {st['both_chosen_in_one_group']}; filling the masked groups "
+                f"with 0.0 instead of -inf would change {st['choices_changed_with_zero_fill']} "
+                f"({st['negative_corrected_scores']} corrected scores are negative).\n")
+        f.write("\n" + extra + "\n\nSaved tensors (`layers.N` / `experts.J` folded, with counts):\n"
+                + saved_names_summary(sd) + "\n")
+
+
+def fixture_nemotron_h_moe(name, out_root, vers):
+    spec = MOES[name]
+    params = {k: v for k, v in spec.items() if k != "seed"}
+    model, seed, touched, mm, cdiff, nll, sd = make_one(
+        name, functools.partial(build_nemotron_h_moe, **params), spec["seed"], out_root, 101,
+        min_margin=HYBRID_MIN_MARGIN, min_distinct=HYBRID_MIN_DISTINCT, check_period=True,
+        load_kwargs={"attn_implementation": "eager", "experts_implementation": "eager"},
+        accept=functools.partial(moe_accept, family="nemotron"))
+    out = os.path.join(out_root, name)
+    cfg = model.config
+    d, E, I, S = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+    expected_kinds = [kinds[c] for c in spec["pattern"]]
+
+    # The MoE tensors users download (per-expert, as save_pretrained is expected to write them).
+    want = {}
+    for i, kind in enumerate(expected_kinds):
+        if kind == "moe":
+            pre = f"backbone.layers.{i}.mixer."
+            want[pre + "gate.weight"] = [E, d]
+            want[pre + "gate.e_score_correction_bias"] = [E]
+            want[pre + "shared_experts.up_proj.weight"] = [S, d]
+            want[pre + "shared_experts.down_proj.weight"] = [d, S]
+            for j in range(E):
+                want[pre + f"experts.{j}.up_proj.weight"] = [I, d]
+                want[pre + f"experts.{j}.down_proj.weight"] = [d, I]
+    got = {k: list(v.shape) for k, v in sd.items() if ".mixer." in k and k.split(".")[2] in
+           {str(i) for i, kd in enumerate(expected_kinds) if kd == "moe"}}
+    per_expert = got == want
+    print(f"[{name}] MoE tensors per expert as expected: {per_expert}"
+          + ("" if per_expert else f"; differences: {sorted(set(got) ^ set(want))[:20]}"))
+
+    with open(os.path.join(out, "config.json")) as f:
+        saved_cfg = json.load(f)
+    print(f"[{name}] config.json:\n{json.dumps(saved_cfg, indent=2)}")
+    assert saved_cfg["layers_block_type"] == expected_kinds, saved_cfg["layers_block_type"]
+
+    oracle = load_file(os.path.join(out, "oracle.safetensors"))
+    info = hybrid_checks(model, oracle["prompt_ids"], oracle["greedy_ids"], oracle["greedy_logits"])
+    info |= moe_diagnostics(model, "nemotron", oracle["prompt_ids"])
+    print(f"[{name}] checks: {json.dumps(info)}")
+    assert min(info["min_delta_per_mamba_layer"]) > 10 * info["time_step_min_clamp"], "the dt clamp would be active"
+    assert info["max_abs_logit_diff_sdpa_vs_eager"] < 1e-3, "sdpa and eager attention disagree"
+    assert info["cached_decode_greedy_ids_equal"], "transformers' cached decode gives other greedy ids"
+    assert info["max_abs_logit_diff_cached_decode"] < 1e-3, "transformers' cached decode disagrees"
+    for key in ("max_abs_logit_diff_if_bias_not_used_for_choice", "max_abs_logit_diff_if_no_group_limit",
+                "max_abs_logit_diff_if_no_norm_topk_prob", "max_abs_logit_diff_if_routed_scaling_factor_ignored",
+                "max_abs_logit_diff_if_weights_from_corrected_scores", "max_abs_logit_diff_if_expert_act_is_relu",
+                "max_abs_logit_diff_if_shared_mlp_dropped"):
+        assert info[key] > 1e-2, f"{key}: a wrong formula would hardly show"
+
+    st, rec = add_routing_to_oracle(model, out, "nemotron")
+    print(f"[{name}] routing: {json.dumps(st)}")
+
+    what = (
+        "HF transformers `NemotronHForCausalLM` (model_type `nemotron_h`) with mixture-of-experts layers, made with "
+        f"`hybrid_override_pattern=\"{spec['pattern']}\"` (saved as `layers_block_type: {json.dumps(expected_kinds)}`), "
+        f"`use_mamba_kernels=False`, random weights: hidden {d}, vocab {cfg.vocab_size}, untied `lm_head.weight`, eps "
+        f"1e-5 (`layer_norm_epsilon`). Mamba2: {cfg.mamba_num_heads} heads x {cfg.mamba_head_dim}, n_groups "
+        f"{cfg.n_groups}, state 16, conv 4, chunk 16. Attention: {cfg.num_attention_heads} q / "
+        f"{cfg.num_key_value_heads} kv heads of head_dim {cfg.head_dim}, no positional encoding. MLP (`-`): relu2, "
+        f"intermediate {cfg.intermediate_size}, no bias. MoE (`E`): {E} routed experts `down(relu(up(x))^2)` of "
+        f"intermediate {I} (`moe_intermediate_size`), one shared expert of intermediate {S} "
+        "(`moe_shared_expert_intermediate_size`, same relu2 MLP, added unweighted), no latent projections "
+        f"(`moe_latent_size` null). Router (f32): s = sigmoid(x . W_gate^T); c = s + e_score_correction_bias (random "
+        f"U(-{spec['bias_range']}, {spec['bias_range']}), set after the init); n_group {cfg.n_group} groups of "
+        f"{E // cfg.n_group} consecutive experts, group score = sum of its best 2 c; the best topk_group "
+        f"{cfg.topk_group} groups are kept, the other experts' c set to -inf (transformers 5.17); top "
+        f"num_experts_per_tok {cfg.num_experts_per_tok} of c; weights = s of those, / (their sum + 1e-20) "
+        f"(norm_topk_prob {str(cfg.norm_topk_prob).lower()}), x routed_scaling_factor {cfg.routed_scaling_factor}."
+    )
+    extra = (
+        f"Causality check: prefix logits of a longer forward match prompt_logits to {cdiff:.2e}. transformers' cached "
+        "path (prefill with use_cache=True, then one-token steps) gives the same greedy_ids, its logits within "
+        f"{info['max_abs_logit_diff_cached_decode']:.2e}; sdpa attention within {info['max_abs_logit_diff_sdpa_vs_eager']:.2e}"
+        + (f"; the default grouped_mm experts within {info['max_abs_logit_diff_grouped_mm_vs_eager_experts']:.2e}"
+           if "max_abs_logit_diff_grouped_mm_vs_eager_experts" in info else "")
+        + ". Smallest delta per Mamba layer: "
+        f"{[round(v, 4) for v in info['min_delta_per_mamba_layer']]} (NemotronH's clamp at time_step_min "
+        f"{info['time_step_min_clamp']} never active).\n\n"
+        "What a wrong formula would change (max |diff| of the prompt logits): "
+        + "; ".join(f"{k.removeprefix('max_abs_logit_diff_if_').replace('_', ' ')} {v:.3f}"
+                    for k, v in info.items() if k.startswith("max_abs_logit_diff_if_"))
+        + ".\n\nParsing notes: names use the prefix `backbone.`; an MoE layer holds `mixer.gate.weight` [E, d], "
+        "`mixer.gate.e_score_correction_bias` [E] (f32), "
+        + ("`mixer.experts.J.up_proj.weight` [I, d] and `mixer.experts.J.down_proj.weight` [d, I] for J < E "
+           "(save_pretrained splits transformers' stacked in-memory tensors per expert)"
+           if per_expert else "the expert tensors as listed below")
+        + ", `mixer.shared_experts.{up,down}_proj.weight`. Config keys: `n_routed_experts`, `num_experts_per_tok`, "
+        "`n_group`, `topk_group`, `norm_topk_prob`, `routed_scaling_factor`, `moe_intermediate_size`, "
+        "`moe_shared_expert_intermediate_size`, `n_shared_experts` (1), `moe_latent_size` (null), `mlp_hidden_act` "
+        "(experts, shared expert and MLP alike)."
+    )
+    write_readme_moe(out, name, what, seed, mm, st, rec, extra, vers, sd)
+    with open(os.path.join(out, "versions.json"), "w") as f:
+        json.dump(vers | {"seed": seed}, f, indent=2)
+
+
+def fixture_granite_moe_hybrid(name, out_root, vers):
+    spec = MOES[name]
+    params = {k: v for k, v in spec.items() if k != "seed"}
+    model, seed, touched, mm, cdiff, nll, sd = make_one(
+        name, functools.partial(build_granite_moe_hybrid, **params), spec["seed"], out_root, 101,
+        min_margin=HYBRID_MIN_MARGIN, min_distinct=HYBRID_MIN_DISTINCT, check_period=True,
+        load_kwargs={"attn_implementation": "eager", "experts_implementation": "eager"},
+        accept=functools.partial(moe_accept, family="granite"))
+    out = os.path.join(out_root, name)
+    cfg = model.config
+    d, E, I, S = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size, cfg.shared_intermediate_size
+    assert "lm_head.weight" not in sd, "tied model must not save lm_head.weight"
+    want = {}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        want[pre + "block_sparse_moe.router.layer.weight"] = [E, d]
+        want[pre + "block_sparse_moe.input_linear.weight"] = [E, 2 * I, d]
+        want[pre + "block_sparse_moe.output_linear.weight"] = [E, d, I]
+        want[pre + "shared_mlp.input_linear.weight"] = [2 * S, d]
+        want[pre + "shared_mlp.output_linear.weight"] = [d, S]
+    got = {k: list(v.shape) for k, v in sd.items() if "block_sparse_moe" in k or "shared_mlp" in k}
+    legacy_names = got == want
+    print(f"[{name}] MoE tensors under the released names: {legacy_names}"
+          + ("" if legacy_names else f"; differences: {sorted(set(got) ^ set(want))[:20]}"))
+
+    with open(os.path.join(out, "config.json")) as f:
+        saved_cfg = json.load(f)
+    print(f"[{name}] config.json:\n{json.dumps(saved_cfg, indent=2)}")
+
+    oracle = load_file(os.path.join(out, "oracle.safetensors"))
+    info = granite_checks(model, oracle["prompt_ids"], oracle["greedy_ids"], oracle["greedy_logits"])
+    info |= moe_diagnostics(model, "granite", oracle["prompt_ids"])
+    print(f"[{name}] checks: {json.dumps(info)}")
+    assert info["max_abs_logit_diff_sdpa_vs_eager"] < 1e-3, "sdpa and eager attention disagree"
+    assert info["cached_decode_greedy_ids_equal"], "transformers' cached decode gives other greedy ids"
+    assert info["max_abs_logit_diff_cached_decode"] < 1e-3, "transformers' cached decode disagrees"
+    for key, v in info.items():
+        if key.startswith("max_abs_logit_diff_if_"):
+            assert v > 1e-2, f"{key}: a wrong formula would hardly show"
+
+    st, rec = add_routing_to_oracle(model, out, "granite")
+    print(f"[{name}] routing: {json.dumps(st)}")
+
+    hd = d // cfg.num_attention_heads
+    d_inner = cfg.mamba_expand * d
+    what = (
+        "HF transformers `GraniteMoeHybridForCausalLM` (model_type `granitemoehybrid`), random weights: "
+        f"{cfg.num_hidden_layers} layers, made with `layer_types: {json.dumps(spec['layer_types'])}` (the released "
+        f"models' names; transformers 5.17 saves them as `{json.dumps(saved_cfg.get('layer_types'))}`), hidden {d}, "
+        f"vocab {cfg.vocab_size}, tied embeddings (no `lm_head.weight`), rms_norm_eps 1e-5. Every layer: "
+        "h += residual_multiplier * mixer(input_layernorm(h)); then with u = post_attention_layernorm(h): "
+        "h += residual_multiplier * (moe(u) + shared_mlp(u)). Embedding output x embedding_multiplier "
+        f"{cfg.embedding_multiplier}; residual_multiplier {cfg.residual_multiplier}; logits = lm_head(norm(h)) / "
+        f"logits_scaling {cfg.logits_scaling}. Mamba2 (Bamba's): {cfg.mamba_n_heads} heads x {cfg.mamba_d_head} "
+        f"(d_inner {d_inner}), mamba_n_groups 1 (its gated norm over all of d_inner), state {cfg.mamba_d_state}, conv "
+        f"4 with bias, chunk 16, no in/out bias, silu (`hidden_act`), time_step_limit (0, inf). Attention: "
+        f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads of head_dim {hd} (hidden / heads), "
+        f"softmax scale attention_multiplier {cfg.attention_multiplier} (not 1/sqrt({hd})), causal, "
+        "position_embedding_type `nope` (no RoPE), no biases. Shared MLP: `output_linear(silu(a) * b)` with "
+        f"[a; b] = input_linear(u), intermediate {S} (`shared_intermediate_size`). MoE: {E} experts "
+        f"(`num_local_experts`), the same gated MLP with intermediate {I} (`intermediate_size`); router: logits = "
+        f"u . W_router^T, the top num_experts_per_tok {cfg.num_experts_per_tok} logits, weights = softmax over "
+        "those only; routed output = sum of weight x expert(u)."
+    )
+    extra = (
+        f"Causality check: prefix logits of a longer forward match prompt_logits to {cdiff:.2e}. transformers' cached "
+        "path (prefill with use_cache=True, then one-token steps) gives the same greedy_ids, its logits within "
+        f"{info['max_abs_logit_diff_cached_decode']:.2e}; sdpa attention within {info['max_abs_logit_diff_sdpa_vs_eager']:.2e}"
+        + (f"; the default grouped_mm experts within {info['max_abs_logit_diff_grouped_mm_vs_eager_experts']:.2e}"
+           if "max_abs_logit_diff_grouped_mm_vs_eager_experts" in info else "")
+        + f". Smallest delta = softplus(dt + dt_bias) per Mamba layer: "
+        f"{[round(v, 4) for v in info['min_delta_per_mamba_layer']]}. Mean largest softmax weight per attention layer "
+        f"(positions >= 8): {info['attention_mean_max_weight_per_layer']}.\n\n"
+        "What a wrong formula would change (max |diff| of the prompt logits): "
+        + "; ".join(f"{k.removeprefix('max_abs_logit_diff_if_').replace('_', ' ')} {v:.3f}"
+                    for k, v in info.items() if k.startswith("max_abs_logit_diff_if_"))
+        + ".\n\nParsing notes: names use the prefix `model.` (`model.embed_tokens.weight`, "
+        "`model.layers.N.{input_layernorm,post_attention_layernorm}.weight`, `model.layers.N.mamba.*` or "
+        "`model.layers.N.self_attn.{q,k,v,o}_proj.weight`, `model.norm.weight`); "
+        + ("`block_sparse_moe.router.layer.weight` [E, d], `block_sparse_moe.input_linear.weight` [E, 2I, d] (rows "
+           "0..I of each expert are the gate), `block_sparse_moe.output_linear.weight` [E, d, I], "
+           "`shared_mlp.input_linear.weight` [2S, d] (gate first), `shared_mlp.output_linear.weight` [d, S] "
+           "(save_pretrained writes the released names, not transformers' in-memory `experts.gate_up_proj` / "
+           "`router.weight`)" if legacy_names else "the MoE tensors as listed below")
+        + ". config.json keys: `layer_types`, `num_local_experts`, `num_experts_per_tok`, `intermediate_size` (per "
+        "expert), `shared_intermediate_size`, `embedding_multiplier`, `residual_multiplier`, `attention_multiplier`, "
+        "`logits_scaling`, `position_embedding_type`, `mamba_*`, `rms_norm_eps`, `tie_word_embeddings`."
+    )
+    write_readme_moe(out, name, what, seed, mm, st, rec, extra, vers, sd)
+    with open(os.path.join(out, "versions.json"), "w") as f:
+        json.dump(vers | {"seed": seed}, f, indent=2)
+
+
+FIXTURES = ["hf_mamba2_g1", "nemotron_h_g2", "nemotron_h_hybrid", "nemotron_h_mqa", "nemotron_h_moe",
+            "granite_moe_hybrid"]
 
 
 def main():
@@ -770,6 +1535,10 @@ def main():
             fixture_hf_mamba2_g1(args.out, vers)
         elif name == "nemotron_h_g2":
             fixture_nemotron_h_g2(args.out, vers)
+        elif name == "nemotron_h_moe":
+            fixture_nemotron_h_moe(name, args.out, vers)
+        elif name == "granite_moe_hybrid":
+            fixture_granite_moe_hybrid(name, args.out, vers)
         else:
             fixture_hybrid(name, args.out, vers)
 

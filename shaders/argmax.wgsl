@@ -1,12 +1,13 @@
 // Greedy sampling on the device: ctrl.token = argmax(logits) (lowest id on ties; NaN never
-// wins), unless a stop token was already sampled. One workgroup of WG threads, each
-// keeping four independent loads in flight per step.
+// wins), unless a stop token was already sampled; a NaN or ±Inf logit sets ctrl.nonfinite.
+// One workgroup of WG threads, each keeping four independent loads in flight per step.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read_write> ctrl: Ctrl;
 
 var<workgroup> best_v: array<f32, WG>;
 var<workgroup> best_i: array<u32, WG>;
+var<workgroup> any_bad: atomic<u32>; // a NaN or ±Inf logit was seen
 
 // Is (v, i) better than (bv, bi)?
 fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
@@ -15,8 +16,13 @@ fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
 
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32) {
+    if (lid == 0u) {
+        atomicStore(&any_bad, 0u);
+    }
+    workgroupBarrier();
     var bv = -3.4e38;
     var bi = 0xffffffffu;
+    var bad = false;
     for (var base = 0u; base < V; base += 4u * WG) {
         var v: array<f32, 4>;
         for (var j = 0u; j < 4u; j++) {
@@ -24,6 +30,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
             v[j] = -3.4e38;
             if (k < V) {
                 v[j] = logits[k];
+                bad = bad || is_nonfinite(v[j]);
             }
         }
         for (var j = 0u; j < 4u; j++) {
@@ -33,6 +40,9 @@ fn main(@builtin(local_invocation_index) lid: u32) {
                 bi = k;
             }
         }
+    }
+    if (bad) {
+        atomicOr(&any_bad, 1u);
     }
     best_v[lid] = bv;
     best_i[lid] = bi;
@@ -49,6 +59,6 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         if (t == 0xffffffffu) {
             t = 0u;
         }
-        emit_token(t);
+        emit_token(t, atomicLoad(&any_bad) != 0u);
     }
 }

@@ -27,7 +27,7 @@ struct Ctrl {
     cursor: u32,     // prefill: index of the prompt token being fed
     prompt_len: u32,
     kv_len: u32,     // rows already in the KV caches: where the token being fed is stored
-    pad1: u32,
+    nonfinite: u32,  // set by the sampler when a logit is NaN or ±Inf (never cleared)
 }
 
 #if REDUCE

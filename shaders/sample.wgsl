@@ -2,7 +2,8 @@
 // p ≥ τ_k (the k-th largest p) and p ≥ τ_p (the largest τ whose kept mass reaches top_p of
 // the total); draw u = uniform(seed, pos) and walk the kept mass in index order. The
 // thresholds are found exactly by bisection on the bits of p (non-negative floats order
-// like their bit patterns). One workgroup; `probs [V]` is scratch.
+// like their bit patterns). A NaN or ±Inf logit sets ctrl.nonfinite (the host reports it).
+// One workgroup; `probs [V]` is scratch.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read_write> ctrl: Ctrl;
@@ -14,6 +15,7 @@ var<workgroup> pick: atomic<u32>;
 var<workgroup> total: f32;
 var<workgroup> opt_k: u32;
 var<workgroup> opt_p: f32;
+var<workgroup> any_bad: atomic<u32>; // a NaN or ±Inf logit was seen
 
 fn wg_total(v: f32, lid: u32) -> f32 {
     red[lid] = v;
@@ -77,10 +79,20 @@ fn threshold(goal: f32, floor_bits: u32, count: bool, lid: u32) -> u32 {
 
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32) {
+    if (lid == 0u) {
+        atomicStore(&any_bad, 0u);
+    }
+    workgroupBarrier();
     let temp = ctrl.temperature;
     var m = -3.4e38;
+    var bad = false;
     for (var k = lid; k < V; k += WG) {
-        m = max(m, logits[k]);
+        let l = logits[k];
+        m = max(m, l);
+        bad = bad || is_nonfinite(l);
+    }
+    if (bad) {
+        atomicOr(&any_bad, 1u);
     }
     m = wg_max(m, lid);
     for (var k = lid; k < V; k += WG) {
@@ -158,6 +170,6 @@ fn main(@builtin(local_invocation_index) lid: u32) {
             // same, as argmax does, never one the next embed cannot read.
             t = 0u;
         }
-        emit_token(t);
+        emit_token(t, atomicLoad(&any_bad) != 0u);
     }
 }

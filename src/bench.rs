@@ -412,7 +412,7 @@ pub fn decode_cpu(
         )));
     }
     let model = crate::model::Model::synthetic(config.clone(), 7);
-    let cpu = crate::reference::CpuModel::<f32>::new(config, &model.weights);
+    let cpu = crate::reference::CpuModel::<f32>::new(config, &model.weights)?;
     drop(model);
     let mut backend = crate::session::CpuBackend::new(cpu);
     let greedy = Sampling::greedy();

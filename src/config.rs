@@ -22,6 +22,34 @@ pub enum ModelFormat {
 }
 
 impl ModelFormat {
+    /// How this format spells the field behind a normalized `ModelConfig` name, so that
+    /// errors name what the user can find in their file.
+    pub fn field(self, normalized: &str) -> &str {
+        use ModelFormat::*;
+        match (self, normalized) {
+            (HfMamba2 | NemotronH, "d_model") => "hidden_size",
+            (HfMamba2 | NemotronH, "n_layer") => "num_hidden_layers",
+            (HfMamba2, "d_inner") => "expand",
+            (HfMamba2, "n_heads") => "num_heads",
+            (HfMamba2, "d_state") => "state_size",
+            (HfMamba2 | NemotronH, "d_conv") => "conv_kernel",
+            (NemotronH, "d_inner" | "n_heads") => "mamba_num_heads",
+            (NemotronH, "head_dim") => "mamba_head_dim",
+            (NemotronH, "d_state") => "ssm_state_size",
+            (MambaSsm, "d_inner") => "ssm_cfg.expand",
+            (MambaSsm, "n_heads" | "head_dim") => "ssm_cfg.headdim",
+            (MambaSsm, "n_groups") => "ssm_cfg.ngroups",
+            (MambaSsm, "d_state") => "ssm_cfg.d_state",
+            (MambaSsm, "d_conv") => "ssm_cfg.d_conv",
+            (MambaSsm, "chunk_size") => "ssm_cfg.chunk_size",
+            (Mistral, "d_model" | "d_inner") => "dim",
+            (Mistral, "n_layer") => "n_layers",
+            (Mistral, "n_heads" | "head_dim") => "dim",
+            (_, "attention.head_dim") => "head_dim",
+            _ => normalized,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ModelFormat::HfMamba2 => "HF transformers mamba2",
@@ -321,9 +349,11 @@ impl ModelConfig {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let config = dir.join("config.json");
         let params = dir.join("params.json");
-        if config.is_file() {
+        // `exists`, not `is_file`: a config.json that is a FIFO or a directory gets an
+        // error saying so, not "no config.json".
+        if config.exists() {
             Self::from_file(&config)
-        } else if params.is_file() {
+        } else if params.exists() {
             Self::from_file(&params)
         } else {
             Err(Error::format(
@@ -335,7 +365,7 @@ impl ModelConfig {
 
     /// Parses one config file, detecting its format from its fields.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::files::read_text(path, crate::files::MAX_JSON_BYTES)?;
         Self::from_json_str(&text, path)
     }
 
@@ -375,6 +405,17 @@ impl ModelConfig {
             }
         };
         let mut config = config;
+        // Checked before the per-layer list below is allocated.
+        if config.n_layer > MAX_LAYERS {
+            return Err(Error::Config {
+                path: path.to_path_buf(),
+                field: config.format.field("n_layer").into(),
+                message: format!(
+                    "{} layers is over the {MAX_LAYERS} this engine accepts",
+                    config.n_layer
+                ),
+            });
+        }
         if config.blocks.is_empty() {
             config.blocks = vec![BlockKind::Mamba2; config.n_layer];
         }
@@ -382,11 +423,119 @@ impl ModelConfig {
         Ok(config)
     }
 
+    /// Upper bounds on every size, far above any released model, and checked products: every
+    /// matrix, state and cache row a kernel indexes must fit a u32 count of elements.
+    fn check_bounds(&self, path: &Path) -> Result<()> {
+        let err = |field: &str, message: String| Error::Config {
+            path: path.to_path_buf(),
+            field: self.format.field(field).into(),
+            message,
+        };
+        let mut bounds = vec![
+            ("n_layer", self.n_layer, MAX_LAYERS),
+            ("d_model", self.d_model, MAX_WIDTH),
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("d_inner", self.d_inner, MAX_D_INNER),
+            ("n_heads", self.n_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEAD_DIM),
+            ("n_groups", self.n_groups, MAX_HEADS),
+            ("d_state", self.d_state, MAX_STATE),
+            ("d_conv", self.d_conv, MAX_CONV),
+            ("chunk_size", self.chunk_size, MAX_CHUNK),
+            (
+                "max_position_embeddings",
+                self.max_context.unwrap_or(0),
+                MAX_CONTEXT,
+            ),
+        ];
+        if let Some(a) = &self.attention {
+            bounds.extend([
+                ("num_attention_heads", a.heads, MAX_HEADS),
+                ("num_key_value_heads", a.kv_heads, MAX_HEADS),
+                ("attention.head_dim", a.head_dim, MAX_HEAD_DIM),
+            ]);
+        }
+        if let Some(m) = &self.mlp {
+            bounds.push(("intermediate_size", m.intermediate, MAX_D_INNER));
+        }
+        for (field, v, max) in bounds {
+            if v > max {
+                return Err(err(
+                    field,
+                    format!("{v} is over the {max} this engine accepts"),
+                ));
+            }
+        }
+        // Products of bounded values cannot overflow a u64, but may exceed a u32.
+        let mul = |xs: &[usize]| xs.iter().try_fold(1u64, |a, &x| a.checked_mul(x as u64));
+        let gn = 2 * self.n_groups as u64 * self.d_state as u64;
+        let conv_dim = self.d_inner as u64 + gn;
+        let d_in_proj = 2 * self.d_inner as u64 + gn + self.n_heads as u64;
+        let mut sizes = vec![
+            (
+                "vocab_size",
+                "embedding / lm_head",
+                mul(&[self.vocab_size, self.d_model]),
+            ),
+            (
+                "d_model",
+                "in_proj",
+                d_in_proj.checked_mul(self.d_model as u64),
+            ),
+            ("d_model", "out_proj", mul(&[self.d_model, self.d_inner])),
+            (
+                "d_state",
+                "SSM state",
+                mul(&[self.n_heads, self.head_dim, self.d_state]),
+            ),
+            (
+                "d_conv",
+                "conv state",
+                conv_dim.checked_mul(self.d_conv as u64),
+            ),
+        ];
+        if let Some(a) = &self.attention {
+            let qkv = mul(&[a.heads + 2 * a.kv_heads, a.head_dim]);
+            sizes.push((
+                "num_attention_heads",
+                "q/k/v projections",
+                qkv.and_then(|r| r.checked_mul(self.d_model as u64)),
+            ));
+        }
+        if let Some(m) = &self.mlp {
+            sizes.push((
+                "intermediate_size",
+                "an MLP projection",
+                mul(&[
+                    if m.act == MlpAct::SiluGated { 2 } else { 1 },
+                    m.intermediate,
+                    self.d_model,
+                ]),
+            ));
+        }
+        for (field, what, n) in sizes {
+            match n {
+                Some(n) if n <= u32::MAX as u64 => {}
+                _ => {
+                    return Err(err(
+                        field,
+                        format!(
+                            "{what} would hold {} values, over the {} a kernel can index",
+                            n.map_or("too many".to_string(), |n| n.to_string()),
+                            u32::MAX
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the invariants every kernel relies on; errors name the offending field.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let err = |field: &str, message: String| Error::Config {
             path: path.to_path_buf(),
-            field: field.into(),
+            field: self.format.field(field).into(),
             message,
         };
         let positive = [
@@ -405,6 +554,7 @@ impl ModelConfig {
                 return Err(err(field, "must be positive".into()));
             }
         }
+        self.check_bounds(path)?;
         if self.d_conv < 2 {
             return Err(err(
                 "d_conv",
@@ -463,7 +613,7 @@ impl ModelConfig {
                 for (field, v) in [
                     ("num_attention_heads", a.heads),
                     ("num_key_value_heads", a.kv_heads),
-                    ("head_dim", a.head_dim),
+                    ("attention.head_dim", a.head_dim),
                 ] {
                     if v == 0 {
                         return Err(err(field, "must be positive".into()));
@@ -480,7 +630,7 @@ impl ModelConfig {
                 }
                 if a.rope_theta.is_some() && !a.head_dim.is_multiple_of(2) {
                     return Err(err(
-                        "head_dim",
+                        "attention.head_dim",
                         format!(
                             "rotary embeddings need an even head_dim, found {}",
                             a.head_dim
@@ -583,10 +733,17 @@ impl<'a> Fields<'a> {
         let Some(v) = self.get(field) else {
             return Ok(None);
         };
+        // Every integer a config holds becomes a size or an index of some kernel: refuse
+        // what does not fit a u32 here, before any arithmetic on it can wrap.
+        let too_large = || self.err(field, format!("{v} is too large (at most {})", u32::MAX));
         match v.as_u64() {
-            Some(n) => Ok(Some(n as usize)),
+            Some(n) if n <= u32::MAX as u64 => Ok(Some(n as usize)),
+            Some(_) => Err(too_large()),
             None => match v.as_f64() {
-                Some(x) if x >= 0.0 && x.fract() == 0.0 => Ok(Some(x as usize)),
+                Some(x) if x >= 0.0 && x.fract() == 0.0 && x <= u32::MAX as f64 => {
+                    Ok(Some(x as usize))
+                }
+                Some(x) if x.fract() == 0.0 && x > u32::MAX as f64 => Err(too_large()),
                 _ => Err(self.err(field, format!("expected a non-negative integer, found {v}"))),
             },
         }
@@ -696,6 +853,21 @@ fn json_f64(v: &Value) -> Option<f64> {
 
 const NO_LIMIT: (f64, f64) = (0.0, f64::INFINITY);
 
+// Upper bounds on config values (`check_bounds`). The largest released models use 118
+// layers, width 8192, 256k vocabularies, 128/256-wide heads, N = 256, K = 4, Q = 256 and
+// 1M-token contexts; these leave room for anything plausible and refuse the absurd before
+// it becomes an allocation.
+const MAX_LAYERS: usize = 4096;
+const MAX_WIDTH: usize = 1 << 16;
+const MAX_VOCAB: usize = 1 << 22;
+const MAX_D_INNER: usize = 1 << 20;
+const MAX_HEADS: usize = 1 << 16;
+const MAX_HEAD_DIM: usize = 1 << 12;
+const MAX_STATE: usize = 1 << 12;
+const MAX_CONV: usize = 64;
+const MAX_CHUNK: usize = 4096;
+const MAX_CONTEXT: usize = 1 << 24;
+
 fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
     let d_model = f.usize("hidden_size")?;
     let expand = f.f64_or("expand", 2.0)?;
@@ -707,7 +879,17 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
         ));
     }
     // HF: intermediate_size = int(expand * hidden_size)
-    let d_inner = (expand * d_model as f64) as usize;
+    let d_inner = expand * d_model as f64;
+    if d_inner > MAX_D_INNER as f64 {
+        return Err(f.err(
+            "expand",
+            format!(
+                "expand × hidden_size = {expand} × {d_model} is over the {MAX_D_INNER} inner channels \
+                 this engine accepts"
+            ),
+        ));
+    }
+    let d_inner = d_inner as usize;
     let n_heads = match f.opt_usize("num_heads")? {
         Some(h) => h,
         None => d_inner / head_dim.max(1),
@@ -1094,7 +1276,7 @@ mod tests {
             .unwrap_err();
         assert!(
             e.to_string()
-                .contains("`n_groups`: 2 heads cannot be split into 3 groups"),
+                .contains("`ssm_cfg.ngroups`: 2 heads cannot be split into 3 groups"),
             "{e}"
         );
     }

@@ -30,6 +30,10 @@ pub enum Error {
     InvalidInput(String),
     #[error("GPU: {0}")]
     Gpu(String),
+    /// The numbers went wrong while running (a NaN or ±Inf in the logits or state), with the
+    /// layer at fault.
+    #[error("numerical fault: {0}")]
+    NonFinite(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

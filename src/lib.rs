@@ -4,18 +4,20 @@
 //! ```no_run
 //! use mamba2_wgpu::{Model, Session, CpuBackend, CpuModel, GenerateOptions};
 //! let model = Model::load(std::path::Path::new("path/to/mamba2-130m"))?;
-//! let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+//! let cpu = CpuModel::<f32>::new(&model.config, &model.weights)?;
 //! let mut session = Session::new(Box::new(CpuBackend::new(cpu)));
 //! let (ids, _) = session.generate(&[1, 2, 3], &GenerateOptions::default(), |_| true)?;
 //! # Ok::<(), mamba2_wgpu::Error>(())
 //! ```
 
+pub mod admission;
 pub mod assets;
 pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod files;
 pub mod gpu;
 pub mod model;
 pub mod perplexity;

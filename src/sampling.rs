@@ -38,17 +38,27 @@ impl Sampling {
 
     /// Rejects values that have no meaning, naming the option.
     pub fn validate(&self) -> crate::Result<()> {
-        let bad = |m: String| Err(crate::Error::InvalidInput(m));
-        if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad(format!(
-                "temperature must be ≥ 0, found {}",
-                self.temperature
+        match self.problem() {
+            Some((option, why)) => Err(crate::Error::InvalidInput(format!("{option} {why}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// The first value that has no meaning, as (option name, why): front-ends name their
+    /// own flag or field with it, before loading anything. `top_k` and `seed` take any
+    /// value (a `top_k` of 0 or beyond the vocabulary keeps every token).
+    pub fn problem(&self) -> Option<(&'static str, String)> {
+        // NaN fails both comparisons, so the checks are written to accept, not to reject.
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Some((
+                "temperature",
+                format!("must be a finite number ≥ 0, found {}", self.temperature),
             ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top-p must be in (0, 1], found {}", self.top_p));
+            return Some(("top-p", format!("must be in (0, 1], found {}", self.top_p)));
         }
-        Ok(())
+        None
     }
 }
 
@@ -173,6 +183,26 @@ mod tests {
         assert_eq!(counts[2], 0);
         let frac0 = counts[0] as f64 / 4000.0;
         assert!((frac0 - 0.625).abs() < 0.03, "{counts:?}");
+    }
+
+    #[test]
+    fn meaningless_values_name_their_option() {
+        let with = |temperature, top_p| Sampling {
+            temperature,
+            top_p,
+            ..Sampling::default()
+        };
+        assert_eq!(with(0.0, 1.0).problem(), None);
+        for t in [f32::NAN, f32::INFINITY, -0.5] {
+            assert_eq!(with(t, 1.0).problem().map(|p| p.0), Some("temperature"));
+        }
+        for p in [0.0, 1.5, f32::NAN] {
+            assert_eq!(with(0.7, p).problem().map(|p| p.0), Some("top-p"));
+        }
+        assert_eq!(
+            with(f32::NAN, 1.0).validate().unwrap_err().to_string(),
+            "invalid input: temperature must be a finite number ≥ 0, found NaN"
+        );
     }
 
     #[test]

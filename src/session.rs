@@ -65,6 +65,15 @@ impl CpuBackend {
         &self.state
     }
 
+    /// An error naming the layer at fault when a row of `logits` (the first at position
+    /// `pos0`) holds a NaN or ±Inf.
+    fn check_logits(&self, logits: &[Vec<f32>], pos0: u64) -> Result<()> {
+        match nonfinite_row(logits) {
+            Some(i) => Err(self.state.nonfinite_logits_error(pos0 + i as u64)),
+            None => Ok(()),
+        }
+    }
+
     /// Prefill with chunks of `q` tokens instead of the config's chunk size.
     pub fn with_chunk(mut self, q: usize) -> Self {
         self.scan = Scan::Chunked(q);
@@ -90,12 +99,17 @@ impl Backend for CpuBackend {
         let logits = self
             .model
             .forward(&mut self.state, tokens, self.scan, Logits::Last)?;
+        self.check_logits(&logits, self.state.len as u64)?;
         Ok(sample(&logits[0], sampling, pos))
     }
 
     fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        self.model
-            .forward(&mut self.state, tokens, self.scan, Logits::All)
+        let first = self.state.len as u64 + 1;
+        let logits = self
+            .model
+            .forward(&mut self.state, tokens, self.scan, Logits::All)?;
+        self.check_logits(&logits, first)?;
+        Ok(logits)
     }
 
     fn decode(
@@ -121,6 +135,7 @@ impl Backend for CpuBackend {
             let logits =
                 self.model
                     .forward(&mut self.state, &[token], Scan::Sequential, Logits::Last)?;
+            self.check_logits(&logits, self.state.len as u64)?;
             token = sample(&logits[0], sampling, pos + i as u64);
             let go = on_token(token);
             if !go || stop.contains(&token) || i + 1 == max_new {
@@ -145,6 +160,14 @@ impl Backend for CpuBackend {
     fn state(&self) -> Result<State<f32>> {
         Ok(self.state.clone())
     }
+}
+
+/// The first row of `rows` holding a NaN or ±Inf logit, if any (a device checks its
+/// logits with it, then names the layer at fault from the state: see
+/// `State::nonfinite_logits_error`; a non-finite logit never becomes a sampled token).
+pub(crate) fn nonfinite_row(rows: &[Vec<f32>]) -> Option<usize> {
+    rows.iter()
+        .position(|r| !r.iter().fold(true, |ok, v| ok & v.is_finite()))
 }
 
 /// Options of one `generate` call.

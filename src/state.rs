@@ -141,6 +141,107 @@ impl<T: Copy + Default> State<T> {
     }
 }
 
+/// Where a state holds its first NaN or ±Inf (see `State::first_nonfinite`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NonFinite {
+    pub layer: usize,
+    /// "conv", "ssm", "K" or "V".
+    pub part: &'static str,
+    /// The element within that part.
+    pub index: usize,
+    pub value: f64,
+}
+
+impl<T: Copy + Into<f64>> State<T> {
+    /// The first non-finite value, in layer order (conv before SSM, K before V). A NaN or
+    /// Inf in a token's activations reaches the state of every later stateful layer, so the
+    /// first layer holding one is where the fault entered the recurrent state.
+    pub fn first_nonfinite(&self) -> Option<NonFinite> {
+        self.layers.iter().enumerate().find_map(|(layer, l)| {
+            let parts: [(&'static str, &[T]); 2] = match l {
+                LayerState::Mamba2 { conv, ssm } => [("conv", conv), ("ssm", ssm)],
+                LayerState::Attention { k, v } => [("K", k), ("V", v)],
+                LayerState::Stateless => return None,
+            };
+            parts.into_iter().find_map(|(part, values)| {
+                let index = values.iter().position(|&v| !v.into().is_finite())?;
+                Some(NonFinite {
+                    layer,
+                    part,
+                    index,
+                    value: values[index].into(),
+                })
+            })
+        })
+    }
+
+    /// The error for non-finite logits (NaN or ±Inf) at token position `pos`, naming the
+    /// layer at fault as far as this state (read after them) tells: the first layer whose
+    /// state is non-finite, or the output of a layer before it since the last finite state;
+    /// with every state finite, a layer after the last stateful one, the final norm or the
+    /// head. One wording for every device.
+    pub fn nonfinite_logits_error(&self, pos: u64) -> Error {
+        let stateless = |i: usize| matches!(self.layers[i], LayerState::Stateless);
+        // What lies between the last stateful layer before `end` and `end`: that layer's
+        // output and the stateless (MLP) layers after it.
+        let upstream = |end: usize| -> Vec<String> {
+            let mut out = Vec::new();
+            let first_mlp = (0..end).rev().find(|&i| !stateless(i)).map_or(0, |i| i + 1);
+            if first_mlp < end {
+                out.push(if first_mlp + 1 == end {
+                    format!("the MLP layer {first_mlp}")
+                } else {
+                    format!("the MLP layers {first_mlp}–{}", end - 1)
+                });
+            }
+            if let Some(p) = first_mlp.checked_sub(1) {
+                out.push(format!("layer {p}'s output"));
+            }
+            out
+        };
+        let why = match self.first_nonfinite() {
+            Some(b) => {
+                let kind = match self.layers[b.layer] {
+                    LayerState::Mamba2 { .. } => "mamba2",
+                    _ => "attention",
+                };
+                let mut culprits = vec![format!("layer {}", b.layer)];
+                culprits.extend(upstream(b.layer));
+                format!(
+                    "layer {} ({kind}) is the first whose state is not finite ({} element {} \
+                     is {}), so the fault lies in {}",
+                    b.layer,
+                    b.part,
+                    b.index,
+                    b.value,
+                    one_of(&culprits)
+                )
+            }
+            None => {
+                let mut culprits = upstream(self.layers.len());
+                culprits.reverse();
+                culprits.extend(["the final norm".into(), "the head".into()]);
+                format!(
+                    "every layer's state is finite, so the fault lies in {}",
+                    one_of(&culprits)
+                )
+            }
+        };
+        Error::NonFinite(format!(
+            "non-finite logits (NaN or ±Inf) at position {pos}: {why}"
+        ))
+    }
+}
+
+/// "a", "a or b", "a, b or c".
+fn one_of(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [a] => a.clone(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
 /// Bytes of state one sequence needs on a device with KV caches of `ctx` rows in
 /// `kv_elem`-byte values: the fixed Mamba2 part (f32) plus the caches.
 pub fn sequence_bytes(c: &ModelConfig, ctx: usize, kv_elem: usize) -> u64 {
@@ -177,5 +278,43 @@ mod tests {
             s.bytes(4),
             4 * (2 * (c.conv_state_len() + c.ssm_state_len()) + 32)
         );
+    }
+
+    #[test]
+    fn the_first_nonfinite_value_and_the_layers_it_blames() {
+        let c = tiny_hybrid("M*-M", 2);
+        let mut s = State::<f32>::new(&c);
+        assert_eq!(s.first_nonfinite(), None);
+        let e = s.nonfinite_logits_error(4).to_string();
+        assert!(
+            e.ends_with(
+                "at position 4: every layer's state is finite, so the fault lies in layer 3's \
+                 output, the final norm or the head"
+            ),
+            "{e}"
+        );
+        s.mamba_mut(3).unwrap().1[7] = f32::INFINITY;
+        s.mamba_mut(3).unwrap().0[2] = f32::NAN;
+        let b = s.first_nonfinite().unwrap();
+        assert_eq!((b.layer, b.part, b.index), (3, "conv", 2));
+        assert!(b.value.is_nan());
+        let e = s.nonfinite_logits_error(9).to_string();
+        assert!(
+            e.ends_with(
+                "layer 3 (mamba2) is the first whose state is not finite (conv element 2 is \
+                 NaN), so the fault lies in layer 3, the MLP layer 2 or layer 1's output"
+            ),
+            "{e}"
+        );
+        if let LayerState::Attention { k, v } = &mut s.layers[1] {
+            k.resize(16, 0.0);
+            v.resize(16, f32::NEG_INFINITY);
+        }
+        let b = s.first_nonfinite().unwrap();
+        assert_eq!(
+            (b.layer, b.part, b.index, b.value),
+            (1, "V", 0, f64::NEG_INFINITY)
+        );
+        assert_eq!(one_of(&["a".into(), "b".into(), "c".into()]), "a, b or c");
     }
 }

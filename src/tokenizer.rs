@@ -5,6 +5,93 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 
+/// SentencePiece-derived tokenizers carry a `Precompiled` normalizer whose base64
+/// `precompiled_charsmap` starts with the byte size of a trie; the library reserves room for
+/// that many entries before reading them, so a corrupt size asks for up to 8 GiB — even in
+/// a file whose JSON breaks further on (it deserializes as it reads). So the check is
+/// textual: every `"precompiled_charsmap": "…"` value's declared size against its bytes.
+fn check_precompiled_charsmaps(bytes: &[u8]) -> Result<()> {
+    const KEY: &[u8] = b"\"precompiled_charsmap\"";
+    let bad = |why: String| {
+        Err(Error::Tokenizer(format!(
+            "normalizer `precompiled_charsmap`: {why}"
+        )))
+    };
+    let mut rest = bytes;
+    while let Some(at) = rest.windows(KEY.len()).position(|w| w == KEY) {
+        rest = &rest[at + KEY.len()..];
+        let value = rest.trim_ascii_start();
+        let Some(value) = value.strip_prefix(b":").map(<[u8]>::trim_ascii_start) else {
+            continue;
+        };
+        let Some(value) = value.strip_prefix(b"\"") else {
+            continue; // not a string: the library refuses it
+        };
+        let Some(end) = value.iter().position(|&b| b == b'"' || b == b'\\') else {
+            return bad("is an unterminated string".into());
+        };
+        if value[end] == b'\\' {
+            return bad("holds an escape, which base64 never needs".into());
+        }
+        let Ok(raw) = base64::decode(&value[..end]) else {
+            return bad("is not valid base64".into());
+        };
+        let Some(size) = raw
+            .get(..4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        else {
+            return bad(format!(
+                "holds {} bytes, fewer than its 4-byte header",
+                raw.len()
+            ));
+        };
+        if size as usize > raw.len() - 4 {
+            return bad(format!(
+                "declares a {size}-byte trie but holds {} bytes after its header",
+                raw.len() - 4
+            ));
+        }
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// Whether this thread is inside `guarded` (its panics are reported as errors).
+    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs a call into the `tokenizers` library, turning a panic inside it into an error:
+/// some malformed tokenizer.json files load and then reach out-of-range slices and
+/// `unwrap`s there (found by tests/fuzz.rs). The panic hook stays quiet for such calls,
+/// so the user sees one clean error instead of a panic message.
+fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
+    QUIET_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !GUARDED.with(|g| g.get()) {
+                previous(info);
+            }
+        }));
+    });
+    let outer = GUARDED.with(|g| g.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(outer));
+    result.unwrap_or_else(|payload| {
+        let why = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(Error::Tokenizer(format!(
+            "the tokenizers library failed on this tokenizer ({why}): its tokenizer.json is malformed"
+        )))
+    })
+}
+
+/// The most instructions a chat template may run for one rendering.
+const TEMPLATE_FUEL: u64 = 10_000_000;
+
 /// A model's tokenizer plus what `tokenizer_config.json` says about it.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -21,14 +108,13 @@ impl Tokenizer {
     /// Loads `tokenizer.json` (and `tokenizer_config.json` when present) from a model dir.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join("tokenizer.json");
-        if !path.is_file() {
+        if !path.exists() {
             return Ok(None);
         }
-        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        let bytes = crate::files::read_bounded(&path, crate::files::MAX_TOKENIZER_BYTES)?;
         let config_path = dir.join("tokenizer_config.json");
-        let config = if config_path.is_file() {
-            let text =
-                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let config = if config_path.exists() {
+            let text = crate::files::read_text(&config_path, crate::files::MAX_JSON_BYTES)?;
             Some(
                 serde_json::from_str(&text)
                     .map_err(|e| Error::format(&config_path, format!("not valid JSON: {e}")))?,
@@ -43,7 +129,18 @@ impl Tokenizer {
 
     /// Builds from `tokenizer.json` bytes and an optional parsed `tokenizer_config.json`.
     pub fn from_bytes(bytes: &[u8], config: Option<&serde_json::Value>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+        guarded(|| Self::build(bytes, config))
+    }
+
+    fn build(bytes: &[u8], config: Option<&serde_json::Value>) -> Result<Self> {
+        check_precompiled_charsmaps(bytes)?;
+        let mut inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        // Padding and truncation serve batched training: here they would cut a prompt
+        // silently or pad each one to the file's length (a hostile file asks for 10^8).
+        inner.with_padding(None);
+        inner
+            .with_truncation(None)
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let token_text = |key: &str| -> Option<String> {
             let v = config?.get(key)?;
@@ -78,17 +175,21 @@ impl Tokenizer {
     }
 
     pub fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, add_special)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        guarded(|| {
+            let enc = self
+                .inner
+                .encode(text, add_special)
+                .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            Ok(enc.get_ids().to_vec())
+        })
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, true)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+        guarded(|| {
+            self.inner
+                .decode(ids, true)
+                .map_err(|e| Error::Tokenizer(e.to_string()))
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -107,6 +208,10 @@ impl Tokenizer {
             return Ok(None);
         };
         let mut env = minijinja::Environment::new();
+        // A template comes with the model: bound its work so that a hostile one (nested
+        // loops over huge ranges) is an error, not a hang. Real templates render a long
+        // conversation in a few thousand instructions.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -150,14 +255,16 @@ pub struct StreamDecoder {
 impl StreamDecoder {
     /// The text that `id` completes, if any.
     pub fn step(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
-        tokenizers::tokenizer::step_decode_stream(
-            &tok.inner,
-            vec![id],
-            true,
-            &mut self.ids,
-            &mut self.prefix,
-            &mut self.prefix_index,
-        )
-        .map_err(|e| Error::Tokenizer(e.to_string()))
+        guarded(|| {
+            tokenizers::tokenizer::step_decode_stream(
+                &tok.inner,
+                vec![id],
+                true,
+                &mut self.ids,
+                &mut self.prefix,
+                &mut self.prefix_index,
+            )
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+        })
     }
 }

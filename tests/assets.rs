@@ -30,10 +30,9 @@ fn cpu_and_gpu_write_the_same_greedy_text() {
         ),
         (6, 320, 4096)
     );
-    let mut cpu = Session::new(Box::new(CpuBackend::new(CpuModel::<f32>::new(
-        &model.config,
-        &model.weights,
-    ))));
+    let mut cpu = Session::new(Box::new(CpuBackend::new(
+        CpuModel::<f32>::new(&model.config, &model.weights).unwrap(),
+    )));
     let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
         return;
     };
@@ -79,10 +78,9 @@ fn heldout_perplexity_is_the_training_figure() {
         tokens.len() as u64,
         training["heldout"]["tokens"].as_u64().unwrap()
     );
-    let mut s = Session::new(Box::new(CpuBackend::new(CpuModel::<f32>::new(
-        &model.config,
-        &model.weights,
-    ))));
+    let mut s = Session::new(Box::new(CpuBackend::new(
+        CpuModel::<f32>::new(&model.config, &model.weights).unwrap(),
+    )));
     let p = perplexity(&mut s, &tokens, ctx, |_, _| {}).unwrap();
     assert_eq!(
         p.predicted as u64,

@@ -7,10 +7,9 @@ use mamba2_wgpu::{CpuBackend, CpuModel, GenerateOptions, Session, assets};
 fn chat(template: Option<&str>) -> Chat {
     let (model, mut tok) = assets::embedded().unwrap();
     tok.chat_template = template.map(str::to_string);
-    let session = Session::new(Box::new(CpuBackend::new(CpuModel::<f32>::new(
-        &model.config,
-        &model.weights,
-    ))));
+    let session = Session::new(Box::new(CpuBackend::new(
+        CpuModel::<f32>::new(&model.config, &model.weights).unwrap(),
+    )));
     Chat::new(session, tok)
 }
 

@@ -163,33 +163,232 @@ fn bad_input_is_a_clear_error() {
     assert!(!err.contains("panicked"));
 }
 
-#[test]
-fn chat_survives_a_line_that_is_not_utf8() {
+/// `mamba2 chat` with `input` on stdin: (success, stdout, stderr).
+fn chat(args: &[&str], input: &[u8]) -> (bool, String, String) {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
-        .args(["chat", "--device", "cpu", "-n", "3"])
+        .arg("chat")
+        .args(args)
         .env("XDG_RUNTIME_DIR", "/tmp")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"\xff\xfe oops\nTell me a fortune\n/quit\n")
-        .unwrap();
+    // A chat that refuses its flags exits before reading: the pipe may be closed.
+    let _ = child.stdin.take().unwrap().write_all(input);
     let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn chat_survives_a_line_that_is_not_utf8_and_says_so_in_its_exit_status() {
+    let (ok, out, err) = chat(
+        &["--device", "cpu", "-n", "3"],
+        b"\xff\xfe oops\nTell me a fortune\n/quit\n",
+    );
     assert!(
         err.contains("that line is not valid UTF-8 (byte 0); nothing was sent"),
         "{err}"
     );
+    assert!(!out.trim().is_empty(), "the next line was answered");
+    // The conversation went on, but not everything asked was done: a script must see it.
+    assert!(!ok, "{err}");
     assert!(
-        !String::from_utf8_lossy(&out.stdout).trim().is_empty(),
-        "the next line was answered"
+        err.contains("error: 1 line of this conversation failed"),
+        "{err}"
+    );
+    let (ok, out, err) = chat(&["--device", "cpu", "-n", "3"], b"Tell me a fortune\n");
+    assert!(ok && !out.trim().is_empty(), "{err}");
+}
+
+/// Issue class 6: every flag is judged before anything is loaded. Each run names a model
+/// directory that does not exist, so an error about the model means the flag was checked
+/// too late (or not at all).
+#[test]
+fn bad_flags_are_refused_before_the_model_is_read() {
+    let missing = "/nonexistent/model";
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["generate", "--temperature", "NaN", "x"],
+            "--temperature: must be a finite number ≥ 0, found NaN",
+        ),
+        (
+            &["generate", "--temperature", "-1", "x"],
+            "--temperature: must be a finite number ≥ 0, found -1",
+        ),
+        (
+            &["generate", "--top-p", "1.5", "x"],
+            "--top-p: must be in (0, 1], found 1.5",
+        ),
+        (
+            &["generate", "--top-p", "0", "x"],
+            "--top-p: must be in (0, 1], found 0",
+        ),
+        (
+            &["generate", "--top-p", "-0.5", "x"],
+            "--top-p: must be in (0, 1], found -0.5",
+        ),
+        (
+            &["generate", "--chunk-size", "4", "x"],
+            "--chunk-size: must be in 8…256, found 4",
+        ),
+        (
+            &["generate", "--chunk-size", "512", "x"],
+            "--chunk-size: must be in 8…256, found 512",
+        ),
+        (
+            &["generate", "--ctx", "0", "x"],
+            "--ctx: must be at least 1, found 0",
+        ),
+        (
+            &["generate", "--device", "gpu:no-such-adapter", "x"],
+            "--device gpu:no-such-adapter: GPU: no adapter named like `no-such-adapter`",
+        ),
+        (&["generate"], "give a prompt"),
+        (
+            &["perplexity", "-f", "/dev/null", "--ctx", "1"],
+            "--ctx: must be at least 2, found 1",
+        ),
+        (
+            &["perplexity", "-f", "/dev/zero"],
+            "--file: /dev/zero: is not a regular file",
+        ),
+        (
+            &[
+                "perplexity",
+                "-f",
+                "/nonexistent/text.txt",
+                "--chunk-size",
+                "300",
+            ],
+            "--chunk-size: must be in 8…256, found 300",
+        ),
+        (
+            &["info", "--ctx", "0"],
+            "--ctx: must be at least 1, found 0",
+        ),
+        (
+            &["chat", "--temperature", "NaN"],
+            "--temperature: must be a finite number ≥ 0, found NaN",
+        ),
+        (
+            &["chat", "--top-p", "2"],
+            "--top-p: must be in (0, 1], found 2",
+        ),
+        (
+            &["chat", "--max-tokens", "0"],
+            "--max-tokens: must be at least 1, found 0",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut with_model = args.to_vec();
+        with_model.extend(["--model", missing]);
+        let (ok, _, err) = if args[0] == "chat" {
+            // Nothing on stdin: a refusal must come before the conversation starts.
+            chat(&with_model[1..], b"hello\n")
+        } else {
+            mamba2(&with_model)
+        };
+        assert!(!ok, "{args:?} was accepted: {err}");
+        assert!(
+            err.starts_with(&format!("error: {want}")),
+            "{args:?}: {err}"
+        );
+        assert!(
+            !err.contains(missing),
+            "{args:?}: the model was read first: {err}"
+        );
+    }
+    // Flags of commands without a model: bench checks every config and count first.
+    for (args, want) in [
+        (
+            &["bench", "--config", "tiny,no-such-preset"][..],
+            "--config: unknown `no-such-preset`",
+        ),
+        (
+            &["bench", "--config", "tiny", "--tokens", "1"],
+            "--tokens: must be at least 2, found 1",
+        ),
+        (
+            &["bench", "--device", "cpu", "--prefill", "64"],
+            "--prefill: the CPU reference benchmark times f32 decode",
+        ),
+        (
+            &["bench", "--no-decode"],
+            "--no-decode: nothing left to time",
+        ),
+    ] {
+        let (ok, out, err) = mamba2(args);
+        assert!(!ok, "{args:?} was accepted: {out}");
+        assert!(
+            err.starts_with(&format!("error: {want}")),
+            "{args:?}: {err}"
+        );
+        assert!(out.is_empty(), "{args:?} ran something first: {out}");
+    }
+    // The window commands no longer offer flags they would ignore.
+    #[cfg(feature = "ui")]
+    for flag in ["--chunk-size", "--ctx", "--kv", "--prefill-by-decode"] {
+        let (ok, _, err) = mamba2(&["app", flag, "8"]);
+        assert!(!ok && err.contains(flag), "app {flag}: {err}");
+    }
+}
+
+/// Issue class 8: `auto` takes a hardware GPU, else the CPU reference — a software adapter
+/// (lavapipe, the only one in CI) only with `--device gpu` — and says which in one line.
+#[test]
+fn auto_prefers_a_hardware_gpu_then_the_cpu_reference() {
+    use mamba2_wgpu::gpu::context::{adapters, is_software};
+    let infos: Vec<_> = adapters().iter().map(|a| a.get_info()).collect();
+    let hardware = infos.iter().any(|i| !is_software(i));
+    let (ok, _, err) = mamba2(&["generate", "-n", "2", "hello"]);
+    assert!(ok, "{err}");
+    let status = err.lines().last().unwrap_or_default();
+    if hardware {
+        assert!(!status.contains("cpu (f32 reference)"), "{err}");
+        assert!(!err.contains("running on the CPU reference"), "{err}");
+    } else {
+        assert!(status.contains("cpu (f32 reference)"), "{err}");
+        let why = if infos.is_empty() {
+            "note: no GPU adapter found: running on the CPU reference".to_string()
+        } else {
+            format!(
+                "note: only a software GPU adapter ({}) found: running on the CPU reference (use --device gpu to run on it)",
+                infos
+                    .iter()
+                    .map(|i| i.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        assert!(err.contains(&why), "{err}");
+    }
+    // Asked for, a software adapter runs the model.
+    if common::gpu(&Default::default()).is_some() {
+        let (ok, _, err) = mamba2(&["generate", "--device", "gpu", "-n", "2", "hello"]);
+        assert!(ok, "{err}");
+        let status = err.lines().last().unwrap_or_default();
+        assert!(!status.contains("cpu (f32 reference)"), "{err}");
+        assert!(!err.contains("running on the CPU reference"), "{err}");
+    }
+    // An adapter that does not exist is named with the flag, before the model is read.
+    let (ok, _, err) = mamba2(&[
+        "generate",
+        "--device",
+        "gpu:99",
+        "--model",
+        "/nonexistent/model",
+        "x",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.starts_with("error: --device gpu:99: GPU: no adapter with index 99"),
+        "{err}"
     );
 }
 
@@ -207,7 +406,7 @@ fn chunk_size_is_checked_on_the_cpu_too() {
     ]);
     assert!(!ok);
     assert!(
-        err.contains("chunk size must be in 8…256, found 4"),
+        err.starts_with("error: --chunk-size: must be in 8…256, found 4"),
         "{err}"
     );
     let (ok, _, err) = mamba2(&[

@@ -68,7 +68,7 @@ fn check_fixture(name: &str) {
         !o.prompt.len().is_multiple_of(model.config.chunk_size),
         "the prompt must end mid-chunk"
     );
-    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
     // Chunked prefill: logits at every prompt position.
     let mut state = cpu.new_state();
     let logits = cpu
@@ -140,7 +140,7 @@ fn hybrid_fixtures_in_f64_and_in_prompt_pieces() {
         let dir = common::fixture(name);
         let model = Model::load(&dir).unwrap();
         let o = oracle(&dir);
-        let cpu = CpuModel::<f64>::new(&model.config, &model.weights);
+        let cpu = CpuModel::<f64>::new(&model.config, &model.weights).unwrap();
         let mut state = cpu.new_state();
         let mut logits = Vec::new();
         for piece in [&o.prompt[..3], &o.prompt[3..20], &o.prompt[20..]] {

@@ -65,7 +65,7 @@ fn decode_and_prefill_match_the_cpu_reference() {
     for (pattern, kv) in MODELS {
         let model = Model::synthetic(tiny_hybrid(pattern, kv), 21);
         let vocab = model.config.vocab_size;
-        let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+        let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
         let toks = tokens(150, 3, vocab);
         let mut cpu_state = cpu.new_state();
         let want = cpu
@@ -146,10 +146,9 @@ fn greedy_text_equals_the_cpu_and_snapshots_restore_mid_sequence() {
         ..Default::default()
     };
     let (a, b) = (tokens(40, 1, vocab), tokens(23, 2, vocab));
-    let mut cpu = Session::new(Box::new(CpuBackend::new(CpuModel::<f32>::new(
-        &model.config,
-        &model.weights,
-    ))));
+    let mut cpu = Session::new(Box::new(CpuBackend::new(
+        CpuModel::<f32>::new(&model.config, &model.weights).unwrap(),
+    )));
     let Some(be) = backend(&model, Gpu::default()) else {
         return;
     };
@@ -176,7 +175,7 @@ fn greedy_text_equals_the_cpu_and_snapshots_restore_mid_sequence() {
 #[test]
 fn f16_kv_cache_and_q8_weights_stay_close() {
     let model = Model::synthetic(tiny_hybrid("M*-M*-", 2), 13);
-    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
     let toks = tokens(90, 4, model.config.vocab_size);
     let want = cpu
         .forward(&mut cpu.new_state(), &toks, Scan::Chunked(16), Logits::All)
@@ -248,7 +247,7 @@ fn gated_mlps_with_biases_match_the_cpu() {
         m.bias = true;
     }
     let model = Model::synthetic(config, 31);
-    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
     let toks = tokens(70, 6, model.config.vocab_size);
     let want = cpu
         .forward(&mut cpu.new_state(), &toks, Scan::Sequential, Logits::All)
@@ -282,7 +281,9 @@ fn a_reply_that_fills_the_context_says_so() {
         max_new_tokens: 10,
         ..Default::default()
     };
-    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).with_context(32);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights)
+        .unwrap()
+        .with_context(32);
     let mut sessions = vec![Session::new(Box::new(CpuBackend::new(cpu)))];
     if let Some(gpu) = backend(
         &model,

@@ -34,7 +34,7 @@ fn synthetic_decode_matches_reference() {
                 engine.graph(Tail::Greedy).len(),
                 1 + per_layer * model.config.n_layer + 3
             );
-            let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+            let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
             let mut state = cpu.new_state();
             let tokens = [5u32, 17, 3, 60, 2, 9, 9, 41];
             for &t in &tokens {
@@ -127,7 +127,7 @@ mod fixtures_on_gpu {
     fn check(name: &str) {
         let model = Model::load(&common::fixture(name)).unwrap();
         let (prompt, oracle_logits, greedy) = oracle(name);
-        let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+        let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
         let cpu_logits = cpu
             .forward(&mut cpu.new_state(), &prompt, Scan::Sequential, Logits::All)
             .unwrap();
@@ -253,7 +253,7 @@ mod device_errors {
 
     #[test]
     fn a_model_too_big_for_the_adapter_is_a_clear_error() {
-        let Ok(Some(adapter)) = pick_adapter(&DeviceChoice::Auto) else {
+        let Ok(Some(adapter)) = pick_adapter(&DeviceChoice::Gpu(None)) else {
             assert!(
                 std::env::var_os("MAMBA2_REQUIRE_GPU").is_none(),
                 "no adapter"

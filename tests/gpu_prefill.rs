@@ -72,7 +72,7 @@ fn chunked_prefill_equals_decode_token_by_token() {
 #[test]
 fn chunked_prefill_equals_the_cpu_reference() {
     let model = Model::synthetic(tiny_config(2, 6), 4);
-    let cpu = CpuModel::<f32>::new(&model.config, &model.weights);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
     let Some(mut gpu) = backend(&model, PrefillMode::Chunked, 16) else {
         return;
     };

@@ -128,7 +128,7 @@ fn zero_initial_state_and_strong_decay_are_stable() {
 
 fn models<T: Real>(groups: usize, head_dim: usize) -> CpuModel<T> {
     let model = Model::synthetic(tiny_config(groups, head_dim), 5);
-    CpuModel::new(&model.config, &model.weights)
+    CpuModel::new(&model.config, &model.weights).unwrap()
 }
 
 /// Tiny Nemotron-H-style hybrids: every block kind, GQA (2 of 4 heads) and MQA (1).
@@ -137,7 +137,7 @@ fn hybrids<T: Real>() -> Vec<CpuModel<T>> {
         .into_iter()
         .map(|(pattern, kv)| {
             let model = Model::synthetic(tiny_hybrid(pattern, kv), 9);
-            CpuModel::new(&model.config, &model.weights)
+            CpuModel::new(&model.config, &model.weights).unwrap()
         })
         .collect()
 }

@@ -57,7 +57,7 @@ fn inspector_errors(a: &InspectorApp) -> String {
 }
 
 fn chat_harness(size: [f32; 2]) -> Harness<'static, ChatApp> {
-    let app = ChatApp::new(LoadRequest::new(ModelSource::Embedded, DeviceChoice::Auto));
+    let app = ChatApp::new(LoadRequest::new(ModelSource::Embedded, gpu_device()));
     let mut h = Harness::builder()
         .with_size(size)
         .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
@@ -234,7 +234,7 @@ fn inspector_harness(size: [f32; 2]) -> Harness<'static, InspectorApp> {
             name: "tiny".into(),
             seed: 3,
         },
-        DeviceChoice::Auto,
+        gpu_device(),
     );
     let app = InspectorApp::new(req, "The", false);
     let mut h = Harness::builder()
@@ -416,6 +416,22 @@ fn inspector_steps_times_and_flags_nan() {
     assert!(h.state_mut().panel.inject_state(&st).is_err());
 }
 
+/// The device of the windows under test: any GPU adapter, software ones included (lavapipe
+/// in CI, which `auto` passes over for the CPU reference), so that the GPU path is what is
+/// tested wherever there is one. Without one, the CPU reference, unless MAMBA2_REQUIRE_GPU
+/// is set (CI), where that fails.
+fn gpu_device() -> DeviceChoice {
+    if !mamba2_wgpu::gpu::context::adapters().is_empty() {
+        return DeviceChoice::Gpu(None);
+    }
+    assert!(
+        std::env::var_os("MAMBA2_REQUIRE_GPU").is_none(),
+        "MAMBA2_REQUIRE_GPU is set but no GPU adapter was found (install mesa-vulkan-drivers)"
+    );
+    eprintln!("\n!!!!!!!! no GPU adapter: the windows run on the CPU reference !!!!!!!!\n");
+    DeviceChoice::Auto
+}
+
 /// Whether a wgpu adapter exists to render screenshots with. Without one the screenshot
 /// tests are skipped loudly, unless MAMBA2_REQUIRE_GPU is set (CI), where they fail.
 fn can_render() -> bool {
@@ -459,7 +475,7 @@ fn screenshot_chat() {
     if !can_render() {
         return;
     }
-    let app = ChatApp::new(LoadRequest::new(ModelSource::Embedded, DeviceChoice::Auto));
+    let app = ChatApp::new(LoadRequest::new(ModelSource::Embedded, gpu_device()));
     let mut h = Harness::builder()
         .with_size([1280.0, 800.0])
         .wgpu()
@@ -491,7 +507,7 @@ fn screenshot_inspector() {
     if !can_render() {
         return;
     }
-    let req = LoadRequest::new(ModelSource::Embedded, DeviceChoice::Auto);
+    let req = LoadRequest::new(ModelSource::Embedded, gpu_device());
     let app = InspectorApp::new(req, "The", false);
     let mut h = Harness::builder()
         .with_size([1280.0, 820.0])
@@ -529,13 +545,8 @@ fn state_tap_reads_what_the_engine_holds() {
     use mamba2_wgpu::ui::state_tap::StateTap;
     use mamba2_wgpu::{EngineOptions, GenerateOptions, Model, Session, open_backend};
     let model = Model::synthetic(mamba2_wgpu::model::synthetic::tiny_config(2, 6), 5);
-    let backend = open_backend(
-        &model,
-        &DeviceChoice::Auto,
-        EngineOptions::default(),
-        &mut |_| {},
-    )
-    .expect("backend");
+    let backend = open_backend(&model, &gpu_device(), EngineOptions::default(), &mut |_| {})
+        .expect("backend");
     let mut session = Session::new(backend);
     let Some(gpu) = session.backend_mut().gpu() else {
         eprintln!("\n!!!!!!!! SKIPPED: no GPU adapter, the state tap is GPU-only !!!!!!!!\n");

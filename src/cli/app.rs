@@ -15,14 +15,15 @@ pub struct AppArgs {
 }
 
 pub fn run(args: AppArgs) -> anyhow::Result<()> {
+    // Flags are refused here; only what needs the model is shown in the window.
     let source = match args.model.model {
         Some(dir) => ModelSource::Dir(dir),
         None => ModelSource::Embedded,
     };
-    let opts = args.device.engine_options();
+    args.device.check()?;
     let mut req = LoadRequest::new(source, args.device.device);
-    req.format = opts.format;
-    req.fused = opts.fused;
+    req.format = args.device.dtype;
+    req.fused &= !args.device.no_fuse;
     // Model errors (a bad directory, a lost device) are shown in the window; only a
     // window that cannot open at all fails here.
     mamba2_wgpu::ui::run_chat(req).map_err(|e| anyhow!(e))

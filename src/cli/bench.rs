@@ -3,12 +3,14 @@
 
 use std::sync::Arc;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Args;
 use mamba2_wgpu::bench::{PRESETS, decode, preset};
 use mamba2_wgpu::gpu::context::{GpuContext, pick_adapter};
 use mamba2_wgpu::gpu::{Engine, GpuBackend};
-use mamba2_wgpu::{DeviceChoice, WeightFormat};
+use mamba2_wgpu::{DeviceChoice, ModelConfig, WeightFormat};
+
+use super::{check_at_least, check_chunk_size, check_device};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -34,7 +36,8 @@ pub struct BenchArgs {
     /// Run both the fused and the unfused graph.
     #[arg(long, conflicts_with = "no_fuse")]
     both: bool,
-    /// The device: gpu, gpu:INDEX, gpu:NAME, or cpu (the f32 reference, decode only).
+    /// The device: gpu, gpu:INDEX, gpu:NAME, cpu (the f32 reference, decode only), or
+    /// auto (a hardware GPU, else cpu).
     #[arg(long, default_value = "gpu")]
     device: DeviceChoice,
     /// Also time prompts of these lengths (chunked prefill), e.g. 512,4096.
@@ -58,14 +61,81 @@ pub struct BenchArgs {
     json: bool,
 }
 
+impl BenchArgs {
+    /// The configs, and every flag checked, before anything is built: a typo in the third
+    /// config or a count of 0 is said at once, not after the first benchmarks ran.
+    fn check(&self) -> anyhow::Result<Vec<(String, ModelConfig)>> {
+        let configs = self
+            .config
+            .iter()
+            .map(|name| {
+                let config = preset(name).with_context(|| {
+                    format!("--config: unknown `{name}` (one of {})", PRESETS.join(", "))
+                })?;
+                Ok((name.clone(), config))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        // Decode speed is a median of the gaps between tokens: it needs two.
+        check_at_least("--tokens", self.tokens, 2)?;
+        if let Some(0) = self.prefill.iter().copied().min() {
+            bail!("--prefill: a prompt length must be at least 1, found 0");
+        }
+        if !self.prefill.is_empty() {
+            check_at_least("--prefill-runs", self.prefill_runs, 1)?;
+        }
+        if self.no_decode && self.prefill.is_empty() {
+            bail!("--no-decode: nothing left to time (add --prefill 512,4096)");
+        }
+        check_chunk_size(self.chunk_size)?;
+        if self.device == DeviceChoice::Cpu {
+            self.check_cpu_flags()?;
+        }
+        check_device("--device", &self.device)?;
+        Ok(configs)
+    }
+
+    /// The CPU reference times f32 decode from an empty state, nothing else: refuses the
+    /// flags it would ignore.
+    fn check_cpu_flags(&self) -> anyhow::Result<()> {
+        let unused = [
+            ("--prefill", !self.prefill.is_empty()),
+            ("--no-decode", self.no_decode),
+            ("--ctx", self.ctx.iter().any(|&c| c > 0)),
+            ("--dtype", self.dtype != [WeightFormat::F16]),
+            ("--no-fuse", self.no_fuse),
+            ("--both", self.both),
+            ("--chunk-size", self.chunk_size.is_some()),
+        ];
+        match unused.iter().find(|(_, given)| *given) {
+            Some((flag, _)) => bail!(
+                "{flag}: the CPU reference benchmark times f32 decode from an empty state only (drop {flag} or use --device gpu)"
+            ),
+            None => Ok(()),
+        }
+    }
+}
+
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    if args.device == DeviceChoice::Cpu {
+    let configs = args.check()?;
+    // `auto` as everywhere: a hardware GPU, else the CPU reference.
+    let on_cpu = match &args.device {
+        DeviceChoice::Cpu => true,
+        DeviceChoice::Auto => {
+            let none = pick_adapter(&DeviceChoice::Auto)?.is_none();
+            if none {
+                args.check_cpu_flags()?;
+                eprintln!(
+                    "note: no hardware GPU adapter: benchmarking the CPU reference (use --device gpu for a software one)"
+                );
+            }
+            none
+        }
+        DeviceChoice::Gpu(_) => false,
+    };
+    if on_cpu {
         // The CPU reference: decode only, f32 weights in host memory.
-        for name in &args.config {
-            let config = preset(name).with_context(|| {
-                format!("unknown --config `{name}` (one of {})", PRESETS.join(", "))
-            })?;
-            let r = mamba2_wgpu::bench::decode_cpu(name, &config, args.tokens, args.warmup)?;
+        for (name, config) in &configs {
+            let r = mamba2_wgpu::bench::decode_cpu(name, config, args.tokens, args.warmup)?;
             if args.json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -82,10 +152,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (false, true) => vec![false],
         (false, false) => vec![true],
     };
-    for name in &args.config {
-        let config = preset(name).with_context(|| {
-            format!("unknown --config `{name}` (one of {})", PRESETS.join(", "))
-        })?;
+    for (name, config) in &configs {
+        let config = config.clone();
         for &format in &args.dtype {
             let adapter = pick_adapter(&args.device)?.context("no GPU adapter")?;
             let ctx = Arc::new(GpuContext::new(adapter, &Engine::needs(&config, format))?);

@@ -4,42 +4,76 @@
 use std::io::{BufRead, Write};
 use std::time::Instant;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Args;
 use mamba2_wgpu::chat::Chat;
 use mamba2_wgpu::{GenerateOptions, Sampling, Session};
 
-use super::{DeviceArgs, ModelArgs};
+use super::{EngineArgs, ModelArgs, check_at_least, check_sampling, note_unused_ctx};
 
 #[derive(Args)]
 pub struct ChatArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
-    device: DeviceArgs,
+    engine: EngineArgs,
+    /// Hybrid models: tokens the attention layers' KV caches hold (default: the config's
+    /// max_position_embeddings, capped by what the adapter can bind).
+    #[arg(long, value_name = "N")]
+    ctx: Option<usize>,
     /// Most tokens per reply.
     #[arg(short = 'n', long, default_value_t = 256)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.7)]
+    // Negative values are parsed so that `check` refuses them naming the flag (clap would
+    // take `-1` for an unknown option).
+    #[arg(long, default_value_t = 0.7, allow_negative_numbers = true)]
     temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
+    /// Keep the most likely tokens up to this probability mass (1 = off).
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     top_p: f32,
+    /// Seed of the sampler; /regen moves to the next one.
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
 
+impl ChatArgs {
+    fn sampling(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
+    }
+
+    /// Every flag, before the model is read and the conversation starts: a value that
+    /// would fail every turn is refused once, naming its flag.
+    fn check(&self) -> anyhow::Result<()> {
+        check_sampling(&self.sampling())?;
+        check_at_least("--max-tokens", self.max_tokens, 1)?;
+        if let Some(ctx) = self.ctx {
+            check_at_least("--ctx", ctx, 1)?;
+        }
+        self.engine.check()?;
+        self.model.require_tokenizer("chat needs one")
+    }
+}
+
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
+    args.check()?;
     let (model, tokenizer) = args.model.load()?;
+    note_unused_ctx(&model, args.ctx);
     let tokenizer = tokenizer.with_context(|| {
         format!(
             "{} has no tokenizer.json: chat needs one",
             args.model.name()
         )
     })?;
-    let session = Session::new(args.device.open(&model)?);
+    let session = Session::new(args.engine.open(&model, args.ctx)?);
     eprintln!("{} on {}", args.model.name(), session.describe());
     let mut chat = Chat::new(session, tokenizer);
     if !chat.has_template() {
@@ -48,16 +82,14 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     eprintln!("commands: /regen  /reset  /quit");
     let mut opts = GenerateOptions {
         max_new_tokens: args.max_tokens,
-        sampling: Sampling {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        sampling: args.sampling(),
         stop: chat.tokenizer.eos.into_iter().collect(),
     };
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
+    // Lines that were refused or whose turn failed: the conversation goes on, but the
+    // session did not do all it was asked, so the exit status says so at the end.
+    let mut failed = 0usize;
     loop {
         eprint!("> ");
         let mut bytes = Vec::new();
@@ -72,6 +104,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
                     "error: that line is not valid UTF-8 (byte {}); nothing was sent",
                     e.utf8_error().valid_up_to()
                 );
+                failed += 1;
                 continue;
             }
         };
@@ -108,8 +141,19 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
                     chat.session.position()
                 );
             }
-            Err(e) => eprintln!("error: {e}"),
+            // A device error leaves the state (and likely the device) unusable: stop.
+            Err(e @ mamba2_wgpu::Error::Gpu(_)) => return Err(e.into()),
+            Err(e) => {
+                eprintln!("error: {e}");
+                failed += 1;
+            }
         }
+    }
+    if failed > 0 {
+        bail!(
+            "{failed} line{} of this conversation failed (see the errors above)",
+            if failed == 1 { "" } else { "s" }
+        );
     }
     Ok(())
 }

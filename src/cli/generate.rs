@@ -8,14 +8,18 @@ use clap::Args;
 use mamba2_wgpu::gpu::kernels::Section;
 use mamba2_wgpu::{GenerateOptions, Sampling, Session};
 
-use super::{DeviceArgs, ModelArgs};
+use super::{EngineArgs, ModelArgs, check_at_least, check_sampling, note_unused_ctx};
 
 #[derive(Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
-    device: DeviceArgs,
+    engine: EngineArgs,
+    /// Hybrid models: tokens the attention layers' KV caches hold (default: the config's
+    /// max_position_embeddings, capped by what the adapter can bind).
+    #[arg(long, value_name = "N")]
+    ctx: Option<usize>,
     /// Print GPU time per kernel section and host time per token at the end.
     #[arg(long)]
     profile: bool,
@@ -32,13 +36,15 @@ pub struct GenerateArgs {
     #[arg(short = 'n', long, default_value_t = 64)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    // Negative values are parsed so that `check` refuses them naming the flag (clap would
+    // take `-1` for an unknown option).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Keep the most likely tokens up to this probability mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Seed of the sampler; the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
@@ -48,33 +54,63 @@ pub struct GenerateArgs {
     ignore_eos: bool,
 }
 
+impl GenerateArgs {
+    fn sampling(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
+    }
+
+    /// The prompt text, if given as text.
+    fn text(&self) -> Option<&str> {
+        self.text.as_deref().or(self.prompt.as_deref())
+    }
+
+    /// Every flag, before the model is read: a bad value is said at once, naming its flag,
+    /// not after minutes of loading (or instead of a missing model's error).
+    fn check(&self) -> anyhow::Result<()> {
+        check_sampling(&self.sampling())?;
+        self.engine.check()?;
+        if let Some(ctx) = self.ctx {
+            check_at_least("--ctx", ctx, 1)?;
+        }
+        match (&self.prompt_ids, self.text()) {
+            (Some(ids), _) if ids.is_empty() => bail!("--prompt-ids: no ids given"),
+            (Some(_), _) => Ok(()),
+            (None, Some("")) => bail!("the prompt is empty"),
+            (None, Some(_)) => self
+                .model
+                .require_tokenizer("pass the prompt as --prompt-ids"),
+            (None, None) => {
+                bail!("give a prompt: `generate \"text\"`, --prompt TEXT or --prompt-ids 1,2,3")
+            }
+        }
+    }
+}
+
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    args.check()?;
     let (model, tokenizer) = args.model.load()?;
-    let text = args.text.clone().or(args.prompt.clone());
-    let (prompt, tokenizer) = match (&args.prompt_ids, text) {
+    note_unused_ctx(&model, args.ctx);
+    let (prompt, tokenizer) = match (&args.prompt_ids, args.text()) {
         (Some(ids), _) => (ids.clone(), None),
-        (None, Some(text)) => {
+        (None, text) => {
             let tok = tokenizer.with_context(|| {
                 format!(
                     "{} has no tokenizer.json: pass the prompt as --prompt-ids",
                     args.model.name()
                 )
             })?;
-            (tok.encode(&text)?, Some(tok))
-        }
-        (None, None) => {
-            bail!("give a prompt: `generate \"text\"`, --prompt TEXT or --prompt-ids 1,2,3")
+            (tok.encode(text.unwrap_or_default())?, Some(tok))
         }
     };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let sampling = Sampling {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
-    };
+    let sampling = args.sampling();
     let stop = match (&tokenizer, args.ignore_eos) {
         (Some(t), false) => t.eos.into_iter().collect(),
         _ => Vec::new(),
@@ -84,7 +120,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         sampling,
         stop,
     };
-    let mut session = Session::new(args.device.open(&model)?);
+    let mut session = Session::new(args.engine.open(&model, args.ctx)?);
     if args.profile {
         match session.backend_mut().gpu() {
             Some(g) => {

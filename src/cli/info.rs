@@ -1,6 +1,6 @@
 //! `mamba2 info`: what a model directory holds, before anything runs.
 
-use super::ModelArgs;
+use super::{ModelArgs, check_at_least, note_unused_ctx};
 use clap::Args;
 use mamba2_wgpu::config::{BlockKind, MlpAct};
 
@@ -15,7 +15,11 @@ pub struct InfoArgs {
 }
 
 pub fn run(args: InfoArgs) -> anyhow::Result<()> {
+    if let Some(ctx) = args.ctx {
+        check_at_least("--ctx", ctx, 1)?;
+    }
     let (model, tokenizer) = args.model.load()?;
+    note_unused_ctx(&model, args.ctx);
     let c = &model.config;
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     println!("model      {}", args.model.name());

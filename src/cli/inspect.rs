@@ -1,8 +1,9 @@
 //! `mamba2 inspect`: the kernel-timing and state inspector window, on a model directory,
 //! the embedded model, or random weights at a preset's real shapes (`--config`).
 
-use anyhow::anyhow;
+use anyhow::{anyhow, bail};
 use clap::Args;
+use mamba2_wgpu::bench::{PRESETS, preset};
 use mamba2_wgpu::ui::{LoadRequest, ModelSource};
 
 use super::{DeviceArgs, ModelArgs};
@@ -11,8 +12,8 @@ use super::{DeviceArgs, ModelArgs};
 pub struct InspectArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Random weights made on the device at a preset's real shapes instead of a model:
-    /// tiny, 130m, 370m, 780m, 1.3b, 2.7b or codestral-7b.
+    /// Random weights made on the device at a preset's real shapes instead of a model
+    /// (the presets of `mamba2 bench`, e.g. tiny, 130m, 2.7b or codestral-7b).
     #[arg(long, value_name = "NAME", conflicts_with = "model")]
     pub config: Option<String>,
     /// Seed of the synthetic weights.
@@ -29,6 +30,13 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
+    // Flags are refused before the window opens; only what needs the model is shown there.
+    if let Some(name) = &args.config
+        && preset(name).is_none()
+    {
+        bail!("--config: unknown `{name}` (one of {})", PRESETS.join(", "));
+    }
+    args.device.check()?;
     let source = match (args.model.model, args.config) {
         (Some(dir), _) => ModelSource::Dir(dir),
         (None, Some(name)) => ModelSource::Preset {
@@ -37,9 +45,8 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         },
         (None, None) => ModelSource::Embedded,
     };
-    let opts = args.device.engine_options();
     let mut req = LoadRequest::new(source, args.device.device);
-    req.format = opts.format;
-    req.fused = opts.fused;
+    req.format = args.device.dtype;
+    req.fused &= !args.device.no_fuse;
     mamba2_wgpu::ui::run_inspector(req, args.prompt, !args.paused).map_err(|e| anyhow!(e))
 }

@@ -11,10 +11,14 @@ mod info;
 mod inspect;
 mod perplexity;
 
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::{Context, anyhow, bail};
 use clap::{Args, Parser, Subcommand};
+use mamba2_wgpu::gpu::context::pick_adapter;
+use mamba2_wgpu::{DeviceChoice, Sampling};
 
 #[derive(Parser)]
 #[command(name = "mamba2", version, about = "Portable Mamba2 inference on wgpu")]
@@ -73,6 +77,18 @@ impl ModelArgs {
         Ok(loaded)
     }
 
+    /// Refuses a model directory without `tokenizer.json` before its weights are read, for
+    /// a command that needs text (`hint` says what to do instead). A directory that does
+    /// not exist is left to `load`, whose message says so.
+    pub fn require_tokenizer(&self, hint: &str) -> anyhow::Result<()> {
+        match &self.model {
+            Some(dir) if dir.is_dir() && !dir.join("tokenizer.json").exists() => {
+                bail!("{} has no tokenizer.json: {hint}", self.name())
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// How to name the model in messages.
     pub fn name(&self) -> String {
         match &self.model {
@@ -82,63 +98,168 @@ impl ModelArgs {
     }
 }
 
-/// Which device runs the model and how its weights are stored there.
+/// Which device runs the model and how its weights are stored there: what every
+/// front-end honors, the windows (`app`, `inspect`) included.
 #[derive(Args, Clone, Debug)]
 pub struct DeviceArgs {
-    /// auto (best GPU, else the CPU reference), cpu, gpu, gpu:INDEX or gpu:NAME.
+    /// auto (a hardware GPU, else the CPU reference; a software adapter such as lavapipe
+    /// only with `gpu`), cpu, gpu, gpu:INDEX or gpu:NAME.
     #[arg(long, default_value = "auto")]
-    pub device: mamba2_wgpu::DeviceChoice,
+    pub device: DeviceChoice,
     /// Storage of the big matrices on the GPU: f32, f16 or q8_0.
     #[arg(long, default_value = "f16")]
     pub dtype: mamba2_wgpu::WeightFormat,
     /// Run the unfused graph (one kernel per op) instead of the fused one (also: MAMBA2_NO_FUSE=1).
     #[arg(long)]
     pub no_fuse: bool,
+}
+
+impl DeviceArgs {
+    /// Resolves an explicit `gpu…` choice now, so that a missing adapter is said before
+    /// a model is read (`auto` and `cpu` always resolve).
+    pub fn check(&self) -> anyhow::Result<()> {
+        check_device("--device", &self.device)
+    }
+}
+
+/// Refuses a `gpu…` choice that names no adapter, naming `flag`.
+pub fn check_device(flag: &str, choice: &DeviceChoice) -> anyhow::Result<()> {
+    if let DeviceChoice::Gpu(which) = choice {
+        let shown = which.as_ref().map_or("gpu".into(), |w| format!("gpu:{w}"));
+        pick_adapter(choice).map_err(|e| anyhow!("{flag} {shown}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// How the command-line runs feed the engine, on top of `DeviceArgs` (the windows do not
+/// take these, so they do not offer them).
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// SSD chunk length of prefill, 8…256 (default: the model config's chunk_size).
     #[arg(long, value_name = "Q")]
     pub chunk_size: Option<usize>,
     /// Feed prompts token by token through the decode graph instead of the chunked prefill.
     #[arg(long)]
     pub prefill_by_decode: bool,
-    /// Hybrid models: tokens the attention layers' KV caches hold (default: the config's
-    /// max_position_embeddings, capped by what the adapter can bind).
-    #[arg(long, value_name = "N")]
-    pub ctx: Option<usize>,
     /// Hybrid models: how the KV caches store K and V on the GPU, f16 or f32.
     #[arg(long, default_value = "f16")]
     pub kv: mamba2_wgpu::gpu::state_store::KvFormat,
 }
 
-impl DeviceArgs {
-    pub fn engine_options(&self) -> mamba2_wgpu::EngineOptions {
+impl EngineArgs {
+    /// Every flag that can be judged without the model.
+    pub fn check(&self) -> anyhow::Result<()> {
+        check_chunk_size(self.chunk_size)?;
+        self.device.check()
+    }
+
+    /// The engine options, with `context` tokens in the KV caches of hybrids (`None`: the
+    /// config's, capped by the adapter).
+    pub fn engine_options(&self, context: Option<usize>) -> mamba2_wgpu::EngineOptions {
         let mut o = mamba2_wgpu::EngineOptions {
-            format: self.dtype,
+            format: self.device.dtype,
             chunk_size: self.chunk_size,
-            context: self.ctx,
+            context,
             kv: self.kv,
             ..Default::default()
         };
         if self.prefill_by_decode {
             o.prefill = mamba2_wgpu::gpu::engine::PrefillMode::Decode;
         }
-        if self.no_fuse {
+        if self.device.no_fuse {
             o.fused = false;
         }
         o
     }
 
-    /// The backend for a loaded model, printing a one-line notice on a CPU fallback.
+    /// The backend for a loaded model, printing one-line notices (a CPU fallback, a capped
+    /// KV cache).
     pub fn open(
         &self,
         model: &mamba2_wgpu::Model,
+        context: Option<usize>,
     ) -> anyhow::Result<Box<dyn mamba2_wgpu::Backend>> {
         Ok(mamba2_wgpu::open_backend(
             model,
-            &self.device,
-            self.engine_options(),
+            &self.device.device,
+            self.engine_options(context),
             &mut |n| eprintln!("note: {n}"),
         )?)
     }
+}
+
+/// The SSD chunk lengths the engine runs (`EngineOptions::chunk_for`, which checks the
+/// same range once the model's default is known).
+const CHUNK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
+
+/// Refuses a `--chunk-size` the engine would refuse, before the model is read.
+pub fn check_chunk_size(q: Option<usize>) -> anyhow::Result<()> {
+    match q {
+        Some(q) if !CHUNK_SIZES.contains(&q) => bail!(
+            "--chunk-size: must be in {}…{}, found {q}",
+            CHUNK_SIZES.start(),
+            CHUNK_SIZES.end()
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a count below `min`, naming the flag.
+pub fn check_at_least(flag: &str, value: usize, min: usize) -> anyhow::Result<()> {
+    if value < min {
+        bail!("{flag}: must be at least {min}, found {value}");
+    }
+    Ok(())
+}
+
+/// Refuses sampling values that have no meaning, naming the flag.
+pub fn check_sampling(s: &Sampling) -> anyhow::Result<()> {
+    match s.problem() {
+        Some((option, why)) => bail!("--{option}: {why}"),
+        None => Ok(()),
+    }
+}
+
+/// A note when `--ctx` was given for a model whose state does not grow with the context
+/// (no attention layers): the flag has nothing to size.
+pub fn note_unused_ctx(model: &mamba2_wgpu::Model, ctx: Option<usize>) {
+    let attention = model
+        .config
+        .count(mamba2_wgpu::config::BlockKind::Attention);
+    if ctx.is_some() && attention == 0 {
+        eprintln!(
+            "note: --ctx has no effect: the model has no attention layers (its state has a fixed size)"
+        );
+    }
+}
+
+/// The UTF-8 text a flag names: `-` is stdin, anything else must be a regular file
+/// (`/dev/zero` or a FIFO would be read forever). At most `MAX_TEXT_BYTES` either way.
+pub fn read_text_arg(flag: &str, path: &Path) -> anyhow::Result<String> {
+    use mamba2_wgpu::files::{MAX_TEXT_BYTES, human_bytes, read_text};
+    if path != Path::new("-") {
+        return read_text(path, MAX_TEXT_BYTES).with_context(|| flag.to_string());
+    }
+    let mut bytes = Vec::new();
+    std::io::stdin()
+        .lock()
+        .take(MAX_TEXT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("{flag} -: reading stdin"))?;
+    if bytes.len() as u64 > MAX_TEXT_BYTES {
+        bail!(
+            "{flag} -: stdin holds more than the {} this reads",
+            human_bytes(MAX_TEXT_BYTES)
+        );
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow!(
+            "{flag} -: stdin is not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 pub fn run() -> ExitCode {

@@ -7,30 +7,36 @@ use clap::Args;
 use mamba2_wgpu::Session;
 use mamba2_wgpu::perplexity::perplexity;
 
-use super::{DeviceArgs, ModelArgs};
+use super::{EngineArgs, ModelArgs, check_at_least, read_text_arg};
 
 #[derive(Args)]
 pub struct PerplexityArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
-    device: DeviceArgs,
-    /// The text to score (UTF-8), tokenized as one string without special tokens.
+    engine: EngineArgs,
+    /// The text to score (UTF-8, at most 256 MiB; `-` reads stdin), tokenized as one string
+    /// without special tokens.
     #[arg(long, short = 'f', value_name = "TEXT")]
     file: PathBuf,
-    /// Tokens per window; each window starts from a fresh state.
+    /// Tokens per window; each window starts from a fresh state (hybrids: the KV caches
+    /// hold one window).
     #[arg(long, default_value_t = 256)]
     ctx: usize,
 }
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
+    // Every flag and the text itself before the model is read.
+    check_at_least("--ctx", args.ctx, 2)?;
+    args.engine.check()?;
+    args.model.require_tokenizer("perplexity scores text")?;
+    let text = read_text_arg("--file", &args.file)?;
     let (model, tokenizer) = args.model.load()?;
     let tokenizer =
         tokenizer.with_context(|| format!("{} has no tokenizer.json", args.model.name()))?;
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("reading {}", args.file.display()))?;
     let tokens = tokenizer.encode_with(&text, false)?;
-    let mut session = Session::new(args.device.open(&model)?);
+    // A window never holds more than --ctx tokens, so that is all the KV caches need.
+    let mut session = Session::new(args.engine.open(&model, Some(args.ctx))?);
     let bar = mamba2_wgpu::progress::bar(
         tokens.len() as u64 * model.config.d_model as u64 * 1000,
         "scoring",

@@ -15,9 +15,10 @@ use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode};
 use crate::gpu::graph::{Ctrl, Tail};
 use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
 use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
-use crate::gpu::state_store::DeviceSnapshot;
+use crate::gpu::state_store::{DeviceSnapshot, KvFormat};
 use crate::sampling::{Sampling, seed_key};
-use crate::session::Backend;
+use crate::session::{Backend, nonfinite_row};
+use crate::state::LayerState;
 
 /// Tokens in flight in the decode loop.
 pub const RING: usize = 3;
@@ -91,13 +92,43 @@ impl GpuBackend {
             stop_ids,
             seed_key: seed_key(sampling.seed),
             temperature: sampling.temperature,
-            top_k: sampling.top_k as u32,
+            // More than u32::MAX candidates means "all of them", as does any k ≥ vocab.
+            top_k: sampling.top_k.min(u32::MAX as usize) as u32,
             top_p: sampling.top_p,
             cursor: 0,
             prompt_len: 0,
             kv_len: self.engine.len as u32,
-            pad: 0,
+            nonfinite: 0,
         })
+    }
+
+    /// The error for non-finite logits at position `pos`, naming the layer at fault from
+    /// the state read back (only done once the sampler has flagged it: never per token).
+    fn nonfinite_error(&self, pos: u64) -> Error {
+        let state = match self.engine.read_state() {
+            Ok(s) => s,
+            Err(e) => return e,
+        };
+        let mut e = state.nonfinite_logits_error(pos);
+        // An Inf in a KV cache is most likely an f16 overflow.
+        let kv_overflow = state.first_nonfinite().is_some_and(|b| {
+            b.value.is_infinite() && matches!(state.layers[b.layer], LayerState::Attention { .. })
+        });
+        if let (Error::NonFinite(m), true, KvFormat::F16) =
+            (&mut e, kv_overflow, self.engine.state.kv)
+        {
+            m.push_str(" (the KV cache holds f16, which ends at ±65504: try --kv f32)");
+        }
+        e
+    }
+
+    /// An error naming the layer at fault when a row of `logits` (the first at position
+    /// `pos0`) holds a NaN or ±Inf.
+    fn check_logits(&self, logits: &[Vec<f32>], pos0: u64) -> Result<()> {
+        match nonfinite_row(logits) {
+            Some(i) => Err(self.nonfinite_error(pos0 + i as u64)),
+            None => Ok(()),
+        }
     }
 
     /// Feeds `tokens` window by window through the decode graph; the last token gets
@@ -353,6 +384,23 @@ fn recv(rx: MapResult) -> Result<()> {
         .map_err(|e| Error::Gpu(format!("buffer map failed: {e}")))
 }
 
+impl GpuBackend {
+    /// Where ids enter the device: the embedding gather reads row `id` unchecked, so an id
+    /// past the vocabulary must stop here (as `CpuModel::forward` does on the CPU).
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.engine.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(Error::InvalidInput("no tokens to feed".into()));
+        }
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(Error::InvalidInput(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Backend for GpuBackend {
     fn config(&self) -> &ModelConfig {
         &self.engine.config
@@ -376,22 +424,30 @@ impl Backend for GpuBackend {
     }
 
     fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
+        self.check_tokens(tokens)?;
         let tail = Tail::sampling(sampling);
         let ctrl = self.ctrl(tokens[0], pos, sampling, &[])?;
         match self.engine.prefill_mode {
             PrefillMode::Decode => self.feed(tokens, ctrl, tail, None)?,
             PrefillMode::Chunked => self.prefill_chunked(tokens, ctrl, Some(tail), None)?,
         }
-        Ok(self.engine.read_ctrl()?.token)
+        let c = self.engine.read_ctrl()?;
+        if c.nonfinite != 0 {
+            return Err(self.nonfinite_error(self.engine.len as u64));
+        }
+        Ok(c.token)
     }
 
     fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.check_tokens(tokens)?;
         let ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
+        let first = self.engine.len as u64 + 1;
         let mut out = Vec::with_capacity(tokens.len());
         match self.engine.prefill_mode {
             PrefillMode::Decode => self.feed(tokens, ctrl, Tail::FeedLogits, Some(&mut out))?,
             PrefillMode::Chunked => self.prefill_chunked(tokens, ctrl, None, Some(&mut out))?,
         }
+        self.check_logits(&out, first)?;
         Ok(out)
     }
 
@@ -404,6 +460,7 @@ impl Backend for GpuBackend {
         stop: &[u32],
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
+        self.check_tokens(&[first])?;
         let tail = Tail::sampling(sampling);
         // Each step feeds one token into the KV caches: stop where they are full.
         self.engine.check_room(1)?;
@@ -417,6 +474,10 @@ impl Backend for GpuBackend {
         let mut inflight: VecDeque<(usize, wgpu::SubmissionIndex, MapResult)> = VecDeque::new();
         let (mut sampled, mut submitted) = (0usize, 0usize);
         let mut done = false;
+        // The position of the first step whose logits the sampler flagged as non-finite;
+        // the steps still in flight are drained (their ring buffers unmapped) before the
+        // error is returned.
+        let mut fault: Option<u64> = None;
         while !(done || submitted == max_new) || !inflight.is_empty() {
             if !done && submitted < max_new && inflight.len() < RING {
                 let slot = submitted % RING;
@@ -435,6 +496,14 @@ impl Backend for GpuBackend {
             let c = self.read_slot(slot, index, rx)?;
             // The device counts the tokens it fed (a stopped step feeds none).
             self.engine.len = c.kv_len as usize;
+            if fault.is_some() {
+                continue;
+            }
+            if c.nonfinite != 0 {
+                fault = Some(c.kv_len as u64);
+                done = true;
+                continue;
+            }
             if done && c.stopped != 0 {
                 continue; // a no-op step after the stop token
             }
@@ -443,6 +512,9 @@ impl Backend for GpuBackend {
             if c.stopped != 0 || !go {
                 done = true;
             }
+        }
+        if let Some(pos) = fault {
+            return Err(self.nonfinite_error(pos));
         }
         Ok(sampled)
     }

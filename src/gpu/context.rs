@@ -9,13 +9,16 @@ use crate::error::{Error, Result};
 /// Which device runs the model.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum DeviceChoice {
-    /// The best adapter, or the CPU reference when there is none.
+    /// The best hardware adapter (discrete, integrated, virtual), else the CPU reference.
+    /// A software rasterizer (lavapipe/llvmpipe, SwiftShader, WARP) is never chosen here:
+    /// it runs on the same cores as the CPU reference, through Vulkan, and is an order of
+    /// magnitude slower on small models. `Gpu(None)` still picks it.
     #[default]
     Auto,
     /// The CPU reference.
     Cpu,
-    /// A GPU adapter: the best one, or the one whose index (in `mamba2 devices`) or name
-    /// (case-insensitive substring) is given.
+    /// A GPU adapter: the best one (software ones included), or the one whose index (in
+    /// `mamba2 devices`) or name (case-insensitive substring) is given.
     Gpu(Option<String>),
 }
 
@@ -75,6 +78,10 @@ pub struct GpuContext {
 fn instance() -> wgpu::Instance {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
     desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
+    // A buffer that would take the device past 95% of the memory budget the driver reports
+    // (Vulkan's VK_EXT_memory_budget, DX12) fails as out-of-memory — an error naming the
+    // buffer and the model's footprint — instead of oversubscribing until the device is lost.
+    desc.memory_budget_thresholds.for_resource_creation = Some(95);
     wgpu::Instance::new(desc)
 }
 
@@ -96,7 +103,33 @@ fn rank(t: wgpu::DeviceType) -> u32 {
     }
 }
 
-/// The adapter a choice names; `Ok(None)` when the choice is `Auto` and there is none.
+/// Whether an adapter rasterizes in software on the CPU. The device type says so for
+/// lavapipe and WARP; the names catch a driver that reports `Other`.
+pub fn is_software(info: &wgpu::AdapterInfo) -> bool {
+    const NAMES: [&str; 5] = [
+        "llvmpipe",
+        "lavapipe",
+        "swiftshader",
+        "softpipe",
+        "microsoft basic render",
+    ];
+    let name = info.name.to_lowercase();
+    info.device_type == wgpu::DeviceType::Cpu || NAMES.iter().any(|n| name.contains(n))
+}
+
+/// The names of the software adapters (what `Auto` passes over), for the one-line notice
+/// of a CPU fallback.
+pub fn software_adapters() -> Vec<String> {
+    adapters()
+        .iter()
+        .map(|a| a.get_info())
+        .filter(is_software)
+        .map(|i| i.name)
+        .collect()
+}
+
+/// The adapter a choice names; `Ok(None)` for `Cpu`, and for `Auto` when there is no
+/// hardware adapter (software ones are only taken when asked for with `Gpu`).
 pub fn pick_adapter(choice: &DeviceChoice) -> Result<Option<wgpu::Adapter>> {
     let mut all = adapters();
     let listing = || {
@@ -113,12 +146,20 @@ pub fn pick_adapter(choice: &DeviceChoice) -> Result<Option<wgpu::Adapter>> {
     };
     match choice {
         DeviceChoice::Cpu => Ok(None),
-        DeviceChoice::Auto | DeviceChoice::Gpu(None) => {
+        DeviceChoice::Auto => {
+            all.retain(|a| !is_software(&a.get_info()));
             all.sort_by_key(|a| rank(a.get_info().device_type));
-            match (all.into_iter().next(), choice) {
-                (Some(a), _) => Ok(Some(a)),
-                (None, DeviceChoice::Auto) => Ok(None),
-                (None, _) => Err(Error::Gpu(
+            Ok(all.into_iter().next())
+        }
+        DeviceChoice::Gpu(None) => {
+            // Hardware first, then software (a stable sort keeps enumeration order within).
+            all.sort_by_key(|a| {
+                let info = a.get_info();
+                (is_software(&info), rank(info.device_type))
+            });
+            match all.into_iter().next() {
+                Some(a) => Ok(Some(a)),
+                None => Err(Error::Gpu(
                     "no GPU adapter found (install a Vulkan driver, e.g. mesa-vulkan-drivers, or use --device cpu)".into(),
                 )),
             }

@@ -8,7 +8,7 @@ use crate::config::{BlockKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::weights::DeviceMatrix;
-use crate::model::quant::{Packed, WeightFormat, pack};
+use crate::model::quant::{Packed, WeightFormat, finite_f32, map_finite, pack_checked, unfit};
 use crate::model::{MixerWeights, Model};
 
 /// Offsets (in f32) of the small tensors inside a Mamba2 layer's parameter buffer:
@@ -120,15 +120,25 @@ impl DeviceWeights {
         let w = &model.weights;
         let total: u64 = w.all().iter().map(|t| t.numel() as u64).sum();
         let bar = crate::progress::bar(total, "uploading weights");
+        // Every value is checked for NaN/±Inf as it is converted, and for what `format`
+        // cannot hold as it is packed; an error names the checkpoint's tensor.
         let upload = |name: &str, parts: &[&crate::model::Tensor]| -> Result<DeviceMatrix> {
             let cols = parts[0].shape[1];
             let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
             let mut values = Vec::with_capacity(rows * cols);
+            let mut starts = Vec::with_capacity(parts.len());
             for t in parts {
-                values.extend(t.to_f32());
+                starts.push(values.len() / cols);
+                values.extend(finite_f32(t)?);
                 bar.inc(t.numel() as u64);
             }
-            DeviceMatrix::upload(ctx, name, &pack_parallel(format, &values, rows, cols))
+            let packed = pack_parallel(format, &values, rows, cols).map_err(|i| {
+                // Name the part (of a stacked matrix) holding the value.
+                let (r, c) = (i / cols, i % cols);
+                let p = starts.iter().rposition(|&s| s <= r).unwrap_or(0);
+                unfit(&parts[p].name, format, values[i], r - starts[p], c, cols)
+            })?;
+            DeviceMatrix::upload(ctx, name, &packed)
         };
         let embedding = upload("embedding", &[&w.embedding])?;
         let lm_head = w
@@ -143,16 +153,16 @@ impl DeviceWeights {
             let mut params = Vec::new();
             let mixer = match &l.mixer {
                 MixerWeights::Mamba2(m) => {
-                    params.extend(m.conv_weight.to_f32());
+                    params.extend(finite_f32(&m.conv_weight)?);
                     match &m.conv_bias {
-                        Some(b) => params.extend(b.to_f32()),
+                        Some(b) => params.extend(finite_f32(b)?),
                         None => params.extend(std::iter::repeat_n(0.0, c.conv_dim())),
                     }
-                    params.extend(m.dt_bias.to_f32());
-                    params.extend(m.a_log.to_f32().into_iter().map(|a| -a.exp()));
-                    params.extend(m.d_skip.to_f32());
-                    params.extend(l.norm.to_f32());
-                    params.extend(m.mixer_norm.to_f32());
+                    params.extend(finite_f32(&m.dt_bias)?);
+                    params.extend(map_finite(&m.a_log, |a| -a.exp())?);
+                    params.extend(finite_f32(&m.d_skip)?);
+                    params.extend(finite_f32(&l.norm)?);
+                    params.extend(finite_f32(&m.mixer_norm)?);
                     debug_assert_eq!(params.len(), layout.len);
                     DeviceMixer::Mamba2 {
                         in_proj: upload(&name("in_proj"), &[&m.in_proj])?,
@@ -163,24 +173,24 @@ impl DeviceWeights {
                     if a.bias.is_some() {
                         return Err(gpu_unsupported(i, "attention projection biases"));
                     }
-                    params.extend(l.norm.to_f32());
+                    params.extend(finite_f32(&l.norm)?);
                     DeviceMixer::Attention {
                         qkv: upload(&name("qkv_proj"), &[&a.q, &a.k, &a.v])?,
                         o: upload(&name("o_proj"), &[&a.o])?,
                     }
                 }
                 MixerWeights::Mlp(m) => {
-                    params.extend(l.norm.to_f32());
+                    params.extend(finite_f32(&l.norm)?);
                     // Biases in the order of the up rows ([gate | up]), then down's.
                     let bias = match (&m.up_bias, &m.down_bias) {
                         (Some(ub), Some(db)) => {
                             let up_off = params.len();
                             if let Some(gb) = &m.gate_bias {
-                                params.extend(gb.to_f32());
+                                params.extend(finite_f32(gb)?);
                             }
-                            params.extend(ub.to_f32());
+                            params.extend(finite_f32(ub)?);
                             let down_off = params.len();
-                            params.extend(db.to_f32());
+                            params.extend(finite_f32(db)?);
                             Some((up_off, down_off))
                         }
                         _ => None,
@@ -207,8 +217,10 @@ impl DeviceWeights {
             ctx.wait()?;
         }
         bar.finish_and_clear();
-        let final_params =
-            ctx.storage_with("final_norm", bytemuck::cast_slice(&w.final_norm.to_f32()))?;
+        let final_params = ctx.storage_with(
+            "final_norm",
+            bytemuck::cast_slice(&finite_f32(&w.final_norm)?),
+        )?;
         Ok(DeviceWeights {
             embedding,
             lm_head,
@@ -226,19 +238,28 @@ fn gpu_unsupported(layer: usize, what: &str) -> Error {
 }
 
 /// `pack` split by rows over the machine's cores (quantizing 7B weights is otherwise
-/// tens of seconds on one core).
-pub fn pack_parallel(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> Packed {
+/// tens of seconds on one core). `Err(i)`: a value the format cannot store (see
+/// `model::quant::pack_checked`; `unfit` words it).
+pub fn pack_parallel(
+    format: WeightFormat,
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<Packed, usize> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     if threads == 1 || rows * cols < 1 << 20 {
-        return pack(format, values, rows, cols);
+        return pack_checked(format, values, rows, cols);
     }
     let per = rows.div_ceil(threads);
-    let parts: Vec<Packed> = std::thread::scope(|s| {
+    let parts: Vec<std::result::Result<Packed, usize>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..rows)
             .step_by(per)
             .map(|r0| {
                 let r1 = (r0 + per).min(rows);
-                s.spawn(move || pack(format, &values[r0 * cols..r1 * cols], r1 - r0, cols))
+                s.spawn(move || {
+                    pack_checked(format, &values[r0 * cols..r1 * cols], r1 - r0, cols)
+                        .map_err(|i| r0 * cols + i)
+                })
             })
             .collect();
         handles
@@ -255,8 +276,9 @@ pub fn pack_parallel(format: WeightFormat, values: &[f32], rows: usize, cols: us
         scales: Vec::new(),
     };
     for p in parts {
+        let p = p?;
         out.data.extend(p.data);
         out.scales.extend(p.scales);
     }
-    out
+    Ok(out)
 }

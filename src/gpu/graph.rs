@@ -33,7 +33,9 @@ pub struct Ctrl {
     /// Tokens already in the attention layers' KV caches: the row the token (or the
     /// block's first token) being fed is stored at. `emit`/`advance` move it on.
     pub kv_len: u32,
-    pub pad: u32,
+    /// Set (never cleared) by the sampler (`argmax`/`sample`) when a logit is NaN or ±Inf;
+    /// the host reads it with the token and turns it into an error.
+    pub nonfinite: u32,
 }
 
 /// What ends a token's dispatch list.

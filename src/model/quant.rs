@@ -4,8 +4,16 @@
 //! - q8_0: `kp = ceil(K/32)·32`; 32-weight blocks, `w = d·q` with `d = max|w|/127` stored as
 //!   f16 and `q = round(w/d)` (ggml's rule), int8 packed four per u32; scales in their own
 //!   array, two f16 per u32, block `b` of row `r` at index `r·kp/32 + b`.
+//!
+//! Every weight is checked for NaN and ±Inf on its way to a device, inside the conversion
+//! pass that already touches each value (`finite_f32`, `map_finite`), and a packed matrix
+//! for values its format cannot hold (an f16 weight or q8_0 scale past ±65504:
+//! `pack_checked`).
 
 use half::f16;
+
+use crate::error::{Error, Result};
+use crate::model::{DType, Tensor};
 
 /// How a big matrix is stored on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,11 +74,135 @@ pub struct Packed {
     pub scales: Vec<u8>,
 }
 
+/// `t`'s values as f32, or an error naming the tensor and its first NaN or ±Inf. The check
+/// rides along the conversion from the (mapped) bytes — one `or` per value, no pass of its
+/// own; the bad element is only looked for once one is known to exist. (`Tensor::to_f32`
+/// with the check folded in.)
+pub fn finite_f32(t: &Tensor) -> Result<Vec<f32>> {
+    let b = t.bytes();
+    let (out, bad) = match t.dtype {
+        DType::F32 => checked(b, |c: &[u8; 4]| f32::from_le_bytes(*c)),
+        DType::F16 => checked(b, |c: &[u8; 2]| f16::from_le_bytes(*c).to_f32()),
+        DType::BF16 => checked(b, |c: &[u8; 2]| half::bf16::from_le_bytes(*c).to_f32()),
+    };
+    if bad {
+        return Err(nonfinite_weight(t));
+    }
+    Ok(out)
+}
+
+/// `N`-byte values of `bytes` converted by `conv`, and whether any is not finite: one loop
+/// with the flag in a register (it vectorizes as the plain conversion does).
+fn checked<const N: usize>(bytes: &[u8], conv: impl Fn(&[u8; N]) -> f32) -> (Vec<f32>, bool) {
+    let mut bad = false;
+    let out = bytes
+        .as_chunks::<N>()
+        .0
+        .iter()
+        .map(|c| {
+            let v = conv(c);
+            bad |= !v.is_finite();
+            v
+        })
+        .collect();
+    (out, bad)
+}
+
+/// `finite_f32` mapped by `f` (in place when `U` is f32).
+pub fn map_finite<U>(t: &Tensor, f: impl FnMut(f32) -> U) -> Result<Vec<U>> {
+    Ok(finite_f32(t)?.into_iter().map(f).collect())
+}
+
+/// The error for a tensor known to hold a NaN or ±Inf: names it and the first such element.
+fn nonfinite_weight(t: &Tensor) -> Error {
+    let values = t.to_f32();
+    let Some(i) = values.iter().position(|v| !v.is_finite()) else {
+        return Error::tensor(&t.name, "holds a non-finite value (NaN or ±Inf)");
+    };
+    Error::tensor(
+        &t.name,
+        format!(
+            "holds a non-finite value ({}) at element {i}{}: the checkpoint is corrupt or \
+             was saved from a diverged run",
+            values[i],
+            element_index(&t.shape, i)
+        ),
+    )
+}
+
+/// ` (index [a, b, …])` of flat element `i` in `shape`, for shapes of two or more axes.
+fn element_index(shape: &[usize], mut i: usize) -> String {
+    if shape.len() < 2 {
+        return String::new();
+    }
+    let mut idx = vec![0; shape.len()];
+    for (slot, &n) in idx.iter_mut().zip(shape).rev() {
+        *slot = i % n.max(1);
+        i /= n.max(1);
+    }
+    let idx: Vec<String> = idx.iter().map(usize::to_string).collect();
+    format!(" (index [{}])", idx.join(", "))
+}
+
 /// Converts a row-major `[rows, cols]` f32 matrix to `format`'s device layout.
 pub fn pack(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> Packed {
+    pack_rows(format, values, rows, cols).0
+}
+
+/// `pack`, or `Err(i)` when value `i` does not fit `format`: an f16 weight past ±65504,
+/// or the largest |w| of a q8_0 block whose f16 scale `amax/127` overflows (`unfit` words
+/// it). NaN and ±Inf inputs are `map_finite`'s to catch.
+pub fn pack_checked(
+    format: WeightFormat,
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<Packed, usize> {
+    match pack_rows(format, values, rows, cols) {
+        (p, None) => Ok(p),
+        (_, Some(i)) => Err(i),
+    }
+}
+
+/// The error for `value`, at `[r, c]` of the `cols`-column tensor `name`, not fitting
+/// `format` (see `pack_checked`).
+pub fn unfit(
+    name: &str,
+    format: WeightFormat,
+    value: f32,
+    r: usize,
+    c: usize,
+    cols: usize,
+) -> Error {
+    let what = match format {
+        WeightFormat::Q8_0 => format!(
+            "the q8_0 block of row {r} at columns {}…{} has max |w| = {}, past what its f16 \
+             scale holds (127·65504): use --dtype f32",
+            c / 32 * 32,
+            (c / 32 * 32 + 31).min(cols.saturating_sub(1)),
+            value.abs()
+        ),
+        _ => format!(
+            "the value {value} at index [{r}, {c}] is past {}'s range (±65504): use --dtype f32",
+            format.name()
+        ),
+    };
+    Error::tensor(name, what)
+}
+
+/// `pack`, and the index in `values` of the first value whose stored form is not finite
+/// (f16 overflow; for q8_0 the largest |w| of a block whose scale overflows). The check is
+/// folded into the conversion loop and costs nothing for f32.
+fn pack_rows(
+    format: WeightFormat,
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+) -> (Packed, Option<usize>) {
     assert_eq!(values.len(), rows * cols, "matrix data and shape disagree");
     let kp = format.padded_cols(cols);
     let row = |r: usize| &values[r * cols..(r + 1) * cols];
+    let mut overflow = None;
     let (data, scales) = match format {
         WeightFormat::F32 => {
             let mut out = vec![0f32; rows * kp];
@@ -81,10 +213,15 @@ pub fn pack(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> P
         }
         WeightFormat::F16 => {
             let mut out = vec![f16::ZERO; rows * kp];
+            let mut bad = false;
             for r in 0..rows {
                 for (o, &v) in out[r * kp..].iter_mut().zip(row(r)) {
                     *o = f16::from_f32(v);
+                    bad |= o.to_bits() & 0x7c00 == 0x7c00;
                 }
+            }
+            if bad {
+                overflow = values.iter().position(|v| !f16::from_f32(*v).is_finite());
             }
             (bytemuck::cast_slice(&out).to_vec(), Vec::new())
         }
@@ -102,20 +239,29 @@ pub fn pack(format: WeightFormat, values: &[f32], rows: usize, cols: usize) -> P
                     q[r * kp + b * 32..r * kp + b * 32 + 32].copy_from_slice(&qs);
                 }
             }
+            // A scale that overflowed f16 (one value per block: a cheap look afterwards).
+            if let Some(i) = d.iter().position(|s| !s.is_finite()) {
+                let (r, b) = (i / (kp / 32), i % (kp / 32));
+                let block = &row(r)[b * 32..((b + 1) * 32).min(cols)];
+                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let j = block.iter().position(|v| v.abs() == amax).unwrap_or(0);
+                overflow = Some(r * cols + b * 32 + j);
+            }
             (
                 bytemuck::cast_slice(&q).to_vec(),
                 bytemuck::cast_slice(&d).to_vec(),
             )
         }
     };
-    Packed {
+    let p = Packed {
         format,
         rows,
         cols,
         kp,
         data,
         scales,
-    }
+    };
+    (p, overflow)
 }
 
 /// ggml's q8_0 block rule: `d = amax/127`, `q = round(w/d)`, `d` stored as f16.
@@ -230,5 +376,44 @@ mod tests {
         assert_eq!((q[3], q[7], q[0]), (-127, 64, 0));
         let (q, d) = quantize_activation_block(&[0.0; 32]);
         assert_eq!((q, d), ([0; 32], 0.0));
+    }
+
+    #[test]
+    fn weights_are_checked_for_nonfinite_values_and_format_overflow() {
+        let mut vals = vec![0.5f32; 2 * 40];
+        let t = Tensor::from_f32("w", vec![2, 40], &vals);
+        assert_eq!(finite_f32(&t).unwrap(), vals);
+        vals[45] = f32::NEG_INFINITY;
+        let e = finite_f32(&Tensor::from_f32("w", vec![2, 40], &vals))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(
+                "tensor `w`: holds a non-finite value (-inf) at element 45 (index [1, 5])"
+            ),
+            "{e}"
+        );
+        let h = [f16::ONE, f16::NAN];
+        let e = map_finite(&Tensor::from_f16("h", vec![2], &h), f64::from)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("tensor `h`: holds a non-finite value (NaN) at element 1:"),
+            "{e}"
+        );
+        vals[45] = 7e4;
+        assert_eq!(
+            pack_checked(WeightFormat::F16, &vals, 2, 40).err(),
+            Some(45)
+        );
+        assert!(pack_checked(WeightFormat::Q8_0, &vals, 2, 40).is_ok());
+        assert!(pack_checked(WeightFormat::F32, &vals, 2, 40).is_ok());
+        vals[45] = -1e10;
+        assert_eq!(
+            pack_checked(WeightFormat::Q8_0, &vals, 2, 40).err(),
+            Some(45)
+        );
+        let e = unfit("w", WeightFormat::Q8_0, vals[45], 1, 5, 40).to_string();
+        assert!(e.contains("the q8_0 block of row 1 at columns 0…31"), "{e}");
     }
 }

@@ -170,8 +170,8 @@ impl TensorStore {
         let single = ["model.safetensors", "consolidated.safetensors"]
             .into_iter()
             .map(|f| dir.join(f))
-            .find(|p| p.is_file());
-        let files: Vec<PathBuf> = if index.is_file() {
+            .find(|p| p.exists());
+        let files: Vec<PathBuf> = if index.exists() {
             shard_files(&index)?
         } else if let Some(file) = single {
             vec![file]
@@ -211,7 +211,7 @@ impl TensorStore {
     }
 
     fn add_file(&mut self, path: &Path) -> Result<()> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let file: File = crate::files::open_regular(path)?;
         // SAFETY: the mapping is read-only; a checkpoint rewritten while we run is the
         // user's hazard, as with every mmap-based loader (candle, llama.cpp).
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
@@ -219,6 +219,21 @@ impl TensorStore {
     }
 
     fn add_bytes(&mut self, path: &Path, bytes: Bytes) -> Result<()> {
+        // Look at the header before the crate does: it reads it into a map, which merges a
+        // repeated name silently (and then blames the survivor's offsets), some of its
+        // errors do not name the tensor, and it adds offsets without checking (an end near
+        // 2^64 overflows there).
+        if let Some(header) = header_text(bytes.as_slice()) {
+            if let Some(name) = first_duplicate_key(header) {
+                return Err(Error::tensor(
+                    name,
+                    format!("appears twice in the header of {}", path.display()),
+                ));
+            }
+            if let Some((name, why)) = first_bad_tensor(header, bytes.as_slice().len()) {
+                return Err(Error::tensor(name, format!("{}: {why}", path.display())));
+            }
+        }
         let (header_len, metadata) = SafeTensors::read_metadata(bytes.as_slice()).map_err(|e| {
             Error::format(
                 path,
@@ -273,7 +288,7 @@ impl TensorStore {
 
 /// The distinct shard files named by an index's `weight_map`, in order.
 fn shard_files(index: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+    let text = crate::files::read_text(index, crate::files::MAX_JSON_BYTES)?;
     let value: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| Error::format(index, format!("not valid JSON: {e}")))?;
     let map = value
@@ -292,13 +307,116 @@ fn shard_files(index: &Path) -> Result<Vec<PathBuf>> {
             field: format!("weight_map.{name}"),
             message: "expected a file name".into(),
         })?;
-        let path = dir.join(file);
+        let path = crate::files::confined(dir, file).map_err(|why| Error::Config {
+            path: index.to_path_buf(),
+            field: format!("weight_map.{name}"),
+            message: format!("the shard {why}"),
+        })?;
         if !files.contains(&path) {
             files.push(path);
         }
     }
     files.sort();
     Ok(files)
+}
+
+/// The header JSON of a safetensors buffer, if its length prefix and UTF-8 are sound.
+fn header_text(buffer: &[u8]) -> Option<&str> {
+    // The crate refuses headers over 100 MB; do not parse more than it would.
+    const MAX_HEADER: u64 = 100_000_000;
+    let len = u64::from_le_bytes(buffer.get(..8)?.try_into().ok()?);
+    if len > MAX_HEADER {
+        return None;
+    }
+    let end = usize::try_from(len).ok()?.checked_add(8)?;
+    std::str::from_utf8(buffer.get(8..end)?).ok()
+}
+
+/// The first key that appears twice at the top level of a JSON object.
+fn first_duplicate_key(json: &str) -> Option<String> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct Keys;
+    impl<'de> Visitor<'de> for Keys {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            let mut first = None;
+            // Read to the end even after a hit: serde_json checks that the map was consumed.
+            while let Some(key) = map.next_key::<String>()? {
+                map.next_value::<IgnoredAny>()?;
+                if first.is_none() && !seen.insert(key.clone()) {
+                    first = Some(key);
+                }
+            }
+            Ok(first)
+        }
+    }
+    serde_json::Deserializer::from_str(json)
+        .deserialize_map(Keys)
+        .ok()
+        .flatten()
+}
+
+/// Which tensor makes a header invalid, and why, for the errors of the safetensors crate
+/// that do not name it: a dtype, shape or offset pair that does not add up.
+fn first_bad_tensor(json: &str, file_len: usize) -> Option<(String, String)> {
+    let serde_json::Value::Object(map) = serde_json::from_str(json).ok()? else {
+        return None;
+    };
+    let data_len = file_len.checked_sub(8 + json.len())?;
+    for (name, info) in map.iter().filter(|(k, _)| *k != "__metadata__") {
+        let bad = |why: String| Some((name.clone(), why));
+        let Some(dtype) = info.get("dtype").and_then(|d| d.as_str()) else {
+            return bad("has no dtype".into());
+        };
+        let bits: usize = match dtype {
+            "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+            "I16" | "U16" | "F16" | "BF16" => 16,
+            "I32" | "U32" | "F32" => 32,
+            "I64" | "U64" | "F64" => 64,
+            _ => continue,
+        };
+        let shape: Option<Vec<usize>> = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|v| v.as_u64()?.try_into().ok()).collect());
+        let Some(shape) = shape else {
+            return bad("has no valid shape".into());
+        };
+        let offsets: Option<Vec<usize>> = info
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|v| v.as_u64()?.try_into().ok()).collect());
+        let Some([start, end]) = offsets
+            .as_deref()
+            .and_then(|o| <[usize; 2]>::try_from(o).ok())
+        else {
+            return bad("has no valid data_offsets".into());
+        };
+        let bytes = shape
+            .iter()
+            .try_fold(bits, |a, &n| a.checked_mul(n))
+            .map(|b| b / 8);
+        let Some(bytes) = bytes else {
+            return bad(format!("shape {shape:?} is too large to address"));
+        };
+        if end < start || end > data_len {
+            return bad(format!(
+                "data_offsets [{start}, {end}] fall outside the {data_len} data bytes"
+            ));
+        }
+        if end - start != bytes {
+            return bad(format!(
+                "shape {shape:?} of {dtype} needs {bytes} bytes, but data_offsets [{start}, {end}] \
+                 hold {}",
+                end - start
+            ));
+        }
+    }
+    None
 }
 
 /// Writes tensors to one safetensors file (f32/f16/bf16 kept as they are).

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod math;
 pub mod model;
+pub mod moe;
 pub mod ssd;
 
 pub use math::Real;

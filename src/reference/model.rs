@@ -7,6 +7,7 @@ use super::math::{Real, gated_group_rmsnorm, matmul, rmsnorm, silu, softplus};
 use super::ssd::{ScanDims, ScanInputs, scan_chunked, scan_sequential};
 use crate::config::{AttentionConfig, MlpAct, MlpConfig, ModelConfig};
 use crate::error::{Error, Result};
+use crate::model::quant::map_finite;
 use crate::model::{MambaWeights, MixerWeights, ModelWeights, Tensor};
 pub use crate::state::{LayerState, State};
 
@@ -79,58 +80,69 @@ pub struct CpuModel<T> {
     lm_head: Option<Vec<T>>,
 }
 
-fn convert<T: Real>(t: &Tensor) -> Vec<T> {
-    t.to_f32().into_iter().map(T::of_f32).collect()
+/// `t` in `T`, or an error naming it if it holds a NaN or ±Inf (checked in the same pass).
+fn convert<T: Real>(t: &Tensor) -> Result<Vec<T>> {
+    map_finite(t, T::of_f32)
+}
+
+/// `convert` of an optional tensor.
+fn convert_opt<T: Real>(t: Option<&Tensor>) -> Result<Option<Vec<T>>> {
+    t.map(convert).transpose()
 }
 
 impl<T: Real> CpuModel<T> {
-    /// Converts every weight to `T` (the memory cost is the model at `T`'s width).
-    pub fn new(config: &ModelConfig, weights: &ModelWeights) -> Self {
+    /// Converts every weight to `T` (the memory cost is the model at `T`'s width). A weight
+    /// holding a NaN or ±Inf is an error naming it.
+    pub fn new(config: &ModelConfig, weights: &ModelWeights) -> Result<Self> {
         let total: u64 = weights.all().iter().map(|t| t.numel() as u64).sum();
         let bar = crate::progress::bar(total, "converting weights");
-        let layers = weights
-            .layers
-            .iter()
-            .inspect(|l| {
-                bar.inc(
-                    l.mixer
-                        .tensors()
-                        .iter()
-                        .map(|t| t.numel() as u64)
-                        .sum::<u64>(),
-                )
-            })
-            .map(|l| Layer {
-                norm: convert(&l.norm),
-                mixer: match &l.mixer {
-                    MixerWeights::Mamba2(m) => Mixer::Mamba2(mamba(config, m)),
-                    MixerWeights::Attention(a) => {
-                        let mut qkv: Vec<T> = convert(&a.q);
-                        qkv.extend(convert::<T>(&a.k));
-                        qkv.extend(convert::<T>(&a.v));
-                        Mixer::Attention(Attention {
-                            qkv,
-                            qkv_bias: a
-                                .bias
-                                .as_ref()
-                                .map(|b| b[..3].iter().flat_map(|t| convert::<T>(t)).collect()),
-                            o: convert(&a.o),
-                            o_bias: a.bias.as_ref().map(|b| convert(&b[3])),
-                        })
-                    }
-                    MixerWeights::Mlp(m) => Mixer::Mlp(Mlp {
-                        up: convert(&m.up),
-                        up_bias: m.up_bias.as_ref().map(convert),
-                        gate: m
-                            .gate
-                            .as_ref()
-                            .map(|g| (convert(g), m.gate_bias.as_ref().map(convert))),
-                        down: convert(&m.down),
-                        down_bias: m.down_bias.as_ref().map(convert),
-                    }),
-                },
-            })
-            .collect();
+        let mut layers = Vec::with_capacity(weights.layers.len());
+        for l in &weights.layers {
+            bar.inc(
+                l.mixer
+                    .tensors()
+                    .iter()
+                    .map(|t| t.numel() as u64)
+                    .sum::<u64>(),
+            );
+            let mixer = match &l.mixer {
+                MixerWeights::Mamba2(m) => Mixer::Mamba2(mamba(config, m)?),
+                MixerWeights::Attention(a) => {
+                    let mut qkv: Vec<T> = convert(&a.q)?;
+                    qkv.extend(convert::<T>(&a.k)?);
+                    qkv.extend(convert::<T>(&a.v)?);
+                    let qkv_bias = match &a.bias {
+                        Some(b) => {
+                            let mut v: Vec<T> = convert(&b[0])?;
+                            v.extend(convert::<T>(&b[1])?);
+                            v.extend(convert::<T>(&b[2])?);
+                            Some(v)
+                        }
+                        None => None,
+                    };
+                    Mixer::Attention(Attention {
+                        qkv,
+                        qkv_bias,
+                        o: convert(&a.o)?,
+                        o_bias: convert_opt(a.bias.as_ref().map(|b| &b[3]))?,
+                    })
+                }
+                MixerWeights::Mlp(m) => Mixer::Mlp(Mlp {
+                    up: convert(&m.up)?,
+                    up_bias: convert_opt(m.up_bias.as_ref())?,
+                    gate: match &m.gate {
+                        Some(g) => Some((convert(g)?, convert_opt(m.gate_bias.as_ref())?)),
+                        None => None,
+                    },
+                    down: convert(&m.down)?,
+                    down_bias: convert_opt(m.down_bias.as_ref())?,
+                }),
+            };
+            layers.push(Layer {
+                norm: convert(&l.norm)?,
+                mixer,
+            });
+        }
         let model = CpuModel {
             config: config.clone(),
             context: if config.attention.is_some() {
@@ -138,13 +150,13 @@ impl<T: Real> CpuModel<T> {
             } else {
                 usize::MAX
             },
-            embedding: convert(&weights.embedding),
+            embedding: convert(&weights.embedding)?,
             layers,
-            final_norm: convert(&weights.final_norm),
-            lm_head: weights.lm_head.as_ref().map(convert),
+            final_norm: convert(&weights.final_norm)?,
+            lm_head: convert_opt(weights.lm_head.as_ref())?,
         };
         bar.finish_and_clear();
-        model
+        Ok(model)
     }
 
     /// A zero state (a fresh sequence).
@@ -169,6 +181,9 @@ impl<T: Real> CpuModel<T> {
     ) -> Result<Vec<Vec<T>>> {
         let c = &self.config;
         let d = c.d_model;
+        if tokens.is_empty() {
+            return Err(Error::InvalidInput("no tokens to feed".into()));
+        }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(Error::InvalidInput(format!(
                 "token id {bad} is outside the vocabulary (size {})",
@@ -319,25 +334,18 @@ impl<T: Real> CpuModel<T> {
 
 /// A Mamba2 mixer's weights in `T` (`A = −exp(A_log)` computed in f32, as every
 /// implementation does, then widened).
-fn mamba<T: Real>(c: &ModelConfig, m: &MambaWeights) -> Mamba<T> {
-    Mamba {
-        in_proj: convert(&m.in_proj),
-        conv_weight: convert(&m.conv_weight),
-        conv_bias: m
-            .conv_bias
-            .as_ref()
-            .map(convert)
+fn mamba<T: Real>(c: &ModelConfig, m: &MambaWeights) -> Result<Mamba<T>> {
+    Ok(Mamba {
+        in_proj: convert(&m.in_proj)?,
+        conv_weight: convert(&m.conv_weight)?,
+        conv_bias: convert_opt(m.conv_bias.as_ref())?
             .unwrap_or_else(|| vec![T::zero(); c.conv_dim()]),
-        dt_bias: convert(&m.dt_bias),
-        a: m.a_log
-            .to_f32()
-            .into_iter()
-            .map(|v| T::of_f32(-v.exp()))
-            .collect(),
-        d_skip: convert(&m.d_skip),
-        mixer_norm: convert(&m.mixer_norm),
-        out_proj: convert(&m.out_proj),
-    }
+        dt_bias: convert(&m.dt_bias)?,
+        a: map_finite(&m.a_log, |v| T::of_f32(-v.exp()))?,
+        d_skip: convert(&m.d_skip)?,
+        mixer_norm: convert(&m.mixer_norm)?,
+        out_proj: convert(&m.out_proj)?,
+    })
 }
 
 /// `W·x + b` for each row of `xs`.

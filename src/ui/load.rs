@@ -414,7 +414,7 @@ fn open_preset(
         // The CPU reference only for shapes it can hold comfortably.
         if config.param_count() > 50_000_000 {
             return Err(format!(
-                "no GPU adapter: synthetic `{name}` ({}) is too large for the CPU reference; use a GPU or --config tiny",
+                "no hardware GPU adapter: synthetic `{name}` ({}) is too large for the CPU reference; use --device gpu (a software adapter counts) or --config tiny",
                 params(config.param_count())
             ));
         }

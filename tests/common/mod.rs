@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use mamba2_wgpu::gpu::context::{DeviceChoice, GpuContext, Needs, pick_adapter};
 
-/// A device on the best adapter (lavapipe in CI). Without one the test is skipped with a
-/// loud message, unless MAMBA2_REQUIRE_GPU is set (CI), where it fails.
+/// A device on the best adapter, software ones included (lavapipe in CI: `Auto` would pass
+/// it over). Without one the test is skipped with a loud message, unless
+/// MAMBA2_REQUIRE_GPU is set (CI), where it fails.
 pub fn gpu(needs: &Needs) -> Option<Arc<GpuContext>> {
-    match pick_adapter(&DeviceChoice::Auto) {
+    match pick_adapter(&DeviceChoice::Gpu(None)) {
         Ok(Some(adapter)) => Some(Arc::new(
             GpuContext::new(adapter, needs).expect("device creation"),
         )),

@@ -1,4 +1,5 @@
-//! `argmax.wgsl`: greedy choice over `logits [V]` into the control block.
+//! `argmax.wgsl`: greedy choice over `logits [V]` into the control block; a NaN or ±Inf
+//! logit sets `ctrl.nonfinite` (the token stays inside the vocabulary).
 
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;

@@ -1,5 +1,6 @@
 //! `sample.wgsl`: seeded temperature / top-k / top-p sampling over `logits [V]` into the
-//! control block (which carries the options); `probs [V]` is scratch.
+//! control block (which carries the options); `probs [V]` is scratch. A NaN or ±Inf logit
+//! sets `ctrl.nonfinite` (the token stays inside the vocabulary).
 
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
