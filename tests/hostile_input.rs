@@ -105,6 +105,27 @@ fn hf_mamba2_config(d: usize, layers: usize, h: usize, v: usize) -> String {
     )
 }
 
+/// An HF `mamba2` model of the given shape whose weights are a hole in a sparse file.
+fn sparse_model(name: &str, d: usize, layers: usize, h: usize, v: usize) -> (PathBuf, Model) {
+    let dir = scratch(name);
+    std::fs::write(dir.join("config.json"), hf_mamba2_config(d, layers, h, v)).unwrap();
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        &hf_mamba2_tensors(d, layers, h, v),
+        None,
+    );
+    let model = Model::load(&dir).expect("the checkpoint itself is valid");
+    (dir, model)
+}
+
+/// The error opening `model` on `device` gives (it must not be admitted).
+fn refusal(model: &Model, device: &DeviceChoice) -> String {
+    match mamba2_wgpu::open_backend(model, device, Default::default(), &mut |_| {}) {
+        Ok(_) => panic!("a model larger than the machine was admitted on {device:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
 // Class 1: sizes from configs go through bounds and checked arithmetic.
 #[test]
 fn config_sizes_that_would_wrap_name_the_field() {
@@ -155,25 +176,9 @@ fn config_sizes_that_would_wrap_name_the_field() {
 fn a_model_larger_than_the_machine_is_refused_with_sizes() {
     // ~420 G parameters: 840 GB of bf16 in a sparse file (no disk used), 1.7 TB as the CPU
     // reference's f32 copies — more than any machine the tests run on.
-    let (d, layers, h, v) = (16384, 256, 512, 65536);
-    let dir = scratch("larger_than_the_machine");
-    std::fs::write(dir.join("config.json"), hf_mamba2_config(d, layers, h, v)).unwrap();
-    write_safetensors(
-        &dir.join("model.safetensors"),
-        &hf_mamba2_tensors(d, layers, h, v),
-        None,
-    );
-    let model = Model::load(&dir).expect("the checkpoint itself is valid");
+    let (dir, model) = sparse_model("larger_than_the_machine", 16384, 256, 512, 65536);
     let start = Instant::now();
-    let e = match mamba2_wgpu::open_backend(
-        &model,
-        &DeviceChoice::Cpu,
-        Default::default(),
-        &mut |_| {},
-    ) {
-        Ok(_) => panic!("a 1.7 TB model was admitted on the CPU"),
-        Err(e) => e.to_string(),
-    };
+    let e = refusal(&model, &DeviceChoice::Cpu);
     assert!(
         e.contains("the model needs 1.")
             && e.contains("(weights 1.")
@@ -197,25 +202,9 @@ fn a_model_larger_than_the_machine_is_refused_with_sizes() {
         return;
     }
     // Every matrix within lavapipe's 128 MiB binding, 4096 layers: 420 GB in f16.
-    let (d, layers, h, v) = (4096, 4096, 64, 8192);
-    let dir = scratch("larger_than_the_device");
-    std::fs::write(dir.join("config.json"), hf_mamba2_config(d, layers, h, v)).unwrap();
-    write_safetensors(
-        &dir.join("model.safetensors"),
-        &hf_mamba2_tensors(d, layers, h, v),
-        None,
-    );
-    let model = Model::load(&dir).expect("the checkpoint itself is valid");
+    let (dir, model) = sparse_model("larger_than_the_device", 4096, 4096, 64, 8192);
     let start = Instant::now();
-    let e = match mamba2_wgpu::open_backend(
-        &model,
-        &DeviceChoice::Gpu(None),
-        Default::default(),
-        &mut |_| {},
-    ) {
-        Ok(_) => panic!("an 840 GB model was admitted on the GPU"),
-        Err(e) => e.to_string(),
-    };
+    let e = refusal(&model, &DeviceChoice::Gpu(None));
     drop(model);
     let _ = std::fs::remove_dir_all(&dir);
     eprintln!("GPU refusal: {e}");
