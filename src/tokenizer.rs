@@ -62,7 +62,7 @@ thread_local! {
 
 /// Runs a call into the `tokenizers` library, turning a panic inside it into an error:
 /// some malformed tokenizer.json files load and then reach out-of-range slices and
-/// `unwrap`s there (found by tests/fuzz.rs). The panic hook stays quiet for such calls,
+/// `unwrap`s there (found by tests/fuzz/). The panic hook stays quiet for such calls,
 /// so the user sees one clean error instead of a panic message.
 fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
