@@ -116,6 +116,21 @@ fn scratch_bytes(c: &ModelConfig) -> u64 {
     4 * (512 * (widest + 2 * c.d_model as u64) + c.vocab_size as u64)
 }
 
+/// The most tokens of KV cache (`per_token` bytes each) that fit in `available` bytes
+/// beside `fixed` (the footprint at context 0); `None` when there is no limit to apply.
+pub fn context_that_fits(
+    fixed: &Footprint,
+    per_token: u64,
+    available: Option<u64>,
+) -> Option<usize> {
+    let have = available?;
+    if per_token == 0 {
+        return None;
+    }
+    let room = have.saturating_sub(fixed.total());
+    Some(usize::try_from(room / per_token).unwrap_or(usize::MAX))
+}
+
 /// Memory the system can still give this process without swapping (Linux: `MemAvailable`
 /// of /proc/meminfo), or `None` where it cannot be known.
 pub fn host_available() -> Option<u64> {
@@ -165,5 +180,14 @@ mod tests {
         );
         assert!(admit(&cpu, 100, None, "host memory", "").is_ok());
         assert!(host_available().is_none_or(|b| b > 0));
+        let fixed = Footprint::cpu(&c, 0);
+        let per = c.kv_bytes_per_token(4) as u64;
+        assert_eq!(
+            context_that_fits(&fixed, per, Some(fixed.total() + 10 * per + 1)),
+            Some(10)
+        );
+        assert_eq!(context_that_fits(&fixed, per, Some(1)), Some(0));
+        assert_eq!(context_that_fits(&fixed, per, None), None);
+        assert_eq!(context_that_fits(&fixed, 0, Some(1)), None);
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::admission::{Footprint, admit, host_available};
+use crate::admission::{Footprint, admit, context_that_fits, host_available};
 use crate::error::{Error, Result};
 use crate::gpu::context::{DeviceChoice, GpuContext, is_software, pick_adapter, software_adapters};
 use crate::gpu::{Engine, EngineOptions, GpuBackend};
@@ -68,11 +68,27 @@ pub fn open_backend(
             if *choice == DeviceChoice::Auto {
                 notice(&auto_fallback_notice(&software_adapters()));
             }
-            let context = if model.config.attention.is_some() {
+            let mut context = if model.config.attention.is_some() {
                 opts.context_for(&model.config, u64::MAX, notice)?
             } else {
                 0
             };
+            // The default context (the model's longest) is capped to what host memory holds,
+            // as the GPU caps it to what a buffer binds; an explicit --ctx is kept (and
+            // refused below if it does not fit).
+            let per_token = model.config.kv_bytes_per_token(4) as u64;
+            let fixed = Footprint::cpu(&model.config, 0);
+            if opts.context.is_none()
+                && let Some(fit) = context_that_fits(&fixed, per_token, host_available())
+                && fit > 0
+                && fit < context
+            {
+                notice(&format!(
+                    "KV caches capped at {fit} tokens (the model allows {context}): that is what \
+                     the available host memory holds beside the weights"
+                ));
+                context = fit;
+            }
             // Checked before the f32 copies of the weights are made.
             admit(
                 &Footprint::cpu(&model.config, context),
