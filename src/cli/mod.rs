@@ -190,17 +190,13 @@ impl EngineArgs {
     }
 }
 
-/// The SSD chunk lengths the engine runs (`EngineOptions::chunk_for`, which checks the
-/// same range once the model's default is known).
-const CHUNK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
-
 /// Refuses a `--chunk-size` the engine would refuse, before the model is read.
 pub fn check_chunk_size(q: Option<usize>) -> anyhow::Result<()> {
     match q {
-        Some(q) if !CHUNK_SIZES.contains(&q) => bail!(
+        Some(q) if !mamba2_wgpu::gpu::engine::CHUNK_SIZES.contains(&q) => bail!(
             "--chunk-size: must be in {}…{}, found {q}",
-            CHUNK_SIZES.start(),
-            CHUNK_SIZES.end()
+            mamba2_wgpu::gpu::engine::CHUNK_SIZES.start(),
+            mamba2_wgpu::gpu::engine::CHUNK_SIZES.end()
         ),
         _ => Ok(()),
     }

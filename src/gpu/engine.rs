@@ -66,6 +66,10 @@ pub enum PrefillMode {
     Decode,
 }
 
+/// The SSD chunk lengths prefill runs; the CLI checks a `--chunk-size` against the same
+/// range before it reads a model.
+pub const CHUNK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
+
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
@@ -126,12 +130,14 @@ impl EngineOptions {
         }
     }
 
-    /// The chunk length for `config`, checked to lie in 8…256.
+    /// The chunk length for `config`, checked to lie in `CHUNK_SIZES`.
     pub fn chunk_for(&self, config: &ModelConfig) -> Result<usize> {
         let q = self.chunk_size.unwrap_or(config.chunk_size);
-        if !(8..=256).contains(&q) {
+        if !CHUNK_SIZES.contains(&q) {
             return Err(Error::InvalidInput(format!(
-                "chunk size must be in 8…256, found {q}"
+                "chunk size must be in {}…{}, found {q}",
+                CHUNK_SIZES.start(),
+                CHUNK_SIZES.end()
             )));
         }
         Ok(q)
