@@ -3,7 +3,7 @@
 //! sizes instead of aborting in the allocator (or being killed by the kernel's OOM killer
 //! half-way through a load).
 
-use crate::config::{BlockKind, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::files::human_bytes;
 use crate::model::quant::WeightFormat;
@@ -56,11 +56,14 @@ impl Footprint {
     /// per value for `context` tokens.
     pub fn gpu(c: &ModelConfig, format: WeightFormat, kv_elem: usize, context: usize) -> Self {
         // Matrices dominate; vectors (norms, biases, A, D) are counted as f32.
-        let matrices = matrices(c);
-        let matrix_params: u64 = matrices.iter().map(|&(r, k)| (r * k) as u64).sum();
+        let matrices = c.matrices();
+        let matrix_params: u64 = matrices
+            .iter()
+            .map(|&(_, r, k, n)| (r * k * n) as u64)
+            .sum();
         let matrix_bytes: u64 = matrices
             .iter()
-            .map(|&(r, k)| format.bytes(r, k) as u64)
+            .map(|&(_, r, k, n)| (format.bytes(r, k) * n) as u64)
             .sum();
         let vectors = (c.param_count() as u64).saturating_sub(matrix_params);
         Footprint {
@@ -70,37 +73,6 @@ impl Footprint {
             scratch: scratch_bytes(c),
         }
     }
-}
-
-/// Every weight matrix of `c` as `(rows, cols)`: the embedding, the head when untied, and
-/// each layer's projections.
-fn matrices(c: &ModelConfig) -> Vec<(usize, usize)> {
-    let d = c.d_model;
-    let mut out = vec![(c.vocab_size, d)];
-    if !c.tie_embeddings {
-        out.push((c.vocab_size, d));
-    }
-    for kind in &c.blocks {
-        match kind {
-            BlockKind::Mamba2 => out.extend([(c.d_in_proj(), d), (d, c.d_inner)]),
-            BlockKind::Attention => {
-                if let Some(a) = &c.attention {
-                    out.extend([(a.qkv_rows(), d), (d, a.q_width())]);
-                }
-            }
-            BlockKind::Mlp => {
-                if let Some(m) = &c.mlp {
-                    let ups = if m.act == crate::config::MlpAct::SiluGated {
-                        2
-                    } else {
-                        1
-                    };
-                    out.extend([(ups * m.intermediate, d), (d, m.intermediate)]);
-                }
-            }
-        }
-    }
-    out
 }
 
 /// The widest per-token activations times a prefill block of 512 tokens, plus logits.

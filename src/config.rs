@@ -203,6 +203,33 @@ impl ModelConfig {
             2 * a.kv_width() * elem * self.count(BlockKind::Attention)
         })
     }
+    /// Every kind of weight matrix the model holds, as `(name, rows, cols, copies)`: the
+    /// embedding (twice when the head is untied) and each block kind's projections, one copy
+    /// per layer of that kind. The GPU's buffer limits and the admission footprint read it.
+    pub fn matrices(&self) -> Vec<(&'static str, usize, usize, usize)> {
+        let d = self.d_model;
+        let (mamba, attention, mlp) = (
+            self.count(BlockKind::Mamba2),
+            self.count(BlockKind::Attention),
+            self.count(BlockKind::Mlp),
+        );
+        let head = if self.tie_embeddings { 1 } else { 2 };
+        let mut out = vec![
+            ("embedding / lm_head", self.vocab_size, d, head),
+            ("in_proj", self.d_in_proj(), d, mamba),
+            ("out_proj", d, self.d_inner, mamba),
+        ];
+        if let Some(a) = &self.attention {
+            out.push(("qkv_proj", a.qkv_rows(), d, attention));
+            out.push(("o_proj", d, a.q_width(), attention));
+        }
+        if let Some(m) = &self.mlp {
+            let ups = if m.act == MlpAct::SiluGated { 2 } else { 1 };
+            out.push(("up_proj", ups * m.intermediate, d, mlp));
+            out.push(("down_proj", d, m.intermediate, mlp));
+        }
+        out
+    }
     /// `conv_dim = d_inner + 2·G·N`
     pub fn conv_dim(&self) -> usize {
         self.d_inner + 2 * self.n_groups * self.d_state

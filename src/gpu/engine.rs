@@ -148,32 +148,11 @@ impl Engine {
     /// What a model needs of a device in `format`, for `GpuContext::new` (the KV caches are
     /// sized later, to what the device binds).
     pub fn needs(c: &ModelConfig, format: WeightFormat) -> Needs {
-        let attn = c.attention.as_ref();
-        let mlp_rows = c.mlp.as_ref().map_or(0, |m| {
-            if m.act == crate::config::MlpAct::SiluGated {
-                2 * m.intermediate
-            } else {
-                m.intermediate
-            }
-        });
-        let mats = [
-            ("embedding / lm_head", c.vocab_size, c.d_model),
-            ("in_proj", c.d_in_proj(), c.d_model),
-            ("out_proj", c.d_model, c.d_inner),
-            ("qkv_proj", attn.map_or(0, |a| a.qkv_rows()), c.d_model),
-            ("o_proj", c.d_model, attn.map_or(0, |a| a.q_width())),
-            ("up_proj", mlp_rows, c.d_model),
-            (
-                "down_proj",
-                c.d_model,
-                c.mlp.as_ref().map_or(0, |m| m.intermediate),
-            ),
-        ];
         let mut largest = (
             "SSM state (one layer)".to_string(),
             4 * c.ssm_state_len() as u64,
         );
-        for (name, rows, cols) in mats {
+        for (name, rows, cols, _) in c.matrices() {
             if rows == 0 || cols == 0 {
                 continue;
             }

@@ -13,7 +13,7 @@
 use half::f16;
 
 use crate::error::{Error, Result};
-use crate::model::{DType, Tensor};
+use crate::model::Tensor;
 
 /// How a big matrix is stored on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,47 +75,22 @@ pub struct Packed {
 }
 
 /// `t`'s values as f32, or an error naming the tensor and its first NaN or ±Inf. The check
-/// rides along the conversion from the (mapped) bytes — one `or` per value, no pass of its
-/// own; the bad element is only looked for once one is known to exist. (`Tensor::to_f32`
-/// with the check folded in.)
+/// rides along the conversion (`Tensor::to_f32_checked`); the bad element is only looked
+/// for once one is known to exist.
 pub fn finite_f32(t: &Tensor) -> Result<Vec<f32>> {
-    let b = t.bytes();
-    let (out, bad) = match t.dtype {
-        DType::F32 => checked(b, |c: &[u8; 4]| f32::from_le_bytes(*c)),
-        DType::F16 => checked(b, |c: &[u8; 2]| f16::from_le_bytes(*c).to_f32()),
-        DType::BF16 => checked(b, |c: &[u8; 2]| half::bf16::from_le_bytes(*c).to_f32()),
-    };
-    if bad {
-        return Err(nonfinite_weight(t));
+    match t.to_f32_checked() {
+        (values, true) => Ok(values),
+        (values, false) => Err(nonfinite_weight(t, &values)),
     }
-    Ok(out)
 }
 
-/// `N`-byte values of `bytes` converted by `conv`, and whether any is not finite: one loop
-/// with the flag in a register (it vectorizes as the plain conversion does).
-fn checked<const N: usize>(bytes: &[u8], conv: impl Fn(&[u8; N]) -> f32) -> (Vec<f32>, bool) {
-    let mut bad = false;
-    let out = bytes
-        .as_chunks::<N>()
-        .0
-        .iter()
-        .map(|c| {
-            let v = conv(c);
-            bad |= !v.is_finite();
-            v
-        })
-        .collect();
-    (out, bad)
-}
-
-/// `finite_f32` mapped by `f` (in place when `U` is f32).
+/// `finite_f32` mapped by `f`.
 pub fn map_finite<U>(t: &Tensor, f: impl FnMut(f32) -> U) -> Result<Vec<U>> {
     Ok(finite_f32(t)?.into_iter().map(f).collect())
 }
 
 /// The error for a tensor known to hold a NaN or ±Inf: names it and the first such element.
-fn nonfinite_weight(t: &Tensor) -> Error {
-    let values = t.to_f32();
+fn nonfinite_weight(t: &Tensor, values: &[f32]) -> Error {
     let Some(i) = values.iter().position(|v| !v.is_finite()) else {
         return Error::tensor(&t.name, "holds a non-finite value (NaN or ±Inf)");
     };

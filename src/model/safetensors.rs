@@ -125,20 +125,17 @@ impl Tensor {
 
     /// Converts to f32 (exact for f16 and bf16).
     pub fn to_f32(&self) -> Vec<f32> {
+        self.to_f32_checked().0
+    }
+
+    /// Converts to f32 and says whether every value is finite: the check rides along the
+    /// conversion (one `or` per value in a register; it vectorizes as the plain loop does).
+    pub fn to_f32_checked(&self) -> (Vec<f32>, bool) {
         let b = self.bytes();
         match self.dtype {
-            DType::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            DType::BF16 => b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+            DType::F32 => convert(b, |c: &[u8; 4]| f32::from_le_bytes(*c)),
+            DType::F16 => convert(b, |c: &[u8; 2]| half::f16::from_le_bytes(*c).to_f32()),
+            DType::BF16 => convert(b, |c: &[u8; 2]| half::bf16::from_le_bytes(*c).to_f32()),
         }
     }
 
@@ -153,6 +150,22 @@ impl Tensor {
             _ => self.to_f32().into_iter().map(half::f16::from_f32).collect(),
         }
     }
+}
+
+/// `N`-byte values of `bytes` converted by `conv`, and whether all are finite.
+fn convert<const N: usize>(bytes: &[u8], conv: impl Fn(&[u8; N]) -> f32) -> (Vec<f32>, bool) {
+    let mut finite = true;
+    let out = bytes
+        .as_chunks::<N>()
+        .0
+        .iter()
+        .map(|c| {
+            let v = conv(c);
+            finite &= v.is_finite();
+            v
+        })
+        .collect();
+    (out, finite)
 }
 
 /// All tensors of a model directory, by checkpoint name.
