@@ -102,6 +102,8 @@ fn hybrid_preset(name: &str) -> Option<ModelConfig> {
             act: MlpAct::Relu2,
             bias: false,
         }),
+        moe: None,
+        scales: Default::default(),
         max_context: Some(ctx),
         notices: Vec::new(),
     })
@@ -143,6 +145,8 @@ fn mamba2_preset(name: &str) -> Option<ModelConfig> {
         blocks: vec![crate::config::BlockKind::Mamba2; layers],
         attention: None,
         mlp: None,
+        moe: None,
+        scales: Default::default(),
         max_context: None,
         notices: Vec::new(),
     })

@@ -8,6 +8,11 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+mod granite;
+mod moe;
+
+pub use moe::{MoeConfig, Router};
+
 /// Which on-disk convention a model directory follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ModelFormat {
@@ -17,8 +22,11 @@ pub enum ModelFormat {
     MambaSsm,
     /// Mistral's Mamba-Codestral, `params.json`.
     Mistral,
-    /// HF transformers `nemotron_h`: Mamba2, attention and MLP layers.
+    /// HF transformers `nemotron_h`: Mamba2, attention, MLP and MoE layers.
     NemotronH,
+    /// HF transformers `granitemoehybrid` (Granite-4.0-H): each layer a mixer block, then an
+    /// MoE (or MLP) block.
+    Granite,
 }
 
 impl ModelFormat {
@@ -45,6 +53,20 @@ impl ModelFormat {
             (Mistral, "d_model" | "d_inner") => "dim",
             (Mistral, "n_layer") => "n_layers",
             (Mistral, "n_heads" | "head_dim") => "dim",
+            (Granite, "d_model") => "hidden_size",
+            (Granite, "n_layer") => "num_hidden_layers",
+            (Granite, "d_inner") => "mamba_expand",
+            (Granite, "n_heads") => "mamba_n_heads",
+            (Granite, "head_dim") => "mamba_d_head",
+            (Granite, "n_groups") => "mamba_n_groups",
+            (Granite, "d_state") => "mamba_d_state",
+            (Granite, "d_conv") => "mamba_d_conv",
+            (Granite, "chunk_size") => "mamba_chunk_size",
+            (Granite, "norm_eps") => "rms_norm_eps",
+            (Granite, "attention.head_dim") => "num_attention_heads",
+            (Granite, "intermediate_size") => "shared_intermediate_size",
+            (Granite, "moe_intermediate_size") => "intermediate_size",
+            (Granite, "n_routed_experts") => "num_local_experts",
             (_, "attention.head_dim") => "head_dim",
             _ => normalized,
         }
@@ -56,16 +78,19 @@ impl ModelFormat {
             ModelFormat::MambaSsm => "mamba_ssm",
             ModelFormat::Mistral => "Mistral params.json",
             ModelFormat::NemotronH => "HF transformers nemotron_h",
+            ModelFormat::Granite => "HF transformers granitemoehybrid",
         }
     }
 }
 
-/// What a layer's mixer is: every layer is `x ← x + mixer(rmsnorm(x))`.
+/// What a layer's mixer is: every layer is `x ← x + μr · mixer(rmsnorm(x))`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum BlockKind {
     Mamba2,
     Attention,
     Mlp,
+    /// Mixture of experts: a router, `top_k` of `E` expert MLPs, a shared expert.
+    Moe,
 }
 
 impl BlockKind {
@@ -75,6 +100,7 @@ impl BlockKind {
             BlockKind::Mamba2 => 'M',
             BlockKind::Attention => '*',
             BlockKind::Mlp => '-',
+            BlockKind::Moe => 'E',
         }
     }
     pub fn name(self) -> &'static str {
@@ -82,6 +108,7 @@ impl BlockKind {
             BlockKind::Mamba2 => "mamba2",
             BlockKind::Attention => "attention",
             BlockKind::Mlp => "mlp",
+            BlockKind::Moe => "moe",
         }
     }
 }
@@ -140,6 +167,29 @@ pub struct MlpConfig {
     pub bias: bool,
 }
 
+/// Constant factors some formats put around the blocks (Granite's µP multipliers); all 1
+/// elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scales {
+    /// The embedding's output is multiplied by this (`embedding_multiplier`).
+    pub embedding: f64,
+    /// Every block's output is multiplied by this before the residual add
+    /// (`residual_multiplier`).
+    pub residual: f64,
+    /// Logits are multiplied by this (`1 / logits_scaling`).
+    pub logits: f64,
+}
+
+impl Default for Scales {
+    fn default() -> Self {
+        Scales {
+            embedding: 1.0,
+            residual: 1.0,
+            logits: 1.0,
+        }
+    }
+}
+
 /// The normalized model description. Field names follow MAMBA2.md: `d` model width,
 /// `H` heads of `P` channels, `G` groups, `N` state size, `K` conv width.
 #[derive(Clone, Debug, PartialEq)]
@@ -176,6 +226,9 @@ pub struct ModelConfig {
     pub attention: Option<AttentionConfig>,
     /// The MLP layers' shape (when there are any).
     pub mlp: Option<MlpConfig>,
+    /// The MoE layers' shape (when there are any).
+    pub moe: Option<MoeConfig>,
+    pub scales: Scales,
     /// The longest context the model was trained for (`max_position_embeddings`).
     pub max_context: Option<usize>,
     /// What the parser noticed and ignored (e.g. multi-token-prediction layers), one line
@@ -228,7 +281,32 @@ impl ModelConfig {
             out.push(("up_proj", ups * m.intermediate, d, mlp));
             out.push(("down_proj", d, m.intermediate, mlp));
         }
+        if let Some(m) = &self.moe {
+            let layers = self.count(BlockKind::Moe);
+            out.push(("router", m.experts, d, layers));
+            out.push(("experts.up_proj", m.experts * m.up_rows(), d, layers));
+            out.push(("experts.down_proj", m.experts * d, m.intermediate, layers));
+            if let Some(s) = &m.shared {
+                let ups = if s.act == MlpAct::SiluGated { 2 } else { 1 };
+                out.push(("shared.up_proj", ups * s.intermediate, d, layers));
+                out.push(("shared.down_proj", d, s.intermediate, layers));
+            }
+        }
         out
+    }
+
+    /// Parameters one token reads: every dense matrix, but only `top_k` of each MoE layer's
+    /// experts (the bytes decode streams per token; lm_head counted, the embedding row not).
+    pub fn active_param_count(&self) -> usize {
+        let mut n = self.param_count();
+        if let Some(m) = &self.moe {
+            let per_expert = m.up_rows() * self.d_model + self.d_model * m.intermediate;
+            n -= (m.experts - m.top_k) * per_expert * self.count(BlockKind::Moe);
+        }
+        if !self.tie_embeddings {
+            n -= self.vocab_size * self.d_model;
+        }
+        n
     }
     /// `conv_dim = d_inner + 2·G·N`
     pub fn conv_dim(&self) -> usize {
@@ -272,10 +350,21 @@ impl ModelConfig {
             let bias = if a.bias { a.qkv_rows() + d } else { 0 };
             a.qkv_rows() * d + d * a.q_width() + bias
         });
-        let mlp = self.mlp.as_ref().map_or(0, |m| {
+        let mlp_params = |m: &MlpConfig| {
             let ups = if m.act == MlpAct::SiluGated { 2 } else { 1 };
             let bias = if m.bias { ups * m.intermediate + d } else { 0 };
             (ups + 1) * m.intermediate * d + bias
+        };
+        let mlp = self.mlp.as_ref().map_or(0, mlp_params);
+        let moe = self.moe.as_ref().map_or(0, |m| {
+            let bias = if m.has_correction_bias() {
+                m.experts
+            } else {
+                0
+            };
+            m.experts * (d + (m.up_rows() + d) * m.intermediate)
+                + bias
+                + m.shared.as_ref().map_or(0, mlp_params)
         });
         let layers: usize = self
             .blocks
@@ -285,6 +374,7 @@ impl ModelConfig {
                     BlockKind::Mamba2 => mamba,
                     BlockKind::Attention => attention,
                     BlockKind::Mlp => mlp,
+                    BlockKind::Moe => moe,
                 }
             })
             .sum();
@@ -337,6 +427,9 @@ impl ModelConfig {
 
     /// A hybrid config as HF transformers `nemotron_h` writes it (the pattern spelling).
     fn to_nemotron_h_json(&self) -> serde_json::Value {
+        if self.format == ModelFormat::Granite {
+            return granite::to_granite_json(self);
+        }
         let mut v = serde_json::json!({
             "model_type": "nemotron_h",
             "architectures": ["NemotronHForCausalLM"],
@@ -364,6 +457,25 @@ impl ModelConfig {
             v["intermediate_size"] = m.intermediate.into();
             v["mlp_bias"] = m.bias.into();
             v["mlp_hidden_act"] = "relu2".into();
+        }
+        if let Some(m) = &self.moe {
+            v["n_routed_experts"] = m.experts.into();
+            v["num_experts_per_tok"] = m.top_k.into();
+            v["moe_intermediate_size"] = m.intermediate.into();
+            v["moe_shared_expert_intermediate_size"] =
+                m.shared.as_ref().map_or(0, |s| s.intermediate).into();
+            if let Router::Grouped {
+                n_group,
+                topk_group,
+                norm_topk_prob,
+                routed_scaling_factor,
+            } = m.router
+            {
+                v["n_group"] = n_group.into();
+                v["topk_group"] = topk_group.into();
+                v["norm_topk_prob"] = norm_topk_prob.into();
+                v["routed_scaling_factor"] = routed_scaling_factor.into();
+            }
         }
         if let Some(n) = self.max_context {
             v["max_position_embeddings"] = n.into();
@@ -415,12 +527,13 @@ impl ModelConfig {
         let config = match model_type.as_deref() {
             Some("mamba2") => parse_hf_mamba2(&f)?,
             Some("nemotron_h") => parse_nemotron_h(&f)?,
+            Some("granitemoehybrid") => granite::parse_granite(&f)?,
             Some("mamba") if obj.contains_key("dim") => parse_mistral(&f)?,
             _ if obj.contains_key("d_model") && obj.contains_key("n_layer") => parse_mamba_ssm(&f)?,
             _ if obj.contains_key("dim") && obj.contains_key("n_layers") => parse_mistral(&f)?,
             Some(other) => {
                 return Err(Error::Unsupported(format!(
-                    "{}: model_type `{other}` (supported: mamba2, nemotron_h, mamba_ssm and Mistral Mamba2 configs)",
+                    "{}: model_type `{other}` (supported: mamba2, nemotron_h, granitemoehybrid, mamba_ssm and Mistral Mamba2 configs)",
                     path.display()
                 )));
             }
@@ -485,6 +598,19 @@ impl ModelConfig {
         if let Some(m) = &self.mlp {
             bounds.push(("intermediate_size", m.intermediate, MAX_D_INNER));
         }
+        if let Some(m) = &self.moe {
+            bounds.extend([
+                ("n_routed_experts", m.experts, MAX_EXPERTS),
+                ("moe_intermediate_size", m.intermediate, MAX_D_INNER),
+            ]);
+            if let Some(s) = &m.shared {
+                bounds.push((
+                    "moe_shared_expert_intermediate_size",
+                    s.intermediate,
+                    MAX_D_INNER,
+                ));
+            }
+        }
         for (field, v, max) in bounds {
             if v > max {
                 return Err(err(
@@ -539,6 +665,26 @@ impl ModelConfig {
                     self.d_model,
                 ]),
             ));
+        }
+        if let Some(m) = &self.moe {
+            // Each expert bank is indexed as one matrix of all its experts' rows.
+            sizes.push((
+                "moe_intermediate_size",
+                "the stacked experts' up projections",
+                mul(&[m.experts, m.up_rows(), self.d_model]),
+            ));
+            sizes.push((
+                "moe_intermediate_size",
+                "the stacked experts' down projections",
+                mul(&[m.experts, self.d_model, m.intermediate]),
+            ));
+            if let Some(s) = &m.shared {
+                sizes.push((
+                    "moe_shared_expert_intermediate_size",
+                    "the shared expert",
+                    mul(&[2, s.intermediate, self.d_model]),
+                ));
+            }
         }
         for (field, what, n) in sizes {
             match n {
@@ -689,6 +835,38 @@ impl ModelConfig {
                 return Err(err("intermediate_size", "must be positive".into()));
             }
             _ => {}
+        }
+        match (&self.moe, self.count(BlockKind::Moe)) {
+            (None, n) if n > 0 => {
+                return Err(err(
+                    "n_routed_experts",
+                    format!("{n} MoE layers but no MoE shape"),
+                ));
+            }
+            (Some(m), _) => {
+                m.check().map_err(|(field, message)| err(field, message))?;
+                if let Some(s) = &m.shared
+                    && s.intermediate == 0
+                {
+                    return Err(err(
+                        "moe_shared_expert_intermediate_size",
+                        "must be positive".into(),
+                    ));
+                }
+            }
+            _ => {}
+        }
+        for (field, v) in [
+            ("embedding_multiplier", self.scales.embedding),
+            ("residual_multiplier", self.scales.residual),
+            ("logits_scaling", self.scales.logits),
+        ] {
+            if !(v.is_finite() && v != 0.0) {
+                return Err(err(
+                    field,
+                    format!("must be finite and non-zero, found {v}"),
+                ));
+            }
         }
         if self.max_context == Some(0) {
             return Err(err("max_position_embeddings", "must be positive".into()));
@@ -894,6 +1072,7 @@ const MAX_STATE: usize = 1 << 12;
 const MAX_CONV: usize = 64;
 const MAX_CHUNK: usize = 4096;
 const MAX_CONTEXT: usize = 1 << 24;
+const MAX_EXPERTS: usize = 1 << 12;
 
 fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
     let d_model = f.usize("hidden_size")?;
@@ -987,14 +1166,7 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
             "M" | "mamba" | "linear_attention" => BlockKind::Mamba2,
             "*" | "attention" | "full_attention" => BlockKind::Attention,
             "-" | "mlp" => BlockKind::Mlp,
-            "E" | "moe" => {
-                return Err(Error::Unsupported(format!(
-                    "{}: layer {i} is a mixture-of-experts layer (`{kind}`): MoE blocks come with \
-                     \"Hybrid models, part 2\" (Nemotron 3 Nano, Granite-4.0-H); dense \
-                     Nemotron-H (M, *, -) runs today",
-                    f.path.display()
-                )));
-            }
+            "E" | "moe" => BlockKind::Moe,
             _ => {
                 return Err(f.err(
                     field,
@@ -1071,6 +1243,11 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
     } else {
         None
     };
+    let moe = if blocks.contains(&BlockKind::Moe) {
+        Some(moe::parse_nemotron_h_moe(f)?)
+    } else {
+        None
+    };
     // Older configs spell the Mamba options with a `mamba_` prefix.
     let either = |a: &str, b: &str, default: usize| -> Result<usize> {
         match f.opt_usize(a)? {
@@ -1099,6 +1276,8 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
         blocks,
         attention,
         mlp,
+        moe,
+        scales: Scales::default(),
         max_context: f.opt_usize("max_position_embeddings")?,
         notices,
     })
@@ -1125,6 +1304,12 @@ fn mamba_only() -> ModelConfig {
         blocks: Vec::new(),
         attention: None,
         mlp: None,
+        moe: None,
+        scales: Scales {
+            embedding: 1.0,
+            residual: 1.0,
+            logits: 1.0,
+        },
         max_context: None,
         notices: Vec::new(),
     }
@@ -1347,17 +1532,25 @@ mod tests {
 
     #[test]
     fn unsupported_configs_say_why() {
-        let e = parse(
-            r#"{"model_type":"nemotron_h","hidden_size":48,"num_hidden_layers":3,"vocab_size":100,
-            "hybrid_override_pattern":"MEM","mamba_num_heads":8,"mamba_head_dim":12,"n_groups":1}"#,
-        )
-        .unwrap_err();
+        let moe = r#"{"model_type":"nemotron_h","hidden_size":48,"num_hidden_layers":3,"vocab_size":100,
+            "hybrid_override_pattern":"MEM","mamba_num_heads":8,"mamba_head_dim":12,"n_groups":1,
+            "n_routed_experts":8,"moe_intermediate_size":16,"n_group":2,"topk_group":1,
+            "num_experts_per_tok":TOPK}"#;
+        let c = parse(&moe.replace("TOPK", "2")).unwrap();
+        assert_eq!(c.pattern(), "MEM");
+        assert_eq!(c.moe.as_ref().map(|m| (m.experts, m.top_k)), Some((8, 2)));
+        let e = parse(&moe.replace("TOPK", "9")).unwrap_err();
         assert!(
             e.to_string()
-                .contains("layer 1 is a mixture-of-experts layer")
-                && e.to_string().contains("part 2"),
+                .contains("`num_experts_per_tok`: num_experts_per_tok 9"),
             "{e}"
         );
+        let e = parse(
+            &moe.replace("TOPK", "2")
+                .replace("\"n_routed_experts\":8,", ""),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("`n_routed_experts`: missing"), "{e}");
         let e = parse(r#"{"d_model":64,"n_layer":2,"vocab_size":10,"ssm_cfg":{}}"#).unwrap_err();
         assert!(e.to_string().contains("Mamba1"), "{e}");
         let e = parse(r#"{"model_type":"llama","hidden_size":64}"#).unwrap_err();

@@ -46,7 +46,7 @@ impl<T: Copy + Default> State<T> {
                     k: Vec::new(),
                     v: Vec::new(),
                 },
-                BlockKind::Mlp => LayerState::Stateless,
+                BlockKind::Mlp | BlockKind::Moe => LayerState::Stateless,
             })
             .collect();
         State { layers, len: 0 }
@@ -113,7 +113,7 @@ impl<T: Copy + Default> State<T> {
                 (LayerState::Attention { k, v }, BlockKind::Attention) => {
                     k.len() == self.len * kv_row && v.len() == k.len()
                 }
-                (LayerState::Stateless, BlockKind::Mlp) => true,
+                (LayerState::Stateless, BlockKind::Mlp | BlockKind::Moe) => true,
                 _ => false,
             };
             if !ok {

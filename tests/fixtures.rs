@@ -133,10 +133,25 @@ fn nemotron_h_mqa_matches_transformers() {
 }
 
 #[test]
+fn nemotron_h_moe_matches_transformers() {
+    check_fixture("nemotron_h_moe");
+}
+
+#[test]
+fn granite_moe_hybrid_matches_transformers() {
+    check_fixture("granite_moe_hybrid");
+}
+
+#[test]
 fn hybrid_fixtures_in_f64_and_in_prompt_pieces() {
     // The f64 reference matches the f32 oracle too, and a prompt fed in pieces (several
     // prefill calls, chunk 8) gives the same logits as the oracle's one pass.
-    for name in ["nemotron_h_hybrid", "nemotron_h_mqa"] {
+    for name in [
+        "nemotron_h_hybrid",
+        "nemotron_h_mqa",
+        "nemotron_h_moe",
+        "granite_moe_hybrid",
+    ] {
         let dir = common::fixture(name);
         let model = Model::load(&dir).unwrap();
         let o = oracle(&dir);
@@ -168,6 +183,8 @@ fn oracle_prompt_nll_is_what_its_logits_say() {
         "nemotron_h_g2",
         "nemotron_h_hybrid",
         "nemotron_h_mqa",
+        "nemotron_h_moe",
+        "granite_moe_hybrid",
     ] {
         let o = oracle(&common::fixture(name));
         let nll: f64 = o

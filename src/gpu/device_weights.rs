@@ -179,6 +179,7 @@ impl DeviceWeights {
                         o: upload(&name("o_proj"), &[&a.o])?,
                     }
                 }
+                MixerWeights::Moe(_) => return Err(gpu_unsupported(i, "MoE blocks")),
                 MixerWeights::Mlp(m) => {
                     params.extend(finite_f32(&l.norm)?);
                     // Biases in the order of the up rows ([gate | up]), then down's.

@@ -99,7 +99,7 @@ impl DeviceState {
                     k: gpu.storage_zeroed(&format!("layers.{i}.k_cache"), kv_bytes)?,
                     v: gpu.storage_zeroed(&format!("layers.{i}.v_cache"), kv_bytes)?,
                 },
-                BlockKind::Mlp => DeviceLayerState::Stateless,
+                BlockKind::Mlp | BlockKind::Moe => DeviceLayerState::Stateless,
             });
         }
         Ok(DeviceState {

@@ -165,6 +165,11 @@ impl Engine {
                     };
                     (m, (0..c.d_model).map(|j| u(j, 0.6, 1.4)).collect())
                 }
+                BlockKind::Moe => {
+                    return Err(crate::error::Error::Unsupported(
+                        "synthetic MoE weights on the GPU".into(),
+                    ));
+                }
             };
             layers.push(DeviceLayer {
                 kind,

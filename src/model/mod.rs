@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 pub use self::safetensors::{DType, Tensor, TensorStore};
 pub use self::weights::{
     AttentionWeights, LayerWeights, MambaWeights, MixerWeights, MlpWeights, ModelWeights,
+    MoeWeights,
 };
 use crate::config::ModelConfig;
 use crate::error::Result;

@@ -118,6 +118,33 @@ impl Tensor {
         self.shape.iter().product()
     }
 
+    /// A view of the slices `first.start..first.end` along the first dimension, reshaped to
+    /// `shape` (same bytes, no copy): expert `e` of a stacked `[E, rows, cols]` tensor, or
+    /// the gate half of a `[2I, d]` one. The view keeps this tensor's name with `what`
+    /// appended, so errors still point into the checkpoint.
+    pub fn rows(&self, first: Range<usize>, shape: Vec<usize>, what: &str) -> Tensor {
+        let per: usize = self.shape[1..].iter().product::<usize>() * self.dtype.size();
+        assert!(
+            first.start <= first.end && first.end <= self.shape[0],
+            "{first:?} of {}",
+            self.name
+        );
+        assert_eq!(
+            shape.iter().product::<usize>() * self.dtype.size(),
+            (first.end - first.start) * per,
+            "reshape of {}",
+            self.name
+        );
+        let start = self.range.start + first.start * per;
+        Tensor {
+            name: format!("{}{what}", self.name),
+            dtype: self.dtype,
+            shape,
+            bytes: self.bytes.clone(),
+            range: start..start + (first.end - first.start) * per,
+        }
+    }
+
     /// The raw little-endian bytes.
     pub fn bytes(&self) -> &[u8] {
         &self.bytes.as_slice()[self.range.clone()]

@@ -4,7 +4,8 @@
 
 use crate::config::{AttentionConfig, BlockKind, MlpAct, MlpConfig, ModelConfig};
 use crate::model::{
-    AttentionWeights, LayerWeights, MambaWeights, MixerWeights, MlpWeights, ModelWeights, Tensor,
+    AttentionWeights, LayerWeights, MambaWeights, MixerWeights, MlpWeights, ModelWeights,
+    MoeWeights, Tensor,
 };
 use crate::sampling::uniform;
 
@@ -92,6 +93,53 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> ModelWeights {
                         }),
                     })
                 }
+                BlockKind::Moe => {
+                    let mc = c.moe.as_ref().expect("MoE layers have a shape");
+                    let gated = mc.act == MlpAct::SiluGated;
+                    let mut m = |n: String, shape: Vec<usize>, s: f32| t(p(&n), shape, -s, s);
+                    let mut mlp = |prefix: &str, n: usize, gated: bool| {
+                        let down_scale = (3.0 / n as f32).sqrt() * 0.5;
+                        MlpWeights {
+                            up: m(format!("{prefix}.up_proj.weight"), vec![n, d], in_scale),
+                            gate: gated.then(|| {
+                                m(format!("{prefix}.gate_proj.weight"), vec![n, d], in_scale)
+                            }),
+                            down: m(format!("{prefix}.down_proj.weight"), vec![d, n], down_scale),
+                            up_bias: None,
+                            gate_bias: None,
+                            down_bias: None,
+                        }
+                    };
+                    let experts = (0..mc.experts)
+                        .map(|e| mlp(&format!("mixer.experts.{e}"), mc.intermediate, gated))
+                        .collect();
+                    let shared = mc.shared.as_ref().map(|s| {
+                        mlp(
+                            "mixer.shared_experts",
+                            s.intermediate,
+                            s.act == MlpAct::SiluGated,
+                        )
+                    });
+                    // Router logits of order one, so the choices vary from token to token.
+                    let router = m(
+                        "mixer.gate.weight".into(),
+                        vec![mc.experts, d],
+                        in_scale * 2.0,
+                    );
+                    let correction_bias = mc.has_correction_bias().then(|| {
+                        m(
+                            "mixer.gate.e_score_correction_bias".into(),
+                            vec![mc.experts],
+                            0.2,
+                        )
+                    });
+                    MixerWeights::Moe(MoeWeights {
+                        router,
+                        correction_bias,
+                        experts,
+                        shared,
+                    })
+                }
                 BlockKind::Mlp => {
                     let mc = c.mlp.as_ref().expect("MLP layers have a shape");
                     let n = mc.intermediate;
@@ -162,6 +210,8 @@ pub fn tiny_config(n_groups: usize, head_dim: usize) -> ModelConfig {
         blocks: vec![BlockKind::Mamba2; 2],
         attention: None,
         mlp: None,
+        moe: None,
+        scales: Default::default(),
         max_context: None,
         notices: Vec::new(),
     }

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::config::{BlockKind, MlpAct, ModelConfig};
+use crate::config::{BlockKind, MlpAct, ModelConfig, ModelFormat};
 use crate::error::{Error, Result};
 use crate::model::safetensors::Tensor;
 
@@ -50,12 +50,60 @@ pub struct MlpWeights {
     pub down_bias: Option<Tensor>,
 }
 
+/// An MoE block's tensors: the router `[E, d]`, its correction bias `[E]` (grouped router),
+/// each routed expert as an MLP without biases (`up [I, d]`, `gate [I, d]` when gated,
+/// `down [d, I]`; views into Granite's stacked tensors), and the shared expert.
+#[derive(Clone, Debug)]
+pub struct MoeWeights {
+    pub router: Tensor,
+    pub correction_bias: Option<Tensor>,
+    pub experts: Vec<MlpWeights>,
+    pub shared: Option<MlpWeights>,
+}
+
+impl MlpWeights {
+    /// The tensors in a stable order: up, gate, down, then the biases.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        let mut out = vec![&self.up];
+        out.extend(self.gate.as_ref());
+        out.push(&self.down);
+        out.extend(self.up_bias.as_ref());
+        out.extend(self.gate_bias.as_ref());
+        out.extend(self.down_bias.as_ref());
+        out
+    }
+
+    /// A bias-free MLP.
+    fn plain(up: Tensor, gate: Option<Tensor>, down: Tensor) -> Self {
+        MlpWeights {
+            up,
+            gate,
+            down,
+            up_bias: None,
+            gate_bias: None,
+            down_bias: None,
+        }
+    }
+
+    /// A gated MLP from a stacked `[gate; up]` `[2I, d]` tensor (Granite's `input_linear`).
+    fn from_stacked(input_linear: &Tensor, down: Tensor) -> Self {
+        let (two_i, d) = (input_linear.shape[0], input_linear.shape[1]);
+        let i = two_i / 2;
+        MlpWeights::plain(
+            input_linear.rows(i..two_i, vec![i, d], " (up half)"),
+            Some(input_linear.rows(0..i, vec![i, d], " (gate half)")),
+            down,
+        )
+    }
+}
+
 /// A block's mixer.
 #[derive(Clone, Debug)]
 pub enum MixerWeights {
     Mamba2(MambaWeights),
     Attention(AttentionWeights),
     Mlp(MlpWeights),
+    Moe(MoeWeights),
 }
 
 impl MixerWeights {
@@ -64,6 +112,7 @@ impl MixerWeights {
             MixerWeights::Mamba2(_) => BlockKind::Mamba2,
             MixerWeights::Attention(_) => BlockKind::Attention,
             MixerWeights::Mlp(_) => BlockKind::Mlp,
+            MixerWeights::Moe(_) => BlockKind::Moe,
         }
     }
 
@@ -83,13 +132,16 @@ impl MixerWeights {
                 }
                 out
             }
-            MixerWeights::Mlp(m) => {
-                let mut out = vec![&m.up];
-                out.extend(m.gate.as_ref());
-                out.push(&m.down);
-                out.extend(m.up_bias.as_ref());
-                out.extend(m.gate_bias.as_ref());
-                out.extend(m.down_bias.as_ref());
+            MixerWeights::Mlp(m) => m.tensors(),
+            MixerWeights::Moe(m) => {
+                let mut out = vec![&m.router];
+                out.extend(m.correction_bias.as_ref());
+                for e in &m.experts {
+                    out.extend(e.tensors());
+                }
+                if let Some(s) = &m.shared {
+                    out.extend(s.tensors());
+                }
                 out
             }
         }
@@ -169,9 +221,10 @@ impl ModelWeights {
                 ));
             }
         }
+        let format = config.format;
         let mut take = |slot: Slot, shapes: &[Vec<usize>]| -> Result<Tensor> {
             let t = slots.remove(&slot).ok_or_else(|| {
-                Error::tensor(slot.canonical_name(), "missing from the checkpoint")
+                Error::tensor(slot.canonical_name(format), "missing from the checkpoint")
             })?;
             if !shapes.contains(&t.shape) {
                 return Err(Error::tensor(
@@ -234,6 +287,75 @@ impl ModelWeights {
                         v: take(l(Part::V), &[vec![kw, d]])?,
                         o: take(l(Part::O), &[vec![d, qw]])?,
                         bias,
+                    })
+                }
+                BlockKind::Mlp if c.format == ModelFormat::Granite => {
+                    // Granite's dense layers: the shared MLP alone, `[gate; up]` stacked.
+                    let n = c.mlp.as_ref().map_or(0, |m| m.intermediate);
+                    let up = take(l(Part::SharedUp), &[vec![2 * n, d]])?;
+                    let down = take(l(Part::SharedDown), &[vec![d, n]])?;
+                    MixerWeights::Mlp(MlpWeights::from_stacked(&up, down))
+                }
+                BlockKind::Moe => {
+                    let m = c.moe.as_ref().ok_or_else(|| {
+                        Error::InvalidInput(format!("layer {i}: MoE without a shape"))
+                    })?;
+                    let (e, n) = (m.experts, m.intermediate);
+                    let router = take(l(Part::Router), &[vec![e, d]])?;
+                    let correction_bias = if m.has_correction_bias() {
+                        Some(take(l(Part::RouterBias), &[vec![e]])?)
+                    } else {
+                        None
+                    };
+                    let gated = m.act == MlpAct::SiluGated;
+                    let experts = if c.format == ModelFormat::Granite {
+                        let up = take(l(Part::ExpertsUp), &[vec![e, m.up_rows(), d]])?;
+                        let down = take(l(Part::ExpertsDown), &[vec![e, d, n]])?;
+                        (0..e)
+                            .map(|x| {
+                                let tag = format!("[expert {x}]");
+                                let up_x = up.rows(x..x + 1, vec![m.up_rows(), d], &tag);
+                                let down_x = down.rows(x..x + 1, vec![d, n], &tag);
+                                if gated {
+                                    MlpWeights::from_stacked(&up_x, down_x)
+                                } else {
+                                    MlpWeights::plain(up_x, None, down_x)
+                                }
+                            })
+                            .collect()
+                    } else {
+                        (0..e)
+                            .map(|x| {
+                                Ok(MlpWeights::plain(
+                                    take(l(Part::ExpertUp(x)), &[vec![n, d]])?,
+                                    None,
+                                    take(l(Part::ExpertDown(x)), &[vec![d, n]])?,
+                                ))
+                            })
+                            .collect::<Result<Vec<_>>>()?
+                    };
+                    let shared = match &m.shared {
+                        None => None,
+                        Some(s) if s.act == MlpAct::SiluGated => {
+                            let sn = s.intermediate;
+                            let up = take(l(Part::SharedUp), &[vec![2 * sn, d]])?;
+                            let down = take(l(Part::SharedDown), &[vec![d, sn]])?;
+                            Some(MlpWeights::from_stacked(&up, down))
+                        }
+                        Some(s) => {
+                            let sn = s.intermediate;
+                            Some(MlpWeights::plain(
+                                take(l(Part::SharedUp), &[vec![sn, d]])?,
+                                None,
+                                take(l(Part::SharedDown), &[vec![d, sn]])?,
+                            ))
+                        }
+                    };
+                    MixerWeights::Moe(MoeWeights {
+                        router,
+                        correction_bias,
+                        experts,
+                        shared,
                     })
                 }
                 BlockKind::Mlp => {
@@ -326,10 +448,23 @@ enum Part {
     UpBias,
     GateBias,
     DownBias,
+    /// `[E, d]` (Nemotron `mixer.gate.weight`, Granite `block_sparse_moe.router.layer`).
+    Router,
+    /// `[E]` (Nemotron `mixer.gate.e_score_correction_bias`).
+    RouterBias,
+    /// Nemotron's per-expert `mixer.experts.N.{up,down}_proj.weight`.
+    ExpertUp(usize),
+    ExpertDown(usize),
+    /// Granite's stacked `block_sparse_moe.{input,output}_linear.weight`.
+    ExpertsUp,
+    ExpertsDown,
+    /// Nemotron `mixer.shared_experts.{up,down}_proj`, Granite `shared_mlp.{input,output}_linear`.
+    SharedUp,
+    SharedDown,
 }
 
 /// Each part's name after `layers.N.` (the HF / Nemotron-H spelling).
-const PART_NAMES: [(Part, &str); 23] = [
+const PART_NAMES: [(Part, &str); 27] = [
     (Part::Norm, "norm.weight"),
     (Part::InProj, "mixer.in_proj.weight"),
     (Part::ConvWeight, "mixer.conv1d.weight"),
@@ -353,6 +488,10 @@ const PART_NAMES: [(Part, &str); 23] = [
     (Part::UpBias, "mixer.up_proj.bias"),
     (Part::GateBias, "mixer.gate_proj.bias"),
     (Part::DownBias, "mixer.down_proj.bias"),
+    (Part::Router, "mixer.gate.weight"),
+    (Part::RouterBias, "mixer.gate.e_score_correction_bias"),
+    (Part::SharedUp, "mixer.shared_experts.up_proj.weight"),
+    (Part::SharedDown, "mixer.shared_experts.down_proj.weight"),
 ];
 
 impl Slot {
@@ -367,24 +506,55 @@ impl Slot {
             rest = r;
         }
         match rest {
-            "embedding.weight" | "embeddings.weight" => return Some(Slot::Embedding),
-            "norm_f.weight" => return Some(Slot::FinalNorm),
+            "embedding.weight" | "embeddings.weight" | "embed_tokens.weight" => {
+                return Some(Slot::Embedding);
+            }
+            "norm_f.weight" | "norm.weight" => return Some(Slot::FinalNorm),
             "lm_head.weight" => return Some(Slot::LmHead),
             _ => {}
         }
         let rest = rest.strip_prefix("layers.")?;
         let (index, part) = rest.split_once('.')?;
         let index: usize = index.parse().ok()?;
-        let part = PART_NAMES.iter().find(|(_, n)| *n == part)?.0;
-        Some(Slot::Layer(index, part))
+        if let Some((block, part)) = granite_part(part) {
+            // Granite layer N is blocks 2N (mixer) and 2N + 1 (feed-forward).
+            return Some(Slot::Layer(index.checked_mul(2)?.checked_add(block)?, part));
+        }
+        if let Some(p) = PART_NAMES.iter().find(|(_, n)| *n == part) {
+            return Some(Slot::Layer(index, p.0));
+        }
+        let expert = part.strip_prefix("mixer.experts.")?;
+        let (e, which) = expert.split_once('.')?;
+        let e: usize = e.parse().ok()?;
+        match which {
+            "up_proj.weight" => Some(Slot::Layer(index, Part::ExpertUp(e))),
+            "down_proj.weight" => Some(Slot::Layer(index, Part::ExpertDown(e))),
+            _ => None,
+        }
     }
 
-    /// The HF spelling, used when a tensor is missing and there is no name to quote.
-    fn canonical_name(self) -> String {
+    /// The format's spelling, used when a tensor is missing and there is no name to quote.
+    fn canonical_name(self, format: ModelFormat) -> String {
+        let granite = format == ModelFormat::Granite;
         match self {
+            Slot::Embedding if granite => "model.embed_tokens.weight".into(),
+            Slot::FinalNorm if granite => "model.norm.weight".into(),
             Slot::Embedding => "backbone.embeddings.weight".into(),
             Slot::FinalNorm => "backbone.norm_f.weight".into(),
             Slot::LmHead => "lm_head.weight".into(),
+            Slot::Layer(i, p) if granite => {
+                let name = GRANITE_PARTS
+                    .iter()
+                    .find(|(b, q, _)| *b == i % 2 && *q == p)
+                    .map_or_else(|| format!("{p:?}"), |(_, _, n)| n.to_string());
+                format!("model.layers.{}.{name}", i / 2)
+            }
+            Slot::Layer(i, Part::ExpertUp(e)) => {
+                format!("backbone.layers.{i}.mixer.experts.{e}.up_proj.weight")
+            }
+            Slot::Layer(i, Part::ExpertDown(e)) => {
+                format!("backbone.layers.{i}.mixer.experts.{e}.down_proj.weight")
+            }
             Slot::Layer(i, p) => {
                 let part = PART_NAMES
                     .iter()
@@ -394,6 +564,41 @@ impl Slot {
             }
         }
     }
+}
+
+/// Granite's names after `model.layers.N.`: `(block within the layer, part, name)`.
+const GRANITE_PARTS: [(usize, Part, &str); 19] = [
+    (0, Part::Norm, "input_layernorm.weight"),
+    (0, Part::InProj, "mamba.in_proj.weight"),
+    (0, Part::ConvWeight, "mamba.conv1d.weight"),
+    (0, Part::ConvBias, "mamba.conv1d.bias"),
+    (0, Part::DtBias, "mamba.dt_bias"),
+    (0, Part::ALog, "mamba.A_log"),
+    (0, Part::D, "mamba.D"),
+    (0, Part::MixerNorm, "mamba.norm.weight"),
+    (0, Part::OutProj, "mamba.out_proj.weight"),
+    (0, Part::Q, "self_attn.q_proj.weight"),
+    (0, Part::K, "self_attn.k_proj.weight"),
+    (0, Part::V, "self_attn.v_proj.weight"),
+    (0, Part::O, "self_attn.o_proj.weight"),
+    (1, Part::Norm, "post_attention_layernorm.weight"),
+    (1, Part::SharedUp, "shared_mlp.input_linear.weight"),
+    (1, Part::SharedDown, "shared_mlp.output_linear.weight"),
+    (1, Part::Router, "block_sparse_moe.router.layer.weight"),
+    (1, Part::ExpertsUp, "block_sparse_moe.input_linear.weight"),
+    (
+        1,
+        Part::ExpertsDown,
+        "block_sparse_moe.output_linear.weight",
+    ),
+];
+
+/// A Granite part name: which of the layer's two blocks it belongs to, and its role.
+fn granite_part(name: &str) -> Option<(usize, Part)> {
+    GRANITE_PARTS
+        .iter()
+        .find(|(_, _, n)| *n == name)
+        .map(|&(b, p, _)| (b, p))
 }
 
 #[cfg(test)]
@@ -434,7 +639,7 @@ mod tests {
             Some(Slot::Layer(2, Part::Down))
         );
         for (p, _) in PART_NAMES {
-            let name = Slot::Layer(3, p).canonical_name();
+            let name = Slot::Layer(3, p).canonical_name(ModelFormat::NemotronH);
             assert_eq!(Slot::parse(&name), Some(Slot::Layer(3, p)), "{name}");
         }
     }

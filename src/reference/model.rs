@@ -4,11 +4,12 @@
 
 use super::attention::{attend, rope};
 use super::math::{Real, gated_group_rmsnorm, matmul, rmsnorm, silu, softplus};
+use super::moe::{Route, route_grouped, route_softmax_top_k, routed_sum};
 use super::ssd::{ScanDims, ScanInputs, scan_chunked, scan_sequential};
-use crate::config::{AttentionConfig, MlpAct, MlpConfig, ModelConfig};
+use crate::config::{AttentionConfig, MlpAct, MlpConfig, ModelConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::model::quant::map_finite;
-use crate::model::{MambaWeights, MixerWeights, ModelWeights, Tensor};
+use crate::model::{MambaWeights, MixerWeights, MlpWeights, ModelWeights, Tensor};
 pub use crate::state::{LayerState, State};
 
 /// How the SSM part of a forward pass is computed.
@@ -58,10 +59,20 @@ struct Mlp<T> {
     down_bias: Option<Vec<T>>,
 }
 
+/// An MoE block's weights in `T`: router `[E, d]`, correction bias `[E]`, the experts and
+/// the shared expert as MLPs.
+struct Moe<T> {
+    router: Vec<T>,
+    correction_bias: Option<Vec<T>>,
+    experts: Vec<Mlp<T>>,
+    shared: Option<Mlp<T>>,
+}
+
 enum Mixer<T> {
     Mamba2(Mamba<T>),
     Attention(Attention<T>),
     Mlp(Mlp<T>),
+    Moe(Moe<T>),
 }
 
 struct Layer<T> {
@@ -127,15 +138,12 @@ impl<T: Real> CpuModel<T> {
                         o_bias: convert_opt(a.bias.as_ref().map(|b| &b[3]))?,
                     })
                 }
-                MixerWeights::Mlp(m) => Mixer::Mlp(Mlp {
-                    up: convert(&m.up)?,
-                    up_bias: convert_opt(m.up_bias.as_ref())?,
-                    gate: match &m.gate {
-                        Some(g) => Some((convert(g)?, convert_opt(m.gate_bias.as_ref())?)),
-                        None => None,
-                    },
-                    down: convert(&m.down)?,
-                    down_bias: convert_opt(m.down_bias.as_ref())?,
+                MixerWeights::Mlp(m) => Mixer::Mlp(mlp_weights(m)?),
+                MixerWeights::Moe(m) => Mixer::Moe(Moe {
+                    router: convert(&m.router)?,
+                    correction_bias: convert_opt(m.correction_bias.as_ref())?,
+                    experts: m.experts.iter().map(mlp_weights).collect::<Result<_>>()?,
+                    shared: m.shared.as_ref().map(mlp_weights).transpose()?,
                 }),
             };
             layers.push(Layer {
@@ -200,9 +208,16 @@ impl<T: Real> CpuModel<T> {
                 self.context
             )));
         }
+        let (embedding_scale, residual_scale) =
+            (T::of(c.scales.embedding), T::of(c.scales.residual));
         let mut resid: Vec<Vec<T>> = tokens
             .iter()
-            .map(|&t| self.embedding[t as usize * d..][..d].to_vec())
+            .map(|&t| {
+                self.embedding[t as usize * d..][..d]
+                    .iter()
+                    .map(|&e| e * embedding_scale)
+                    .collect()
+            })
             .collect();
         let pos0 = state.len;
         for (layer, st) in self.layers.iter().zip(state.layers.iter_mut()) {
@@ -226,10 +241,18 @@ impl<T: Real> CpuModel<T> {
                     })?;
                     mlp(mc, m, &hs)
                 }
+                (Mixer::Moe(m), LayerState::Stateless) => {
+                    let mc = c.moe.as_ref().ok_or_else(|| {
+                        Error::InvalidInput("an MoE layer without an MoE shape".into())
+                    })?;
+                    moe(mc, m, &hs)
+                }
                 _ => unreachable!("State::check matched the layers"),
             };
             for (r, o) in resid.iter_mut().zip(out) {
-                r.iter_mut().zip(o).for_each(|(r, o)| *r = *r + o);
+                r.iter_mut()
+                    .zip(o)
+                    .for_each(|(r, o)| *r = *r + residual_scale * o);
             }
         }
         state.len += tokens.len();
@@ -248,7 +271,12 @@ impl<T: Real> CpuModel<T> {
             .map(|r| rmsnorm(r, &self.final_norm, self.config.norm_eps))
             .collect();
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        matmul(head, self.config.vocab_size, &hs)
+        let mut out = matmul(head, self.config.vocab_size, &hs);
+        let scale = T::of(self.config.scales.logits);
+        for v in out.iter_mut().flatten() {
+            *v = *v * scale;
+        }
+        out
     }
 
     /// A Mamba2 mixer over the `L` normed inputs `hs`: the residual update of each token.
@@ -346,6 +374,57 @@ fn mamba<T: Real>(c: &ModelConfig, m: &MambaWeights) -> Result<Mamba<T>> {
         mixer_norm: convert(&m.mixer_norm)?,
         out_proj: convert(&m.out_proj)?,
     })
+}
+
+/// An MLP's weights in `T`.
+fn mlp_weights<T: Real>(m: &MlpWeights) -> Result<Mlp<T>> {
+    Ok(Mlp {
+        up: convert(&m.up)?,
+        up_bias: convert_opt(m.up_bias.as_ref())?,
+        gate: match &m.gate {
+            Some(g) => Some((convert(g)?, convert_opt(m.gate_bias.as_ref())?)),
+            None => None,
+        },
+        down: convert(&m.down)?,
+        down_bias: convert_opt(m.down_bias.as_ref())?,
+    })
+}
+
+/// One token's routing (`moe.rs`: transformers' formulas) from its router logits.
+pub fn route<T: Real>(mc: &MoeConfig, logits: &[T], correction_bias: Option<&[T]>) -> Route<T> {
+    match (mc.group_routing(), correction_bias) {
+        (Some(g), Some(bias)) => route_grouped(logits, bias, &g),
+        (Some(g), None) => route_grouped(logits, &vec![T::zero(); mc.experts], &g),
+        (None, _) => route_softmax_top_k(logits, mc.top_k),
+    }
+}
+
+/// An MoE block over the normed inputs `hs`: each token's `top_k` experts, weighted, plus
+/// the shared expert.
+fn moe<T: Real>(mc: &MoeConfig, w: &Moe<T>, hs: &[Vec<T>]) -> Vec<Vec<T>> {
+    let expert_shape = MlpConfig {
+        intermediate: mc.intermediate,
+        act: mc.act,
+        bias: false,
+    };
+    let logits = matmul(&w.router, mc.experts, hs);
+    let mut out: Vec<Vec<T>> = hs
+        .iter()
+        .zip(&logits)
+        .map(|(h, logits)| {
+            let r = route(mc, logits, w.correction_bias.as_deref());
+            let x = std::slice::from_ref(h);
+            routed_sum(&r, h.len(), |e| {
+                mlp(&expert_shape, &w.experts[e], x).swap_remove(0)
+            })
+        })
+        .collect();
+    if let (Some(sc), Some(sw)) = (&mc.shared, &w.shared) {
+        for (o, s) in out.iter_mut().zip(mlp(sc, sw, hs)) {
+            o.iter_mut().zip(s).for_each(|(o, s)| *o = *o + s);
+        }
+    }
+    out
 }
 
 /// `W·x + b` for each row of `xs`.

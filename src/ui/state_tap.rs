@@ -146,7 +146,7 @@ impl StateTap {
                     k: Vec::new(),
                     v: Vec::new(),
                 },
-                BlockKind::Mlp => LayerState::Stateless,
+                BlockKind::Mlp | BlockKind::Moe => LayerState::Stateless,
             })
             .collect();
         let st = State { layers, len: p.len };

@@ -238,5 +238,6 @@ pub fn decode_dispatches(kind: BlockKind, fused: bool) -> usize {
         BlockKind::Mamba2 => 7,
         BlockKind::Attention => 6,
         BlockKind::Mlp => 4,
+        BlockKind::Moe => 9,
     }
 }

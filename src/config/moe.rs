@@ -1,0 +1,152 @@
+//! The mixture-of-experts block's shape: how many experts, how a token picks its `top_k`, what
+//! an expert computes, and the always-on shared expert. Parsed from Nemotron-H
+//! (`n_routed_experts`, group routing) and Granite-4.0-H (`num_local_experts`, softmax top-k).
+
+use super::{Fields, MlpAct, MlpConfig};
+use crate::error::Result;
+use crate::reference::moe::{GroupRouting, check_top_k};
+
+/// How a token's router logits become its experts and their weights (HYBRIDS.md).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Router {
+    /// Nemotron-H (DeepSeek-V3's router): sigmoid scores, selection on scores plus the
+    /// `e_score_correction_bias`, limited to the best `topk_group` of `n_group` groups;
+    /// weights from the uncorrected scores, normalised when `norm_topk_prob`, times
+    /// `routed_scaling_factor`.
+    Grouped {
+        n_group: usize,
+        topk_group: usize,
+        norm_topk_prob: bool,
+        routed_scaling_factor: f64,
+    },
+    /// Granite (Mixtral's router): the `top_k` best logits, softmax over those only.
+    SoftmaxTopK,
+}
+
+/// The MoE layers' shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts `E`.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Width of one routed expert.
+    pub intermediate: usize,
+    /// What a routed expert computes (`relu2`: `down(relu(up x)²)`; gated: `[gate; up]`).
+    pub act: MlpAct,
+    pub router: Router,
+    /// The shared expert added to every token (its own width and activation).
+    pub shared: Option<MlpConfig>,
+}
+
+impl MoeConfig {
+    /// Rows of one expert's up projection: `I`, or `2I` for `[gate; up]`.
+    pub fn up_rows(&self) -> usize {
+        match self.act {
+            MlpAct::Relu2 => self.intermediate,
+            MlpAct::SiluGated => 2 * self.intermediate,
+        }
+    }
+
+    /// Whether the router adds a per-expert correction bias before choosing.
+    pub fn has_correction_bias(&self) -> bool {
+        matches!(self.router, Router::Grouped { .. })
+    }
+
+    /// The grouped router's settings for the CPU reference (`None` for softmax top-k).
+    pub fn group_routing(&self) -> Option<GroupRouting> {
+        match self.router {
+            Router::Grouped {
+                n_group,
+                topk_group,
+                norm_topk_prob,
+                routed_scaling_factor,
+            } => Some(GroupRouting {
+                experts: self.experts,
+                n_group,
+                topk_group,
+                top_k: self.top_k,
+                norm_topk_prob,
+                routed_scaling_factor,
+            }),
+            Router::SoftmaxTopK => None,
+        }
+    }
+
+    /// The routing settings every kernel relies on: a message naming the config key when
+    /// transformers itself could not run them.
+    pub fn check(&self) -> std::result::Result<(), (&'static str, String)> {
+        match self.group_routing() {
+            Some(g) => g.check().map_err(|m| {
+                let field = if m.starts_with("num_experts_per_tok") {
+                    "num_experts_per_tok"
+                } else if m.starts_with("topk_group") {
+                    "topk_group"
+                } else {
+                    "n_group"
+                };
+                (field, m)
+            }),
+            None => check_top_k(self.experts, self.top_k).map_err(|m| ("num_experts_per_tok", m)),
+        }?;
+        if let Router::Grouped {
+            routed_scaling_factor: s,
+            ..
+        } = self.router
+            && !s.is_finite()
+        {
+            return Err((
+                "routed_scaling_factor",
+                format!("must be a finite number, found {s}"),
+            ));
+        }
+        if self.intermediate == 0 {
+            return Err(("moe_intermediate_size", "must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Nemotron-H's `E` layers (transformers 5.17 `NemotronHMOE`): one shared expert of
+/// `moe_shared_expert_intermediate_size` whatever `n_shared_experts` says, as transformers
+/// builds it.
+pub(super) fn parse_nemotron_h_moe(f: &Fields) -> Result<MoeConfig> {
+    if let Some(latent) = f.opt_usize("moe_latent_size")? {
+        f.reject_if(
+            "moe_latent_size",
+            latent > 0,
+            &format!(
+                "latent MoE projections ({latent}): no released checkpoint or oracle fixture to \
+                 check them against yet"
+            ),
+        )?;
+    }
+    if let Some(act) = f.opt_str("mlp_hidden_act")? {
+        f.reject_if(
+            "mlp_hidden_act",
+            act != "relu2",
+            &format!("the expert activation `{act}` (Nemotron-H experts are relu2)"),
+        )?;
+    }
+    let shared = match f.usize_or("moe_shared_expert_intermediate_size", 0)? {
+        0 => None,
+        width => Some(MlpConfig {
+            intermediate: width,
+            act: MlpAct::Relu2,
+            bias: false,
+        }),
+    };
+    Ok(MoeConfig {
+        experts: f.usize("n_routed_experts")?,
+        top_k: f.usize("num_experts_per_tok")?,
+        intermediate: f.usize("moe_intermediate_size")?,
+        act: MlpAct::Relu2,
+        router: Router::Grouped {
+            n_group: f.usize_or("n_group", 1)?,
+            topk_group: f.usize_or("topk_group", 1)?,
+            norm_topk_prob: f.bool_or("norm_topk_prob", true)?,
+            routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)?,
+        },
+        shared,
+    })
+}
