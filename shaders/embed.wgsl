@@ -1,7 +1,8 @@
 // Embedding rows into the residual: resid [D] = embedding[ctrl.token] (decode), or with
 // PROMPT resid [T, D] = embedding[prompt[t]] for the T = ctrl.prompt_len tokens of a
 // prefill block (grid row y = token). The [V, D] table is f32, f16 or q8_0 with rows
-// padded to KP columns (the same buffers the tied lm_head reads). One thread per element.
+// padded to KP columns (the same buffers the tied lm_head reads), times SCALE (Granite's
+// embedding multiplier; 1 elsewhere). One thread per element.
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<f32>;
@@ -36,14 +37,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 #endif
     let i = t * D + k;
 #if W_F32
-    resid[i] = w[row * KP + k];
+    resid[i] = SCALE * w[row * KP + k];
 #endif
 #if W_F16
-    resid[i] = unpack2x16float(w[(row * KP + k) / 2u])[k % 2u];
+    resid[i] = SCALE * unpack2x16float(w[(row * KP + k) / 2u])[k % 2u];
 #endif
 #if W_Q8
     let q = unpack4xI8(w[(row * KP + k) / 4u])[k % 4u];
     let si = row * (KP / 32u) + k / 32u;
-    resid[i] = f32(q) * unpack2x16float(ws[si / 2u])[si % 2u];
+    resid[i] = SCALE * f32(q) * unpack2x16float(ws[si / 2u])[si % 2u];
 #endif
 }

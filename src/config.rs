@@ -362,7 +362,8 @@ impl ModelConfig {
             } else {
                 0
             };
-            m.experts * (d + (m.up_rows() + d) * m.intermediate)
+            // router row + up rows + down, per expert
+            m.experts * (d + m.up_rows() * d + d * m.intermediate)
                 + bias
                 + m.shared.as_ref().map_or(0, mlp_params)
         });

@@ -29,7 +29,7 @@ fn load_err(dir: &Path) -> String {
 
 /// Rewrites the model's safetensors with `edit` applied to its tensor list.
 fn resave(dir: &Path, model: &Model, edit: impl FnOnce(&mut Vec<Tensor>)) {
-    let mut tensors: Vec<Tensor> = model.weights.all().into_iter().cloned().collect();
+    let mut tensors: Vec<Tensor> = model.weights.checkpoint().into_iter().cloned().collect();
     edit(&mut tensors);
     let refs: Vec<&Tensor> = tensors.iter().collect();
     mamba2_wgpu::model::safetensors::write_safetensors(&dir.join("model.safetensors"), &refs)
@@ -323,7 +323,7 @@ fn bad_hybrid_configs_name_the_field() {
         ),
         (
             with("hybrid_override_pattern", "M*E-".into()),
-            "layer 2 is a mixture-of-experts layer (`E`)",
+            "field `n_routed_experts`: missing",
         ),
         (
             with("num_attention_heads", 0.into()),
@@ -344,6 +344,144 @@ fn bad_hybrid_configs_name_the_field() {
         assert!(e.contains(want), "{text}\n  gave: {e}\n  want: {want}");
         assert!(e.contains("config.json"), "the error names the file: {e}");
     }
+}
+
+/// A copy of a fixture in a scratch directory.
+fn fixture_copy(fixture: &str, name: &str) -> PathBuf {
+    let dir = scratch(name);
+    let from = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(fixture);
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(from.join(f), dir.join(f)).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn moe_checkpoints_and_configs_are_checked() {
+    // A missing expert names its layer and expert; a stacked Granite tensor its layer.
+    let dir = fixture_copy("nemotron_h_moe", "moe_missing_expert");
+    let model = Model::load(&dir).unwrap();
+    resave(&dir, &model, |t| {
+        t.retain(|t| t.name != "backbone.layers.3.mixer.experts.7.up_proj.weight")
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.starts_with("tensor `backbone.layers.3.mixer.experts.7.up_proj.weight`: missing"),
+        "{e}"
+    );
+    resave(&dir, &model, |t| {
+        let x = t
+            .iter()
+            .find(|t| t.name == "backbone.layers.3.mixer.experts.7.up_proj.weight")
+            .unwrap()
+            .clone();
+        t.push(Tensor::from_f32(
+            "backbone.layers.3.mixer.experts.16.up_proj.weight",
+            x.shape.clone(),
+            &x.to_f32(),
+        ));
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.contains("experts.16.up_proj.weight") && e.contains("unexpected tensor"),
+        "{e}"
+    );
+    let dir = fixture_copy("granite_moe_hybrid", "granite_missing_experts");
+    let model = Model::load(&dir).unwrap();
+    resave(&dir, &model, |t| {
+        t.retain(|t| {
+            !t.name
+                .starts_with("model.layers.2.block_sparse_moe.input_linear")
+        })
+    });
+    let e = load_err(&dir);
+    assert!(
+        e.starts_with("tensor `model.layers.2.block_sparse_moe.input_linear.weight`: missing"),
+        "{e}"
+    );
+    // Configs: too many experts per token, a latent MoE, Granite with several Mamba groups.
+    for (fixture, key, value, want) in [
+        (
+            "nemotron_h_moe",
+            "num_experts_per_tok",
+            serde_json::json!(17),
+            "field `num_experts_per_tok`: num_experts_per_tok 17 is not within 1..=16",
+        ),
+        (
+            "nemotron_h_moe",
+            "topk_group",
+            serde_json::json!(5),
+            "field `topk_group`: topk_group 5 is not within 1..=4",
+        ),
+        (
+            "nemotron_h_moe",
+            "moe_latent_size",
+            serde_json::json!(64),
+            "`moe_latent_size`: latent MoE projections",
+        ),
+        (
+            "granite_moe_hybrid",
+            "num_experts_per_tok",
+            serde_json::json!(11),
+            "field `num_experts_per_tok`: num_experts_per_tok 11 is not within 1..=10",
+        ),
+        (
+            "granite_moe_hybrid",
+            "mamba_n_groups",
+            serde_json::json!(2),
+            "`mamba_n_groups`: 2 groups",
+        ),
+        (
+            "granite_moe_hybrid",
+            "logits_scaling",
+            serde_json::json!(0.0),
+            "field `logits_scaling`: must be a finite non-zero number",
+        ),
+    ] {
+        let dir = fixture_copy(fixture, "moe_config");
+        let path = dir.join("config.json");
+        let mut c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        c[key] = value;
+        std::fs::write(&path, c.to_string()).unwrap();
+        let e = load_err(&dir);
+        assert!(e.contains(want), "{fixture} {key}: {e}");
+        assert!(e.contains("config.json"), "the error names the file: {e}");
+    }
+}
+
+#[test]
+fn an_moe_model_round_trips() {
+    let dir = scratch("moe_round_trip");
+    let model = Model::synthetic(mamba2_wgpu::model::synthetic::tiny_moe("ME*E-M", false), 3);
+    model.save(&dir).unwrap();
+    let loaded = Model::load(&dir).unwrap();
+    assert_eq!(loaded.config, model.config);
+    let cpu = |m: &Model| CpuModel::<f32>::new(&m.config, &m.weights).unwrap();
+    let (a, b) = (cpu(&model), cpu(&loaded));
+    let run = |c: &CpuModel<f32>| {
+        c.forward(
+            &mut c.new_state(),
+            &[1, 2, 3],
+            mamba2_wgpu::reference::Scan::Sequential,
+            mamba2_wgpu::reference::Logits::Last,
+        )
+        .unwrap()
+    };
+    assert_eq!(run(&a), run(&b), "the saved model computes the same logits");
+    // Granite: the stacked expert tensors are written back as they were read.
+    let granite = Model::load(&fixture_copy("granite_moe_hybrid", "granite_src")).unwrap();
+    let dir = scratch("granite_round_trip");
+    granite.save(&dir).unwrap();
+    let loaded = Model::load(&dir).unwrap();
+    assert_eq!(loaded.config, granite.config);
+    assert_eq!(
+        run(&cpu(&granite)),
+        run(&cpu(&loaded)),
+        "the saved Granite model computes the same logits"
+    );
 }
 
 #[test]

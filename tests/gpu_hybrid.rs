@@ -50,6 +50,7 @@ fn backend(model: &Model, g: Gpu) -> Option<GpuBackend> {
         prefill: g.prefill,
         context: Some(g.ctx),
         kv: g.kv,
+        expert_bank_bytes: None,
     };
     Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
 }

@@ -554,7 +554,7 @@ fn gated_norm_residual_and_embedding() {
             }),
             g.zeros(dm),
         );
-        g.run(&embed::embed(&g.k, &m, &ctrl, &resid).unwrap());
+        g.run(&embed::embed(&g.k, &m, 1.0, &ctrl, &resid).unwrap());
         assert_eq!(
             g.read(&resid, dm),
             deq[11 * dm..12 * dm].to_vec(),

@@ -200,6 +200,18 @@ mod fixtures_on_gpu {
     }
 
     #[test]
+    fn nemotron_h_moe_on_gpu() {
+        // Mamba2, attention, MLP and MoE blocks: grouped sigmoid routing, shared expert.
+        check("nemotron_h_moe");
+    }
+
+    #[test]
+    fn granite_moe_hybrid_on_gpu() {
+        // Granite-4.0-H: mixer + (MoE + shared MLP) per layer, all µP multipliers ≠ 1.
+        check("granite_moe_hybrid");
+    }
+
+    #[test]
     fn q8_0_keeps_the_logits() {
         let model = Model::load(&common::fixture("hf_mamba2_g1")).unwrap();
         let (prompt, _, _) = oracle("hf_mamba2_g1");

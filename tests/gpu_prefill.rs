@@ -138,8 +138,15 @@ fn two_turns_equal_one_prefill_and_snapshots_restore() {
 
 #[test]
 fn perplexity_equals_the_oracle_figure() {
-    // All-Mamba and both hybrids (attention + MLP blocks, KV caches carried over the blocks).
-    for name in ["nemotron_h_g2", "nemotron_h_hybrid", "nemotron_h_mqa"] {
+    // All-Mamba, both hybrids (attention + MLP blocks, KV caches carried over the blocks)
+    // and both MoE hybrids.
+    for name in [
+        "nemotron_h_g2",
+        "nemotron_h_hybrid",
+        "nemotron_h_mqa",
+        "nemotron_h_moe",
+        "granite_moe_hybrid",
+    ] {
         perplexity_of(name);
     }
 }

@@ -53,7 +53,10 @@ pub enum DeviceMixer {
         out_proj: DeviceMatrix,
     },
     /// `qkv` is `[q; k; v]` stacked (one GEMV per token), `o` the output projection.
-    Attention { qkv: DeviceMatrix, o: DeviceMatrix },
+    Attention {
+        qkv: DeviceMatrix,
+        o: DeviceMatrix,
+    },
     /// `up` is `[I, d]`, or `[gate; up]` `[2I, d]` for gated MLPs; `bias`: where the up
     /// (or gate+up) and down biases start in the layer's parameters.
     Mlp {
@@ -61,6 +64,53 @@ pub enum DeviceMixer {
         down: DeviceMatrix,
         bias: Option<(usize, usize)>,
     },
+    Moe(DeviceMoe),
+}
+
+/// An MoE block on the device: the router (always f32: the choice of experts should not
+/// move with the weight format), the experts in banks of `per_bank` (each bank one binding
+/// within the adapter's limit; `up[b]` holds experts `b·per_bank…` as `[n·up_rows, d]`
+/// (`[gate; up]` per expert when gated), `down[b]` as `[n·d, I]`), the shared expert as an
+/// MLP, and where the correction bias starts in the layer's parameters (`[norm | bias]`).
+pub struct DeviceMoe {
+    pub router: DeviceMatrix,
+    pub up: Vec<DeviceMatrix>,
+    pub down: Vec<DeviceMatrix>,
+    pub per_bank: usize,
+    pub shared: Option<(DeviceMatrix, DeviceMatrix)>,
+    pub bias_off: Option<usize>,
+    /// `d`: rows of one expert's down projection.
+    pub d_model: usize,
+}
+
+impl DeviceMoe {
+    /// The banks as `(first expert, expert count, up bank, down bank)`.
+    pub fn banks(&self) -> impl Iterator<Item = (usize, usize, &DeviceMatrix, &DeviceMatrix)> {
+        self.up
+            .iter()
+            .zip(&self.down)
+            .enumerate()
+            .map(|(i, (u, d))| {
+                let first = i * self.per_bank;
+                let count = d.rows / self.d_model;
+                (first, count, u, d)
+            })
+    }
+}
+
+/// Experts per bank: as many as fit one storage binding of `max_binding` bytes (both
+/// projections), all of them when they fit.
+pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64) -> usize {
+    let Some(m) = &c.moe else { return 1 };
+    let bytes = |rows: usize, cols: usize| -> u64 {
+        let kp = format.padded_cols(cols) as u64;
+        match format {
+            WeightFormat::Q8_0 => rows as u64 * kp,
+            _ => format.bytes(rows, cols) as u64,
+        }
+    };
+    let per_expert = bytes(m.up_rows(), c.d_model).max(bytes(c.d_model, m.intermediate));
+    ((max_binding / per_expert.max(1)) as usize).clamp(1, m.experts)
 }
 
 /// One block on the device.
@@ -80,11 +130,19 @@ impl DeviceLayer {
         }
     }
 
-    pub fn matrices(&self) -> [&DeviceMatrix; 2] {
+    pub fn matrices(&self) -> Vec<&DeviceMatrix> {
         match &self.mixer {
-            DeviceMixer::Mamba2 { in_proj, out_proj } => [in_proj, out_proj],
-            DeviceMixer::Attention { qkv, o } => [qkv, o],
-            DeviceMixer::Mlp { up, down, .. } => [up, down],
+            DeviceMixer::Mamba2 { in_proj, out_proj } => vec![in_proj, out_proj],
+            DeviceMixer::Attention { qkv, o } => vec![qkv, o],
+            DeviceMixer::Mlp { up, down, .. } => vec![up, down],
+            DeviceMixer::Moe(m) => {
+                let mut v = vec![&m.router];
+                v.extend(m.up.iter().chain(&m.down));
+                if let Some((u, d)) = &m.shared {
+                    v.extend([u, d]);
+                }
+                v
+            }
         }
     }
 }
@@ -115,21 +173,38 @@ impl DeviceWeights {
 
     /// Uploads `model`'s weights, converting the big matrices to `format` (with progress,
     /// layer by layer so host memory stays bounded).
-    pub fn upload(ctx: &GpuContext, model: &Model, format: WeightFormat) -> Result<Self> {
+    /// `bank_bytes`: the most bytes one bank of experts may hold (at most the adapter's
+    /// storage-binding limit).
+    pub fn upload(
+        ctx: &GpuContext,
+        model: &Model,
+        format: WeightFormat,
+        bank_bytes: u64,
+    ) -> Result<Self> {
         let c = &model.config;
         let w = &model.weights;
         let total: u64 = w.all().iter().map(|t| t.numel() as u64).sum();
         let bar = crate::progress::bar(total, "uploading weights");
         // Every value is checked for NaN/±Inf as it is converted, and for what `format`
         // cannot hold as it is packed; an error names the checkpoint's tensor.
-        let upload = |name: &str, parts: &[&crate::model::Tensor]| -> Result<DeviceMatrix> {
+        // `scale` multiplies every value (Granite's residual multiplier, folded into the
+        // projections that end a block).
+        let upload_as = |name: &str,
+                         parts: &[&crate::model::Tensor],
+                         format: WeightFormat,
+                         scale: f32|
+         -> Result<DeviceMatrix> {
             let cols = parts[0].shape[1];
             let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
             let mut values = Vec::with_capacity(rows * cols);
             let mut starts = Vec::with_capacity(parts.len());
             for t in parts {
                 starts.push(values.len() / cols);
-                values.extend(finite_f32(t)?);
+                if scale == 1.0 {
+                    values.extend(finite_f32(t)?);
+                } else {
+                    values.extend(map_finite(t, |v| v * scale)?);
+                }
                 bar.inc(t.numel() as u64);
             }
             let packed = pack_parallel(format, &values, rows, cols).map_err(|i| {
@@ -140,6 +215,13 @@ impl DeviceWeights {
             })?;
             DeviceMatrix::upload(ctx, name, &packed)
         };
+        let upload =
+            |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format, 1.0);
+        let resid_scale = c.scales.residual as f32;
+        let upload_out = |name: &str, parts: &[&crate::model::Tensor]| {
+            upload_as(name, parts, format, resid_scale)
+        };
+        let per_bank = experts_per_bank(c, format, bank_bytes);
         let embedding = upload("embedding", &[&w.embedding])?;
         let lm_head = w
             .lm_head
@@ -166,7 +248,7 @@ impl DeviceWeights {
                     debug_assert_eq!(params.len(), layout.len);
                     DeviceMixer::Mamba2 {
                         in_proj: upload(&name("in_proj"), &[&m.in_proj])?,
-                        out_proj: upload(&name("out_proj"), &[&m.out_proj])?,
+                        out_proj: upload_out(&name("out_proj"), &[&m.out_proj])?,
                     }
                 }
                 MixerWeights::Attention(a) => {
@@ -176,10 +258,51 @@ impl DeviceWeights {
                     params.extend(finite_f32(&l.norm)?);
                     DeviceMixer::Attention {
                         qkv: upload(&name("qkv_proj"), &[&a.q, &a.k, &a.v])?,
-                        o: upload(&name("o_proj"), &[&a.o])?,
+                        o: upload_out(&name("o_proj"), &[&a.o])?,
                     }
                 }
-                MixerWeights::Moe(_) => return Err(gpu_unsupported(i, "MoE blocks")),
+                MixerWeights::Moe(m) => {
+                    params.extend(finite_f32(&l.norm)?);
+                    let bias_off = match &m.correction_bias {
+                        Some(b) => {
+                            let off = params.len();
+                            params.extend(finite_f32(b)?);
+                            Some(off)
+                        }
+                        None => None,
+                    };
+                    fn ups(e: &crate::model::MlpWeights) -> Vec<&crate::model::Tensor> {
+                        match &e.gate {
+                            Some(g) => vec![g, &e.up],
+                            None => vec![&e.up],
+                        }
+                    }
+                    let (mut up, mut down) = (Vec::new(), Vec::new());
+                    for (b, bank) in m.experts.chunks(per_bank).enumerate() {
+                        let parts: Vec<&crate::model::Tensor> =
+                            bank.iter().flat_map(|e| ups(e)).collect();
+                        up.push(upload(&name(&format!("experts.up.bank{b}")), &parts)?);
+                        let parts: Vec<&crate::model::Tensor> =
+                            bank.iter().map(|e| &e.down).collect();
+                        down.push(upload_out(&name(&format!("experts.down.bank{b}")), &parts)?);
+                    }
+                    let shared = match &m.shared {
+                        Some(s) => Some((
+                            upload(&name("shared.up"), &ups(s))?,
+                            upload_out(&name("shared.down"), &[&s.down])?,
+                        )),
+                        None => None,
+                    };
+                    DeviceMixer::Moe(DeviceMoe {
+                        router: upload_as(&name("router"), &[&m.router], WeightFormat::F32, 1.0)?,
+                        up,
+                        down,
+                        per_bank,
+                        shared,
+                        bias_off,
+                        d_model: c.d_model,
+                    })
+                }
                 MixerWeights::Mlp(m) => {
                     params.extend(finite_f32(&l.norm)?);
                     // Biases in the order of the up rows ([gate | up]), then down's.
@@ -202,7 +325,7 @@ impl DeviceWeights {
                     };
                     DeviceMixer::Mlp {
                         up,
-                        down: upload(&name("down_proj"), &[&m.down])?,
+                        down: upload_out(&name("down_proj"), &[&m.down])?,
                         bias,
                     }
                 }
@@ -218,9 +341,11 @@ impl DeviceWeights {
             ctx.wait()?;
         }
         bar.finish_and_clear();
+        // Granite's logits scaling, folded into the final norm's weight.
+        let logit_scale = c.scales.logits as f32;
         let final_params = ctx.storage_with(
             "final_norm",
-            bytemuck::cast_slice(&finite_f32(&w.final_norm)?),
+            bytemuck::cast_slice(&map_finite(&w.final_norm, |v| v * logit_scale)?),
         )?;
         Ok(DeviceWeights {
             embedding,

@@ -55,6 +55,9 @@ pub struct EngineOptions {
     pub context: Option<usize>,
     /// How the KV caches store K and V.
     pub kv: KvFormat,
+    /// The most bytes one bank of MoE experts may hold; `None`: the adapter's storage-binding
+    /// limit (tests set it small to run several banks).
+    pub expert_bank_bytes: Option<u64>,
 }
 
 /// How a prompt is fed into the state.
@@ -78,6 +81,7 @@ impl Default for EngineOptions {
             chunk_size: None,
             prefill: PrefillMode::Chunked,
             context: None,
+            expert_bank_bytes: None,
             kv: KvFormat::F16,
         }
     }
@@ -156,6 +160,11 @@ impl Engine {
             if rows == 0 || cols == 0 {
                 continue;
             }
+            // Expert banks are split to fit the binding limit: one expert must fit.
+            let rows = match (name, &c.moe) {
+                ("experts.up_proj" | "experts.down_proj", Some(m)) => rows / m.experts.max(1),
+                _ => rows,
+            };
             let kp = format.padded_cols(cols);
             let bytes = match format {
                 WeightFormat::Q8_0 => (rows * kp) as u64,
@@ -168,12 +177,20 @@ impl Engine {
                 );
             }
         }
-        // The largest workgroup arrays: the gated norm's G sums and the sampler's.
+        // The largest workgroup arrays: the gated norm's G sums and the sampler's, and the
+        // MoE router's three per-expert arrays and two per-group ones.
         let reduce = 4 * 256 * c.n_groups.max(3) as u32;
+        let router = c.moe.as_ref().map_or(0, |m| {
+            let groups = match m.router {
+                crate::config::Router::Grouped { n_group, .. } => n_group,
+                crate::config::Router::SoftmaxTopK => 0,
+            };
+            (12 * m.experts + 8 * groups) as u32
+        });
         Needs {
             largest_buffer: largest,
             storage_buffers_per_stage: 8,
-            workgroup_storage: (reduce + 1024).max(16 * 1024),
+            workgroup_storage: (reduce + 1024).max(router).max(16 * 1024),
             invocations_per_workgroup: 256,
         }
     }
@@ -181,7 +198,11 @@ impl Engine {
     /// Uploads `model` (converting the big matrices to `opts.format`, with progress) and
     /// builds the graphs.
     pub fn new(ctx: Arc<GpuContext>, model: &Model, opts: EngineOptions) -> Result<Self> {
-        let weights = DeviceWeights::upload(&ctx, model, opts.format)?;
+        let bank_bytes = opts
+            .expert_bank_bytes
+            .unwrap_or(u64::MAX)
+            .min(ctx.limits.max_storage_buffer_binding_size);
+        let weights = DeviceWeights::upload(&ctx, model, opts.format, bank_bytes)?;
         Self::assemble(ctx, &model.config, weights, opts)
     }
 
@@ -350,9 +371,50 @@ impl Engine {
         let embed_row = (w.embedding.bytes() / w.embedding.rows as u64).max(1);
         let mut b = embed_row + w.head().bytes() + 2 * self.state_bytes();
         for l in &w.layers {
-            b += l.matrices().iter().map(|m| m.bytes()).sum::<u64>() + l.params.size();
+            b += l.params.size();
+            match (&l.mixer, &self.config.moe) {
+                // Only the chosen experts' rows are read.
+                (crate::gpu::device_weights::DeviceMixer::Moe(m), Some(mc)) => {
+                    let experts: u64 = m.up.iter().chain(&m.down).map(|x| x.bytes()).sum();
+                    b += experts * mc.top_k as u64 / mc.experts as u64 + m.router.bytes();
+                    if let Some((u, d)) = &m.shared {
+                        b += u.bytes() + d.bytes();
+                    }
+                }
+                _ => b += l.matrices().iter().map(|m| m.bytes()).sum::<u64>(),
+            }
         }
         b + (cached as u64) * self.config.kv_bytes_per_token(self.state.kv.bytes()) as u64
+    }
+
+    /// How often each expert of each MoE layer was chosen since the engine was made (or the
+    /// counters were reset): one row of `E` counts per MoE layer, prompt and generated
+    /// tokens alike (a blocking read; for the inspector and tests).
+    pub fn expert_counts(&self) -> Result<Vec<Vec<u32>>> {
+        let Some(m) = &self.config.moe else {
+            return Ok(Vec::new());
+        };
+        let layers = self.config.count(crate::config::BlockKind::Moe);
+        let bytes = self
+            .ctx()
+            .read(&self.scratch.expert_counts, (4 * layers * m.experts) as u64)?;
+        let counts: Vec<u32> = bytes
+            .chunks_exact(4)
+            .take(layers * m.experts)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(counts.chunks(m.experts).map(<[u32]>::to_vec).collect())
+    }
+
+    /// Zeroes the expert-load counters.
+    pub fn reset_expert_counts(&self) {
+        let c = &self.scratch.expert_counts;
+        let mut enc = self
+            .ctx()
+            .device
+            .create_command_encoder(&Default::default());
+        enc.clear_buffer(c, 0, None);
+        self.ctx().queue.submit([enc.finish()]);
     }
 
     /// The widest GEMV input (sizes the q8 activation blocks).

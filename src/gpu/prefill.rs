@@ -6,7 +6,7 @@
 //! dispatches per layer per block instead of a decode graph per token, and a new chat turn
 //! continues from the carried state. The block graph comes from `gpu::blocks`.
 
-use crate::config::{BlockKind, MlpAct, ModelConfig};
+use crate::config::{BlockKind, ModelConfig};
 use crate::error::Result;
 use crate::gpu::blocks::prefill_graph;
 use crate::gpu::engine::Engine;
@@ -42,6 +42,18 @@ pub struct Prefill {
     /// MLP: `[T][up rows]` projections and `[T][ceil32(I)]` activations.
     pub mlp_up: wgpu::Buffer,
     pub mlp: wgpu::Buffer,
+    /// MoE: `[T][E]` router logits, `[T][K]` ids and weights, `[T·K][up rows]` expert
+    /// projections, `[T·K][ceil32(I)]` activations and their q8 blocks, and the q8 blocks
+    /// `hq`, `hd` of the normed rows (q8_0 expert matrices).
+    pub router_logits: wgpu::Buffer,
+    pub moe_ids: wgpu::Buffer,
+    pub moe_weights: wgpu::Buffer,
+    pub moe_up: wgpu::Buffer,
+    pub moe_mid: wgpu::Buffer,
+    pub moe_xq: wgpu::Buffer,
+    pub moe_xd: wgpu::Buffer,
+    pub hq: wgpu::Buffer,
+    pub hd: wgpu::Buffer,
     /// `[T][V]` logits (perplexity blocks only).
     pub logits: Option<wgpu::Buffer>,
     /// Feeds a block: the state advances by its tokens.
@@ -69,10 +81,13 @@ impl Prefill {
             .attention
             .as_ref()
             .map_or((0, 0), |a| (a.qkv_rows(), pad(a.q_width())));
-        let (up, mlp) = c.mlp.as_ref().map_or((0, 0), |m| {
-            let ups = if m.act == MlpAct::SiluGated { 2 } else { 1 };
-            (ups * m.intermediate, pad(m.intermediate))
+        let (up, mlp) = crate::gpu::scratch::mlp_widths(c);
+        let (experts, top_k, expert_up, expert_mid) = c.moe.as_ref().map_or((0, 0, 0, 0), |m| {
+            (m.experts, m.top_k, m.up_rows(), pad(m.intermediate))
         });
+        // q8 blocks of the MoE inputs (q8_0 expert matrices read them).
+        let q8 = e.format == crate::model::quant::WeightFormat::Q8_0 && experts > 0;
+        let q = |n: usize| if q8 { n } else { 1 };
         let mamba = c.count(BlockKind::Mamba2) > 0;
         let m = |n: usize| if mamba { n } else { 1 };
         let mut p = Prefill {
@@ -98,6 +113,15 @@ impl Prefill {
             attn: ctx.storage_zeroed("prefill attn", f32s(t * attn))?,
             mlp_up: ctx.storage_zeroed("prefill mlp up", f32s(t * up))?,
             mlp: ctx.storage_zeroed("prefill mlp", f32s(t * mlp))?,
+            router_logits: ctx.storage_zeroed("prefill router logits", f32s(t * experts))?,
+            moe_ids: ctx.storage_zeroed("prefill moe ids", f32s(t * top_k))?,
+            moe_weights: ctx.storage_zeroed("prefill moe weights", f32s(t * top_k))?,
+            moe_up: ctx.storage_zeroed("prefill moe up", f32s(t * top_k * expert_up))?,
+            moe_mid: ctx.storage_zeroed("prefill moe mid", f32s(t * top_k * expert_mid))?,
+            moe_xq: ctx.storage_zeroed("prefill moe xq", f32s(q(t * top_k * expert_mid / 4)))?,
+            moe_xd: ctx.storage_zeroed("prefill moe xd", f32s(q(t * top_k * expert_mid / 32)))?,
+            hq: ctx.storage_zeroed("prefill hq", f32s(q(t * pad(c.d_model) / 4)))?,
+            hd: ctx.storage_zeroed("prefill hd", f32s(q(t * pad(c.d_model) / 32)))?,
             logits: None,
             graph: Graph::default(),
             logits_graph: None,

@@ -38,6 +38,17 @@ pub struct Scratch {
     pub mlp_up: wgpu::Buffer,
     /// MLP: the activation (down's input), zero-padded to 32.
     pub mlp: wgpu::Buffer,
+    /// MoE: router logits `[E]`, the chosen ids `[K]` (u32) and weights `[K]`, the experts'
+    /// up projections `[K][up rows]`, activations `[K][ceil32(I)]` and their q8 blocks.
+    pub router_logits: wgpu::Buffer,
+    pub moe_ids: wgpu::Buffer,
+    pub moe_weights: wgpu::Buffer,
+    pub moe_up: wgpu::Buffer,
+    pub moe_mid: wgpu::Buffer,
+    pub moe_xq: wgpu::Buffer,
+    pub moe_xd: wgpu::Buffer,
+    /// MoE: how often each expert of each MoE layer was chosen `[MoE layers][E]` (u32).
+    pub expert_counts: wgpu::Buffer,
     pub logits: wgpu::Buffer,
     pub probs: wgpu::Buffer,
     pub ctrl: wgpu::Buffer,
@@ -47,12 +58,34 @@ pub struct Scratch {
 /// The widest vector a GEMV reads in this model (its q8 blocks are sized for it).
 pub fn widest_input(c: &ModelConfig) -> usize {
     let attn = c.attention.as_ref().map_or(0, |a| a.q_width());
-    let mlp = c.mlp.as_ref().map_or(0, |m| m.intermediate);
+    let mlp = mlp_shapes(c).map(|m| m.intermediate).max().unwrap_or(0);
     c.d_model
         .max(c.d_inner)
         .max(attn)
         .max(mlp)
         .next_multiple_of(32)
+}
+
+/// Every dense MLP shape: the MLP blocks' and the MoE blocks' shared expert.
+pub fn mlp_shapes(c: &ModelConfig) -> impl Iterator<Item = &crate::config::MlpConfig> {
+    c.mlp
+        .iter()
+        .chain(c.moe.as_ref().and_then(|m| m.shared.as_ref()))
+}
+
+/// `(up rows, ceil32(I))` of the widest dense MLP (scratch sizes), zeros without one.
+pub fn mlp_widths(c: &ModelConfig) -> (usize, usize) {
+    mlp_shapes(c).fold((0, 0), |(u, i), m| {
+        let ups = if m.act == crate::config::MlpAct::SiluGated {
+            2
+        } else {
+            1
+        };
+        (
+            u.max(ups * m.intermediate),
+            i.max(m.intermediate.next_multiple_of(32)),
+        )
+    })
 }
 
 impl Scratch {
@@ -69,14 +102,11 @@ impl Scratch {
         let pad = |n: usize| n.next_multiple_of(32);
         let qkv = c.attention.as_ref().map_or(0, |a| a.qkv_rows());
         let attn = c.attention.as_ref().map_or(0, |a| pad(a.q_width()));
-        let (up, mlp) = c.mlp.as_ref().map_or((0, 0), |m| {
-            let ups = if m.act == crate::config::MlpAct::SiluGated {
-                2
-            } else {
-                1
-            };
-            (ups * m.intermediate, pad(m.intermediate))
+        let (up, mlp) = mlp_widths(c);
+        let (experts, top_k, expert_up, expert_mid) = c.moe.as_ref().map_or((0, 0, 0, 0), |m| {
+            (m.experts, m.top_k, m.up_rows(), pad(m.intermediate))
         });
+        let moe_layers = c.count(crate::config::BlockKind::Moe);
         Ok(Scratch {
             resid: ctx.storage_zeroed("resid", f32s(c.d_model))?,
             mix: ctx.storage_zeroed("mix", f32s(c.d_in_proj()))?,
@@ -92,6 +122,14 @@ impl Scratch {
             attn_part: ctx.storage_zeroed("attn partials", f32s(attn_part))?,
             mlp_up: ctx.storage_zeroed("mlp up", f32s(up))?,
             mlp: ctx.storage_zeroed("mlp", f32s(mlp))?,
+            router_logits: ctx.storage_zeroed("router logits", f32s(experts))?,
+            moe_ids: ctx.storage_zeroed("moe ids", f32s(top_k))?,
+            moe_weights: ctx.storage_zeroed("moe weights", f32s(top_k))?,
+            moe_up: ctx.storage_zeroed("moe up", f32s(top_k * expert_up))?,
+            moe_mid: ctx.storage_zeroed("moe mid", f32s(top_k * expert_mid))?,
+            moe_xq: ctx.storage_zeroed("moe xq", f32s(top_k * expert_mid / 4))?,
+            moe_xd: ctx.storage_zeroed("moe xd", f32s(top_k * expert_mid / 32))?,
+            expert_counts: ctx.storage_zeroed("expert counts", f32s(moe_layers * experts))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
             probs: ctx.storage_zeroed("probs", f32s(c.vocab_size))?,
             ctrl: ctx.storage_zeroed("ctrl", std::mem::size_of::<Ctrl>() as u64)?,
@@ -116,6 +154,14 @@ impl Scratch {
             &self.attn_part,
             &self.mlp_up,
             &self.mlp,
+            &self.router_logits,
+            &self.moe_ids,
+            &self.moe_weights,
+            &self.moe_up,
+            &self.moe_mid,
+            &self.moe_xq,
+            &self.moe_xd,
+            &self.expert_counts,
             &self.logits,
             &self.probs,
             &self.ctrl,

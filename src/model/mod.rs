@@ -55,13 +55,16 @@ impl Model {
         let text =
             serde_json::to_string_pretty(&self.config.to_hf_json()).expect("JSON of plain values");
         std::fs::write(&config, text).map_err(|e| crate::Error::io(&config, e))?;
-        self::safetensors::write_safetensors(&dir.join("model.safetensors"), &self.weights.all())
+        self::safetensors::write_safetensors(
+            &dir.join("model.safetensors"),
+            &self.weights.checkpoint(),
+        )
     }
 
     /// The dtypes present in the checkpoint with how many tensors use each.
     pub fn dtype_counts(&self) -> Vec<(DType, usize)> {
         let mut counts: Vec<(DType, usize)> = Vec::new();
-        for t in self.weights.all() {
+        for t in self.weights.checkpoint() {
             match counts.iter_mut().find(|(d, _)| *d == t.dtype) {
                 Some((_, n)) => *n += 1,
                 None => counts.push((t.dtype, 1)),

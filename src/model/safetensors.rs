@@ -63,6 +63,8 @@ pub struct Tensor {
     pub shape: Vec<usize>,
     bytes: Bytes,
     range: Range<usize>,
+    /// For a view (`rows`): the whole checkpoint tensor it is part of.
+    view_of: Option<Arc<Tensor>>,
 }
 
 impl std::fmt::Debug for Tensor {
@@ -93,6 +95,7 @@ impl Tensor {
             shape,
             bytes: Bytes::Owned(Arc::new(bytes)),
             range: 0..len,
+            view_of: None,
         }
     }
 
@@ -111,7 +114,13 @@ impl Tensor {
             shape,
             bytes: Bytes::Owned(Arc::new(bytes)),
             range: 0..len,
+            view_of: None,
         }
+    }
+
+    /// The checkpoint tensor this one is a view of, or itself.
+    pub fn origin(&self) -> &Tensor {
+        self.view_of.as_deref().unwrap_or(self)
     }
 
     pub fn numel(&self) -> usize {
@@ -142,6 +151,11 @@ impl Tensor {
             shape,
             bytes: self.bytes.clone(),
             range: start..start + (first.end - first.start) * per,
+            view_of: Some(
+                self.view_of
+                    .clone()
+                    .unwrap_or_else(|| Arc::new(self.clone())),
+            ),
         }
     }
 
@@ -310,6 +324,7 @@ impl TensorStore {
                 shape: info.shape.clone(),
                 bytes: bytes.clone(),
                 range: data_start + start..data_start + end,
+                view_of: None,
             };
             self.tensors.insert(name, tensor);
         }

@@ -248,3 +248,57 @@ pub fn tiny_hybrid(pattern: &str, kv_heads: usize) -> ModelConfig {
     });
     c
 }
+
+/// A tiny MoE hybrid for tests: `pattern` in Nemotron-H letters with `E` for MoE blocks.
+/// `granite: false` — Nemotron-H's grouped sigmoid router (12 experts in 4 groups, 2 kept,
+/// top 3, norm_topk_prob, scaling 2.5) with relu² experts of width 24 and a shared expert
+/// of width 40; `granite: true` — Granite's softmax top-3 of 10 gated experts (width 16), a
+/// gated shared MLP of width 32 and the µP multipliers (embedding 3, residual 0.5, logits
+/// ÷ 2.5).
+pub fn tiny_moe(pattern: &str, granite: bool) -> ModelConfig {
+    use crate::config::{MoeConfig, Router, Scales};
+    let mut c = tiny_hybrid(&pattern.replace('E', "-"), 2);
+    for (k, ch) in c.blocks.iter_mut().zip(pattern.chars()) {
+        if ch == 'E' {
+            *k = BlockKind::Moe;
+        }
+    }
+    if !c.blocks.contains(&BlockKind::Mlp) {
+        c.mlp = None;
+    }
+    let (act, experts, width, shared) = if granite {
+        (MlpAct::SiluGated, 10, 16, 32)
+    } else {
+        (MlpAct::Relu2, 12, 24, 40)
+    };
+    c.moe = Some(MoeConfig {
+        experts,
+        top_k: 3,
+        intermediate: width,
+        act,
+        router: if granite {
+            Router::SoftmaxTopK
+        } else {
+            Router::Grouped {
+                n_group: 4,
+                topk_group: 2,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.5,
+            }
+        },
+        shared: Some(MlpConfig {
+            intermediate: shared,
+            act,
+            bias: false,
+        }),
+    });
+    if granite {
+        c.scales = Scales {
+            embedding: 3.0,
+            residual: 0.5,
+            logits: 0.4,
+        };
+        c.tie_embeddings = true;
+    }
+    c
+}

@@ -192,6 +192,18 @@ impl ModelWeights {
         out
     }
 
+    /// The checkpoint's own tensors, in `all`'s order: views (Granite's per-expert and
+    /// gate/up halves) replaced by the stacked tensor they come from, each once. What
+    /// `Model::save` writes.
+    pub fn checkpoint(&self) -> Vec<&Tensor> {
+        let mut seen = std::collections::HashSet::new();
+        self.all()
+            .into_iter()
+            .map(Tensor::origin)
+            .filter(|t| seen.insert(t.name.clone()))
+            .collect()
+    }
+
     /// Maps checkpoint tensors onto the structure, checking that nothing is missing, extra
     /// or mis-shaped; every error names the tensor as the checkpoint spells it.
     pub fn from_tensors(

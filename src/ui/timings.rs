@@ -30,6 +30,7 @@ pub fn section_color(s: Section) -> Color32 {
         Section::Norm => Color32::from_rgb(171, 71, 188),
         Section::Attn => Color32::from_rgb(0, 150, 136),
         Section::Mlp => Color32::from_rgb(255, 112, 67),
+        Section::Moe => Color32::from_rgb(233, 30, 99),
         Section::Other => Color32::from_rgb(140, 140, 140),
     }
 }

@@ -477,7 +477,32 @@ fn check_config(c: &ModelConfig) -> Check {
         }
         None => n(0),
     };
-    let layers = m * (d + mamba_params) + att * (d + att_params) + mlp * (d + mlp_params);
+    let moe = count(BlockKind::Moe);
+    let gated = |a| {
+        n(if a == mamba2_wgpu::config::MlpAct::SiluGated {
+            2
+        } else {
+            1
+        })
+    };
+    let moe_params = match &c.moe {
+        Some(mo) => {
+            let (e, i) = (n(mo.experts), n(mo.intermediate));
+            let router = e * d;
+            let bias = if mo.has_correction_bias() { e } else { n(0) };
+            let experts = e * (gated(mo.act) * i * d + d * i);
+            let shared = match &mo.shared {
+                Some(s) => (gated(s.act) + n(1)) * n(s.intermediate) * d,
+                None => n(0),
+            };
+            router + bias + experts + shared
+        }
+        None => n(0),
+    };
+    let layers = m * (d + mamba_params)
+        + att * (d + att_params)
+        + mlp * (d + mlp_params)
+        + moe * (d + moe_params);
     let head = if c.tie_embeddings { n(0) } else { v * d };
     let params = v * d + layers + d + head;
 
@@ -517,6 +542,17 @@ fn check_config(c: &ModelConfig) -> Check {
         && let Some(ml) = &c.mlp
     {
         fits_u32("intermediate_size × d_model", n(ml.intermediate) * d)?;
+    }
+    if moe != n(0)
+        && let Some(mo) = &c.moe
+    {
+        let (e, i) = (n(mo.experts), n(mo.intermediate));
+        fits_u32("experts × up rows × d_model", e * gated(mo.act) * i * d)?;
+        fits_u32("experts × d_model × intermediate", e * d * i)?;
+        invariant(
+            (1..=mo.experts).contains(&mo.top_k),
+            "num_experts_per_tok outside 1..=experts",
+        )?;
     }
     // Every derived size the config exposes computes exactly.
     same("conv_dim", conv_dim, || c.conv_dim())?;
@@ -568,6 +604,8 @@ fn check_config(c: &ModelConfig) -> Check {
             if key(&back) != key(c)
                 || back.attention != c.attention
                 || back.mlp != c.mlp
+                || back.moe != c.moe
+                || back.scales != c.scales
                 || back.norm_eps != c.norm_eps
             {
                 return Err(fail(

@@ -21,21 +21,21 @@ fn mlp_section(d: Dispatch) -> Dispatch {
 }
 
 /// The model's MLP shape.
-fn shape<'a>(b: &BlockCtx<'a>) -> Result<&'a MlpConfig> {
+pub fn shape<'a>(b: &BlockCtx<'a>) -> Result<&'a MlpConfig> {
     b.c.mlp
         .as_ref()
         .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))
 }
 
-/// One decode token through an MLP (after the pre-norm into `h`).
+/// One decode token through an MLP of shape `m` (after the pre-norm into `h`).
 pub fn decode(
     b: &BlockCtx,
+    m: &MlpConfig,
     up: &DeviceMatrix,
     down: &DeviceMatrix,
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let m = shape(b)?;
     let q8 = b.q8();
     let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
     Ok(vec![
@@ -72,17 +72,17 @@ pub fn decode(
     ])
 }
 
-/// A prefill block through an MLP (after the batched pre-norm into `p.h`).
+/// A prefill block through an MLP of shape `m` (after the batched pre-norm into `p.h`).
 pub fn prefill(
     b: &BlockCtx,
     p: &Prefill,
     tokens: usize,
+    m: &MlpConfig,
     up: &DeviceMatrix,
     down: &DeviceMatrix,
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let m = shape(b)?;
     Ok(vec![
         mlp_section(
             gemm(

@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod mamba2;
 pub mod mlp;
+pub mod moe;
 
 use crate::config::{BlockKind, ModelConfig};
 use crate::error::Result;
@@ -45,7 +46,9 @@ impl BlockCtx<'_> {
 /// kernels cannot take run the unfused one), `tail` what ends it.
 pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) -> Result<Graph> {
     let (k, c, s) = (b.k, b.c, b.s);
-    let mut d = vec![embed::embed(k, &w.embedding, &s.ctrl, &s.resid)?];
+    let scale = c.scales.embedding as f32;
+    let mut d = vec![embed::embed(k, &w.embedding, scale, &s.ctrl, &s.resid)?];
+    let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
         let mut ds = vec![pre_norm(
             b,
@@ -61,8 +64,16 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
                 attention::decode(b, qkv, o, kc, vc)?
             }
-            (DeviceMixer::Mlp { up, down, bias }, DeviceLayerState::Stateless) => {
-                mlp::decode(b, up, down, mlp_bias(b, &layer.params, *bias, &b.s.resid))?
+            (DeviceMixer::Mlp { up, down, bias }, DeviceLayerState::Stateless) => mlp::decode(
+                b,
+                mlp::shape(b)?,
+                up,
+                down,
+                mlp_bias(b, &layer.params, *bias, &b.s.resid),
+            )?,
+            (DeviceMixer::Moe(m), DeviceLayerState::Stateless) => {
+                moe_index += 1;
+                moe::decode(b, m, &layer.params, moe_index - 1)?
             }
             _ => unreachable!("the state store is built from the same blocks"),
         });
@@ -111,15 +122,28 @@ pub fn prefill_graph(
 ) -> Result<Graph> {
     let (k, c, s) = (b.k, b.c, b.s);
     let t = cc.max_tokens;
+    let mut moe_index = 0;
     let mut d = vec![
-        embed::embed_prompt(k, &w.embedding, t, &p.prompt, &p.resid, &s.ctrl)?.per_token(1, 1, 1),
+        embed::embed_prompt(
+            k,
+            &w.embedding,
+            c.scales.embedding as f32,
+            t,
+            &p.prompt,
+            &p.resid,
+            &s.ctrl,
+        )?
+        .per_token(1, 1, 1),
     ];
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
+        // MoE blocks over q8_0 experts also want the q8 blocks of the normed rows.
+        let q8 = (layer.kind == BlockKind::Moe && b.format == WeightFormat::Q8_0)
+            .then_some((&p.hq, &p.hd));
         let mut ds = vec![pre_norm(
             b,
             &layer.params,
             layer.norm_offset(b.layout),
-            Some((p, t)),
+            Some((p, t, q8)),
         )?];
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
@@ -133,10 +157,15 @@ pub fn prefill_graph(
                 b,
                 p,
                 t,
+                mlp::shape(b)?,
                 up,
                 down,
                 mlp_bias(b, &layer.params, *bias, &p.resid),
             )?,
+            (DeviceMixer::Moe(m), DeviceLayerState::Stateless) => {
+                moe_index += 1;
+                moe::prefill(b, p, t, m, &layer.params, moe_index - 1)?
+            }
             _ => unreachable!("the state store is built from the same blocks"),
         });
         d.extend(ds.into_iter().map(|x| x.at(i, layer.kind)));
@@ -190,12 +219,16 @@ fn mlp_bias<'a>(
     })
 }
 
-/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows.
+/// q8 activation blocks `(xq, xd)`.
+type Q8Blocks<'a> = (&'a wgpu::Buffer, &'a wgpu::Buffer);
+
+/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows
+/// (and their q8 blocks when the block's matrices want them).
 fn pre_norm(
     b: &BlockCtx,
     params: &wgpu::Buffer,
     offset: usize,
-    prefill: Option<(&Prefill, usize)>,
+    prefill: Option<(&Prefill, usize, Option<Q8Blocks>)>,
 ) -> Result<Dispatch> {
     let c = b.c;
     Ok(match prefill {
@@ -213,7 +246,7 @@ fn pre_norm(
                 q8: b.q8(),
             },
         )?,
-        Some((p, t)) => rmsnorm::rmsnorm(
+        Some((p, t, q8)) => rmsnorm::rmsnorm(
             b.k,
             "norm",
             c.d_model,
@@ -224,7 +257,7 @@ fn pre_norm(
                 src: &p.resid,
                 params,
                 dst: &p.h,
-                q8: None,
+                q8,
             },
         )?
         .per_token(1, 1, 1),

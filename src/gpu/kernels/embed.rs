@@ -1,5 +1,5 @@
 //! `embed.wgsl`: `resid [D] = embedding [V, D] row ctrl.token` (decode), or for a prefill
-//! block `resid [T][D]` = the rows of `prompt [T]`; any weight format.
+//! block `resid [T][D]` = the rows of `prompt [T]`; any weight format; times a scale.
 
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
@@ -12,6 +12,7 @@ const WG: u32 = 64;
 fn dispatch(
     k: &Kernels,
     table: &DeviceMatrix,
+    scale: f32,
     name: &str,
     tokens: usize,
     entries: &[(u32, &wgpu::Buffer)],
@@ -21,6 +22,7 @@ fn dispatch(
         ("D", Const::U32(table.cols as u32)),
         ("V", Const::U32(table.rows as u32)),
         ("KP", Const::U32(table.kp as u32)),
+        ("SCALE", Const::F32(scale)),
     ];
     let mut flags = vec![table.flag()];
     if tokens > 1 {
@@ -40,21 +42,23 @@ fn dispatch(
     })
 }
 
-/// The decode embed: the row of `ctrl.token`.
+/// The decode embed: the row of `ctrl.token`, times `scale`.
 pub fn embed(
     k: &Kernels,
     table: &DeviceMatrix,
+    scale: f32,
     ctrl: &wgpu::Buffer,
     resid: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     check_len("embed: resid", resid, table.cols)?;
-    dispatch(k, table, "embed", 1, &[(2, ctrl), (3, resid)])
+    dispatch(k, table, scale, "embed", 1, &[(2, ctrl), (3, resid)])
 }
 
 /// The prefill embed of a block of up to `max_tokens` tokens (`ctrl.prompt_len` of them).
 pub fn embed_prompt(
     k: &Kernels,
     table: &DeviceMatrix,
+    scale: f32,
     max_tokens: usize,
     prompt: &wgpu::Buffer,
     resid: &wgpu::Buffer,
@@ -66,6 +70,7 @@ pub fn embed_prompt(
     Ok(dispatch(
         k,
         table,
+        scale,
         "prefill_embed",
         max_tokens.max(2),
         &[(2, ctrl), (3, resid), (4, prompt)],

@@ -11,6 +11,7 @@ pub mod attn;
 pub mod chunk;
 pub mod conv_step;
 pub mod embed;
+pub mod expert_gemv;
 pub mod fill;
 pub mod gated_norm;
 pub mod gemm;
@@ -18,6 +19,7 @@ pub mod gemm_coop;
 pub mod gemv;
 pub mod kv_store;
 pub mod mlp_act;
+pub mod moe_route;
 pub mod prefill_conv;
 pub mod residual_add;
 pub mod rmsnorm;
@@ -45,17 +47,20 @@ pub enum Section {
     Norm,
     Attn,
     Mlp,
+    /// MoE blocks: router, routed experts and the shared expert.
+    Moe,
     Other,
 }
 
 impl Section {
-    pub const ALL: [Section; 7] = [
+    pub const ALL: [Section; 8] = [
         Section::Matmul,
         Section::Conv,
         Section::Ssd,
         Section::Norm,
         Section::Attn,
         Section::Mlp,
+        Section::Moe,
         Section::Other,
     ];
     pub fn name(self) -> &'static str {
@@ -66,6 +71,7 @@ impl Section {
             Section::Norm => "NORM",
             Section::Attn => "ATTN",
             Section::Mlp => "MLP",
+            Section::Moe => "MOE",
             Section::Other => "OTHER",
         }
     }

@@ -1,0 +1,103 @@
+// The routed experts' projections, reading the chosen ids from the router's buffers (the
+// dispatch never changes; only the chosen experts' rows are read). W is a bank of NE
+// experts starting at expert E0: [NE·M, KP] in f32, f16 or q8_0, expert e's M rows at
+// (e − E0)·M. Teams of TEAM invocations own a row, as in gemv.wgsl. Input vectors are XS
+// (KP rounded up to 32) values apart, as the norms and activations write them.
+// UP (grid z = t·K + s, the token's s-th choice): dst[(t·K + s)·M + row] = W_id[row] · x_t
+//   where x_t is the token's normed input (f32 `src [T][KP]` or q8 blocks); a workgroup whose
+//   expert lives in another bank returns at once.
+// DOWN (grid z = t): dst[t·M + row] += Σ_s w[t·K + s] · W_id(s)[row] · x_(t·K + s), the
+//   slots' activations as inputs: the weighted sum of the experts goes straight into the
+//   residual (each bank adds the slots it holds).
+
+#if W_F32
+@group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
+const VW: u32 = 4u;
+#endif
+#if W_F16
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+const VW: u32 = 8u;
+#endif
+#if W_Q8
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> ws: array<u32>;
+@group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> xd: array<f32>;
+const VW: u32 = 16u;
+#else
+@group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
+#endif
+@group(0) @binding(5) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(6) var<storage, read> ids: array<u32>;
+#if DOWN
+@group(0) @binding(7) var<storage, read> wts: array<f32>;
+#else
+var<workgroup> slot_id: u32;
+#endif
+
+const NV: u32 = KP / VW;
+
+// Row `row` of this bank (weights) dotted with input vector `x` (activations), one lane's
+// share.
+fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
+    let base = row * NV;
+    var acc = 0.0;
+    for (var v = lane; v < NV; v += TEAM) {
+        let wv = w[base + v];
+#if W_Q8
+        let a = xq[x * NV + v];
+        let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
+        let blk = v / 2u;
+        let si = row * (KP / 32u) + blk;
+        acc += f32(idot) * (unpack2x16float(ws[si / 2u])[si % 2u] * xd[x * (KP / 32u) + blk]);
+#endif
+#if W_F16
+        let xa = src[x * (XS / 4u) + 2u * v];
+        let xb = src[x * (XS / 4u) + 2u * v + 1u];
+        acc += dot(vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y)), xa)
+            + dot(vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w)), xb);
+#endif
+#if W_F32
+        acc += dot(wv, src[x * (XS / 4u) + v]);
+#endif
+    }
+    return acc;
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let lane = lid % TEAM;
+    let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
+    let row = min(row_raw, M - 1u);
+#if DOWN
+    let t = wid.z;
+    var acc = 0.0;
+    for (var s = 0u; s < K; s++) {
+        let id = ids[t * K + s];
+        if (id >= E0 && id < E0 + NE) {
+            acc += wts[t * K + s] * lane_dot((id - E0) * M + row, t * K + s, lane);
+        }
+    }
+    let total = team_sum(acc, lid);
+    if (lane == 0u && row_raw < M) {
+        dst[t * M + row] += total;
+    }
+#else
+    let z = wid.z;
+    if (lid == 0u) {
+        slot_id = ids[z];
+    }
+    let id = workgroupUniformLoad(&slot_id);
+    if (id < E0 || id >= E0 + NE) {
+        return;
+    }
+    let total = team_sum(lane_dot((id - E0) * M + row, z / K, lane), lid);
+    if (lane == 0u && row_raw < M) {
+        dst[z * M + row] = total;
+    }
+#endif
+}

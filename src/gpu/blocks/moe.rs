@@ -1,0 +1,259 @@
+//! The MoE block's dispatches, all static (the host never sees the routing):
+//! router GEMV (f32) → `moe_route` (ids, weights, expert load) → per bank the chosen experts'
+//! up projections → the activation over the `K` choices (with their q8 blocks) → per bank the
+//! weighted down projections added into the residual → the shared expert as an MLP.
+//! Prefill runs the same over the block's tokens: the router as a GEMM, then every token's
+//! choices through the expert GEMV (each token reads its own experts' rows).
+
+use super::{BlockCtx, mlp};
+use crate::config::{MlpConfig, MoeConfig};
+use crate::error::{Error, Result};
+use crate::gpu::device_weights::DeviceMoe;
+use crate::gpu::kernels::expert_gemv::{Bank, ExpertBuffers, ExpertPass, expert_gemv};
+use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::mlp_act::{ActBuffers, mlp_act};
+use crate::gpu::kernels::moe_route::{RouteBuffers, moe_route};
+use crate::gpu::kernels::{Dispatch, Section};
+use crate::gpu::prefill::Prefill;
+use crate::model::quant::WeightFormat;
+
+fn moe_section(d: Dispatch) -> Dispatch {
+    Dispatch {
+        section: Section::Moe,
+        ..d
+    }
+}
+
+/// The model's MoE shape.
+fn shape<'a>(b: &BlockCtx<'a>) -> Result<&'a MoeConfig> {
+    b.c.moe
+        .as_ref()
+        .ok_or_else(|| Error::Gpu("an MoE layer in a config without MoE".into()))
+}
+
+/// The shape of one routed expert as an MLP.
+fn expert_shape(m: &MoeConfig) -> MlpConfig {
+    MlpConfig {
+        intermediate: m.intermediate,
+        act: m.act,
+        bias: false,
+    }
+}
+
+/// One decode token through an MoE block (after the pre-norm into `h` and its q8 blocks);
+/// `index` counts the MoE layers before this one (its row of the expert-load counters).
+pub fn decode(
+    b: &BlockCtx,
+    w: &DeviceMoe,
+    params: &wgpu::Buffer,
+    index: usize,
+) -> Result<Vec<Dispatch>> {
+    let (k, s) = (b.k, b.s);
+    let m = shape(b)?;
+    let q8 = b.q8();
+    let mut d = vec![moe_section(gemv::gemv(
+        k,
+        "router",
+        &w.router,
+        GemvInput::Plain,
+        GemvOutput::Store,
+        GemvBuffers::plain(&s.h, None, &s.router_logits),
+    )?)];
+    d.push(moe_route(
+        k,
+        "route",
+        m,
+        1,
+        RouteBuffers {
+            logits: &s.router_logits,
+            params: w.bias_off.map(|o| (params, o)),
+            ids: &s.moe_ids,
+            weights: &s.moe_weights,
+            counts: Some((&s.expert_counts, index * m.experts)),
+            ctrl: None,
+        },
+    )?);
+    let mid_q8 = q8.map(|_| (&s.moe_xq, &s.moe_xd));
+    d.extend(experts(
+        b,
+        w,
+        1,
+        Stage {
+            h: &s.h,
+            h_q8: q8,
+            ids: &s.moe_ids,
+            weights: &s.moe_weights,
+            up: &s.moe_up,
+            mid: &s.moe_mid,
+            mid_q8,
+            resid: &s.resid,
+        },
+    )?);
+    if let (Some(sm), Some((up, down))) = (&m.shared, &w.shared) {
+        d.extend(
+            mlp::decode(b, sm, up, down, None)?
+                .into_iter()
+                .map(|x| shared_named(moe_section(x))),
+        );
+    }
+    Ok(d)
+}
+
+/// A prefill block through an MoE block (after the pre-norm into `p.h`, and its q8 blocks
+/// `p.hq`/`p.hd` for q8_0 experts); `index` as in `decode`.
+pub fn prefill(
+    b: &BlockCtx,
+    p: &Prefill,
+    tokens: usize,
+    w: &DeviceMoe,
+    params: &wgpu::Buffer,
+    index: usize,
+) -> Result<Vec<Dispatch>> {
+    let (k, s) = (b.k, b.s);
+    let m = shape(b)?;
+    let q8 = b.format == WeightFormat::Q8_0;
+    let mut d = vec![moe_section(
+        gemm(
+            k,
+            "router",
+            &w.router,
+            tokens,
+            &p.h,
+            &p.router_logits,
+            m.experts,
+            GemmOutput::Store,
+            &s.ctrl,
+        )?
+        .per_token(1, TILE.1, 1),
+    )];
+    d.push(moe_route(
+        k,
+        "route",
+        m,
+        tokens,
+        RouteBuffers {
+            logits: &p.router_logits,
+            params: w.bias_off.map(|o| (params, o)),
+            ids: &p.moe_ids,
+            weights: &p.moe_weights,
+            counts: Some((&s.expert_counts, index * m.experts)),
+            ctrl: Some(&s.ctrl),
+        },
+    )?);
+    d.extend(experts(
+        b,
+        w,
+        tokens,
+        Stage {
+            h: &p.h,
+            h_q8: q8.then_some((&p.hq, &p.hd)),
+            ids: &p.moe_ids,
+            weights: &p.moe_weights,
+            up: &p.moe_up,
+            mid: &p.moe_mid,
+            mid_q8: q8.then_some((&p.moe_xq, &p.moe_xd)),
+            resid: &p.resid,
+        },
+    )?);
+    if let (Some(sm), Some((up, down))) = (&m.shared, &w.shared) {
+        d.extend(
+            mlp::prefill(b, p, tokens, sm, up, down, None)?
+                .into_iter()
+                .map(|x| shared_named(moe_section(x))),
+        );
+    }
+    Ok(d)
+}
+
+/// The buffers the routed experts read and write.
+struct Stage<'a> {
+    h: &'a wgpu::Buffer,
+    h_q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    ids: &'a wgpu::Buffer,
+    weights: &'a wgpu::Buffer,
+    up: &'a wgpu::Buffer,
+    mid: &'a wgpu::Buffer,
+    mid_q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    resid: &'a wgpu::Buffer,
+}
+
+/// The routed experts of `tokens` tokens: up per bank, the activation of every choice, down
+/// per bank into the residual.
+fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<Dispatch>> {
+    let k = b.k;
+    let m = shape(b)?;
+    let top_k = m.top_k;
+    let mut d = Vec::new();
+    for (first, count, up, _) in w.banks() {
+        d.push(expert_gemv(
+            k,
+            &format!("experts.up[{first}..{}]", first + count),
+            up,
+            Bank {
+                first,
+                count,
+                rows_per_expert: m.up_rows(),
+            },
+            ExpertPass::Up,
+            tokens,
+            top_k,
+            ExpertBuffers {
+                src: st.h,
+                q8: st.h_q8,
+                dst: st.up,
+                ids: st.ids,
+                weights: None,
+            },
+        )?);
+    }
+    let e = expert_shape(m);
+    let act = mlp_act(
+        k,
+        "experts.act",
+        e.act,
+        e.intermediate,
+        m.up_rows(),
+        tokens * top_k,
+        ActBuffers {
+            src: st.up,
+            dst: st.mid,
+            q8: st.mid_q8,
+        },
+        None,
+    )?;
+    d.push(moe_section(if tokens > 1 {
+        act.per_token(1, 1, top_k)
+    } else {
+        act
+    }));
+    for (first, count, _, down) in w.banks() {
+        d.push(expert_gemv(
+            k,
+            &format!("experts.down[{first}..{}]+residual", first + count),
+            down,
+            Bank {
+                first,
+                count,
+                rows_per_expert: b.c.d_model,
+            },
+            ExpertPass::Down,
+            tokens,
+            top_k,
+            ExpertBuffers {
+                src: st.mid,
+                q8: st.mid_q8,
+                dst: st.resid,
+                ids: st.ids,
+                weights: Some(st.weights),
+            },
+        )?);
+    }
+    Ok(d)
+}
+
+/// The shared expert's dispatches are named as such.
+fn shared_named(d: Dispatch) -> Dispatch {
+    let name = format!("shared.{}", d.name);
+    Dispatch { name, ..d }
+}

@@ -1,0 +1,142 @@
+//! `expert_gemv.wgsl`: the routed experts' projections for `T` tokens of `K` choices each,
+//! reading the chosen ids (and weights) the router wrote — static dispatches that read only
+//! the chosen experts' rows. A `DeviceMatrix` bank holds experts `first..first + count`,
+//! `rows_per_expert` rows each.
+//! - `Up`: `dst [T·K][M] = W_id · x_t`; inputs f32 `src [T][KP]` or q8 blocks
+//!   `xq [T][KP/4]`, `xd [T][KP/32]` (f32 rows padded to a multiple of 32).
+//! - `Down`: `dst [T][M] += Σ_k w_k · W_id(k) · x_(t,k)`; inputs one row per choice,
+//!   `src [T·K][KP]` or q8 blocks.
+
+use super::gemv::{WG, team_size};
+use super::{Dispatch, Kernels, Label, Section, check_len, grid};
+use crate::error::{Error, Result};
+use crate::gpu::shader::Const;
+use crate::gpu::weights::DeviceMatrix;
+use crate::model::quant::WeightFormat;
+
+const SOURCES: super::Sources = &[include_str!("../../../shaders/expert_gemv.wgsl")];
+
+/// Which projection of the experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertPass {
+    Up,
+    Down,
+}
+
+/// A bank of experts: `count` experts from `first`, `rows_per_expert` rows each.
+#[derive(Clone, Copy, Debug)]
+pub struct Bank {
+    pub first: usize,
+    pub count: usize,
+    pub rows_per_expert: usize,
+}
+
+/// The buffers besides the bank's matrix.
+pub struct ExpertBuffers<'a> {
+    /// f32 inputs (f32/f16 matrices).
+    pub src: &'a wgpu::Buffer,
+    /// q8 input blocks (q8_0 matrices).
+    pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    pub dst: &'a wgpu::Buffer,
+    pub ids: &'a wgpu::Buffer,
+    /// The routing weights (`Down` only).
+    pub weights: Option<&'a wgpu::Buffer>,
+}
+
+/// Builds one bank's dispatch for `tokens` tokens of `top_k` choices.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_gemv(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    bank: Bank,
+    pass: ExpertPass,
+    tokens: usize,
+    top_k: usize,
+    b: ExpertBuffers,
+) -> Result<Dispatch> {
+    let m = bank.rows_per_expert;
+    if bank.count * m != w.rows {
+        return Err(Error::Gpu(format!(
+            "{name}: a bank of {} experts × {m} rows does not match the {} rows of {}",
+            bank.count, w.rows, w.name
+        )));
+    }
+    // Rows of one input vector: a token (up) or a choice (down).
+    let inputs = match pass {
+        ExpertPass::Up => tokens,
+        ExpertPass::Down => tokens * top_k,
+    };
+    let z = match pass {
+        ExpertPass::Up => tokens * top_k,
+        ExpertPass::Down => tokens,
+    };
+    if z > 65535 {
+        return Err(Error::Gpu(format!(
+            "{name}: {tokens} tokens × {top_k} experts is over the 65535 workgroups a grid axis \
+             holds"
+        )));
+    }
+    check_len(&format!("{name}: ids"), b.ids, tokens * top_k)?;
+    check_len(&format!("{name}: dst"), b.dst, z.max(tokens) * m)?;
+    let vw = match w.format {
+        WeightFormat::F32 => 4,
+        WeightFormat::F16 => 8,
+        WeightFormat::Q8_0 => 16,
+    };
+    let team = team_size(m, w.kp / vw);
+    // Input vectors are padded to 32 values (what norms and activations write).
+    let xs = w.cols.next_multiple_of(32);
+    let u = |v: usize| Const::U32(v as u32);
+    let (team_consts, team_flags) = k.team(team);
+    let mut consts = vec![
+        ("WG", Const::U32(WG)),
+        ("R", Const::U32(WG / team)),
+        ("M", u(m)),
+        ("KP", u(w.kp)),
+        ("XS", u(xs)),
+        ("K", u(top_k)),
+        ("E0", u(bank.first)),
+        ("NE", u(bank.count)),
+    ];
+    consts.extend(team_consts);
+    let mut flags = vec![w.flag()];
+    flags.extend(team_flags);
+    let mut entries = w.bindings();
+    if w.format == WeightFormat::Q8_0 {
+        let (q, d) =
+            b.q8.ok_or_else(|| Error::Gpu(format!("{name}: no q8 activation buffers given")))?;
+        check_len(&format!("{name}: xq"), q, inputs * w.kp / 4)?;
+        check_len(&format!("{name}: xd"), d, inputs * w.kp / 32)?;
+        entries.extend([(3, q), (4, d)]);
+    } else {
+        check_len(&format!("{name}: src"), b.src, inputs * xs)?;
+        entries.push((2, b.src));
+    }
+    entries.extend([(5, b.dst), (6, b.ids)]);
+    if pass == ExpertPass::Down {
+        let wt = b
+            .weights
+            .ok_or_else(|| Error::Gpu(format!("{name}: no routing weights given")))?;
+        check_len(&format!("{name}: weights"), wt, tokens * top_k)?;
+        flags.push("DOWN");
+        entries.push((7, wt));
+    }
+    let pipeline = k.pipeline("expert_gemv", SOURCES, &consts, &flags, false)?;
+    let bind_group = k.bind(&pipeline, name, &entries);
+    let (gx, gy, _) = grid((m as u32).div_ceil(WG / team));
+    let d = Dispatch {
+        pipeline,
+        bind_group,
+        workgroups: (gx, gy, z as u32),
+        name: name.to_string(),
+        per_token: None,
+        section: Section::Moe,
+        label: Label::default(),
+    };
+    Ok(if tokens > 1 {
+        d.per_token(2, 1, z / tokens)
+    } else {
+        d
+    })
+}

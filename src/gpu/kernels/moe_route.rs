@@ -1,0 +1,89 @@
+//! `moe_route.wgsl`: the MoE router of `T` tokens — `logits [T, E]` (the router GEMV/GEMM's
+//! output) → `ids [T, K]` (u32, best first) and `weights [T, K]`, on the device so the host
+//! never sees the routing; optionally `counts [COUNT_OFF + id]` += one per choice (expert load).
+//! The grouped (Nemotron-H) router reads its correction bias from `params [bias_off..+E]`.
+
+use super::{Dispatch, Kernels, Label, Section, check_len};
+use crate::config::{MoeConfig, Router};
+use crate::error::{Error, Result};
+use crate::gpu::shader::Const;
+
+const SOURCES: super::Sources = &[include_str!("../../../shaders/moe_route.wgsl")];
+const WG: u32 = 64;
+
+/// The router's buffers.
+pub struct RouteBuffers<'a> {
+    pub logits: &'a wgpu::Buffer,
+    /// The layer's parameters and where the correction bias starts (grouped router).
+    pub params: Option<(&'a wgpu::Buffer, usize)>,
+    pub ids: &'a wgpu::Buffer,
+    pub weights: &'a wgpu::Buffer,
+    /// Per-expert choice counters (u32) and where this layer's `E` start, or none.
+    pub counts: Option<(&'a wgpu::Buffer, usize)>,
+    /// Prefill: the control block whose `prompt_len` bounds the tokens.
+    pub ctrl: Option<&'a wgpu::Buffer>,
+}
+
+/// Routes `tokens` tokens (decode: 1; prefill: the block capacity, `ctrl.prompt_len` live).
+pub fn moe_route(
+    k: &Kernels,
+    name: &str,
+    m: &MoeConfig,
+    tokens: usize,
+    b: RouteBuffers,
+) -> Result<Dispatch> {
+    m.check()
+        .map_err(|(field, msg)| Error::Gpu(format!("{name}: `{field}`: {msg}")))?;
+    let (e, top) = (m.experts, m.top_k);
+    check_len(&format!("{name}: logits"), b.logits, tokens * e)?;
+    check_len(&format!("{name}: ids"), b.ids, tokens * top)?;
+    check_len(&format!("{name}: weights"), b.weights, tokens * top)?;
+    let u = |v: usize| Const::U32(v as u32);
+    let mut consts = vec![("WG", Const::U32(WG)), ("E", u(e)), ("K", u(top))];
+    let mut flags = Vec::new();
+    let mut entries = vec![(0, b.logits), (2, b.ids), (3, b.weights)];
+    if let Router::Grouped {
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        routed_scaling_factor,
+    } = m.router
+    {
+        let (params, off) = b
+            .params
+            .ok_or_else(|| Error::Gpu(format!("{name}: no correction bias buffer given")))?;
+        check_len(&format!("{name}: params"), params, off + e)?;
+        flags.push("GROUPED");
+        consts.extend([
+            ("NG", u(n_group)),
+            ("GS", u(e / n_group)),
+            ("TG", u(topk_group)),
+            ("NORM", u(norm_topk_prob as usize)),
+            ("RSF", Const::F32(routed_scaling_factor as f32)),
+            ("BIAS_OFF", u(off)),
+        ]);
+        entries.push((1, params));
+    }
+    if let Some((c, off)) = b.counts {
+        check_len(&format!("{name}: counts"), c, off + e)?;
+        flags.push("COUNT");
+        consts.push(("COUNT_OFF", u(off)));
+        entries.push((4, c));
+    }
+    if let Some(c) = b.ctrl {
+        flags.push("PROMPT");
+        entries.push((5, c));
+    }
+    let pipeline = k.pipeline("moe_route", SOURCES, &consts, &flags, false)?;
+    let bind_group = k.bind(&pipeline, name, &entries);
+    let d = Dispatch {
+        pipeline,
+        bind_group,
+        workgroups: (tokens as u32, 1, 1),
+        name: name.to_string(),
+        per_token: None,
+        section: Section::Moe,
+        label: Label::default(),
+    };
+    Ok(if tokens > 1 { d.per_token(0, 1, 1) } else { d })
+}

@@ -1,0 +1,458 @@
+//! Mixture-of-experts blocks on the GPU (lavapipe in CI): the routing kernel against the CPU
+//! router (the same ids, bit for bit) and transformers' own choices; whole MoE models —
+//! Nemotron-H's grouped sigmoid router with relu² experts, Granite's softmax top-k with gated
+//! experts and µP multipliers — decode and prefill against the CPU reference, with the
+//! experts split over several banks; the expert-load counters against the oracle's routing.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use mamba2_wgpu::config::{MlpAct, MoeConfig, Router};
+use mamba2_wgpu::gpu::GpuBackend;
+use mamba2_wgpu::gpu::engine::{Engine, EngineOptions, PrefillMode};
+use mamba2_wgpu::gpu::graph::Ctrl;
+use mamba2_wgpu::gpu::kernels::moe_route::{RouteBuffers, moe_route};
+use mamba2_wgpu::gpu::state_store::KvFormat;
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::model::quant::WeightFormat;
+use mamba2_wgpu::model::synthetic::tiny_moe;
+use mamba2_wgpu::reference::model::route;
+use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
+use mamba2_wgpu::sampling::uniform;
+use mamba2_wgpu::session::Backend;
+use safetensors::SafeTensors;
+
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| (uniform(seed, i) * vocab as f32) as u32)
+        .collect()
+}
+
+/// A router of `experts` experts choosing `top_k`: grouped (Nemotron-H) or softmax (Granite).
+fn router(experts: usize, top_k: usize, groups: Option<(usize, usize)>) -> MoeConfig {
+    MoeConfig {
+        experts,
+        top_k,
+        intermediate: 8,
+        act: MlpAct::Relu2,
+        router: match groups {
+            Some((n_group, topk_group)) => Router::Grouped {
+                n_group,
+                topk_group,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.5,
+            },
+            None => Router::SoftmaxTopK,
+        },
+        shared: None,
+    }
+}
+
+/// Runs the routing kernel over `logits` (`T` rows of `E`) — as a prefill block of `T` tokens
+/// and, for the first row, as the decode dispatch — and returns `(ids, weights)` per token.
+fn gpu_route(
+    m: &MoeConfig,
+    logits: &[Vec<f32>],
+    bias: &[f32],
+) -> Option<Vec<(Vec<u32>, Vec<f32>)>> {
+    let k = common::kernels(1 << 20)?;
+    let ctx = k.ctx.clone();
+    let t = logits.len();
+    let buf = |v: &[f32]| ctx.storage_with("test", bytemuck::cast_slice(v)).unwrap();
+    let flat: Vec<f32> = logits.concat();
+    let (l, p) = (buf(&flat), buf(bias));
+    let zeros = |n: usize| ctx.storage_zeroed("test", 4 * n as u64).unwrap();
+    let run = |tokens: usize, ctrl: Option<&wgpu::Buffer>| {
+        let (ids, w) = (zeros(tokens * m.top_k), zeros(tokens * m.top_k));
+        let d = moe_route(
+            &k,
+            "route",
+            m,
+            tokens,
+            RouteBuffers {
+                logits: &l,
+                params: m.has_correction_bias().then_some((&p, 0)),
+                ids: &ids,
+                weights: &w,
+                counts: None,
+                ctrl,
+            },
+        )
+        .unwrap();
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            d.record_tokens(&mut pass, Some(tokens as u32));
+        }
+        ctx.queue.submit([enc.finish()]);
+        ctx.wait().unwrap();
+        let raw = ctx.read(&ids, (4 * tokens * m.top_k) as u64).unwrap();
+        let ids: Vec<u32> = raw
+            .chunks_exact(4)
+            .take(tokens * m.top_k)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let w = ctx.read_f32(&w, tokens * m.top_k).unwrap();
+        ids.chunks(m.top_k)
+            .zip(w.chunks(m.top_k))
+            .map(|(i, w)| (i.to_vec(), w.to_vec()))
+            .collect::<Vec<_>>()
+    };
+    let ctrl = Ctrl {
+        prompt_len: t as u32,
+        ..Default::default()
+    };
+    let ctrl = ctx.storage_with("ctrl", bytemuck::bytes_of(&ctrl)).unwrap();
+    let block = run(t.max(2), Some(&ctrl));
+    let single = run(1, None);
+    assert_eq!(single[0], block[0], "the decode and prefill routers agree");
+    Some(block.into_iter().take(t).collect())
+}
+
+/// The GPU router's choices equal the CPU router's exactly, in order; weights to f32 rounding.
+fn check_route(what: &str, m: &MoeConfig, logits: &[Vec<f32>], bias: &[f32]) -> Option<()> {
+    let got = gpu_route(m, logits, bias)?;
+    for (t, (l, (ids, w))) in logits.iter().zip(&got).enumerate() {
+        let want = route(m, l, m.has_correction_bias().then_some(bias));
+        let want_ids: Vec<u32> = want.ids.iter().map(|&i| i as u32).collect();
+        assert_eq!(ids, &want_ids, "{what}: token {t}: chosen experts");
+        for (g, c) in w.iter().zip(&want.weights) {
+            assert!(
+                (g - c).abs() <= 1e-6 * c.abs().max(1.0),
+                "{what}: token {t}: {w:?} vs {:?}",
+                want.weights
+            );
+        }
+    }
+    Some(())
+}
+
+fn rand_rows(seed: u64, rows: usize, cols: usize, lo: f32, hi: f32) -> Vec<Vec<f32>> {
+    (0..rows)
+        .map(|r| {
+            (0..cols)
+                .map(|c| lo + (hi - lo) * uniform(seed, (r * cols + c) as u64))
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn router_kernel_picks_the_cpu_routers_experts() {
+    // (what, experts, top_k, groups, logits): random, with ties, with the best experts all in
+    // one group, negative corrected scores (the masked groups must never win).
+    let mut ties = rand_rows(3, 40, 16, -2.0, 2.0);
+    for row in &mut ties {
+        let v = row[5];
+        row[9] = v;
+        row[13] = v;
+        row[2] = row[7];
+    }
+    let mut one_group = rand_rows(4, 40, 16, -3.0, -1.0);
+    for row in &mut one_group {
+        for x in &mut row[8..12] {
+            *x += 6.0;
+        }
+    }
+    type Case = (&'static str, MoeConfig, Vec<Vec<f32>>, Vec<f32>);
+    let cases: Vec<Case> = vec![
+        (
+            "grouped 16/4/2 top-2",
+            router(16, 2, Some((4, 2))),
+            rand_rows(1, 70, 16, -3.0, 3.0),
+            vec![0.0; 16],
+        ),
+        (
+            "grouped with correction bias",
+            router(16, 3, Some((4, 2))),
+            rand_rows(2, 70, 16, -3.0, 3.0),
+            rand_rows(9, 1, 16, -0.2, 0.2).remove(0),
+        ),
+        (
+            "grouped, ties",
+            router(16, 4, Some((4, 3))),
+            ties.clone(),
+            vec![0.0; 16],
+        ),
+        (
+            "grouped, one strong group",
+            router(16, 6, Some((4, 2))),
+            one_group,
+            vec![0.0; 16],
+        ),
+        (
+            "grouped, negative corrected scores",
+            router(16, 3, Some((4, 1))),
+            rand_rows(5, 40, 16, -4.0, 4.0),
+            vec![-0.9; 16],
+        ),
+        (
+            "grouped, one group of 128, top-6",
+            router(128, 6, Some((1, 1))),
+            rand_rows(6, 20, 128, -3.0, 3.0),
+            rand_rows(10, 1, 128, -0.1, 0.1).remove(0),
+        ),
+        (
+            "softmax top-3 of 10",
+            router(10, 3, None),
+            rand_rows(7, 70, 10, -3.0, 3.0),
+            vec![],
+        ),
+        ("softmax, ties", router(16, 4, None), ties, vec![]),
+        (
+            "softmax top-10 of 72",
+            router(72, 10, None),
+            rand_rows(8, 20, 72, -3.0, 3.0),
+            vec![],
+        ),
+    ];
+    for (what, m, logits, bias) in &cases {
+        check_route(what, m, logits, bias).unwrap_or(());
+    }
+}
+
+/// One MoE layer's routing as the oracle recorded it: `(layer, router logits [T][E], ids [T][K])`.
+type Routing = (usize, Vec<Vec<f32>>, Vec<Vec<u32>>);
+
+/// The oracle's per-MoE-layer records of a fixture.
+fn oracle_routing(name: &str) -> Vec<Routing> {
+    let bytes = std::fs::read(common::fixture(name).join("oracle.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let ints = |n: &str| -> (Vec<usize>, Vec<u32>) {
+        let t = st.tensor(n).unwrap();
+        let v = t
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect();
+        (t.shape().to_vec(), v)
+    };
+    let (_, layers) = ints("moe_layers");
+    layers
+        .iter()
+        .map(|&l| {
+            let t = st.tensor(&format!("moe.{l}.router_logits")).unwrap();
+            let e = t.shape()[1];
+            let logits: Vec<f32> = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let (shape, ids) = ints(&format!("moe.{l}.expert_ids"));
+            (
+                l as usize,
+                logits.chunks(e).map(<[f32]>::to_vec).collect(),
+                ids.chunks(shape[1]).map(<[u32]>::to_vec).collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn router_kernel_chooses_what_transformers_chose() {
+    for name in ["nemotron_h_moe", "granite_moe_hybrid"] {
+        let model = Model::load(&common::fixture(name)).unwrap();
+        let m = model.config.moe.clone().unwrap();
+        for (layer, logits, want) in oracle_routing(name) {
+            // Granite's layer N is this engine's blocks 2N (mixer) and 2N + 1 (MoE).
+            let block = if name.starts_with("granite") {
+                2 * layer + 1
+            } else {
+                layer
+            };
+            let bias: Vec<f32> = match &model.weights.layers[block].mixer {
+                mamba2_wgpu::model::MixerWeights::Moe(w) => {
+                    w.correction_bias.as_ref().map_or(vec![], |b| b.to_f32())
+                }
+                _ => panic!("{name}: layer {layer} is not an MoE layer"),
+            };
+            let what = format!("{name} layer {layer}");
+            if check_route(&what, &m, &logits, &bias).is_none() {
+                return;
+            }
+            let got = gpu_route(&m, &logits, &bias).unwrap();
+            for (t, ((ids, _), want)) in got.iter().zip(&want).enumerate() {
+                // transformers' order within the chosen set is unspecified (topk sorted=False).
+                let (mut a, mut b) = (ids.clone(), want.clone());
+                a.sort_unstable();
+                b.sort_unstable();
+                assert_eq!(a, b, "{what}: token {t}: the experts transformers chose");
+            }
+        }
+    }
+}
+
+/// A GPU backend for `model` with experts in banks of at most `bank_bytes`.
+fn backend(
+    model: &Model,
+    format: WeightFormat,
+    fused: bool,
+    prefill: PrefillMode,
+    bank_bytes: Option<u64>,
+) -> Option<GpuBackend> {
+    let ctx = common::gpu(&Engine::needs(&model.config, format))?;
+    let opts = EngineOptions {
+        format,
+        fused,
+        chunk_size: Some(16),
+        prefill,
+        context: Some(1024),
+        kv: KvFormat::F32,
+        expert_bank_bytes: bank_bytes,
+    };
+    Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
+}
+
+const MODELS: [(&str, bool); 2] = [("ME*E-M", false), ("MEME*E", true)];
+
+#[test]
+fn moe_models_match_the_cpu_reference() {
+    for (pattern, granite) in MODELS {
+        let model = Model::synthetic(tiny_moe(pattern, granite), 21);
+        let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+        let toks = tokens(150, 3, model.config.vocab_size);
+        let mut cpu_state = cpu.new_state();
+        let want = cpu
+            .forward(&mut cpu_state, &toks, Scan::Sequential, Logits::All)
+            .unwrap();
+        // One bank of all experts, and banks of a few experts (up to 4 dispatches per pass).
+        for bank in [None, Some(3 * 1024)] {
+            for fused in [true, false] {
+                for prefill in [PrefillMode::Decode, PrefillMode::Chunked] {
+                    let what = format!("{pattern} bank={bank:?} fused={fused} {prefill:?}");
+                    let Some(mut gpu) = backend(&model, WeightFormat::F32, fused, prefill, bank)
+                    else {
+                        return;
+                    };
+                    let banks = match &gpu.engine.weights.layers[1].mixer {
+                        mamba2_wgpu::gpu::device_weights::DeviceMixer::Moe(m) => m.up.len(),
+                        _ => panic!("layer 1 is an MoE layer"),
+                    };
+                    assert_eq!(banks > 1, bank.is_some(), "{what}: {banks} banks");
+                    let got = gpu.prefill_logits(&toks).unwrap();
+                    let e = common::nmse(&got.concat(), &want.concat());
+                    assert!(e <= 1e-8, "{what}: logits NMSE {e:e}");
+                    let e = common::nmse(&gpu.state().unwrap().values(), &cpu_state.values());
+                    assert!(e <= 1e-8, "{what}: state NMSE {e:e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_chunked_prefill_equals_decode_across_blocks() {
+    for (pattern, granite) in MODELS {
+        let model = Model::synthetic(tiny_moe(pattern, granite), 5);
+        let vocab = model.config.vocab_size;
+        let dec = backend(
+            &model,
+            WeightFormat::F32,
+            true,
+            PrefillMode::Decode,
+            Some(2048),
+        );
+        let chk = backend(
+            &model,
+            WeightFormat::F32,
+            true,
+            PrefillMode::Chunked,
+            Some(2048),
+        );
+        let (Some(mut dec), Some(mut chk)) = (dec, chk) else {
+            return;
+        };
+        let warm = tokens(19, 5, vocab);
+        // Q = 8: blocks of 256 tokens, so 300 tokens take two.
+        chk.engine.chunk = 8;
+        for len in [1, 11, 300] {
+            let toks = tokens(len, len as u64, vocab);
+            for b in [&mut dec, &mut chk] {
+                b.reset().unwrap();
+                b.prefill_logits(&warm).unwrap();
+            }
+            let want = dec.prefill_logits(&toks).unwrap();
+            let got = chk.prefill_logits(&toks).unwrap();
+            let e = common::nmse(&got.concat(), &want.concat());
+            assert!(e <= 1e-8, "{pattern} L={len}: logits NMSE {e:e}");
+        }
+    }
+}
+
+#[test]
+fn moe_f16_and_q8_weights_stay_close() {
+    for (pattern, granite) in MODELS {
+        let model = Model::synthetic(tiny_moe(pattern, granite), 13);
+        let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+        let toks = tokens(90, 4, model.config.vocab_size);
+        let want = cpu
+            .forward(&mut cpu.new_state(), &toks, Scan::Chunked(16), Logits::All)
+            .unwrap();
+        for (format, tol) in [(WeightFormat::F16, 1e-5), (WeightFormat::Q8_0, 1e-3)] {
+            for prefill in [PrefillMode::Decode, PrefillMode::Chunked] {
+                let Some(mut gpu) = backend(&model, format, true, prefill, Some(4096)) else {
+                    return;
+                };
+                let got = gpu.prefill_logits(&toks).unwrap();
+                // A rounding can flip a near-tie routing choice, which changes that token's
+                // output wholesale (as between any two implementations): judge the typical
+                // position and allow a few outliers.
+                let mut per: Vec<f64> = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| common::nmse(g, w))
+                    .collect();
+                per.sort_by(f64::total_cmp);
+                let (median, p95) = (per[per.len() / 2], per[per.len() * 95 / 100]);
+                let what = format!("{pattern} {format:?} {prefill:?}");
+                assert!(median <= tol, "{what}: median logits NMSE {median:e}");
+                assert!(p95 <= 10.0 * tol, "{what}: 95th percentile NMSE {p95:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn expert_load_counts_what_transformers_routed() {
+    // The oracle routed the prompt and the greedy continuation but the last token: feed the
+    // same 60 tokens and count the choices of each MoE layer.
+    for name in ["nemotron_h_moe", "granite_moe_hybrid"] {
+        let dir = common::fixture(name);
+        let model = Model::load(&dir).unwrap();
+        let bytes = std::fs::read(dir.join("oracle.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let fed: Vec<u32> = st
+            .tensor("moe_tokens")
+            .unwrap()
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect();
+        for prefill in [PrefillMode::Chunked, PrefillMode::Decode] {
+            let Some(mut gpu) = backend(&model, WeightFormat::F32, true, prefill, None) else {
+                return;
+            };
+            gpu.prefill_logits(&fed).unwrap();
+            let counts = gpu.engine.expert_counts().unwrap();
+            let routing = oracle_routing(name);
+            assert_eq!(counts.len(), routing.len());
+            for (got, (layer, _, ids)) in counts.iter().zip(&routing) {
+                let mut want: BTreeMap<u32, u32> = BTreeMap::new();
+                for &id in ids.iter().flatten() {
+                    *want.entry(id).or_default() += 1;
+                }
+                let want: Vec<u32> = (0..got.len() as u32)
+                    .map(|e| want.get(&e).copied().unwrap_or(0))
+                    .collect();
+                assert_eq!(got, &want, "{name} {prefill:?}: layer {layer} expert load");
+            }
+            gpu.engine.reset_expert_counts();
+            let zero = gpu.engine.expert_counts().unwrap();
+            assert!(
+                zero.iter().flatten().all(|&c| c == 0),
+                "reset clears the counters"
+            );
+        }
+    }
+}
