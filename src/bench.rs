@@ -15,9 +15,10 @@ use crate::sampling::Sampling;
 use crate::session::Backend;
 
 /// The preset names `mamba2 bench --config` accepts.
-pub const PRESETS: [&str; 10] = [
+pub const PRESETS: [&str; 14] = [
     "tiny",
     "tiny-hybrid",
+    "tiny-moe",
     "130m",
     "370m",
     "780m",
@@ -26,6 +27,9 @@ pub const PRESETS: [&str; 10] = [
     "codestral-7b",
     "nemotron-h-8b",
     "nemotron-nano-9b-v2",
+    "nemotron-3-nano-30b-a3b",
+    "granite-4.0-h-tiny",
+    "granite-4.0-h-small",
 ];
 
 /// A config with the real shapes of a released model (state-spaces/mamba2-*, Mistral's
@@ -35,7 +39,67 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
     if let Some(c) = hybrid_preset(name) {
         return Some(c);
     }
+    if let Some(c) = moe_preset(name) {
+        return Some(c);
+    }
     mamba2_preset(name)
+}
+
+/// The MoE presets: the fields of the public `config.json` files that set the shapes
+/// (NVIDIA-Nemotron-3-Nano-30B-A3B; ibm-granite/granite-4.0-h-tiny and -small, whose
+/// `layer_types` put attention at layers 5, 15, 25 and 35), read by the config parser itself.
+fn moe_preset(name: &str) -> Option<ModelConfig> {
+    let granite_layers = || {
+        let mut v = vec!["mamba"; 40];
+        for i in [5, 15, 25, 35] {
+            v[i] = "attention";
+        }
+        serde_json::json!(v)
+    };
+    let granite =
+        |d: usize, heads: (usize, usize), mamba_heads: usize, moe: (usize, usize, usize, usize)| {
+            serde_json::json!({
+                "model_type": "granitemoehybrid",
+                "hidden_size": d, "num_hidden_layers": 40, "layer_types": granite_layers(),
+                "num_attention_heads": heads.0, "num_key_value_heads": heads.1,
+                "num_local_experts": moe.0, "num_experts_per_tok": moe.1,
+                "intermediate_size": moe.2, "shared_intermediate_size": moe.3,
+                "vocab_size": 100352, "tie_word_embeddings": true,
+                "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_n_heads": mamba_heads,
+                "mamba_d_head": 64, "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 256,
+                "max_position_embeddings": 131072, "position_embedding_type": "nope",
+                "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0078125, "logits_scaling": 6.0,
+            })
+        };
+    let json = match name {
+        "nemotron-3-nano-30b-a3b" => serde_json::json!({
+            "model_type": "nemotron_h", "hidden_size": 2688,
+            "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+            "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+            "conv_kernel": 4, "chunk_size": 128,
+            "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+            "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+            "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": true, "routed_scaling_factor": 2.5,
+            "vocab_size": 131072, "tie_word_embeddings": false,
+            "max_position_embeddings": 262144,
+        }),
+        "tiny-moe" => serde_json::json!({
+            "model_type": "nemotron_h", "hidden_size": 256, "hybrid_override_pattern": "ME*EM-E",
+            "mamba_num_heads": 8, "mamba_head_dim": 64, "n_groups": 1, "ssm_state_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "intermediate_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 256,
+            "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+            "vocab_size": 4096, "max_position_embeddings": 4096,
+        }),
+        "granite-4.0-h-tiny" => granite(1536, (12, 4), 48, (64, 6, 512, 1024)),
+        "granite-4.0-h-small" => granite(4096, (32, 8), 128, (72, 10, 768, 1536)),
+        _ => return None,
+    };
+    let c = ModelConfig::from_json_str(&json.to_string(), std::path::Path::new(name));
+    Some(c.expect("the MoE presets are valid configs"))
 }
 
 /// The Nemotron-H presets, from the public `config.json` files: layer pattern, widths,
@@ -159,6 +223,39 @@ pub struct Anchor {
     pub ms_per_token: f64,
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moe_presets_have_the_published_sizes() {
+        // (preset, blocks of each kind [M, *, -, E], total B, active B): NVIDIA's card says
+        // 31.6B / 3.2B; IBM's 7B / 1B (tiny) and 32B / 9B (small). Active counts the head,
+        // not the embedding table.
+        for (name, kinds, total, active) in [
+            ("nemotron-3-nano-30b-a3b", [23, 6, 0, 23], 31.6, 3.2),
+            ("granite-4.0-h-tiny", [36, 4, 0, 40], 6.9, 1.5),
+            ("granite-4.0-h-small", [36, 4, 0, 40], 32.2, 8.8),
+        ] {
+            let c = preset(name).unwrap();
+            let count = [
+                BlockKind::Mamba2,
+                BlockKind::Attention,
+                BlockKind::Mlp,
+                BlockKind::Moe,
+            ]
+            .map(|k| c.count(k));
+            assert_eq!(count, kinds, "{name}");
+            let (t, a) = (
+                c.param_count() as f64 / 1e9,
+                c.active_param_count() as f64 / 1e9,
+            );
+            assert!((t - total).abs() < 0.3, "{name}: {t:.2}B total");
+            assert!((a - active).abs() < 0.3, "{name}: {a:.2}B active");
+        }
+    }
+}
+
 /// The anchors of a preset's decode (ms per token, batch 1).
 pub fn anchors(preset: &str, format: &str) -> Vec<Anchor> {
     let mut a = Vec::new();
@@ -230,6 +327,16 @@ pub fn anchors(preset: &str, format: &str) -> Vec<Anchor> {
                 }),
                 _ => {}
             }
+        }
+        "nemotron-3-nano-30b-a3b" if format == "q8_0" => {
+            a.push(Anchor {
+                what: "llama.cpp Vulkan, same H200 (1k context)",
+                ms_per_token: 4.12,
+            });
+            a.push(Anchor {
+                what: "target (q8_0, 2x the active-weight floor)",
+                ms_per_token: 1.7,
+            });
         }
         _ => {}
     }
@@ -508,13 +615,18 @@ pub fn prefill(
         .filter(|k| k.section == Section::Matmul)
         .map(|k| k.ns / 1e6)
         .sum();
-    let anchors: Vec<(Anchor, f64)> = if preset_name == "codestral-7b" && tokens == 4096 {
-        [
+    let peers: &[(&str, f64)] = match (preset_name, tokens) {
+        ("codestral-7b", 4096) => &[
             ("cuBLAS bf16 tensor cores + mamba_ssm Triton SSD", 176.0),
             ("target", 500.0),
-        ]
-        .into_iter()
-        .map(|(what, ms)| {
+        ],
+        // 8068 tok/s (Q8_0, the same H200).
+        ("nemotron-3-nano-30b-a3b", 4096) => &[("llama.cpp Vulkan, same H200", 507.7)],
+        _ => &[],
+    };
+    let anchors: Vec<(Anchor, f64)> = peers
+        .iter()
+        .map(|&(what, ms)| {
             (
                 Anchor {
                     what,
@@ -523,10 +635,7 @@ pub fn prefill(
                 ms / med,
             )
         })
-        .collect()
-    } else {
-        Vec::new()
-    };
+        .collect();
     Ok(PrefillReport {
         config: preset_name.to_string(),
         format: backend.engine.format.name().to_string(),

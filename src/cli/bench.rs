@@ -15,7 +15,8 @@ use super::{check_at_least, check_chunk_size, check_device};
 #[derive(Args)]
 pub struct BenchArgs {
     /// Model shapes: tiny, tiny-hybrid, 130m, 370m, 780m, 1.3b, 2.7b, codestral-7b,
-    /// nemotron-h-8b, nemotron-nano-9b-v2 (comma-separated list allowed).
+    /// nemotron-h-8b, nemotron-nano-9b-v2, tiny-moe, nemotron-3-nano-30b-a3b,
+    /// granite-4.0-h-tiny, granite-4.0-h-small (comma-separated list allowed).
     #[arg(long, default_value = "130m", value_delimiter = ',')]
     config: Vec<String>,
     /// Weight formats of the big matrices (comma-separated list allowed).

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use crate::config::{BlockKind, MlpAct, ModelConfig};
 use crate::error::Result;
 use crate::gpu::context::GpuContext;
-use crate::gpu::device_weights::{DeviceLayer, DeviceMixer, DeviceWeights, ParamLayout};
+use crate::gpu::device_weights::{
+    DeviceLayer, DeviceMixer, DeviceMoe, DeviceWeights, ParamLayout, experts_per_bank,
+};
 use crate::gpu::engine::{Engine, EngineOptions};
 use crate::gpu::kernels::Kernels;
 use crate::gpu::kernels::fill::{FillMode, fill};
@@ -166,9 +168,79 @@ impl Engine {
                     (m, (0..c.d_model).map(|j| u(j, 0.6, 1.4)).collect())
                 }
                 BlockKind::Moe => {
-                    return Err(crate::error::Error::Unsupported(
-                        "synthetic MoE weights on the GPU".into(),
-                    ));
+                    let mo = c.moe.as_ref().expect("MoE layers have a shape");
+                    let bank_bytes = opts
+                        .expert_bank_bytes
+                        .unwrap_or(u64::MAX)
+                        .min(ctx.limits.max_storage_buffer_binding_size);
+                    let per_bank = experts_per_bank(c, format, bank_bytes);
+                    let (mut up, mut down) = (Vec::new(), Vec::new());
+                    for (bank, first) in (0..mo.experts).step_by(per_bank).enumerate() {
+                        let n_e = per_bank.min(mo.experts - first);
+                        let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;
+                        up.push(mat(
+                            &n(&format!("experts.up.bank{bank}")),
+                            n_e * mo.up_rows(),
+                            c.d_model,
+                            in_scale,
+                            seed,
+                        )?);
+                        down.push(mat(
+                            &n(&format!("experts.down.bank{bank}")),
+                            n_e * c.d_model,
+                            mo.intermediate,
+                            out_scale(mo.intermediate),
+                            seed + 1,
+                        )?);
+                    }
+                    let shared = match &mo.shared {
+                        Some(sh) => {
+                            let ups = if sh.act == MlpAct::SiluGated { 2 } else { 1 };
+                            Some((
+                                mat(
+                                    &n("shared.up"),
+                                    ups * sh.intermediate,
+                                    c.d_model,
+                                    in_scale,
+                                    a,
+                                )?,
+                                mat(
+                                    &n("shared.down"),
+                                    c.d_model,
+                                    sh.intermediate,
+                                    out_scale(sh.intermediate),
+                                    b,
+                                )?,
+                            ))
+                        }
+                        None => None,
+                    };
+                    // The router stays f32, as on load; logits of order one.
+                    let router = random_matrix(
+                        &k,
+                        &n("router"),
+                        mo.experts,
+                        c.d_model,
+                        WeightFormat::F32,
+                        in_scale * 2.0,
+                        s(900 + i as u64),
+                    )?;
+                    let mut params: Vec<f32> = (0..c.d_model).map(|j| u(j, 0.6, 1.4)).collect();
+                    let bias_off = mo.has_correction_bias().then(|| {
+                        let off = params.len();
+                        params.extend((0..mo.experts).map(|j| u(c.d_model + j, -0.05, 0.05)));
+                        off
+                    });
+                    let m = DeviceMixer::Moe(DeviceMoe {
+                        router,
+                        up,
+                        down,
+                        per_bank,
+                        shared,
+                        bias_off,
+                        d_model: c.d_model,
+                    });
+                    (m, params)
                 }
             };
             layers.push(DeviceLayer {
