@@ -5,6 +5,12 @@
 // invocation owns 8 rows × 4 tokens in eight vec4 registers, fed by vec4 reads of the
 // tiles in workgroup memory. O_STORE writes Y rows of YS values,
 // O_ADD adds into them (the residual).
+// GROUPED (the MoE experts of a prefill block, rows sorted by expert by moe_sort): the T = TR
+// rows come in tiles of 64 that each belong to one expert, `tile_expert[tile]`; W is a bank
+// of NE experts from E0, M rows each, and a tile whose expert lives in another bank (or
+// no expert: past the used rows) returns at once. With GATHER, row r reads X row
+// `pairs[r] / K` (the token of the (token, choice) pair sorted there; padding rows read
+// zeros), else X row r.
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
@@ -18,7 +24,15 @@
 #endif
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
+#if GROUPED
+@group(0) @binding(5) var<storage, read> tile_expert: array<u32>;
+#if GATHER
+@group(0) @binding(6) var<storage, read> pairs: array<u32>;
+#endif
+var<workgroup> tile_e: u32;
+#else
 @group(0) @binding(4) var<storage, read> ctrl: Ctrl;
+#endif
 
 const TM: u32 = 128u;
 const TT: u32 = 64u;
@@ -57,7 +71,21 @@ fn weights8(row: u32, k0: u32) -> array<f32, 8> {
 
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+#if GROUPED
+    let tokens = TR;
+    if (lid == 0u) {
+        tile_e = tile_expert[wid.y];
+    }
+    let e = workgroupUniformLoad(&tile_e);
+    if (e < E0 || e >= E0 + NE) {
+        return;
+    }
+    // This expert's rows of the bank.
+    let wbase = (e - E0) * M;
+#else
     let tokens = ctrl.prompt_len;
+    let wbase = 0u;
+#endif
     let m0 = wid.x * TM;
     let t0 = wid.y * TT;
     let mg = lid % 16u;   // rows m0 + mg·8 .. +8
@@ -77,7 +105,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     for (var k = 0u; k < KP; k += TK) {
         var wv: array<f32, 8>;
         if (lrow < M) {
-            wv = weights8(lrow, k + (lid % 2u) * 8u);
+            wv = weights8(wbase + lrow, k + (lid % 2u) * 8u);
         }
         let rq = (lid / 2u) / 4u;
         let rc = (lid / 2u) % 4u;
@@ -85,9 +113,16 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             wt[(lid % 2u) * 8u + i][rq][rc] = wv[i];
         }
         var xv = vec4<f32>(0.0);
+#if GATHER
+        let pair = pairs[ltok];
+        if (pair != NONE) {
+            xv = x[((pair / K) * XS + k) / 4u + lid % 4u];
+        }
+#else
         if (ltok < tokens) {
             xv = x[(ltok * XS + k) / 4u + lid % 4u];
         }
+#endif
         let tq = (lid / 4u) / 4u;
         let tc = (lid / 4u) % 4u;
         for (var i = 0u; i < 4u; i++) {

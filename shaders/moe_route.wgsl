@@ -1,15 +1,15 @@
 // The MoE router for T tokens (workgroup x = token): router logits [T, E] → the chosen
 // expert ids [T, K] (u32, best first) and their weights [T, K]; COUNT also adds one to
-// counts[COUNT_OFF + id] per choice (the inspector's expert load). The formulas are transformers 5.17's
-// (reference/moe.rs is the oracle, HYBRIDS.md the math):
+// counts[COUNT_OFF + id] per choice (the inspector's expert load). The formulas are
+// transformers 5.17's (reference/moe.rs is the oracle, HYBRIDS.md the math):
 // GROUPED: s = sigmoid(l), c = s + correction bias (params[BIAS_OFF..]); NG groups of GS
 //   consecutive experts score the sum of their two best c; the TG best groups stay
 //   eligible; the K best eligible c are chosen; w = s, divided by (Σ w + 1e-20) with NORM,
 //   times RSF.
 // otherwise (softmax top-k): the K best logits, w = softmax over those K.
 // Order: a higher score first, equal scores by the lower id (as the CPU reference ranks).
-// The scores are computed in parallel; one invocation then selects (K·E comparisons, a few
-// microseconds for the released shapes).
+// Selection without serial rounds: every candidate counts the candidates that beat it —
+// its rank — and the K of rank < K write their slot (ranks are unique: ties go by id).
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read_write> ids: array<u32>;
@@ -28,16 +28,26 @@ var<workgroup> group_kept: array<u32, NG>;
 #endif
 
 var<workgroup> score: array<f32, E>;
-var<workgroup> taken: array<u32, E>;
+var<workgroup> slot_id: array<u32, K>;
+var<workgroup> slot_w: array<f32, K>;
 
 fn better(a: f32, ia: u32, b: f32, ib: u32) -> bool {
     return a > b || (a == b && ia < ib);
+}
+
+fn eligible(e: u32) -> bool {
+#if GROUPED
+    return group_kept[e / GS] == 1u;
+#else
+    return true;
+#endif
 }
 
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = wid.x;
 #if PROMPT
+    // Uniform per workgroup: the whole workgroup returns.
     if (t >= ctrl.prompt_len) {
         return;
     }
@@ -51,7 +61,6 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #else
         score[e] = l;
 #endif
-        taken[e] = 0u;
     }
     workgroupBarrier();
 #if GROUPED
@@ -68,66 +77,67 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             }
         }
         group_score[g] = m1 + m2;
-        group_kept[g] = 0u;
+    }
+    workgroupBarrier();
+    for (var g = lid; g < NG; g += WG) {
+        var rank = 0u;
+        for (var h = 0u; h < NG; h++) {
+            rank += u32(better(group_score[h], h, group_score[g], g));
+        }
+        group_kept[g] = u32(rank < TG);
     }
     workgroupBarrier();
 #endif
+    for (var e = lid; e < E; e += WG) {
+        if (eligible(e)) {
+            let c = score[e];
+            var rank = 0u;
+            for (var j = 0u; j < E && rank < K; j++) {
+                rank += u32(eligible(j) && better(score[j], j, c, e));
+            }
+            if (rank < K) {
+                slot_id[rank] = e;
+#if GROUPED
+                slot_w[rank] = prob[e];
+#else
+                slot_w[rank] = c;
+#endif
+            }
+        }
+    }
+    workgroupBarrier();
     if (lid != 0u) {
         return;
     }
+    // Sums in slot order, then divided and scaled: the CPU reference's order of operations.
 #if GROUPED
-    for (var r = 0u; r < TG; r++) {
-        var best = NG;
-        for (var g = 0u; g < NG; g++) {
-            if (group_kept[g] == 0u && (best == NG || better(group_score[g], g, group_score[best], best))) {
-                best = g;
-            }
-        }
-        group_kept[best] = 1u;
-    }
-#endif
     var total = 0.0;
-#if !GROUPED
-    var first = 0.0;
-#endif
     for (var j = 0u; j < K; j++) {
-        var best = E;
-        for (var e = 0u; e < E; e++) {
-#if GROUPED
-            let eligible = taken[e] == 0u && group_kept[e / GS] == 1u;
-#else
-            let eligible = taken[e] == 0u;
-#endif
-            if (eligible && (best == E || better(score[e], e, score[best], best))) {
-                best = e;
-            }
-        }
-        taken[best] = 1u;
-        ids[t * K + j] = best;
-#if GROUPED
-        let w = prob[best];
-#else
-        if (j == 0u) {
-            first = score[best];
-        }
-        let w = exp(score[best] - first);
-#endif
-        wts[t * K + j] = w;
-        total += w;
-#if COUNT
-        atomicAdd(&counts[COUNT_OFF + best], 1u);
-#endif
+        total += slot_w[j];
     }
-    // Divided, then scaled: the CPU reference's order of operations.
     for (var j = 0u; j < K; j++) {
-#if GROUPED
-        var w = wts[t * K + j];
+        var w = slot_w[j];
         if (NORM == 1u) {
             w = w / (total + 1e-20);
         }
+        ids[t * K + j] = slot_id[j];
         wts[t * K + j] = w * RSF;
-#else
-        wts[t * K + j] = wts[t * K + j] / total;
-#endif
     }
+#else
+    let first = slot_w[0];
+    var total = 0.0;
+    for (var j = 0u; j < K; j++) {
+        slot_w[j] = exp(slot_w[j] - first);
+        total += slot_w[j];
+    }
+    for (var j = 0u; j < K; j++) {
+        ids[t * K + j] = slot_id[j];
+        wts[t * K + j] = slot_w[j] / total;
+    }
+#endif
+#if COUNT
+    for (var j = 0u; j < K; j++) {
+        atomicAdd(&counts[COUNT_OFF + slot_id[j]], 1u);
+    }
+#endif
 }

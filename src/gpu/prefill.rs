@@ -42,18 +42,19 @@ pub struct Prefill {
     /// MLP: `[T][up rows]` projections and `[T][ceil32(I)]` activations.
     pub mlp_up: wgpu::Buffer,
     pub mlp: wgpu::Buffer,
-    /// MoE: `[T][E]` router logits, `[T][K]` ids and weights, `[T·K][up rows]` expert
-    /// projections, `[T·K][ceil32(I)]` activations and their q8 blocks, and the q8 blocks
-    /// `hq`, `hd` of the normed rows (q8_0 expert matrices).
+    /// MoE: `[T][E]` router logits, `[T][K]` ids and weights; the pairs sorted by expert
+    /// (`moe_sort`: `pairs [R]`, `pos [T·K]`, `tile_expert [R/64]`) and, per sorted row, the
+    /// experts' up projections `[R][up rows]`, activations `[R][ceil32(I)]` and down
+    /// projections `[R][d]`.
     pub router_logits: wgpu::Buffer,
     pub moe_ids: wgpu::Buffer,
     pub moe_weights: wgpu::Buffer,
+    pub moe_pairs: wgpu::Buffer,
+    pub moe_pos: wgpu::Buffer,
+    pub tile_expert: wgpu::Buffer,
     pub moe_up: wgpu::Buffer,
     pub moe_mid: wgpu::Buffer,
-    pub moe_xq: wgpu::Buffer,
-    pub moe_xd: wgpu::Buffer,
-    pub hq: wgpu::Buffer,
-    pub hd: wgpu::Buffer,
+    pub moe_down: wgpu::Buffer,
     /// `[T][V]` logits (perplexity blocks only).
     pub logits: Option<wgpu::Buffer>,
     /// Feeds a block: the state advances by its tokens.
@@ -85,9 +86,12 @@ impl Prefill {
         let (experts, top_k, expert_up, expert_mid) = c.moe.as_ref().map_or((0, 0, 0, 0), |m| {
             (m.experts, m.top_k, m.up_rows(), pad(m.intermediate))
         });
-        // q8 blocks of the MoE inputs (q8_0 expert matrices read them).
-        let q8 = e.format == crate::model::quant::WeightFormat::Q8_0 && experts > 0;
-        let q = |n: usize| if q8 { n } else { 1 };
+        // The block's (token, choice) pairs sorted by expert, in whole GEMM tiles.
+        let rows = if experts > 0 {
+            crate::gpu::kernels::moe_sort::sorted_rows(t, top_k, experts)
+        } else {
+            0
+        };
         let mamba = c.count(BlockKind::Mamba2) > 0;
         let m = |n: usize| if mamba { n } else { 1 };
         let mut p = Prefill {
@@ -116,12 +120,12 @@ impl Prefill {
             router_logits: ctx.storage_zeroed("prefill router logits", f32s(t * experts))?,
             moe_ids: ctx.storage_zeroed("prefill moe ids", f32s(t * top_k))?,
             moe_weights: ctx.storage_zeroed("prefill moe weights", f32s(t * top_k))?,
-            moe_up: ctx.storage_zeroed("prefill moe up", f32s(t * top_k * expert_up))?,
-            moe_mid: ctx.storage_zeroed("prefill moe mid", f32s(t * top_k * expert_mid))?,
-            moe_xq: ctx.storage_zeroed("prefill moe xq", f32s(q(t * top_k * expert_mid / 4)))?,
-            moe_xd: ctx.storage_zeroed("prefill moe xd", f32s(q(t * top_k * expert_mid / 32)))?,
-            hq: ctx.storage_zeroed("prefill hq", f32s(q(t * pad(c.d_model) / 4)))?,
-            hd: ctx.storage_zeroed("prefill hd", f32s(q(t * pad(c.d_model) / 32)))?,
+            moe_pairs: ctx.storage_zeroed("prefill moe pairs", f32s(rows))?,
+            moe_pos: ctx.storage_zeroed("prefill moe pos", f32s(t * top_k))?,
+            tile_expert: ctx.storage_zeroed("prefill moe tiles", f32s(rows / 64))?,
+            moe_up: ctx.storage_zeroed("prefill moe up", f32s(rows * expert_up))?,
+            moe_mid: ctx.storage_zeroed("prefill moe mid", f32s(rows * expert_mid))?,
+            moe_down: ctx.storage_zeroed("prefill moe down", f32s(rows * c.d_model))?,
             logits: None,
             graph: Graph::default(),
             logits_graph: None,

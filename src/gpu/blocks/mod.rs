@@ -136,14 +136,11 @@ pub fn prefill_graph(
         .per_token(1, 1, 1),
     ];
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
-        // MoE blocks over q8_0 experts also want the q8 blocks of the normed rows.
-        let q8 = (layer.kind == BlockKind::Moe && b.format == WeightFormat::Q8_0)
-            .then_some((&p.hq, &p.hd));
         let mut ds = vec![pre_norm(
             b,
             &layer.params,
             layer.norm_offset(b.layout),
-            Some((p, t, q8)),
+            Some((p, t)),
         )?];
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
@@ -219,16 +216,12 @@ fn mlp_bias<'a>(
     })
 }
 
-/// q8 activation blocks `(xq, xd)`.
-type Q8Blocks<'a> = (&'a wgpu::Buffer, &'a wgpu::Buffer);
-
-/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows
-/// (and their q8 blocks when the block's matrices want them).
+/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows.
 fn pre_norm(
     b: &BlockCtx,
     params: &wgpu::Buffer,
     offset: usize,
-    prefill: Option<(&Prefill, usize, Option<Q8Blocks>)>,
+    prefill: Option<(&Prefill, usize)>,
 ) -> Result<Dispatch> {
     let c = b.c;
     Ok(match prefill {
@@ -246,7 +239,7 @@ fn pre_norm(
                 q8: b.q8(),
             },
         )?,
-        Some((p, t, q8)) => rmsnorm::rmsnorm(
+        Some((p, t)) => rmsnorm::rmsnorm(
             b.k,
             "norm",
             c.d_model,
@@ -257,7 +250,7 @@ fn pre_norm(
                 src: &p.resid,
                 params,
                 dst: &p.h,
-                q8,
+                q8: None,
             },
         )?
         .per_token(1, 1, 1),

@@ -2,21 +2,23 @@
 //! router GEMV (f32) → `moe_route` (ids, weights, expert load) → per bank the chosen experts'
 //! up projections → the activation over the `K` choices (with their q8 blocks) → per bank the
 //! weighted down projections added into the residual → the shared expert as an MLP.
-//! Prefill runs the same over the block's tokens: the router as a GEMM, then every token's
-//! choices through the expert GEMV (each token reads its own experts' rows).
+//! Prefill: the router as a GEMM, the same routing kernel over the block's tokens, then the
+//! (token, choice) pairs sorted by expert (`moe_sort`), grouped GEMMs per bank over whole
+//! tiles of one expert's rows, the activation, and `moe_combine` back into the residual.
 
 use super::{BlockCtx, mlp};
 use crate::config::{MlpConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gpu::device_weights::DeviceMoe;
 use crate::gpu::kernels::expert_gemv::{Bank, ExpertBuffers, ExpertPass, expert_gemv};
-use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemm::{GemmOutput, SortedRows, TILE, expert_gemm, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::{ActBuffers, mlp_act};
+use crate::gpu::kernels::moe_combine::{CombineBuffers, moe_combine};
 use crate::gpu::kernels::moe_route::{RouteBuffers, moe_route};
+use crate::gpu::kernels::moe_sort::{SortBuffers, moe_sort, sorted_rows};
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
-use crate::model::quant::WeightFormat;
 
 fn moe_section(d: Dispatch) -> Dispatch {
     Dispatch {
@@ -100,8 +102,10 @@ pub fn decode(
     Ok(d)
 }
 
-/// A prefill block through an MoE block (after the pre-norm into `p.h`, and its q8 blocks
-/// `p.hq`/`p.hd` for q8_0 experts); `index` as in `decode`.
+/// A prefill block through an MoE block (after the pre-norm into `p.h`); `index` as in
+/// `decode`. The block's (token, choice) pairs are sorted by expert on the device, each
+/// expert's rows go through grouped GEMMs (tiles of one expert each), and the weighted
+/// outputs are gathered back into the residual.
 pub fn prefill(
     b: &BlockCtx,
     p: &Prefill,
@@ -112,7 +116,7 @@ pub fn prefill(
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let m = shape(b)?;
-    let q8 = b.format == WeightFormat::Q8_0;
+    let rows = sorted_rows(tokens, m.top_k, m.experts);
     let mut d = vec![moe_section(
         gemm(
             k,
@@ -141,19 +145,88 @@ pub fn prefill(
             ctrl: Some(&s.ctrl),
         },
     )?);
-    d.extend(experts(
-        b,
-        w,
+    d.push(moe_sort(
+        k,
+        "sort",
+        m.experts,
+        m.top_k,
         tokens,
-        Stage {
-            h: &p.h,
-            h_q8: q8.then_some((&p.hq, &p.hd)),
+        SortBuffers {
             ids: &p.moe_ids,
+            ctrl: &s.ctrl,
+            pairs: &p.moe_pairs,
+            pos: &p.moe_pos,
+            tile_expert: &p.tile_expert,
+        },
+    )?);
+    for (first, count, up, _) in w.banks() {
+        d.push(expert_gemm(
+            k,
+            &format!("experts.up[{first}..{}]", first + count),
+            up,
+            Bank {
+                first,
+                count,
+                rows_per_expert: m.up_rows(),
+            },
+            SortedRows {
+                rows,
+                tile_expert: &p.tile_expert,
+                gather: Some((&p.moe_pairs, m.top_k)),
+            },
+            &p.h,
+            &p.moe_up,
+            m.up_rows(),
+        )?);
+    }
+    let e = expert_shape(m);
+    d.push(moe_section(mlp_act(
+        k,
+        "experts.act",
+        e.act,
+        e.intermediate,
+        m.up_rows(),
+        rows,
+        ActBuffers {
+            src: &p.moe_up,
+            dst: &p.moe_mid,
+            q8: None,
+        },
+        None,
+    )?));
+    for (first, count, _, down) in w.banks() {
+        d.push(expert_gemm(
+            k,
+            &format!("experts.down[{first}..{}]", first + count),
+            down,
+            Bank {
+                first,
+                count,
+                rows_per_expert: b.c.d_model,
+            },
+            SortedRows {
+                rows,
+                tile_expert: &p.tile_expert,
+                gather: None,
+            },
+            &p.moe_mid,
+            &p.moe_down,
+            b.c.d_model,
+        )?);
+    }
+    d.push(moe_combine(
+        k,
+        "combine+residual",
+        b.c.d_model,
+        m.top_k,
+        tokens,
+        rows,
+        CombineBuffers {
+            y: &p.moe_down,
+            pos: &p.moe_pos,
             weights: &p.moe_weights,
-            up: &p.moe_up,
-            mid: &p.moe_mid,
-            mid_q8: q8.then_some((&p.moe_xq, &p.moe_xd)),
             resid: &p.resid,
+            ctrl: &s.ctrl,
         },
     )?);
     if let (Some(sm), Some((up, down))) = (&m.shared, &w.shared) {
@@ -178,8 +251,8 @@ struct Stage<'a> {
     resid: &'a wgpu::Buffer,
 }
 
-/// The routed experts of `tokens` tokens: up per bank, the activation of every choice, down
-/// per bank into the residual.
+/// The routed experts of one decode token: up per bank, the activation of every choice,
+/// down per bank into the residual.
 fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<Dispatch>> {
     let k = b.k;
     let m = shape(b)?;

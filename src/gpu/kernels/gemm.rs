@@ -77,3 +77,80 @@ pub fn gemm(
         label: Label::default(),
     })
 }
+
+/// The rows of a prefill block's MoE, sorted by expert (`moe_sort`): `rows` of them in tiles
+/// of `TILE.1`, each tile one expert's (`tile_expert`), and with `gather`, the (token,
+/// choice) pair of each row and the choices per token (up projections read the token's
+/// normed row; down projections read the sorted rows themselves).
+pub struct SortedRows<'a> {
+    pub rows: usize,
+    pub tile_expert: &'a wgpu::Buffer,
+    pub gather: Option<(&'a wgpu::Buffer, usize)>,
+}
+
+/// One bank's grouped GEMM over sorted rows: `y [rows][ys] = X · W_eᵀ` where each tile of
+/// rows uses its own expert `e`'s `bank.rows_per_expert` rows of `w`; tiles of experts
+/// outside the bank are left alone.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_gemm(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    bank: super::expert_gemv::Bank,
+    sorted: SortedRows,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    ys: usize,
+) -> Result<Dispatch> {
+    let m = bank.rows_per_expert;
+    let rows = sorted.rows;
+    if bank.count * m != w.rows || !rows.is_multiple_of(TILE.1) || m > ys {
+        return Err(crate::error::Error::Gpu(format!(
+            "{name}: {} experts × {m} rows, {rows} sorted rows and output rows of {ys} do not \
+             fit {} ({} rows) in tiles of {}",
+            bank.count, w.name, w.rows, TILE.1
+        )));
+    }
+    let xs = w.cols.next_multiple_of(32);
+    check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
+    check_len(
+        &format!("{name}: tile experts"),
+        sorted.tile_expert,
+        rows / TILE.1,
+    )?;
+    let u = |v: usize| Const::U32(v as u32);
+    let mut consts = vec![
+        ("M", u(m)),
+        ("KP", u(w.kp)),
+        ("XS", u(xs)),
+        ("YS", u(ys)),
+        ("TR", u(rows)),
+        ("E0", u(bank.first)),
+        ("NE", u(bank.count)),
+        ("NONE", Const::U32(u32::MAX)),
+    ];
+    let mut flags = vec![w.flag(), "O_STORE", "GROUPED"];
+    let mut entries = w.bindings();
+    entries.extend([(2, x), (3, y), (5, sorted.tile_expert)]);
+    match sorted.gather {
+        Some((pairs, top_k)) => {
+            check_len(&format!("{name}: pairs"), pairs, rows)?;
+            // Pairs index tokens·top_k rows of X.
+            check_len(&format!("{name}: x"), x, xs)?;
+            consts.push(("K", u(top_k)));
+            flags.push("GATHER");
+            entries.push((6, pairs));
+        }
+        None => check_len(&format!("{name}: x"), x, rows * xs)?,
+    }
+    let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &entries),
+        pipeline,
+        workgroups: (m.div_ceil(TILE.0) as u32, (rows / TILE.1) as u32, 1),
+        name: name.to_string(),
+        per_token: None,
+        section: Section::Moe,
+        label: Label::default(),
+    })
+}

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/moe_route.wgsl")];
-const WG: u32 = 64;
+const WG: u32 = 128;
 
 /// The router's buffers.
 pub struct RouteBuffers<'a> {
