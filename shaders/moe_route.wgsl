@@ -10,6 +10,8 @@
 // Order: a higher score first, equal scores by the lower id (as the CPU reference ranks).
 // Selection without serial rounds: every candidate counts the candidates that beat it —
 // its rank — and the K of rank < K write their slot (ranks are unique: ties go by id).
+// A token's row of ids/weights holds KS = K + S slots: after the K chosen, the S slices of
+// the shared expert (stored as experts E .. E + S − 1) with weight 1.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read_write> ids: array<u32>;
@@ -120,8 +122,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         if (NORM == 1u) {
             w = w / (total + 1e-20);
         }
-        ids[t * K + j] = slot_id[j];
-        wts[t * K + j] = w * RSF;
+        ids[t * KS + j] = slot_id[j];
+        wts[t * KS + j] = w * RSF;
     }
 #else
     let first = slot_w[0];
@@ -131,10 +133,14 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         total += slot_w[j];
     }
     for (var j = 0u; j < K; j++) {
-        ids[t * K + j] = slot_id[j];
-        wts[t * K + j] = slot_w[j] / total;
+        ids[t * KS + j] = slot_id[j];
+        wts[t * KS + j] = slot_w[j] / total;
     }
 #endif
+    for (var j = 0u; j < KS - K; j++) {
+        ids[t * KS + K + j] = E + j;
+        wts[t * KS + K + j] = 1.0;
+    }
 #if COUNT
     for (var j = 0u; j < K; j++) {
         atomicAdd(&counts[COUNT_OFF + slot_id[j]], 1u);

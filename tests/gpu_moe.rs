@@ -63,8 +63,10 @@ fn gpu_route(
     let flat: Vec<f32> = logits.concat();
     let (l, p) = (buf(&flat), buf(bias));
     let zeros = |n: usize| ctx.storage_zeroed("test", 4 * n as u64).unwrap();
+    // Rows of K chosen experts, then the shared expert's slices.
+    let slots = m.slots();
     let run = |tokens: usize, ctrl: Option<&wgpu::Buffer>| {
-        let (ids, w) = (zeros(tokens * m.top_k), zeros(tokens * m.top_k));
+        let (ids, w) = (zeros(tokens * slots), zeros(tokens * slots));
         let d = moe_route(
             &k,
             "route",
@@ -87,16 +89,22 @@ fn gpu_route(
         }
         ctx.queue.submit([enc.finish()]);
         ctx.wait().unwrap();
-        let raw = ctx.read(&ids, (4 * tokens * m.top_k) as u64).unwrap();
+        let raw = ctx.read(&ids, (4 * tokens * slots) as u64).unwrap();
         let ids: Vec<u32> = raw
             .chunks_exact(4)
-            .take(tokens * m.top_k)
+            .take(tokens * slots)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        let w = ctx.read_f32(&w, tokens * m.top_k).unwrap();
-        ids.chunks(m.top_k)
-            .zip(w.chunks(m.top_k))
-            .map(|(i, w)| (i.to_vec(), w.to_vec()))
+        let w = ctx.read_f32(&w, tokens * slots).unwrap();
+        ids.chunks(slots)
+            .zip(w.chunks(slots))
+            .map(|(i, w)| {
+                for s in m.top_k..slots {
+                    let id = (m.experts + s - m.top_k) as u32;
+                    assert_eq!((i[s], w[s]), (id, 1.0), "shared slice {s}");
+                }
+                (i[..m.top_k].to_vec(), w[..m.top_k].to_vec())
+            })
             .collect::<Vec<_>>()
     };
     let ctrl = Ctrl {

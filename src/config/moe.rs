@@ -48,6 +48,31 @@ impl MoeConfig {
         }
     }
 
+    /// The shared expert as `S` always-chosen experts of the routed experts' width, when its
+    /// width is a multiple of theirs and it computes the same activation (0 otherwise): an
+    /// MLP of width `S·I` is the sum of `S` MLPs of width `I` over its slices of intermediate
+    /// channels. The GPU stores them after the routed experts and runs them in the same
+    /// dispatches (Nemotron 3 Nano: 3712 = 2 × 1856; Granite-4.0-H: 1024 = 2 × 512,
+    /// 1536 = 2 × 768).
+    pub fn shared_slots(&self) -> usize {
+        match &self.shared {
+            Some(s) if s.act == self.act && s.intermediate.is_multiple_of(self.intermediate) => {
+                s.intermediate / self.intermediate
+            }
+            _ => 0,
+        }
+    }
+
+    /// Experts chosen per token on the GPU: `top_k` routed plus the shared slots.
+    pub fn slots(&self) -> usize {
+        self.top_k + self.shared_slots()
+    }
+
+    /// Experts stored in the GPU's banks: the routed ones, then the shared slots.
+    pub fn stored_experts(&self) -> usize {
+        self.experts + self.shared_slots()
+    }
+
     /// Whether the router adds a per-expert correction bias before choosing.
     pub fn has_correction_bias(&self) -> bool {
         matches!(self.router, Router::Grouped { .. })

@@ -110,7 +110,7 @@ pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64)
         }
     };
     let per_expert = bytes(m.up_rows(), c.d_model).max(bytes(c.d_model, m.intermediate));
-    ((max_binding / per_expert.max(1)) as usize).clamp(1, m.experts)
+    ((max_binding / per_expert.max(1)) as usize).clamp(1, m.stored_experts())
 }
 
 /// One block on the device.
@@ -277,8 +277,20 @@ impl DeviceWeights {
                             None => vec![&e.up],
                         }
                     }
+                    // The shared expert as slices of the experts' width, stored after them.
+                    let mc = c.moe.as_ref().ok_or_else(|| {
+                        Error::InvalidInput(format!("layer {i}: MoE without a shape"))
+                    })?;
+                    let slices = match &m.shared {
+                        Some(s) if mc.shared_slots() > 0 => {
+                            shared_slices(s, mc.shared_slots(), mc.intermediate)?
+                        }
+                        _ => Vec::new(),
+                    };
+                    let stored: Vec<&crate::model::MlpWeights> =
+                        m.experts.iter().chain(&slices).collect();
                     let (mut up, mut down) = (Vec::new(), Vec::new());
-                    for (b, bank) in m.experts.chunks(per_bank).enumerate() {
+                    for (b, bank) in stored.chunks(per_bank).enumerate() {
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().flat_map(|e| ups(e)).collect();
                         up.push(upload(&name(&format!("experts.up.bank{b}")), &parts)?);
@@ -287,11 +299,11 @@ impl DeviceWeights {
                         down.push(upload_out(&name(&format!("experts.down.bank{b}")), &parts)?);
                     }
                     let shared = match &m.shared {
-                        Some(s) => Some((
+                        Some(s) if slices.is_empty() => Some((
                             upload(&name("shared.up"), &ups(s))?,
                             upload_out(&name("shared.down"), &[&s.down])?,
                         )),
-                        None => None,
+                        _ => None,
                     };
                     DeviceMixer::Moe(DeviceMoe {
                         router: upload_as(&name("router"), &[&m.router], WeightFormat::F32, 1.0)?,
@@ -354,6 +366,42 @@ impl DeviceWeights {
             final_params,
         })
     }
+}
+
+/// The shared expert cut into `n` MLPs of width `width` (`MoeConfig::shared_slots`): up (and
+/// gate) rows are views, down columns are copied.
+fn shared_slices(
+    s: &crate::model::MlpWeights,
+    n: usize,
+    width: usize,
+) -> Result<Vec<crate::model::MlpWeights>> {
+    let d = s.down.shape[0];
+    let full = s.down.shape[1];
+    let down = finite_f32(&s.down)?;
+    Ok((0..n)
+        .map(|j| {
+            let (a, b) = (j * width, (j + 1) * width);
+            let tag = format!(" (slice {j})");
+            let cols: Vec<f32> = (0..d)
+                .flat_map(|r| down[r * full + a..r * full + b].iter().copied())
+                .collect();
+            crate::model::MlpWeights {
+                up: s.up.rows(a..b, vec![width, s.up.shape[1]], &tag),
+                gate: s
+                    .gate
+                    .as_ref()
+                    .map(|g| g.rows(a..b, vec![width, g.shape[1]], &tag)),
+                down: crate::model::Tensor::from_f32(
+                    format!("{}{tag}", s.down.name),
+                    vec![d, width],
+                    &cols,
+                ),
+                up_bias: None,
+                gate_bias: None,
+                down_bias: None,
+            }
+        })
+        .collect())
 }
 
 fn gpu_unsupported(layer: usize, what: &str) -> Error {

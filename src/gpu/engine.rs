@@ -163,6 +163,8 @@ impl Engine {
             // Expert banks are split to fit the binding limit: one expert must fit.
             let rows = match (name, &c.moe) {
                 ("experts.up_proj" | "experts.down_proj", Some(m)) => rows / m.experts.max(1),
+                // The shared expert is stored as slices of the experts' width.
+                ("shared.up_proj" | "shared.down_proj", Some(m)) if m.shared_slots() > 0 => 0,
                 _ => rows,
             };
             let kp = format.padded_cols(cols);
@@ -376,7 +378,8 @@ impl Engine {
                 // Only the chosen experts' rows are read.
                 (crate::gpu::device_weights::DeviceMixer::Moe(m), Some(mc)) => {
                     let experts: u64 = m.up.iter().chain(&m.down).map(|x| x.bytes()).sum();
-                    b += experts * mc.top_k as u64 / mc.experts as u64 + m.router.bytes();
+                    b +=
+                        experts * mc.slots() as u64 / mc.stored_experts() as u64 + m.router.bytes();
                     if let Some((u, d)) = &m.shared {
                         b += u.bytes() + d.bytes();
                     }

@@ -84,7 +84,12 @@ impl Prefill {
             .map_or((0, 0), |a| (a.qkv_rows(), pad(a.q_width())));
         let (up, mlp) = crate::gpu::scratch::mlp_widths(c);
         let (experts, top_k, expert_up, expert_mid) = c.moe.as_ref().map_or((0, 0, 0, 0), |m| {
-            (m.experts, m.top_k, m.up_rows(), pad(m.intermediate))
+            (
+                m.stored_experts(),
+                m.slots(),
+                m.up_rows(),
+                pad(m.intermediate),
+            )
         });
         // The block's (token, choice) pairs sorted by expert, in whole GEMM tiles.
         let rows = if experts > 0 {

@@ -104,7 +104,7 @@ impl Scratch {
         let attn = c.attention.as_ref().map_or(0, |a| pad(a.q_width()));
         let (up, mlp) = mlp_widths(c);
         let (experts, top_k, expert_up, expert_mid) = c.moe.as_ref().map_or((0, 0, 0, 0), |m| {
-            (m.experts, m.top_k, m.up_rows(), pad(m.intermediate))
+            (m.experts, m.slots(), m.up_rows(), pad(m.intermediate))
         });
         let moe_layers = c.count(crate::config::BlockKind::Moe);
         Ok(Scratch {

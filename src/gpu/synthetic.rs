@@ -175,8 +175,9 @@ impl Engine {
                         .min(ctx.limits.max_storage_buffer_binding_size);
                     let per_bank = experts_per_bank(c, format, bank_bytes);
                     let (mut up, mut down) = (Vec::new(), Vec::new());
-                    for (bank, first) in (0..mo.experts).step_by(per_bank).enumerate() {
-                        let n_e = per_bank.min(mo.experts - first);
+                    let stored = mo.stored_experts();
+                    for (bank, first) in (0..stored).step_by(per_bank).enumerate() {
+                        let n_e = per_bank.min(stored - first);
                         let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;
                         up.push(mat(
                             &n(&format!("experts.up.bank{bank}")),
@@ -194,7 +195,7 @@ impl Engine {
                         )?);
                     }
                     let shared = match &mo.shared {
-                        Some(sh) => {
+                        Some(sh) if mo.shared_slots() == 0 => {
                             let ups = if sh.act == MlpAct::SiluGated { 2 } else { 1 };
                             Some((
                                 mat(
@@ -213,7 +214,7 @@ impl Engine {
                                 )?,
                             ))
                         }
-                        None => None,
+                        _ => None,
                     };
                     // The router stays f32, as on load; logits of order one.
                     let router = random_matrix(

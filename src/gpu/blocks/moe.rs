@@ -116,7 +116,8 @@ pub fn prefill(
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let m = shape(b)?;
-    let rows = sorted_rows(tokens, m.top_k, m.experts);
+    let (slots, stored) = (m.slots(), m.stored_experts());
+    let rows = sorted_rows(tokens, slots, stored);
     let mut d = vec![moe_section(
         gemm(
             k,
@@ -148,8 +149,8 @@ pub fn prefill(
     d.push(moe_sort(
         k,
         "sort",
-        m.experts,
-        m.top_k,
+        stored,
+        slots,
         tokens,
         SortBuffers {
             ids: &p.moe_ids,
@@ -172,7 +173,7 @@ pub fn prefill(
             SortedRows {
                 rows,
                 tile_expert: &p.tile_expert,
-                gather: Some((&p.moe_pairs, m.top_k)),
+                gather: Some((&p.moe_pairs, slots)),
             },
             &p.h,
             &p.moe_up,
@@ -218,7 +219,7 @@ pub fn prefill(
         k,
         "combine+residual",
         b.c.d_model,
-        m.top_k,
+        slots,
         tokens,
         rows,
         CombineBuffers {
@@ -256,7 +257,8 @@ struct Stage<'a> {
 fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<Dispatch>> {
     let k = b.k;
     let m = shape(b)?;
-    let top_k = m.top_k;
+    // The chosen experts and the shared expert's slices alike.
+    let top_k = m.slots();
     let mut d = Vec::new();
     for (first, count, up, _) in w.banks() {
         d.push(expert_gemv(

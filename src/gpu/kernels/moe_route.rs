@@ -1,5 +1,7 @@
 //! `moe_route.wgsl`: the MoE router of `T` tokens — `logits [T, E]` (the router GEMV/GEMM's
-//! output) → `ids [T, K]` (u32, best first) and `weights [T, K]`, on the device so the host
+//! output) → `ids [T, KS]` (u32, best first) and `weights [T, KS]`, `KS = K + S` slots: the
+//! `K` chosen, then the `S` shared-expert slices (`MoeConfig::shared_slots`, weight 1) — on
+//! the device so the host
 //! never sees the routing; optionally `counts [COUNT_OFF + id]` += one per choice (expert load).
 //! The grouped (Nemotron-H) router reads its correction bias from `params [bias_off..+E]`.
 
@@ -34,12 +36,17 @@ pub fn moe_route(
 ) -> Result<Dispatch> {
     m.check()
         .map_err(|(field, msg)| Error::Gpu(format!("{name}: `{field}`: {msg}")))?;
-    let (e, top) = (m.experts, m.top_k);
+    let (e, top, slots) = (m.experts, m.top_k, m.slots());
     check_len(&format!("{name}: logits"), b.logits, tokens * e)?;
-    check_len(&format!("{name}: ids"), b.ids, tokens * top)?;
-    check_len(&format!("{name}: weights"), b.weights, tokens * top)?;
+    check_len(&format!("{name}: ids"), b.ids, tokens * slots)?;
+    check_len(&format!("{name}: weights"), b.weights, tokens * slots)?;
     let u = |v: usize| Const::U32(v as u32);
-    let mut consts = vec![("WG", Const::U32(WG)), ("E", u(e)), ("K", u(top))];
+    let mut consts = vec![
+        ("WG", Const::U32(WG)),
+        ("E", u(e)),
+        ("K", u(top)),
+        ("KS", u(slots)),
+    ];
     let mut flags = Vec::new();
     let mut entries = vec![(0, b.logits), (2, b.ids), (3, b.weights)];
     if let Router::Grouped {
