@@ -34,7 +34,12 @@ fn join(ids: &[u32]) -> String {
 
 #[test]
 fn generate_prompt_ids_on_every_device() {
-    for name in ["nemotron_h_g2", "nemotron_h_hybrid"] {
+    for name in [
+        "nemotron_h_g2",
+        "nemotron_h_hybrid",
+        "nemotron_h_moe",
+        "granite_moe_hybrid",
+    ] {
         generate_fixture_greedy(name);
     }
 }
@@ -107,6 +112,20 @@ fn info_describes_the_model() {
         "mlp        96 wide, relu²",
         // 2 layers × (K + V) × 2 kv heads × 16 × 2 bytes = 256 bytes per token.
         "KV cache   0.2 MiB at 1000 tokens in f16 (0.2 KiB per token",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
+    // An MoE hybrid (Granite: each layer a mixer block and an MoE block).
+    let dir = common::fixture("granite_moe_hybrid");
+    let (ok, out, err) = mamba2(&["info", "--model", dir.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    for want in [
+        "format     HF transformers granitemoehybrid",
+        "pattern    ME*EMEME  (3 Mamba2 `M`, 1 attention `*`, 4 MoE `E`)",
+        "moe        3 of 10 experts per token (softmax over the top k), 16 wide silu-gated, \
+         shared expert 32 wide",
+        "scales     embedding × 4, residual × 0.5, logits × 0.4000",
+        "attention  4 heads, 2 key/value heads, head_dim 12, no positional encoding, scale 0.2000",
     ] {
         assert!(out.contains(want), "missing `{want}` in:\n{out}");
     }

@@ -228,10 +228,14 @@ fn chat_shows_a_bad_model_dir_in_the_window() {
 }
 
 fn inspector_harness(size: [f32; 2]) -> Harness<'static, InspectorApp> {
-    // Random weights at the `tiny` preset's shapes, made on the device.
+    inspector_on("tiny", size)
+}
+
+/// The inspector over random weights at a preset's shapes, made on the device.
+fn inspector_on(preset: &str, size: [f32; 2]) -> Harness<'static, InspectorApp> {
     let req = LoadRequest::new(
         ModelSource::Preset {
-            name: "tiny".into(),
+            name: preset.into(),
             seed: 3,
         },
         gpu_device(),
@@ -414,6 +418,58 @@ fn inspector_steps_times_and_flags_nan() {
     // A state of the wrong shape is refused, not shown.
     st.layers.pop();
     assert!(h.state_mut().panel.inject_state(&st).is_err());
+}
+
+#[test]
+fn inspector_shows_the_expert_load_of_an_moe_model() {
+    let mut h = inspector_on("tiny-moe", [1280.0, 820.0]);
+    if h.state()
+        .panel
+        .info
+        .as_ref()
+        .and_then(|i| i.gpu.as_ref())
+        .is_none()
+    {
+        eprintln!("\n!!!!!!!! no GPU: the expert load (GPU counters) is not checked !!!!!!!!\n");
+        return;
+    }
+    let config = h.state().panel.info.as_ref().unwrap().config.clone();
+    let m = config.moe.clone().expect("an MoE preset");
+    for _ in 0..2 {
+        h.get_by_label("Step 1 token").click();
+        h.step();
+    }
+    wait_until(
+        &mut h,
+        "the expert load after two steps",
+        |a| {
+            a.panel
+                .experts
+                .as_ref()
+                .is_some_and(|l| l.total(0) >= 3 * m.top_k as u64)
+        },
+        inspector_errors,
+    );
+    let load = h.state().panel.experts.clone().unwrap();
+    assert_eq!(
+        load.counts.len(),
+        config.count(mamba2_wgpu::config::BlockKind::Moe)
+    );
+    for r in 0..load.counts.len() {
+        assert_eq!(load.counts[r].len(), m.experts);
+        assert_eq!(
+            load.total(r),
+            load.total(0),
+            "every layer routes every token"
+        );
+        assert_eq!(load.total(r) % m.top_k as u64, 0, "top_k choices per token");
+    }
+    h.step();
+    let caption = format!("{} MoE layers × {} experts", load.counts.len(), m.experts);
+    assert!(
+        h.query_by_label_contains(&caption).is_some(),
+        "heatmap caption `{caption}`"
+    );
 }
 
 /// The device of the windows under test: any GPU adapter, software ones included (lavapipe

@@ -26,12 +26,56 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     println!("format     {}", c.format.name());
     println!("layers     {}", c.n_layer);
     if c.is_hybrid() {
+        let kinds: Vec<String> = [
+            (BlockKind::Mamba2, "Mamba2"),
+            (BlockKind::Attention, "attention"),
+            (BlockKind::Mlp, "MLP"),
+            (BlockKind::Moe, "MoE"),
+        ]
+        .into_iter()
+        .filter(|&(k, _)| c.count(k) > 0)
+        .map(|(k, name)| format!("{} {name} `{}`", c.count(k), k.letter()))
+        .collect();
+        println!("pattern    {}  ({})", c.pattern(), kinds.join(", "));
+    }
+    if let Some(m) = &c.moe {
+        let router = match m.router {
+            mamba2_wgpu::config::Router::Grouped {
+                n_group,
+                topk_group,
+                norm_topk_prob,
+                routed_scaling_factor,
+            } => format!(
+                "sigmoid scores, best {topk_group} of {n_group} groups{}, × {routed_scaling_factor}",
+                if norm_topk_prob { ", normalised" } else { "" }
+            ),
+            mamba2_wgpu::config::Router::SoftmaxTopK => "softmax over the top k".into(),
+        };
         println!(
-            "pattern    {}  ({} Mamba2 `M`, {} attention `*`, {} MLP `-`)",
-            c.pattern(),
-            c.count(BlockKind::Mamba2),
-            c.count(BlockKind::Attention),
-            c.count(BlockKind::Mlp)
+            "moe        {} of {} experts per token ({router}), {} wide {}, shared expert {}",
+            m.top_k,
+            m.experts,
+            m.intermediate,
+            match m.act {
+                MlpAct::Relu2 => "relu²",
+                MlpAct::SiluGated => "silu-gated",
+            },
+            m.shared
+                .as_ref()
+                .map_or("none".to_string(), |s| format!("{} wide", s.intermediate)),
+        );
+        let (active, total) = (c.active_param_count(), c.param_count());
+        println!(
+            "active     {active} of {total} parameters read per token ({:.1}%; the embedding \
+             table counts one row)",
+            100.0 * active as f64 / total.max(1) as f64
+        );
+    }
+    let sc = c.scales;
+    if sc != Default::default() {
+        println!(
+            "scales     embedding × {}, residual × {}, logits × {:.4}",
+            sc.embedding, sc.residual, sc.logits
         );
     }
     if let Some(a) = &c.attention {

@@ -278,6 +278,7 @@ impl ChatApp {
                     self.errors.push(error);
                 }
                 ChatEvent::Profiles(p) => self.inspector.timings.add_profiles(p),
+                ChatEvent::ExpertLoad(l) => self.inspector.experts = Some(*l),
                 ChatEvent::State(s) => self.inspector.set_summary(*s),
                 ChatEvent::Cleared => self.inspector.timings.clear(),
                 ChatEvent::Error(e) => {

@@ -111,6 +111,8 @@ pub enum ChatEvent {
         error: String,
     },
     Profiles(Vec<TokenProfile>),
+    /// How often each expert of each MoE layer was chosen so far.
+    ExpertLoad(Box<crate::ui::expert_view::ExpertLoad>),
     State(Box<Result<StateSummary, String>>),
     Cleared,
     Error(String),
@@ -434,6 +436,9 @@ impl Worker {
         let profiles = take_profiles(session.backend_mut());
         if !profiles.is_empty() {
             out.send(ChatEvent::Profiles(profiles));
+        }
+        if let Some(load) = crate::ui::expert_view::read_expert_load(session.backend_mut()) {
+            out.send(ChatEvent::ExpertLoad(Box::new(load)));
         }
         match (result, failure) {
             (Err(e), _) => {

@@ -52,6 +52,8 @@ pub enum InspectEvent {
     /// Decoded tokens: id, text piece, arrival.
     Tokens(Vec<(u32, Option<String>, Instant)>),
     Profiles(Vec<TokenProfile>),
+    /// How often each expert of each MoE layer was chosen so far.
+    ExpertLoad(Box<crate::ui::expert_view::ExpertLoad>),
     State(Box<Result<StateSummary, String>>),
     Running(bool),
     /// The state was zeroed and the prompt fed again.
@@ -313,6 +315,9 @@ impl Worker {
             .map_err(|e| e.to_string())?;
         // Prefill goes through the decode graph window by window: not per-token profiles.
         let _ = take_profiles(live.backend.as_mut());
+        if let Some(load) = crate::ui::expert_view::read_expert_load(live.backend.as_mut()) {
+            self.out.send(InspectEvent::ExpertLoad(Box::new(load)));
+        }
         live.decoder = StreamDecoder::default();
         live.last = first;
         live.next_pos = n + 1;
@@ -374,6 +379,9 @@ impl Worker {
         let profiles = take_profiles(backend.as_mut());
         if !profiles.is_empty() {
             self.out.send(InspectEvent::Profiles(profiles));
+        }
+        if let Some(load) = crate::ui::expert_view::read_expert_load(backend.as_mut()) {
+            self.out.send(InspectEvent::ExpertLoad(Box::new(load)));
         }
         if let Some(e) = failure {
             return Err(e);

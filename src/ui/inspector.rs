@@ -10,6 +10,7 @@ use egui::{Color32, RichText, Ui};
 
 use crate::reference::State;
 use crate::sampling::Sampling;
+use crate::ui::expert_view::{ExpertLoad, expert_panel};
 use crate::ui::inspect_worker::{InspectCommand, InspectEvent, InspectHandle};
 use crate::ui::load::{LoadRequest, ModelInfo, info_ui};
 use crate::ui::state_view::{StateNorm, StateSummary, nonfinite_banner, state_panel};
@@ -29,6 +30,8 @@ pub struct InspectorPanel {
     pub state: Option<StateSummary>,
     pub state_error: Option<String>,
     pub info: Option<ModelInfo>,
+    /// MoE models: how often each expert was chosen.
+    pub experts: Option<ExpertLoad>,
     pub norm: StateNorm,
     pub profiling: bool,
     pub live_state: bool,
@@ -45,6 +48,7 @@ impl InspectorPanel {
             state: None,
             state_error: None,
             info: None,
+            experts: None,
             norm: StateNorm::Rms,
             profiling,
             live_state: true,
@@ -59,6 +63,7 @@ impl InspectorPanel {
         self.timings.clear();
         self.state = None;
         self.state_error = None;
+        self.experts = None;
         self.info = Some(info);
     }
 
@@ -182,6 +187,16 @@ impl InspectorPanel {
         }
     }
 
+    /// The expert-load heatmap (MoE models).
+    pub fn experts_ui(&mut self, ui: &mut Ui) {
+        match &self.experts {
+            Some(load) => expert_panel(ui, load),
+            None => {
+                ui.weak("No expert load yet (MoE models on the GPU).");
+            }
+        }
+    }
+
     pub fn device_ui(&mut self, ui: &mut Ui) {
         match &self.info {
             Some(info) => info_ui(ui, info),
@@ -213,6 +228,11 @@ impl InspectorPanel {
                 egui::CollapsingHeader::new("Plots")
                     .default_open(false)
                     .show(ui, |ui| self.plots_ui(ui));
+                if self.experts.is_some() {
+                    egui::CollapsingHeader::new("Expert load")
+                        .default_open(true)
+                        .show(ui, |ui| self.experts_ui(ui));
+                }
                 egui::CollapsingHeader::new("Device and memory")
                     .default_open(false)
                     .show(ui, |ui| self.device_ui(ui));
@@ -301,6 +321,7 @@ impl InspectorApp {
                     }
                 }
                 InspectEvent::Profiles(p) => self.panel.timings.add_profiles(p),
+                InspectEvent::ExpertLoad(l) => self.panel.experts = Some(*l),
                 InspectEvent::State(s) => self.panel.set_summary(*s),
                 InspectEvent::Running(r) => self.running = r,
                 InspectEvent::Restarted => {
@@ -426,6 +447,11 @@ impl InspectorApp {
                     .show(ui, |ui| {
                         ui.heading("State");
                         self.panel.state_ui(ui);
+                        if self.panel.experts.is_some() {
+                            ui.separator();
+                            ui.heading("Expert load");
+                            self.panel.experts_ui(ui);
+                        }
                         ui.separator();
                         self.panel.plots_ui(ui);
                     });

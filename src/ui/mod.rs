@@ -52,6 +52,7 @@
 
 pub mod chat;
 pub mod chat_worker;
+pub mod expert_view;
 pub mod inspect_worker;
 pub mod inspector;
 pub mod load;

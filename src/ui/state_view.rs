@@ -315,7 +315,7 @@ pub fn nonfinite_banner(ui: &mut Ui, summary: &StateSummary) -> bool {
 
 /// Paints a `rows × cols` heatmap with row labels every few rows; `cell(r, c)` gives the
 /// color of a cell. Returns the hovered cell.
-fn grid_map(
+pub(crate) fn grid_map(
     ui: &mut Ui,
     rows: usize,
     cols: usize,
