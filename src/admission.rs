@@ -75,8 +75,14 @@ impl Footprint {
     }
 }
 
-/// The widest per-token activations times a prefill block of 512 tokens, plus logits.
+/// The widest per-token activations times a prefill block of 512 tokens, plus logits; with
+/// MoE blocks, the expert rows of a 2048-token block (`gpu::prefill::MAX_MOE_BLOCK`: each
+/// choice's up projection, activation and down projection, plus each expert's padding).
 fn scratch_bytes(c: &ModelConfig) -> u64 {
+    let moe = c.moe.as_ref().map_or(0, |m| {
+        let rows = (2048 * m.slots() + 64 * m.stored_experts()) as u64;
+        4 * rows * (m.up_rows() + m.intermediate + c.d_model) as u64
+    });
     let widest = [
         c.d_in_proj(),
         c.attention.as_ref().map_or(0, |a| a.qkv_rows()),
@@ -85,7 +91,7 @@ fn scratch_bytes(c: &ModelConfig) -> u64 {
     .into_iter()
     .max()
     .unwrap_or(0) as u64;
-    4 * (512 * (widest + 2 * c.d_model as u64) + c.vocab_size as u64)
+    4 * (512 * (widest + 2 * c.d_model as u64) + c.vocab_size as u64) + moe
 }
 
 /// The most tokens of KV cache (`per_token` bytes each) that fit in `available` bytes

@@ -63,9 +63,20 @@ pub struct Prefill {
     pub logits_graph: Option<Graph>,
 }
 
-/// The block capacity for a chunk length: 512 tokens, fewer chunks for short chunks.
-pub fn block_tokens(chunk: usize) -> usize {
-    (32 * chunk).clamp(64, MAX_BLOCK)
+/// Largest prompt block of a model with MoE blocks: each expert's rows are padded to whole
+/// GEMM tiles, and a longer block fills them (Nemotron 3 Nano, 512 tokens × 8 slots over
+/// 130 stored experts: 2.4× the rows in tiles; 2048 tokens: 1.5×).
+pub const MAX_MOE_BLOCK: usize = 2048;
+
+/// The block capacity for a chunk length: 512 tokens (2048 with MoE blocks), fewer for
+/// short chunks.
+pub fn block_tokens(c: &ModelConfig, chunk: usize) -> usize {
+    let max = if c.moe.is_some() {
+        MAX_MOE_BLOCK
+    } else {
+        MAX_BLOCK
+    };
+    (32 * chunk).clamp(64, max)
 }
 
 impl Prefill {
@@ -74,7 +85,7 @@ impl Prefill {
     pub fn new(e: &Engine, chunk: usize, with_logits: bool) -> Result<Self> {
         let c = &e.config;
         let ctx = e.ctx();
-        let t = block_tokens(chunk);
+        let t = block_tokens(c, chunk);
         let f32s = |n: usize| 4 * n.max(1) as u64;
         let cc = chunk_consts(c, chunk, t);
         let pad = |n: usize| n.next_multiple_of(32);
