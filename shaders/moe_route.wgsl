@@ -9,7 +9,9 @@
 // otherwise (softmax top-k): the K best logits, w = softmax over those K.
 // Order: a higher score first, equal scores by the lower id (as the CPU reference ranks).
 // Selection without serial rounds: every candidate counts the candidates that beat it —
-// its rank — and the K of rank < K write their slot (ranks are unique: ties go by id).
+// its rank, counted by TPC invocations over slices of the candidates — and the K of
+// rank < K write their slot (ranks are unique: ties go by id). With TG = NG every group is
+// eligible and the group scores are skipped.
 // A token's row of ids/weights holds KS = K + S slots: after the K chosen, the S slices of
 // the shared expert (stored as experts E .. E + S − 1) with weight 1.
 
@@ -30,6 +32,7 @@ var<workgroup> group_kept: array<u32, NG>;
 #endif
 
 var<workgroup> score: array<f32, E>;
+var<workgroup> rank_of: array<atomic<u32>, E>;
 var<workgroup> slot_id: array<u32, K>;
 var<workgroup> slot_w: array<f32, K>;
 
@@ -39,10 +42,11 @@ fn better(a: f32, ia: u32, b: f32, ib: u32) -> bool {
 
 fn eligible(e: u32) -> bool {
 #if GROUPED
-    return group_kept[e / GS] == 1u;
-#else
-    return true;
+    if (TG < NG) {
+        return group_kept[e / GS] == 1u;
+    }
 #endif
+    return true;
 }
 
 @compute @workgroup_size(WG)
@@ -63,10 +67,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #else
         score[e] = l;
 #endif
+        atomicStore(&rank_of[e], 0u);
     }
     workgroupBarrier();
 #if GROUPED
-    for (var g = lid; g < NG; g += WG) {
+    for (var g = lid; g < NG && TG < NG; g += WG) {
         var m1 = -3.4e38;
         var m2 = -3.4e38;
         for (var j = 0u; j < GS; j++) {
@@ -81,7 +86,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         group_score[g] = m1 + m2;
     }
     workgroupBarrier();
-    for (var g = lid; g < NG; g += WG) {
+    for (var g = lid; g < NG && TG < NG; g += WG) {
         var rank = 0u;
         for (var h = 0u; h < NG; h++) {
             rank += u32(better(group_score[h], h, group_score[g], g));
@@ -90,13 +95,23 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
     workgroupBarrier();
 #endif
+    // Invocation lid counts, for candidate lid / TPC (and every WG / TPC after it), the
+    // candidates j ≡ lid (mod TPC) that beat it.
+    for (var e = lid / TPC; e < E; e += WG / TPC) {
+        if (eligible(e)) {
+            let c = score[e];
+            var beaten_by = 0u;
+            for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
+                beaten_by += u32(eligible(j) && better(score[j], j, c, e));
+            }
+            atomicAdd(&rank_of[e], beaten_by);
+        }
+    }
+    workgroupBarrier();
     for (var e = lid; e < E; e += WG) {
         if (eligible(e)) {
             let c = score[e];
-            var rank = 0u;
-            for (var j = 0u; j < E && rank < K; j++) {
-                rank += u32(eligible(j) && better(score[j], j, c, e));
-            }
+            let rank = atomicLoad(&rank_of[e]);
             if (rank < K) {
                 slot_id[rank] = e;
 #if GROUPED

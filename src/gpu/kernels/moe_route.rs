@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/moe_route.wgsl")];
-const WG: u32 = 128;
+const WG: u32 = 256;
 
 /// The router's buffers.
 pub struct RouteBuffers<'a> {
@@ -41,11 +41,14 @@ pub fn moe_route(
     check_len(&format!("{name}: ids"), b.ids, tokens * slots)?;
     check_len(&format!("{name}: weights"), b.weights, tokens * slots)?;
     let u = |v: usize| Const::U32(v as u32);
+    // Invocations per candidate: the workgroup over the experts, a power of two.
+    let tpc = (WG as usize / e.next_power_of_two()).max(1);
     let mut consts = vec![
         ("WG", Const::U32(WG)),
         ("E", u(e)),
         ("K", u(top)),
         ("KS", u(slots)),
+        ("TPC", u(tpc)),
     ];
     let mut flags = Vec::new();
     let mut entries = vec![(0, b.logits), (2, b.ids), (3, b.weights)];

@@ -103,9 +103,12 @@ pub(super) fn norm_dispatch_flags<'a>(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        // Decode spreads one token over the GPU; prefill gives each token one workgroup.
+        // Decode spreads one token over the GPU — and a few rows, such as the MoE
+        // activations of a token's chosen experts (measured on the H200: one workgroup per
+        // row made that activation cost as much as the expert GEMVs); prefill gives each
+        // token one workgroup.
         workgroups: (
-            if tokens == 1 {
+            if tokens * width <= 1 << 16 {
                 width.div_ceil(CHUNK) as u32
             } else {
                 1
