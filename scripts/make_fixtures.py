@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """External-oracle fixtures for mamba2-wgpu, made with HF transformers on the CPU in float32.
 
-Writes six folders under --out (default tests/fixtures):
+Writes seven folders under --out (default tests/fixtures):
 
   hf_mamba2_g1/       HF Mamba2ForCausalLM (model_type mamba2), random tiny, n_groups = 1, tied embeddings
   nemotron_h_g2/      HF NemotronHForCausalLM, all-Mamba layers, n_groups = 2, head_dim 12, untied lm_head
@@ -12,6 +12,8 @@ Writes six folders under --out (default tests/fixtures):
   nemotron_h_moe/     HF NemotronHForCausalLM, pattern "ME*E-M": two mixture-of-experts layers (16 relu2 experts in 4
                       groups, top-2 of the best 2 groups, sigmoid router with a random e_score_correction_bias,
                       norm_topk_prob, routed_scaling_factor 2.5, a shared expert) among Mamba2, attention and MLP layers
+  nemotron_h_latent/  the same shapes with latent MoE projections (moe_latent_size 32: the routed experts work on
+                      fc1_latent_proj(x), fc2_latent_proj brings their weighted sum back)
   granite_moe_hybrid/ HF GraniteMoeHybridForCausalLM, layers mamba/attention/mamba/mamba, each followed by a shared
                       gated MLP plus an MoE (10 gated experts, softmax over the top 3 logits); all four multipliers
                       != 1, NoPE, mamba_n_groups 1, tied embeddings
@@ -788,6 +790,31 @@ MOES = {
         # sigmoid scores' spread is ~0.26: the bias changes most choices, yet (unlike U(-0.5, 0.5)) leaves every
         # expert a chance
     ),
+    # The same shapes with latent MoE projections (Nemotron 3 Super's LatentMoE): the routed experts work on
+    # fc1_latent_proj(x) (32 wide) and fc2_latent_proj brings their weighted sum back to the hidden size; the router
+    # and the shared expert read x.
+    "nemotron_h_latent": dict(
+        seed=9000,
+        pattern="ME*E-M",
+        hidden_size=48,
+        mamba_num_heads=8,
+        mamba_head_dim=12,
+        n_groups=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        bias_range=0.2,
+        moe_latent_size=32,
+    ),
     "granite_moe_hybrid": dict(
         seed=8000,
         layer_types=["mamba", "attention", "mamba", "mamba"],  # the released configs' names (5.17 renames them)
@@ -818,6 +845,8 @@ def scale_moe_model(model, n_dt_rows):
                 p.mul_(HYBRID_QK_SCALE)
             elif name.endswith("mixer.gate.weight") or name.endswith("block_sparse_moe.router.weight"):
                 p.mul_(MOE_ROUTER_SCALE)
+            elif "latent_proj" in name:
+                pass  # the latent projections keep their init: the experts after them are scaled already
             elif name.endswith("in_proj.weight"):
                 p[:-n_dt_rows].mul_(HYBRID_WEIGHT_SCALE)
             elif name.split(".")[-1] in ("up_proj", "down_proj", "gate_up_proj") and ".experts." in name:
@@ -829,7 +858,7 @@ def scale_moe_model(model, n_dt_rows):
 def build_nemotron_h_moe(seed, *, pattern, hidden_size, mamba_num_heads, mamba_head_dim, n_groups, num_attention_heads,
                          num_key_value_heads, head_dim, intermediate_size, n_routed_experts, n_group, topk_group,
                          num_experts_per_tok, moe_intermediate_size, moe_shared_expert_intermediate_size,
-                         routed_scaling_factor, norm_topk_prob, bias_range):
+                         routed_scaling_factor, norm_topk_prob, bias_range, moe_latent_size=None):
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     cfg = NemotronHConfig(
@@ -859,7 +888,7 @@ def build_nemotron_h_moe(seed, *, pattern, hidden_size, mamba_num_heads, mamba_h
         n_shared_experts=1,
         moe_intermediate_size=moe_intermediate_size,
         moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size,
-        moe_latent_size=None,
+        moe_latent_size=moe_latent_size,
         num_experts_per_tok=num_experts_per_tok,
         routed_scaling_factor=routed_scaling_factor,
         n_group=n_group,
@@ -1328,6 +1357,8 @@ def fixture_nemotron_h_moe(name, out_root, vers):
     out = os.path.join(out_root, name)
     cfg = model.config
     d, E, I, S = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
+    L = cfg.moe_latent_size  # None: the experts read and write d
+    X = L or d
     kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
     expected_kinds = [kinds[c] for c in spec["pattern"]]
 
@@ -1341,8 +1372,11 @@ def fixture_nemotron_h_moe(name, out_root, vers):
             want[pre + "shared_experts.up_proj.weight"] = [S, d]
             want[pre + "shared_experts.down_proj.weight"] = [d, S]
             for j in range(E):
-                want[pre + f"experts.{j}.up_proj.weight"] = [I, d]
-                want[pre + f"experts.{j}.down_proj.weight"] = [d, I]
+                want[pre + f"experts.{j}.up_proj.weight"] = [I, X]
+                want[pre + f"experts.{j}.down_proj.weight"] = [X, I]
+            if L:
+                want[pre + "fc1_latent_proj.weight"] = [L, d]
+                want[pre + "fc2_latent_proj.weight"] = [d, L]
     got = {k: list(v.shape) for k, v in sd.items() if ".mixer." in k and k.split(".")[2] in
            {str(i) for i, kd in enumerate(expected_kinds) if kd == "moe"}}
     per_expert = got == want
@@ -1380,8 +1414,11 @@ def fixture_nemotron_h_moe(name, out_root, vers):
         f"{cfg.num_key_value_heads} kv heads of head_dim {cfg.head_dim}, no positional encoding. MLP (`-`): relu2, "
         f"intermediate {cfg.intermediate_size}, no bias. MoE (`E`): {E} routed experts `down(relu(up(x))^2)` of "
         f"intermediate {I} (`moe_intermediate_size`), one shared expert of intermediate {S} "
-        "(`moe_shared_expert_intermediate_size`, same relu2 MLP, added unweighted), no latent projections "
-        f"(`moe_latent_size` null). Router (f32): s = sigmoid(x . W_gate^T); c = s + e_score_correction_bias (random "
+        "(`moe_shared_expert_intermediate_size`, same relu2 MLP, added unweighted), "
+        + (f"latent projections of width {L} (`moe_latent_size`): the routed experts read `mixer.fc1_latent_proj`(x) "
+           f"[{L}, {d}] and their weighted sum goes through `mixer.fc2_latent_proj` [{d}, {L}]; the router and the "
+           "shared expert read x. " if L else "no latent projections (`moe_latent_size` null). ")
+        + f"Router (f32): s = sigmoid(x . W_gate^T); c = s + e_score_correction_bias (random "
         f"U(-{spec['bias_range']}, {spec['bias_range']}), set after the init); n_group {cfg.n_group} groups of "
         f"{E // cfg.n_group} consecutive experts, group score = sum of its best 2 c; the best topk_group "
         f"{cfg.topk_group} groups are kept, the other experts' c set to -inf (transformers 5.17); top "
@@ -1407,7 +1444,10 @@ def fixture_nemotron_h_moe(name, out_root, vers):
            if per_expert else "the expert tensors as listed below")
         + ", `mixer.shared_experts.{up,down}_proj.weight`. Config keys: `n_routed_experts`, `num_experts_per_tok`, "
         "`n_group`, `topk_group`, `norm_topk_prob`, `routed_scaling_factor`, `moe_intermediate_size`, "
-        "`moe_shared_expert_intermediate_size`, `n_shared_experts` (1), `moe_latent_size` (null), `mlp_hidden_act` "
+        "`moe_shared_expert_intermediate_size`, `n_shared_experts` (1), "
+        + (f"`moe_latent_size` ({L}: `mixer.fc1_latent_proj.weight`, `mixer.fc2_latent_proj.weight`), " if L
+           else "`moe_latent_size` (null), ")
+        + "`mlp_hidden_act` "
         "(experts, shared expert and MLP alike)."
     )
     write_readme_moe(out, name, what, seed, mm, st, rec, extra, vers, sd)
@@ -1509,7 +1549,7 @@ def fixture_granite_moe_hybrid(name, out_root, vers):
 
 
 FIXTURES = ["hf_mamba2_g1", "nemotron_h_g2", "nemotron_h_hybrid", "nemotron_h_mqa", "nemotron_h_moe",
-            "granite_moe_hybrid"]
+            "nemotron_h_latent", "granite_moe_hybrid"]
 
 
 def main():
@@ -1535,7 +1575,7 @@ def main():
             fixture_hf_mamba2_g1(args.out, vers)
         elif name == "nemotron_h_g2":
             fixture_nemotron_h_g2(args.out, vers)
-        elif name == "nemotron_h_moe":
+        elif name in ("nemotron_h_moe", "nemotron_h_latent"):
             fixture_nemotron_h_moe(name, args.out, vers)
         elif name == "granite_moe_hybrid":
             fixture_granite_moe_hybrid(name, args.out, vers)

@@ -8,7 +8,10 @@
 //   expert lives in another bank returns at once.
 // DOWN (grid z = t): dst[t·M + row] += Σ_s w[t·K + s] · W_id(s)[row] · x_(t·K + s), the
 //   slots' activations as inputs: the weighted sum of the experts goes straight into the
-//   residual (each bank adds the slots it holds).
+//   residual (each bank adds the slots it holds); STORE (the first bank of a latent MoE)
+//   writes instead of adding.
+// Inputs are q8 blocks with Q8_IN (q8_0 weights, the usual case), else f32 (q8_0 weights
+// then unpack their int8 values).
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
@@ -21,9 +24,11 @@ const VW: u32 = 8u;
 #if W_Q8
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
+const VW: u32 = 16u;
+#endif
+#if Q8_IN
 @group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> xd: array<f32>;
-const VW: u32 = 16u;
 #else
 @group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
 #endif
@@ -44,12 +49,20 @@ fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
     var acc = 0.0;
     for (var v = lane; v < NV; v += TEAM) {
         let wv = w[base + v];
-#if W_Q8
+#if Q8_IN
         let a = xq[x * NV + v];
         let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
         let blk = v / 2u;
         let si = row * (KP / 32u) + blk;
         acc += f32(idot) * (unpack2x16float(ws[si / 2u])[si % 2u] * xd[x * (KP / 32u) + blk]);
+#else
+#if W_Q8
+        // q8_0 weights against f32 inputs (the latent vector, made by a GEMV).
+        let xb = x * (XS / 4u) + 4u * v;
+        let sc = unpack2x16float(ws[(row * (KP / 32u) + v / 2u) / 2u])[(row * (KP / 32u) + v / 2u) % 2u];
+        acc += sc * (dot(vec4<f32>(unpack4xI8(wv.x)), src[xb]) + dot(vec4<f32>(unpack4xI8(wv.y)), src[xb + 1u])
+            + dot(vec4<f32>(unpack4xI8(wv.z)), src[xb + 2u]) + dot(vec4<f32>(unpack4xI8(wv.w)), src[xb + 3u]));
+#endif
 #endif
 #if W_F16
         let xa = src[x * (XS / 4u) + 2u * v];
@@ -84,7 +97,11 @@ fn main(
     }
     let total = team_sum(acc, lid);
     if (lane == 0u && row_raw < M) {
+#if STORE
+        dst[t * M + row] = total;
+#else
         dst[t * M + row] += total;
+#endif
     }
 #else
     let z = wid.z;

@@ -283,9 +283,14 @@ impl ModelConfig {
         }
         if let Some(m) = &self.moe {
             let layers = self.count(BlockKind::Moe);
+            let x = m.expert_width(d);
             out.push(("router", m.experts, d, layers));
-            out.push(("experts.up_proj", m.experts * m.up_rows(), d, layers));
-            out.push(("experts.down_proj", m.experts * d, m.intermediate, layers));
+            out.push(("experts.up_proj", m.experts * m.up_rows(), x, layers));
+            out.push(("experts.down_proj", m.experts * x, m.intermediate, layers));
+            if let Some(l) = m.latent {
+                out.push(("fc1_latent_proj", l, d, layers));
+                out.push(("fc2_latent_proj", d, l, layers));
+            }
             if let Some(s) = &m.shared {
                 let ups = if s.act == MlpAct::SiluGated { 2 } else { 1 };
                 out.push(("shared.up_proj", ups * s.intermediate, d, layers));
@@ -300,7 +305,8 @@ impl ModelConfig {
     pub fn active_param_count(&self) -> usize {
         let mut n = self.param_count();
         if let Some(m) = &self.moe {
-            let per_expert = m.up_rows() * self.d_model + self.d_model * m.intermediate;
+            let x = m.expert_width(self.d_model);
+            let per_expert = m.up_rows() * x + x * m.intermediate;
             n -= (m.experts - m.top_k) * per_expert * self.count(BlockKind::Moe);
         }
         if !self.tie_embeddings {
@@ -362,9 +368,11 @@ impl ModelConfig {
             } else {
                 0
             };
-            // router row + up rows + down, per expert
-            m.experts * (d + m.up_rows() * d + d * m.intermediate)
+            // router row + up rows + down, per expert; the latent projections
+            let x = m.expert_width(d);
+            m.experts * (d + m.up_rows() * x + x * m.intermediate)
                 + bias
+                + m.latent.map_or(0, |l| 2 * l * d)
                 + m.shared.as_ref().map_or(0, mlp_params)
         });
         let layers: usize = self
@@ -465,6 +473,7 @@ impl ModelConfig {
             v["moe_intermediate_size"] = m.intermediate.into();
             v["moe_shared_expert_intermediate_size"] =
                 m.shared.as_ref().map_or(0, |s| s.intermediate).into();
+            v["moe_latent_size"] = m.latent.into();
             if let Router::Grouped {
                 n_group,
                 topk_group,
@@ -603,6 +612,7 @@ impl ModelConfig {
             bounds.extend([
                 ("n_routed_experts", m.experts, MAX_EXPERTS),
                 ("moe_intermediate_size", m.intermediate, MAX_D_INNER),
+                ("moe_latent_size", m.latent.unwrap_or(0), MAX_WIDTH),
             ]);
             if let Some(s) = &m.shared {
                 bounds.push((
@@ -669,15 +679,16 @@ impl ModelConfig {
         }
         if let Some(m) = &self.moe {
             // Each expert bank is indexed as one matrix of all its experts' rows.
+            let x = m.expert_width(self.d_model);
             sizes.push((
                 "moe_intermediate_size",
                 "the stacked experts' up projections",
-                mul(&[m.experts, m.up_rows(), self.d_model]),
+                mul(&[m.experts, m.up_rows(), x]),
             ));
             sizes.push((
                 "moe_intermediate_size",
                 "the stacked experts' down projections",
-                mul(&[m.experts, self.d_model, m.intermediate]),
+                mul(&[m.experts, x, m.intermediate]),
             ));
             if let Some(s) = &m.shared {
                 sizes.push((

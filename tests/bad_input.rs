@@ -418,8 +418,8 @@ fn moe_checkpoints_and_configs_are_checked() {
         (
             "nemotron_h_moe",
             "moe_latent_size",
-            serde_json::json!(64),
-            "`moe_latent_size`: latent MoE projections",
+            serde_json::json!(0),
+            "field `moe_latent_size`: must be positive (or null)",
         ),
         (
             "granite_moe_hybrid",

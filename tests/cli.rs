@@ -38,6 +38,7 @@ fn generate_prompt_ids_on_every_device() {
         "nemotron_h_g2",
         "nemotron_h_hybrid",
         "nemotron_h_moe",
+        "nemotron_h_latent",
         "granite_moe_hybrid",
     ] {
         generate_fixture_greedy(name);

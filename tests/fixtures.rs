@@ -138,6 +138,11 @@ fn nemotron_h_moe_matches_transformers() {
 }
 
 #[test]
+fn nemotron_h_latent_matches_transformers() {
+    check_fixture("nemotron_h_latent");
+}
+
+#[test]
 fn granite_moe_hybrid_matches_transformers() {
     check_fixture("granite_moe_hybrid");
 }
@@ -150,6 +155,7 @@ fn hybrid_fixtures_in_f64_and_in_prompt_pieces() {
         "nemotron_h_hybrid",
         "nemotron_h_mqa",
         "nemotron_h_moe",
+        "nemotron_h_latent",
         "granite_moe_hybrid",
     ] {
         let dir = common::fixture(name);
@@ -184,6 +190,7 @@ fn oracle_prompt_nll_is_what_its_logits_say() {
         "nemotron_h_hybrid",
         "nemotron_h_mqa",
         "nemotron_h_moe",
+        "nemotron_h_latent",
         "granite_moe_hybrid",
     ] {
         let o = oracle(&common::fixture(name));

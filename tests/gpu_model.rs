@@ -206,6 +206,12 @@ mod fixtures_on_gpu {
     }
 
     #[test]
+    fn nemotron_h_latent_on_gpu() {
+        // Latent MoE: the routed experts between fc1_latent_proj and fc2_latent_proj.
+        check("nemotron_h_latent");
+    }
+
+    #[test]
     fn granite_moe_hybrid_on_gpu() {
         // Granite-4.0-H: mixer + (MoE + shared MLP) per layer, all µP multipliers ≠ 1.
         check("granite_moe_hybrid");

@@ -145,6 +145,7 @@ fn perplexity_equals_the_oracle_figure() {
         "nemotron_h_hybrid",
         "nemotron_h_mqa",
         "nemotron_h_moe",
+        "nemotron_h_latent",
         "granite_moe_hybrid",
     ] {
         perplexity_of(name);

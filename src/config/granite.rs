@@ -138,6 +138,7 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
             act: MlpAct::SiluGated,
             router: Router::SoftmaxTopK,
             shared: (shared_width > 0).then(|| gated(shared_width)),
+            latent: None,
         };
         (None, Some(moe))
     } else {

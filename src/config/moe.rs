@@ -37,9 +37,18 @@ pub struct MoeConfig {
     pub router: Router,
     /// The shared expert added to every token (its own width and activation).
     pub shared: Option<MlpConfig>,
+    /// Latent MoE (`moe_latent_size`, Nemotron 3 Super): the routed experts read
+    /// `fc1_latent_proj · x` of this width and their weighted sum goes back through
+    /// `fc2_latent_proj`; the router and the shared expert read `x`.
+    pub latent: Option<usize>,
 }
 
 impl MoeConfig {
+    /// Width of what the routed experts read and write: the latent width, or `d`.
+    pub fn expert_width(&self, d_model: usize) -> usize {
+        self.latent.unwrap_or(d_model)
+    }
+
     /// Rows of one expert's up projection: `I`, or `2I` for `[gate; up]`.
     pub fn up_rows(&self) -> usize {
         match self.act {
@@ -53,9 +62,12 @@ impl MoeConfig {
     /// MLP of width `S·I` is the sum of `S` MLPs of width `I` over its slices of intermediate
     /// channels. The GPU stores them after the routed experts and runs them in the same
     /// dispatches (Nemotron 3 Nano: 3712 = 2 × 1856; Granite-4.0-H: 1024 = 2 × 512,
-    /// 1536 = 2 × 768).
+    /// 1536 = 2 × 768). Not with latent projections: the shared expert reads `x`, the routed
+    /// experts the latent.
     pub fn shared_slots(&self) -> usize {
         match &self.shared {
+            // With latent projections the shared expert reads `x`, the routed ones the latent.
+            Some(_) if self.latent.is_some() => 0,
             Some(s) if s.act == self.act && s.intermediate.is_multiple_of(self.intermediate) => {
                 s.intermediate / self.intermediate
             }
@@ -128,6 +140,9 @@ impl MoeConfig {
         if self.intermediate == 0 {
             return Err(("moe_intermediate_size", "must be positive".into()));
         }
+        if self.latent == Some(0) {
+            return Err(("moe_latent_size", "must be positive (or null)".into()));
+        }
         Ok(())
     }
 }
@@ -136,16 +151,6 @@ impl MoeConfig {
 /// `moe_shared_expert_intermediate_size` whatever `n_shared_experts` says, as transformers
 /// builds it.
 pub(super) fn parse_nemotron_h_moe(f: &Fields) -> Result<MoeConfig> {
-    if let Some(latent) = f.opt_usize("moe_latent_size")? {
-        f.reject_if(
-            "moe_latent_size",
-            latent > 0,
-            &format!(
-                "latent MoE projections ({latent}): no released checkpoint or oracle fixture to \
-                 check them against yet"
-            ),
-        )?;
-    }
     if let Some(act) = f.opt_str("mlp_hidden_act")? {
         f.reject_if(
             "mlp_hidden_act",
@@ -173,5 +178,6 @@ pub(super) fn parse_nemotron_h_moe(f: &Fields) -> Result<MoeConfig> {
             routed_scaling_factor: f.f64_or("routed_scaling_factor", 1.0)?,
         },
         shared,
+        latent: f.opt_usize("moe_latent_size")?,
     })
 }

@@ -64,7 +64,7 @@ pub enum DeviceMixer {
         down: DeviceMatrix,
         bias: Option<(usize, usize)>,
     },
-    Moe(DeviceMoe),
+    Moe(Box<DeviceMoe>),
 }
 
 /// An MoE block on the device: the router (always f32: the choice of experts should not
@@ -79,8 +79,11 @@ pub struct DeviceMoe {
     pub per_bank: usize,
     pub shared: Option<(DeviceMatrix, DeviceMatrix)>,
     pub bias_off: Option<usize>,
-    /// `d`: rows of one expert's down projection.
+    /// Rows of one expert's down projection: `d`, or the latent width.
     pub d_model: usize,
+    /// Latent MoE: `fc1_latent_proj [L, d]` and `fc2_latent_proj [d, L]`, in f16 under
+    /// q8_0 (their GEMVs read f32 vectors) and in the model's format otherwise.
+    pub latent: Option<(DeviceMatrix, DeviceMatrix)>,
 }
 
 impl DeviceMoe {
@@ -109,7 +112,8 @@ pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64)
             _ => format.bytes(rows, cols) as u64,
         }
     };
-    let per_expert = bytes(m.up_rows(), c.d_model).max(bytes(c.d_model, m.intermediate));
+    let x = m.expert_width(c.d_model);
+    let per_expert = bytes(m.up_rows(), x).max(bytes(x, m.intermediate));
     ((max_binding / per_expert.max(1)) as usize).clamp(1, m.stored_experts())
 }
 
@@ -140,6 +144,9 @@ impl DeviceLayer {
                 v.extend(m.up.iter().chain(&m.down));
                 if let Some((u, d)) = &m.shared {
                     v.extend([u, d]);
+                }
+                if let Some((a, b)) = &m.latent {
+                    v.extend([a, b]);
                 }
                 v
             }
@@ -296,7 +303,13 @@ impl DeviceWeights {
                         up.push(upload(&name(&format!("experts.up.bank{b}")), &parts)?);
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().map(|e| &e.down).collect();
-                        down.push(upload_out(&name(&format!("experts.down.bank{b}")), &parts)?);
+                        // With latent projections the residual scale goes into fc2 instead.
+                        let bank_name = name(&format!("experts.down.bank{b}"));
+                        down.push(if m.latent.is_some() {
+                            upload(&bank_name, &parts)?
+                        } else {
+                            upload_out(&bank_name, &parts)?
+                        });
                     }
                     let shared = match &m.shared {
                         Some(s) if slices.is_empty() => Some((
@@ -305,15 +318,32 @@ impl DeviceWeights {
                         )),
                         _ => None,
                     };
-                    DeviceMixer::Moe(DeviceMoe {
+                    let latent_format = match format {
+                        WeightFormat::Q8_0 => WeightFormat::F16,
+                        f => f,
+                    };
+                    let latent = match &m.latent {
+                        Some([fc1, fc2]) => Some((
+                            upload_as(&name("fc1_latent_proj"), &[fc1], latent_format, 1.0)?,
+                            upload_as(
+                                &name("fc2_latent_proj"),
+                                &[fc2],
+                                latent_format,
+                                resid_scale,
+                            )?,
+                        )),
+                        None => None,
+                    };
+                    DeviceMixer::Moe(Box::new(DeviceMoe {
                         router: upload_as(&name("router"), &[&m.router], WeightFormat::F32, 1.0)?,
                         up,
                         down,
                         per_bank,
                         shared,
                         bias_off,
-                        d_model: c.d_model,
-                    })
+                        d_model: mc.expert_width(c.d_model),
+                        latent,
+                    }))
                 }
                 MixerWeights::Mlp(m) => {
                     params.extend(finite_f32(&l.norm)?);

@@ -55,6 +55,9 @@ pub struct Prefill {
     pub moe_up: wgpu::Buffer,
     pub moe_mid: wgpu::Buffer,
     pub moe_down: wgpu::Buffer,
+    /// Latent MoE: `[T][ceil32(L)]` latent inputs and weighted sums of the routed experts.
+    pub moe_latent: wgpu::Buffer,
+    pub moe_latent_sum: wgpu::Buffer,
     /// `[T][V]` logits (perplexity blocks only).
     pub logits: Option<wgpu::Buffer>,
     /// Feeds a block: the state advances by its tokens.
@@ -102,6 +105,11 @@ impl Prefill {
                 pad(m.intermediate),
             )
         });
+        let latent = c
+            .moe
+            .as_ref()
+            .and_then(|m| m.latent)
+            .map_or(0, |l| l.next_multiple_of(32));
         // The block's (token, choice) pairs sorted by expert, in whole GEMM tiles.
         let rows = if experts > 0 {
             crate::gpu::kernels::moe_sort::sorted_rows(t, top_k, experts)
@@ -142,6 +150,8 @@ impl Prefill {
             moe_up: ctx.storage_zeroed("prefill moe up", f32s(rows * expert_up))?,
             moe_mid: ctx.storage_zeroed("prefill moe mid", f32s(rows * expert_mid))?,
             moe_down: ctx.storage_zeroed("prefill moe down", f32s(rows * c.d_model))?,
+            moe_latent: ctx.storage_zeroed("prefill moe latent", f32s(t * latent))?,
+            moe_latent_sum: ctx.storage_zeroed("prefill moe latent sum", f32s(t * latent))?,
             logits: None,
             graph: Graph::default(),
             logits_graph: None,

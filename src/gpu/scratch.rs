@@ -49,6 +49,10 @@ pub struct Scratch {
     pub moe_xd: wgpu::Buffer,
     /// MoE: how often each expert of each MoE layer was chosen `[MoE layers][E]` (u32).
     pub expert_counts: wgpu::Buffer,
+    /// Latent MoE: the latent input of the routed experts and their weighted sum
+    /// (`ceil32(L)` each, zero past L).
+    pub latent: wgpu::Buffer,
+    pub latent_sum: wgpu::Buffer,
     pub logits: wgpu::Buffer,
     pub probs: wgpu::Buffer,
     pub ctrl: wgpu::Buffer,
@@ -107,6 +111,11 @@ impl Scratch {
             (m.experts, m.slots(), m.up_rows(), pad(m.intermediate))
         });
         let moe_layers = c.count(crate::config::BlockKind::Moe);
+        let latent = c
+            .moe
+            .as_ref()
+            .and_then(|m| m.latent)
+            .map_or(0, |l| l.next_multiple_of(32));
         Ok(Scratch {
             resid: ctx.storage_zeroed("resid", f32s(c.d_model))?,
             mix: ctx.storage_zeroed("mix", f32s(c.d_in_proj()))?,
@@ -130,6 +139,8 @@ impl Scratch {
             moe_xq: ctx.storage_zeroed("moe xq", f32s(top_k * expert_mid / 4))?,
             moe_xd: ctx.storage_zeroed("moe xd", f32s(top_k * expert_mid / 32))?,
             expert_counts: ctx.storage_zeroed("expert counts", f32s(moe_layers * experts))?,
+            latent: ctx.storage_zeroed("moe latent", f32s(latent))?,
+            latent_sum: ctx.storage_zeroed("moe latent sum", f32s(latent))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
             probs: ctx.storage_zeroed("probs", f32s(c.vocab_size))?,
             ctrl: ctx.storage_zeroed("ctrl", std::mem::size_of::<Ctrl>() as u64)?,
@@ -162,6 +173,8 @@ impl Scratch {
             &self.moe_xq,
             &self.moe_xd,
             &self.expert_counts,
+            &self.latent,
+            &self.latent_sum,
             &self.logits,
             &self.probs,
             &self.ctrl,

@@ -176,19 +176,20 @@ impl Engine {
                     let per_bank = experts_per_bank(c, format, bank_bytes);
                     let (mut up, mut down) = (Vec::new(), Vec::new());
                     let stored = mo.stored_experts();
+                    let x = mo.expert_width(c.d_model);
                     for (bank, first) in (0..stored).step_by(per_bank).enumerate() {
                         let n_e = per_bank.min(stored - first);
                         let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;
                         up.push(mat(
                             &n(&format!("experts.up.bank{bank}")),
                             n_e * mo.up_rows(),
-                            c.d_model,
+                            x,
                             in_scale,
                             seed,
                         )?);
                         down.push(mat(
                             &n(&format!("experts.down.bank{bank}")),
-                            n_e * c.d_model,
+                            n_e * x,
                             mo.intermediate,
                             out_scale(mo.intermediate),
                             seed + 1,
@@ -216,6 +217,34 @@ impl Engine {
                         }
                         _ => None,
                     };
+                    // Latent projections in f16 under q8_0, as on load.
+                    let latent_format = match format {
+                        WeightFormat::Q8_0 => WeightFormat::F16,
+                        f => f,
+                    };
+                    let latent = match mo.latent {
+                        Some(lw) => Some((
+                            random_matrix(
+                                &k,
+                                &n("fc1_latent_proj"),
+                                lw,
+                                c.d_model,
+                                latent_format,
+                                in_scale,
+                                s(700 + i as u64),
+                            )?,
+                            random_matrix(
+                                &k,
+                                &n("fc2_latent_proj"),
+                                c.d_model,
+                                lw,
+                                latent_format,
+                                out_scale(lw),
+                                s(800 + i as u64),
+                            )?,
+                        )),
+                        None => None,
+                    };
                     // The router stays f32, as on load; logits of order one.
                     let router = random_matrix(
                         &k,
@@ -232,15 +261,16 @@ impl Engine {
                         params.extend((0..mo.experts).map(|j| u(c.d_model + j, -0.05, 0.05)));
                         off
                     });
-                    let m = DeviceMixer::Moe(DeviceMoe {
+                    let m = DeviceMixer::Moe(Box::new(DeviceMoe {
                         router,
                         up,
                         down,
                         per_bank,
                         shared,
                         bias_off,
-                        d_model: c.d_model,
-                    });
+                        d_model: x,
+                        latent,
+                    }));
                     (m, params)
                 }
             };

@@ -97,28 +97,42 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> ModelWeights {
                     let mc = c.moe.as_ref().expect("MoE layers have a shape");
                     let gated = mc.act == MlpAct::SiluGated;
                     let mut m = |n: String, shape: Vec<usize>, s: f32| t(p(&n), shape, -s, s);
-                    let mut mlp = |prefix: &str, n: usize, gated: bool| {
+                    // Width `w` in and out: d, or the latent width for latent routed experts.
+                    let mut mlp = |prefix: &str, n: usize, w: usize, gated: bool| {
                         let down_scale = (3.0 / n as f32).sqrt() * 0.5;
+                        let up_scale = (3.0 / w as f32).sqrt();
                         MlpWeights {
-                            up: m(format!("{prefix}.up_proj.weight"), vec![n, d], in_scale),
+                            up: m(format!("{prefix}.up_proj.weight"), vec![n, w], up_scale),
                             gate: gated.then(|| {
-                                m(format!("{prefix}.gate_proj.weight"), vec![n, d], in_scale)
+                                m(format!("{prefix}.gate_proj.weight"), vec![n, w], up_scale)
                             }),
-                            down: m(format!("{prefix}.down_proj.weight"), vec![d, n], down_scale),
+                            down: m(format!("{prefix}.down_proj.weight"), vec![w, n], down_scale),
                             up_bias: None,
                             gate_bias: None,
                             down_bias: None,
                         }
                     };
+                    let x = mc.expert_width(d);
                     let experts = (0..mc.experts)
-                        .map(|e| mlp(&format!("mixer.experts.{e}"), mc.intermediate, gated))
+                        .map(|e| mlp(&format!("mixer.experts.{e}"), mc.intermediate, x, gated))
                         .collect();
                     let shared = mc.shared.as_ref().map(|s| {
                         mlp(
                             "mixer.shared_experts",
                             s.intermediate,
+                            d,
                             s.act == MlpAct::SiluGated,
                         )
+                    });
+                    let latent = mc.latent.map(|lw| {
+                        [
+                            m("mixer.fc1_latent_proj.weight".into(), vec![lw, d], in_scale),
+                            m(
+                                "mixer.fc2_latent_proj.weight".into(),
+                                vec![d, lw],
+                                (3.0 / lw as f32).sqrt(),
+                            ),
+                        ]
                     });
                     // Router logits of order one, so the choices vary from token to token.
                     let router = m(
@@ -133,12 +147,13 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> ModelWeights {
                             0.2,
                         )
                     });
-                    MixerWeights::Moe(MoeWeights {
+                    MixerWeights::Moe(Box::new(MoeWeights {
                         router,
                         correction_bias,
                         experts,
                         shared,
-                    })
+                        latent,
+                    }))
                 }
                 BlockKind::Mlp => {
                     let mc = c.mlp.as_ref().expect("MLP layers have a shape");
@@ -291,6 +306,7 @@ pub fn tiny_moe(pattern: &str, granite: bool) -> ModelConfig {
             act,
             bias: false,
         }),
+        latent: None,
     });
     if granite {
         c.scales = Scales {
@@ -299,6 +315,16 @@ pub fn tiny_moe(pattern: &str, granite: bool) -> ModelConfig {
             logits: 0.4,
         };
         c.tie_embeddings = true;
+    }
+    c
+}
+
+/// `tiny_moe` with latent projections of width 20 (not a multiple of 32: padded rows) around
+/// the routed experts (Nemotron 3 Super's latent MoE).
+pub fn tiny_latent_moe(pattern: &str) -> ModelConfig {
+    let mut c = tiny_moe(pattern, false);
+    if let Some(m) = c.moe.as_mut() {
+        m.latent = Some(20);
     }
     c
 }

@@ -59,6 +59,9 @@ pub struct MoeWeights {
     pub correction_bias: Option<Tensor>,
     pub experts: Vec<MlpWeights>,
     pub shared: Option<MlpWeights>,
+    /// Latent MoE: `fc1_latent_proj [L, d]` before the routed experts (which then read and
+    /// write `L` values) and `fc2_latent_proj [d, L]` after their weighted sum.
+    pub latent: Option<[Tensor; 2]>,
 }
 
 impl MlpWeights {
@@ -103,7 +106,7 @@ pub enum MixerWeights {
     Mamba2(MambaWeights),
     Attention(AttentionWeights),
     Mlp(MlpWeights),
-    Moe(MoeWeights),
+    Moe(Box<MoeWeights>),
 }
 
 impl MixerWeights {
@@ -141,6 +144,9 @@ impl MixerWeights {
                 }
                 if let Some(s) = &m.shared {
                     out.extend(s.tensors());
+                }
+                if let Some(l) = &m.latent {
+                    out.extend(l.iter());
                 }
                 out
             }
@@ -313,6 +319,8 @@ impl ModelWeights {
                         Error::InvalidInput(format!("layer {i}: MoE without a shape"))
                     })?;
                     let (e, n) = (m.experts, m.intermediate);
+                    // What the routed experts read and write: d, or the latent width.
+                    let x = m.expert_width(d);
                     let router = take(l(Part::Router), &[vec![e, d]])?;
                     let correction_bias = if m.has_correction_bias() {
                         Some(take(l(Part::RouterBias), &[vec![e]])?)
@@ -321,13 +329,13 @@ impl ModelWeights {
                     };
                     let gated = m.act == MlpAct::SiluGated;
                     let experts = if c.format == ModelFormat::Granite {
-                        let up = take(l(Part::ExpertsUp), &[vec![e, m.up_rows(), d]])?;
-                        let down = take(l(Part::ExpertsDown), &[vec![e, d, n]])?;
+                        let up = take(l(Part::ExpertsUp), &[vec![e, m.up_rows(), x]])?;
+                        let down = take(l(Part::ExpertsDown), &[vec![e, x, n]])?;
                         (0..e)
-                            .map(|x| {
-                                let tag = format!("[expert {x}]");
-                                let up_x = up.rows(x..x + 1, vec![m.up_rows(), d], &tag);
-                                let down_x = down.rows(x..x + 1, vec![d, n], &tag);
+                            .map(|j| {
+                                let tag = format!("[expert {j}]");
+                                let up_x = up.rows(j..j + 1, vec![m.up_rows(), x], &tag);
+                                let down_x = down.rows(j..j + 1, vec![x, n], &tag);
                                 if gated {
                                     MlpWeights::from_stacked(&up_x, down_x)
                                 } else {
@@ -337,11 +345,11 @@ impl ModelWeights {
                             .collect()
                     } else {
                         (0..e)
-                            .map(|x| {
+                            .map(|j| {
                                 Ok(MlpWeights::plain(
-                                    take(l(Part::ExpertUp(x)), &[vec![n, d]])?,
+                                    take(l(Part::ExpertUp(j)), &[vec![n, x]])?,
                                     None,
-                                    take(l(Part::ExpertDown(x)), &[vec![d, n]])?,
+                                    take(l(Part::ExpertDown(j)), &[vec![x, n]])?,
                                 ))
                             })
                             .collect::<Result<Vec<_>>>()?
@@ -363,12 +371,20 @@ impl ModelWeights {
                             ))
                         }
                     };
-                    MixerWeights::Moe(MoeWeights {
+                    let latent = match m.latent {
+                        Some(lw) => Some([
+                            take(l(Part::LatentIn), &[vec![lw, d]])?,
+                            take(l(Part::LatentOut), &[vec![d, lw]])?,
+                        ]),
+                        None => None,
+                    };
+                    MixerWeights::Moe(Box::new(MoeWeights {
                         router,
                         correction_bias,
                         experts,
                         shared,
-                    })
+                        latent,
+                    }))
                 }
                 BlockKind::Mlp => {
                     let m = c.mlp.as_ref().ok_or_else(|| {
@@ -473,10 +489,13 @@ enum Part {
     /// Nemotron `mixer.shared_experts.{up,down}_proj`, Granite `shared_mlp.{input,output}_linear`.
     SharedUp,
     SharedDown,
+    /// Nemotron's `mixer.fc1_latent_proj` / `mixer.fc2_latent_proj` (latent MoE).
+    LatentIn,
+    LatentOut,
 }
 
 /// Each part's name after `layers.N.` (the HF / Nemotron-H spelling).
-const PART_NAMES: [(Part, &str); 27] = [
+const PART_NAMES: [(Part, &str); 29] = [
     (Part::Norm, "norm.weight"),
     (Part::InProj, "mixer.in_proj.weight"),
     (Part::ConvWeight, "mixer.conv1d.weight"),
@@ -504,6 +523,8 @@ const PART_NAMES: [(Part, &str); 27] = [
     (Part::RouterBias, "mixer.gate.e_score_correction_bias"),
     (Part::SharedUp, "mixer.shared_experts.up_proj.weight"),
     (Part::SharedDown, "mixer.shared_experts.down_proj.weight"),
+    (Part::LatentIn, "mixer.fc1_latent_proj.weight"),
+    (Part::LatentOut, "mixer.fc2_latent_proj.weight"),
 ];
 
 impl Slot {

@@ -66,6 +66,8 @@ struct Moe<T> {
     correction_bias: Option<Vec<T>>,
     experts: Vec<Mlp<T>>,
     shared: Option<Mlp<T>>,
+    /// `fc1_latent_proj [L, d]`, `fc2_latent_proj [d, L]`.
+    latent: Option<(Vec<T>, Vec<T>)>,
 }
 
 enum Mixer<T> {
@@ -144,6 +146,10 @@ impl<T: Real> CpuModel<T> {
                     correction_bias: convert_opt(m.correction_bias.as_ref())?,
                     experts: m.experts.iter().map(mlp_weights).collect::<Result<_>>()?,
                     shared: m.shared.as_ref().map(mlp_weights).transpose()?,
+                    latent: match &m.latent {
+                        Some([a, b]) => Some((convert(a)?, convert(b)?)),
+                        None => None,
+                    },
                 }),
             };
             layers.push(Layer {
@@ -408,17 +414,26 @@ fn moe<T: Real>(mc: &MoeConfig, w: &Moe<T>, hs: &[Vec<T>]) -> Vec<Vec<T>> {
         bias: false,
     };
     let logits = matmul(&w.router, mc.experts, hs);
-    let mut out: Vec<Vec<T>> = hs
+    // The routed experts read the latent projection of x when there is one.
+    let xs = match &w.latent {
+        Some((fc1, _)) => matmul(fc1, fc1.len() / hs[0].len(), hs),
+        None => hs.to_vec(),
+    };
+    let routed: Vec<Vec<T>> = xs
         .iter()
         .zip(&logits)
-        .map(|(h, logits)| {
+        .map(|(x, logits)| {
             let r = route(mc, logits, w.correction_bias.as_deref());
-            let x = std::slice::from_ref(h);
-            routed_sum(&r, h.len(), |e| {
+            let x = std::slice::from_ref(x);
+            routed_sum(&r, x[0].len(), |e| {
                 mlp(&expert_shape, &w.experts[e], x).swap_remove(0)
             })
         })
         .collect();
+    let mut out = match &w.latent {
+        Some((_, fc2)) => matmul(fc2, hs[0].len(), &routed),
+        None => routed,
+    };
     if let (Some(sc), Some(sw)) = (&mc.shared, &w.shared) {
         for (o, s) in out.iter_mut().zip(mlp(sc, sw, hs)) {
             o.iter_mut().zip(s).for_each(|(o, s)| *o = *o + s);

@@ -77,21 +77,51 @@ pub fn decode(
         },
     )?);
     let mid_q8 = q8.map(|_| (&s.moe_xq, &s.moe_xd));
-    d.extend(experts(
-        b,
-        w,
-        1,
-        Stage {
-            h: &s.h,
-            h_q8: q8,
-            ids: &s.moe_ids,
-            weights: &s.moe_weights,
-            up: &s.moe_up,
-            mid: &s.moe_mid,
-            mid_q8,
-            resid: &s.resid,
-        },
-    )?);
+    let stage = Stage {
+        h: &s.h,
+        h_q8: q8,
+        ids: &s.moe_ids,
+        weights: &s.moe_weights,
+        up: &s.moe_up,
+        mid: &s.moe_mid,
+        mid_q8,
+        resid: &s.resid,
+        store: false,
+    };
+    match &w.latent {
+        None => d.extend(experts(b, w, 1, stage)?),
+        // Latent MoE: the experts read fc1·h (f32) and their sum goes through fc2.
+        Some((fc1, fc2)) => {
+            d.push(moe_section(gemv::gemv(
+                k,
+                "fc1_latent_proj",
+                fc1,
+                GemvInput::Plain,
+                GemvOutput::Store,
+                GemvBuffers::plain(&s.h, None, &s.latent),
+            )?));
+            d.extend(experts(
+                b,
+                w,
+                1,
+                Stage {
+                    h: &s.latent,
+                    h_q8: None,
+                    resid: &s.latent_sum,
+                    store: true,
+                    ..stage
+                },
+            )?);
+            d.push(moe_section(gemv::gemv(
+                k,
+                "fc2_latent_proj+residual",
+                fc2,
+                GemvInput::Plain,
+                GemvOutput::Add,
+                GemvBuffers::plain(&s.latent_sum, None, &s.resid),
+            )?));
+        }
+    }
     if let (Some(sm), Some((up, down))) = (&m.shared, &w.shared) {
         d.extend(
             mlp::decode(b, sm, up, down, None)?
@@ -160,6 +190,28 @@ pub fn prefill(
             tile_expert: &p.tile_expert,
         },
     )?);
+    // Latent MoE: the experts read fc1·h, their sums go through fc2 (rows ceil32(L) apart).
+    let (x_in, x_stride) = match &w.latent {
+        Some((fc1, _)) => {
+            let stride = fc1.rows.next_multiple_of(32);
+            d.push(moe_section(
+                gemm(
+                    k,
+                    "fc1_latent_proj",
+                    fc1,
+                    tokens,
+                    &p.h,
+                    &p.moe_latent,
+                    stride,
+                    GemmOutput::Store,
+                    &s.ctrl,
+                )?
+                .per_token(1, TILE.1, 1),
+            ));
+            (&p.moe_latent, stride)
+        }
+        None => (&p.h, b.c.d_model),
+    };
     for (first, count, up, _) in w.banks() {
         d.push(expert_gemm(
             k,
@@ -175,7 +227,7 @@ pub fn prefill(
                 tile_expert: &p.tile_expert,
                 gather: Some((&p.moe_pairs, slots)),
             },
-            &p.h,
+            x_in,
             &p.moe_up,
             m.up_rows(),
         )?);
@@ -203,7 +255,7 @@ pub fn prefill(
             Bank {
                 first,
                 count,
-                rows_per_expert: b.c.d_model,
+                rows_per_expert: w.d_model,
             },
             SortedRows {
                 rows,
@@ -212,13 +264,18 @@ pub fn prefill(
             },
             &p.moe_mid,
             &p.moe_down,
-            b.c.d_model,
+            w.d_model,
         )?);
     }
+    let latent = w.latent.as_ref();
     d.push(moe_combine(
         k,
-        "combine+residual",
-        b.c.d_model,
+        if latent.is_some() {
+            "combine"
+        } else {
+            "combine+residual"
+        },
+        w.d_model,
         slots,
         tokens,
         rows,
@@ -226,10 +283,36 @@ pub fn prefill(
             y: &p.moe_down,
             pos: &p.moe_pos,
             weights: &p.moe_weights,
-            resid: &p.resid,
+            resid: if latent.is_some() {
+                &p.moe_latent_sum
+            } else {
+                &p.resid
+            },
             ctrl: &s.ctrl,
+            out_stride: if latent.is_some() {
+                x_stride
+            } else {
+                b.c.d_model
+            },
+            store: latent.is_some(),
         },
     )?);
+    if let Some((_, fc2)) = latent {
+        d.push(moe_section(
+            gemm(
+                k,
+                "fc2_latent_proj+residual",
+                fc2,
+                tokens,
+                &p.moe_latent_sum,
+                &p.resid,
+                b.c.d_model,
+                GemmOutput::Add,
+                &s.ctrl,
+            )?
+            .per_token(1, TILE.1, 1),
+        ));
+    }
     if let (Some(sm), Some((up, down))) = (&m.shared, &w.shared) {
         d.extend(
             mlp::prefill(b, p, tokens, sm, up, down, None)?
@@ -249,7 +332,9 @@ struct Stage<'a> {
     up: &'a wgpu::Buffer,
     mid: &'a wgpu::Buffer,
     mid_q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    /// Where the weighted sum goes: added into the residual, or stored (a latent sum).
     resid: &'a wgpu::Buffer,
+    store: bool,
 }
 
 /// The routed experts of one decode token: up per bank, the activation of every choice,
@@ -279,6 +364,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<
                 dst: st.up,
                 ids: st.ids,
                 weights: None,
+                store: false,
             },
         )?);
     }
@@ -310,7 +396,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<
             Bank {
                 first,
                 count,
-                rows_per_expert: b.c.d_model,
+                rows_per_expert: w.d_model,
             },
             ExpertPass::Down,
             tokens,
@@ -321,6 +407,8 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<
                 dst: st.resid,
                 ids: st.ids,
                 weights: Some(st.weights),
+                // The first bank writes a latent sum, the others add to it.
+                store: st.store && first == 0,
             },
         )?);
     }

@@ -41,6 +41,8 @@ pub struct ExpertBuffers<'a> {
     pub ids: &'a wgpu::Buffer,
     /// The routing weights (`Down` only).
     pub weights: Option<&'a wgpu::Buffer>,
+    /// `Down`: store instead of adding (the first bank writing a latent sum).
+    pub store: bool,
 }
 
 /// Builds one bank's dispatch for `tokens` tokens of `top_k` choices.
@@ -103,15 +105,21 @@ pub fn expert_gemv(
     let mut flags = vec![w.flag()];
     flags.extend(team_flags);
     let mut entries = w.bindings();
-    if w.format == WeightFormat::Q8_0 {
-        let (q, d) =
-            b.q8.ok_or_else(|| Error::Gpu(format!("{name}: no q8 activation buffers given")))?;
-        check_len(&format!("{name}: xq"), q, inputs * w.kp / 4)?;
-        check_len(&format!("{name}: xd"), d, inputs * w.kp / 32)?;
-        entries.extend([(3, q), (4, d)]);
-    } else {
-        check_len(&format!("{name}: src"), b.src, inputs * xs)?;
-        entries.push((2, b.src));
+    match b.q8 {
+        // q8_0 weights take the q8 blocks of their input when there are some, else f32.
+        Some((q, d)) if w.format == WeightFormat::Q8_0 => {
+            check_len(&format!("{name}: xq"), q, inputs * w.kp / 4)?;
+            check_len(&format!("{name}: xd"), d, inputs * w.kp / 32)?;
+            flags.push("Q8_IN");
+            entries.extend([(3, q), (4, d)]);
+        }
+        _ => {
+            check_len(&format!("{name}: src"), b.src, inputs * xs)?;
+            entries.push((2, b.src));
+        }
+    }
+    if b.store {
+        flags.push("STORE");
     }
     entries.extend([(5, b.dst), (6, b.ids)]);
     if pass == ExpertPass::Down {

@@ -15,8 +15,12 @@ pub struct CombineBuffers<'a> {
     pub y: &'a wgpu::Buffer,
     pub pos: &'a wgpu::Buffer,
     pub weights: &'a wgpu::Buffer,
+    /// `[T][out_stride]`: the residual, or a latent MoE's sums.
     pub resid: &'a wgpu::Buffer,
     pub ctrl: &'a wgpu::Buffer,
+    pub out_stride: usize,
+    /// Store the sums instead of adding them.
+    pub store: bool,
 }
 
 pub fn moe_combine(
@@ -31,10 +35,20 @@ pub fn moe_combine(
     check_len(&format!("{name}: y"), b.y, rows * d)?;
     check_len(&format!("{name}: pos"), b.pos, max_tokens * top_k)?;
     check_len(&format!("{name}: weights"), b.weights, max_tokens * top_k)?;
-    check_len(&format!("{name}: resid"), b.resid, max_tokens * d)?;
+    check_len(
+        &format!("{name}: resid"),
+        b.resid,
+        max_tokens * b.out_stride,
+    )?;
     let u = |v: usize| Const::U32(v as u32);
-    let consts = [("WG", Const::U32(WG)), ("D", u(d)), ("K", u(top_k))];
-    let pipeline = k.pipeline("moe_combine", SOURCES, &consts, &[], false)?;
+    let consts = [
+        ("WG", Const::U32(WG)),
+        ("D", u(d)),
+        ("K", u(top_k)),
+        ("OS", u(b.out_stride)),
+    ];
+    let flags: &[&str] = if b.store { &["STORE"] } else { &[] };
+    let pipeline = k.pipeline("moe_combine", SOURCES, &consts, flags, false)?;
     let entries = [
         (0, b.y),
         (1, b.pos),
