@@ -488,14 +488,17 @@ fn check_config(c: &ModelConfig) -> Check {
     let moe_params = match &c.moe {
         Some(mo) => {
             let (e, i) = (n(mo.experts), n(mo.intermediate));
+            // The routed experts read and write the latent width when there is one.
+            let x = mo.latent.map_or(d, n);
             let router = e * d;
             let bias = if mo.has_correction_bias() { e } else { n(0) };
-            let experts = e * (gated(mo.act) * i * d + d * i);
+            let experts = e * (gated(mo.act) * i * x + x * i);
+            let latent = mo.latent.map_or(n(0), |l| n(2) * n(l) * d);
             let shared = match &mo.shared {
                 Some(s) => (gated(s.act) + n(1)) * n(s.intermediate) * d,
                 None => n(0),
             };
-            router + bias + experts + shared
+            router + bias + experts + shared + latent
         }
         None => n(0),
     };
@@ -547,8 +550,9 @@ fn check_config(c: &ModelConfig) -> Check {
         && let Some(mo) = &c.moe
     {
         let (e, i) = (n(mo.experts), n(mo.intermediate));
-        fits_u32("experts × up rows × d_model", e * gated(mo.act) * i * d)?;
-        fits_u32("experts × d_model × intermediate", e * d * i)?;
+        let x = mo.latent.map_or(d, n);
+        fits_u32("experts × up rows × width", e * gated(mo.act) * i * x)?;
+        fits_u32("experts × width × intermediate", e * x * i)?;
         invariant(
             (1..=mo.experts).contains(&mo.top_k),
             "num_experts_per_tok outside 1..=experts",
