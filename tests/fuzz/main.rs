@@ -163,8 +163,9 @@ unsafe impl GlobalAlloc for Counting {
 /// watchdog prints it and exits. The release limit leaves room for one known upstream
 /// super-linear path: tokenizers 0.23 splits around an added token `" "` with lstrip/rstrip
 /// in time quadratic in a run of spaces (about 24 s for 50 KB under this harness's counting
-/// allocator) — slow, finite, and not ours to fix.
-const SLOW: Duration = Duration::from_secs(if cfg!(debug_assertions) { 40 } else { 30 });
+/// allocator, 31 s once in CI with the twelve targets sharing two cores) — slow, finite, and
+/// not ours to fix. The limit is wall time, so it leaves room for a loaded machine.
+const SLOW: Duration = Duration::from_secs(if cfg!(debug_assertions) { 50 } else { 45 });
 const HANG: Duration = Duration::from_secs(60);
 
 /// A failed property: `kind` groups failures with one cause (collect mode), `detail` says
