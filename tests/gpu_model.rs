@@ -219,8 +219,16 @@ mod fixtures_on_gpu {
 
     #[test]
     fn q8_0_keeps_the_logits() {
-        let model = Model::load(&common::fixture("hf_mamba2_g1")).unwrap();
-        let (prompt, _, _) = oracle("hf_mamba2_g1");
+        // A pure Mamba2 model and the MoE hybrids (routers stay f32; experts, shared expert
+        // and the tied head in q8_0).
+        for name in ["hf_mamba2_g1", "nemotron_h_moe", "granite_moe_hybrid"] {
+            q8_0_keeps_the_logits_of(name);
+        }
+    }
+
+    fn q8_0_keeps_the_logits_of(name: &str) {
+        let model = Model::load(&common::fixture(name)).unwrap();
+        let (prompt, _, _) = oracle(name);
         let Some(mut f32b) = backend(&model, WeightFormat::F32, true) else {
             return;
         };
@@ -229,14 +237,24 @@ mod fixtures_on_gpu {
         };
         let a = f32b.prefill_logits(&prompt).unwrap();
         let b = q8b.prefill_logits(&prompt).unwrap();
+        // The MoE fixtures route on gaps as small as 1e-5 (chosen so that f32 rounding cannot
+        // flip a choice); q8_0's noise can, which changes that token's experts wholesale.
+        let moe = model.config.moe.is_some();
+        let mut flipped = 0;
         for (t, (x, y)) in a.iter().zip(&b).enumerate() {
             let dot: f64 = x.iter().zip(y).map(|(p, q)| *p as f64 * *q as f64).sum();
             let nx: f64 = x.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
             let ny: f64 = y.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().sqrt();
             let cos = dot / (nx * ny);
+            if moe && cos < 0.995 {
+                // A near-tie routing choice flipped by q8_0's noise: this token's experts
+                // differ (counted below).
+                flipped += 1;
+                continue;
+            }
             assert!(
-                cos >= 0.999,
-                "position {t}: q8_0 vs f32 logits cosine {cos}"
+                cos >= if moe { 0.995 } else { 0.999 },
+                "{name} position {t}: q8_0 vs f32 logits cosine {cos}"
             );
             // The top-1 may only change where f32's own margin is within the q8_0 error.
             let best = mamba2_wgpu::sampling::argmax(x) as usize;
@@ -255,10 +273,15 @@ mod fixtures_on_gpu {
                 assert_eq!(
                     mamba2_wgpu::sampling::argmax(y) as usize,
                     best,
-                    "position {t}: top-1 changed despite a clear margin"
+                    "{name} position {t}: top-1 changed despite a clear margin"
                 );
             }
         }
+        assert!(
+            flipped * 10 <= a.len(),
+            "{name}: {flipped} of {} positions far off (more than a tenth)",
+            a.len()
+        );
     }
 }
 
