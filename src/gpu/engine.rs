@@ -179,15 +179,16 @@ impl Engine {
                 );
             }
         }
-        // The largest workgroup arrays: the gated norm's G sums and the sampler's, and the
-        // MoE router's three per-expert arrays and two per-group ones.
+        // The largest workgroup arrays: the gated norm's G sums and the sampler's; the MoE
+        // router's three per-expert arrays, two per-slot and two per-group ones; the MoE
+        // sort's three per stored expert.
         let reduce = 4 * 256 * c.n_groups.max(3) as u32;
         let router = c.moe.as_ref().map_or(0, |m| {
             let groups = match m.router {
                 crate::config::Router::Grouped { n_group, .. } => n_group,
                 crate::config::Router::SoftmaxTopK => 0,
             };
-            (12 * m.experts + 8 * groups) as u32
+            (12 * m.experts + 8 * m.slots() + 8 * groups).max(12 * m.stored_experts()) as u32
         });
         Needs {
             largest_buffer: largest,
