@@ -45,9 +45,18 @@ const NV: u32 = KP / VW;
 // Row `row` of this bank (weights) dotted with input vector `x` (activations), one lane's
 // share.
 fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
-    let base = row * NV;
     var acc = 0.0;
     for (var v = lane; v < NV; v += TEAM) {
+        acc += vec_dot(row, x, v);
+    }
+    return acc;
+}
+
+// The 16-byte weight vector `v` of row `row` against the same columns of input `x`.
+fn vec_dot(row: u32, x: u32, v: u32) -> f32 {
+    let base = row * NV;
+    var acc = 0.0;
+    {
         let wv = w[base + v];
 #if Q8_IN
         let a = xq[x * NV + v];
@@ -88,11 +97,14 @@ fn main(
     let row = min(row_raw, M - 1u);
 #if DOWN
     let t = wid.z;
+    // The team's lanes stride over every (choice, vector) pair of the row: all K choices'
+    // loads in flight together, none of the lanes idle at the end of one choice.
     var acc = 0.0;
-    for (var s = 0u; s < K; s++) {
+    for (var i = lane; i < K * NV; i += TEAM) {
+        let s = i / NV;
         let id = ids[t * K + s];
         if (id >= E0 && id < E0 + NE) {
-            acc += wts[t * K + s] * lane_dot((id - E0) * M + row, t * K + s, lane);
+            acc += wts[t * K + s] * vec_dot((id - E0) * M + row, t * K + s, i % NV);
         }
     }
     let total = team_sum(acc, lid);

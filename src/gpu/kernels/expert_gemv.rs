@@ -86,7 +86,12 @@ pub fn expert_gemv(
         WeightFormat::F16 => 8,
         WeightFormat::Q8_0 => 16,
     };
-    let team = team_size(m, w.kp / vw);
+    // A down projection's row spans every choice's vectors.
+    let per_row = match pass {
+        ExpertPass::Up => w.kp / vw,
+        ExpertPass::Down => top_k * w.kp / vw,
+    };
+    let team = team_size(m, per_row);
     // Input vectors are padded to 32 values (what norms and activations write).
     let xs = w.cols.next_multiple_of(32);
     let u = |v: usize| Const::U32(v as u32);
