@@ -89,7 +89,7 @@ pub fn decode(
         store: false,
     };
     match &w.latent {
-        None => d.extend(experts(b, w, 1, stage)?),
+        None => d.extend(experts(b, w, stage)?),
         // Latent MoE: the experts read fc1·h (f32) and their sum goes through fc2.
         Some((fc1, fc2)) => {
             d.push(moe_section(gemv::gemv(
@@ -103,7 +103,6 @@ pub fn decode(
             d.extend(experts(
                 b,
                 w,
-                1,
                 Stage {
                     h: &s.latent,
                     h_q8: None,
@@ -339,7 +338,7 @@ struct Stage<'a> {
 
 /// The routed experts of one decode token: up per bank, the activation of every choice,
 /// down per bank into the residual.
-fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<Dispatch>> {
+fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage) -> Result<Vec<Dispatch>> {
     let k = b.k;
     let m = shape(b)?;
     // The chosen experts and the shared expert's slices alike.
@@ -356,7 +355,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<
                 rows_per_expert: m.up_rows(),
             },
             ExpertPass::Up,
-            tokens,
+            1,
             top_k,
             ExpertBuffers {
                 src: st.h,
@@ -375,7 +374,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<
         e.act,
         e.intermediate,
         m.up_rows(),
-        tokens * top_k,
+        top_k,
         ActBuffers {
             src: st.up,
             dst: st.mid,
@@ -383,11 +382,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<
         },
         None,
     )?;
-    d.push(moe_section(if tokens > 1 {
-        act.per_token(1, 1, top_k)
-    } else {
-        act
-    }));
+    d.push(moe_section(act));
     for (first, count, _, down) in w.banks() {
         d.push(expert_gemv(
             k,
@@ -399,7 +394,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, tokens: usize, st: Stage) -> Result<Vec<
                 rows_per_expert: w.d_model,
             },
             ExpertPass::Down,
-            tokens,
+            1,
             top_k,
             ExpertBuffers {
                 src: st.mid,
