@@ -28,6 +28,7 @@ pub fn embedded() -> Result<(Model, Tokenizer)> {
             config,
             weights,
             dir: None,
+            gguf: None,
         },
         tokenizer,
     ))

@@ -8,6 +8,7 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+mod gguf;
 mod granite;
 mod moe;
 
@@ -27,6 +28,8 @@ pub enum ModelFormat {
     /// HF transformers `granitemoehybrid` (Granite-4.0-H): each layer a mixer block, then an
     /// MoE (or MLP) block.
     Granite,
+    /// A GGUF file of llama.cpp's `mamba2` architecture (metadata keys `mamba2.*`).
+    GgufMamba2,
 }
 
 impl ModelFormat {
@@ -68,6 +71,15 @@ impl ModelFormat {
             (Granite, "moe_intermediate_size") => "intermediate_size",
             (Granite, "n_routed_experts") => "num_local_experts",
             (_, "attention.head_dim") => "head_dim",
+            (GgufMamba2, "d_model") => "mamba2.embedding_length",
+            (GgufMamba2, "n_layer") => "mamba2.block_count",
+            (GgufMamba2, "d_inner") => "mamba2.ssm.inner_size",
+            (GgufMamba2, "n_heads" | "head_dim") => "mamba2.ssm.time_step_rank",
+            (GgufMamba2, "n_groups") => "mamba2.ssm.group_count",
+            (GgufMamba2, "d_state") => "mamba2.ssm.state_size",
+            (GgufMamba2, "d_conv") => "mamba2.ssm.conv_kernel",
+            (GgufMamba2, "norm_eps") => "mamba2.attention.layer_norm_rms_epsilon",
+            (GgufMamba2, "vocab_size") => "token_embd.weight (rows)",
             _ => normalized,
         }
     }
@@ -79,6 +91,7 @@ impl ModelFormat {
             ModelFormat::Mistral => "Mistral params.json",
             ModelFormat::NemotronH => "HF transformers nemotron_h",
             ModelFormat::Granite => "HF transformers granitemoehybrid",
+            ModelFormat::GgufMamba2 => "GGUF mamba2 (llama.cpp)",
         }
     }
 }
@@ -1296,7 +1309,7 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
 }
 
 /// The non-Mamba fields of a pure Mamba2 config (`blocks` is filled in by `finish`).
-fn mamba_only() -> ModelConfig {
+pub(crate) fn mamba_only() -> ModelConfig {
     ModelConfig {
         format: ModelFormat::HfMamba2,
         d_model: 0,

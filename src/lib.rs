@@ -18,6 +18,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod files;
+pub mod gguf_tokenizer;
 pub mod gpu;
 pub mod model;
 pub mod perplexity;

@@ -567,6 +567,7 @@ fn edited(model: &Model, name: &str, f16: bool, edit: impl FnOnce(&mut [f32])) -
         config: model.config.clone(),
         weights: ModelWeights::from_tensors(&model.config, tensors).unwrap(),
         dir: None,
+        gguf: None,
     }
 }
 

@@ -171,5 +171,48 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         ),
         None => println!("tokenizer  none (use --prompt-ids)"),
     }
+    if let Some(g) = &model.gguf {
+        print_gguf(g);
+        let q = g
+            .types
+            .iter()
+            .filter(|(d, _)| matches!(d, mamba2_wgpu::model::DType::Quant(q) if q.name() != "Q8_0"))
+            .map(|(d, _)| d.name())
+            .collect::<Vec<_>>();
+        let format = model.preferred_format();
+        println!(
+            "gpu        --dtype {} by default{}",
+            format.name(),
+            if q.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " ({} blocks are dequantized and requantized to it on upload: the GPU has                      no 4/5/6-bit kernels yet; the CPU reference uses them exactly)",
+                    q.join(", ")
+                )
+            }
+        );
+    }
     Ok(())
+}
+
+/// A GGUF file's header: version, stored types, and every metadata key (long arrays and
+/// strings shortened).
+fn print_gguf(g: &mamba2_wgpu::model::gguf::GgufInfo) {
+    let types: Vec<String> = g
+        .types
+        .iter()
+        .map(|(d, n)| format!("{} ×{n}", d.name()))
+        .collect();
+    println!(
+        "gguf       version {}, {} tensors ({}), {:.1} MiB",
+        g.version,
+        g.tensors,
+        types.join(", "),
+        g.file_len as f64 / (1024.0 * 1024.0)
+    );
+    println!("metadata   {} keys:", g.metadata.len());
+    for (key, value) in &g.metadata {
+        println!("  {key} = {}", value.summary());
+    }
 }

@@ -46,7 +46,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         (None, None) => ModelSource::Embedded,
     };
     let mut req = LoadRequest::new(source, args.device.device);
-    req.format = args.device.dtype;
+    req.format = args.device.dtype.unwrap_or(mamba2_wgpu::WeightFormat::F16);
     req.fused &= !args.device.no_fuse;
     mamba2_wgpu::ui::run_inspector(req, args.prompt, !args.paused).map_err(|e| anyhow!(e))
 }

@@ -52,9 +52,10 @@ enum Command {
 /// Where the model comes from.
 #[derive(Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// Model directory (config.json or params.json, *.safetensors, tokenizer.json);
-    /// without it, the small model embedded in the binary.
-    #[arg(long, short = 'm', value_name = "DIR")]
+    /// Model directory (config.json or params.json, *.safetensors, tokenizer.json), or a
+    /// GGUF file (or a directory holding one); without it, the small model embedded in the
+    /// binary.
+    #[arg(long, short = 'm', value_name = "DIR|FILE.gguf")]
     pub model: Option<PathBuf>,
 }
 
@@ -62,10 +63,7 @@ impl ModelArgs {
     /// The model and its tokenizer (when the directory has one).
     pub fn load(&self) -> anyhow::Result<(mamba2_wgpu::Model, Option<mamba2_wgpu::Tokenizer>)> {
         let loaded = match &self.model {
-            Some(dir) => (
-                mamba2_wgpu::Model::load(dir)?,
-                mamba2_wgpu::Tokenizer::from_dir(dir)?,
-            ),
+            Some(path) => mamba2_wgpu::Model::load_with_tokenizer(path)?,
             None => {
                 let (m, t) = mamba2_wgpu::assets::embedded()?;
                 (m, Some(t))
@@ -82,7 +80,11 @@ impl ModelArgs {
     /// not exist is left to `load`, whose message says so.
     pub fn require_tokenizer(&self, hint: &str) -> anyhow::Result<()> {
         match &self.model {
-            Some(dir) if dir.is_dir() && !dir.join("tokenizer.json").exists() => {
+            Some(dir)
+                if dir.is_dir()
+                    && !dir.join("tokenizer.json").exists()
+                    && !matches!(mamba2_wgpu::model::gguf::gguf_path(dir), Ok(Some(_))) =>
+            {
                 bail!("{} has no tokenizer.json: {hint}", self.name())
             }
             _ => Ok(()),
@@ -106,9 +108,10 @@ pub struct DeviceArgs {
     /// only with `gpu`), cpu, gpu, gpu:INDEX or gpu:NAME.
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
-    /// Storage of the big matrices on the GPU: f32, f16 or q8_0.
-    #[arg(long, default_value = "f16")]
-    pub dtype: mamba2_wgpu::WeightFormat,
+    /// Storage of the big matrices on the GPU: f32, f16 or q8_0 (default: f16; for a GGUF
+    /// file, its own: f32 for F32, q8_0 for Q8_0 and the 4/5/6-bit types, f16 otherwise).
+    #[arg(long)]
+    pub dtype: Option<mamba2_wgpu::WeightFormat>,
     /// Run the unfused graph (one kernel per op) instead of the fused one (also: MAMBA2_NO_FUSE=1).
     #[arg(long)]
     pub no_fuse: bool,
@@ -157,9 +160,16 @@ impl EngineArgs {
 
     /// The engine options, with `context` tokens in the KV caches of hybrids (`None`: the
     /// config's, capped by the adapter).
-    pub fn engine_options(&self, context: Option<usize>) -> mamba2_wgpu::EngineOptions {
+    pub fn engine_options(
+        &self,
+        model: &mamba2_wgpu::Model,
+        context: Option<usize>,
+    ) -> mamba2_wgpu::EngineOptions {
         let mut o = mamba2_wgpu::EngineOptions {
-            format: self.device.dtype,
+            format: self
+                .device
+                .dtype
+                .unwrap_or_else(|| model.preferred_format()),
             chunk_size: self.chunk_size,
             context,
             kv: self.kv,
@@ -184,7 +194,7 @@ impl EngineArgs {
         Ok(mamba2_wgpu::open_backend(
             model,
             &self.device.device,
-            self.engine_options(context),
+            self.engine_options(model, context),
             &mut |n| eprintln!("note: {n}"),
         )?)
     }

@@ -8,7 +8,11 @@ use crate::config::{BlockKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::weights::DeviceMatrix;
-use crate::model::quant::{Packed, WeightFormat, finite_f32, map_finite, pack_checked, unfit};
+use crate::model::DType;
+use crate::model::ggml::GgmlType;
+use crate::model::quant::{
+    Packed, WeightFormat, finite_f32, map_finite, pack_checked, repack_q8_0, unfit,
+};
 use crate::model::{MixerWeights, Model};
 
 /// Offsets (in f32) of the small tensors inside a Mamba2 layer's parameter buffer:
@@ -203,6 +207,19 @@ impl DeviceWeights {
          -> Result<DeviceMatrix> {
             let cols = parts[0].shape[1];
             let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
+            // GGUF Q8_0 blocks go up as stored, never requantized (after the same check
+            // for NaN/±Inf every weight gets).
+            let q8_0 = DType::Quant(GgmlType::Q8_0);
+            if format == WeightFormat::Q8_0
+                && scale == 1.0
+                && parts.iter().all(|t| t.dtype == q8_0 && t.shape[1] == cols)
+            {
+                for t in parts {
+                    finite_f32(t)?;
+                    bar.inc(t.numel() as u64);
+                }
+                return DeviceMatrix::upload(ctx, name, &repack_q8_0(parts));
+            }
             let mut values = Vec::with_capacity(rows * cols);
             let mut starts = Vec::with_capacity(parts.len());
             for t in parts {
@@ -248,7 +265,7 @@ impl DeviceWeights {
                         None => params.extend(std::iter::repeat_n(0.0, c.conv_dim())),
                     }
                     params.extend(finite_f32(&m.dt_bias)?);
-                    params.extend(map_finite(&m.a_log, |a| -a.exp())?);
+                    params.extend(m.a()?);
                     params.extend(finite_f32(&m.d_skip)?);
                     params.extend(finite_f32(&l.norm)?);
                     params.extend(finite_f32(&m.mixer_norm)?);

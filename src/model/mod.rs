@@ -1,12 +1,19 @@
 //! Loading a model directory: config detection, safetensors (mmap, shards), name maps and
 //! shape checks. What comes out is host-side and format-independent.
 
+pub mod ggml;
+pub mod gguf;
 pub mod quant;
 pub mod safetensors;
 pub mod synthetic;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use self::gguf::{GgufFile, GgufInfo};
+use self::quant::WeightFormat;
+use crate::tokenizer::Tokenizer;
 
 pub use self::safetensors::{DType, Tensor, TensorStore};
 pub use self::weights::{
@@ -21,21 +28,65 @@ use crate::error::Result;
 pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
-    /// The directory it came from (`None` for synthetic or embedded models).
+    /// The directory it came from (`None` for synthetic or embedded models; for a GGUF
+    /// file, the file).
     pub dir: Option<PathBuf>,
+    /// The GGUF file's header, when the model came from one.
+    pub gguf: Option<Arc<GgufInfo>>,
 }
 
 impl Model {
-    /// Loads `config.json`/`params.json` and the safetensors weights of `dir`.
-    pub fn load(dir: &Path) -> Result<Self> {
-        let config = ModelConfig::from_dir(dir)?;
-        let store = TensorStore::open_dir(dir)?;
+    /// Loads a model: a GGUF file (or a directory holding one), else the
+    /// `config.json`/`params.json` and safetensors weights of directory `path`.
+    pub fn load(path: &Path) -> Result<Self> {
+        if let Some(file) = gguf::gguf_path(path)? {
+            return Self::load_gguf(&file);
+        }
+        let config = ModelConfig::from_dir(path)?;
+        let store = TensorStore::open_dir(path)?;
         let weights = ModelWeights::from_tensors(&config, store.into_tensors())?;
         Ok(Model {
             config,
             weights,
-            dir: Some(dir.to_path_buf()),
+            dir: Some(path.to_path_buf()),
+            gguf: None,
         })
+    }
+
+    /// Loads a GGUF file: config from its metadata, its tensors mapped as stored.
+    pub fn load_gguf(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&file)?;
+        let info = Arc::new(file.info());
+        let weights = ModelWeights::from_tensors(&config, file.tensors)?;
+        Ok(Model {
+            config,
+            weights,
+            dir: Some(path.to_path_buf()),
+            gguf: Some(info),
+        })
+    }
+
+    /// The model at `path` and its tokenizer: a GGUF file's own (its `tokenizer.ggml.*`
+    /// metadata, unless a `tokenizer.json` sits beside it), or the directory's
+    /// `tokenizer.json`.
+    pub fn load_with_tokenizer(path: &Path) -> Result<(Self, Option<Tokenizer>)> {
+        let model = Self::load(path)?;
+        let tokenizer = match &model.gguf {
+            Some(info) => {
+                let beside = path
+                    .is_dir()
+                    .then(|| path.to_path_buf())
+                    .or_else(|| path.parent().map(Path::to_path_buf))
+                    .filter(|d| d.join("tokenizer.json").is_file());
+                match beside {
+                    Some(dir) => Tokenizer::from_dir(&dir)?,
+                    None => crate::gguf_tokenizer::from_gguf(info)?,
+                }
+            }
+            None => Tokenizer::from_dir(path)?,
+        };
+        Ok((model, tokenizer))
     }
 
     /// A model over random weights (tests, benchmarks).
@@ -45,6 +96,7 @@ impl Model {
             config,
             weights,
             dir: None,
+            gguf: None,
         }
     }
 
@@ -59,6 +111,31 @@ impl Model {
             &dir.join("model.safetensors"),
             &self.weights.checkpoint(),
         )
+    }
+
+    /// The GPU format that keeps this model's big matrices closest to how they are stored:
+    /// a GGUF file's F32 → f32, Q8_0 → q8_0 (uploaded as stored), other quantized types →
+    /// q8_0 (the smallest format the GPU kernels hold today; 4-bit blocks are dequantized
+    /// and requantized to it, which `mamba2 info` says), F16/BF16 → f16; safetensors → f16.
+    pub fn preferred_format(&self) -> WeightFormat {
+        if self.gguf.is_none() {
+            return WeightFormat::F16;
+        }
+        let big: Vec<DType> = self
+            .weights
+            .all()
+            .into_iter()
+            .filter(|t| t.shape.len() == 2 && t.shape[0] > 1 && t.shape[1] % 32 == 0)
+            .filter(|t| !t.name.contains("ssm_conv1d") && !t.name.contains("ssm_norm"))
+            .map(|t| t.dtype)
+            .collect();
+        if big.iter().all(|d| *d == DType::F32) {
+            WeightFormat::F32
+        } else if big.iter().any(|d| matches!(d, DType::Quant(_))) {
+            WeightFormat::Q8_0
+        } else {
+            WeightFormat::F16
+        }
     }
 
     /// The dtypes present in the checkpoint with how many tensors use each.

@@ -299,6 +299,34 @@ pub fn q8_0_gemv_reference(p: &Packed, x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// GGUF Q8_0 tensors (stacked by rows, each `[rows, cols]`, cols a multiple of 32) in the
+/// device's q8_0 layout, as stored: each 34-byte block's f16 scale goes to `scales`, its 32
+/// int8 values to `data`. No value is requantized.
+pub fn repack_q8_0(parts: &[&Tensor]) -> Packed {
+    let cols = parts[0].shape[1];
+    let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
+    let mut data = Vec::with_capacity(rows * cols);
+    let mut scales = Vec::with_capacity(rows * cols / 16);
+    for t in parts {
+        debug_assert_eq!(
+            t.dtype,
+            crate::model::DType::Quant(crate::model::ggml::GgmlType::Q8_0)
+        );
+        for block in t.bytes().chunks_exact(34) {
+            scales.extend_from_slice(&block[..2]);
+            data.extend_from_slice(&block[2..]);
+        }
+    }
+    Packed {
+        format: WeightFormat::Q8_0,
+        rows,
+        cols,
+        kp: cols,
+        data,
+        scales,
+    }
+}
+
 /// Dequantizes a packed matrix back to `[rows, cols]` f32 (what the kernels compute with).
 pub fn unpack(p: &Packed) -> Vec<f32> {
     let mut out = Vec::with_capacity(p.rows * p.cols);

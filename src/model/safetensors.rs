@@ -11,27 +11,51 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::{Error, Result};
+use crate::model::ggml::GgmlType;
 
-/// Element types the loader understands.
+/// Element types the loader understands: safetensors' floats, and the block-quantized
+/// types of GGUF files (`Quant`; see `model::ggml`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
     F16,
     BF16,
+    Quant(GgmlType),
 }
 
 impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
+    /// The dtype of a GGUF tensor type (its floats are the plain variants).
+    pub fn from_ggml(t: GgmlType) -> Self {
+        match t {
+            GgmlType::F32 => DType::F32,
+            GgmlType::F16 => DType::F16,
+            GgmlType::BF16 => DType::BF16,
+            q => DType::Quant(q),
         }
     }
+
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            DType::F32 => GgmlType::F32,
+            DType::F16 => GgmlType::F16,
+            DType::BF16 => GgmlType::BF16,
+            DType::Quant(q) => q,
+        }
+    }
+
+    /// Bytes of `n` values (whole blocks for the quantized types; callers check that rows
+    /// are whole blocks when the tensor is made).
+    pub fn bytes_of(self, n: usize) -> usize {
+        let (per, bytes) = self.ggml().block();
+        n / per * bytes
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::Quant(q) => q.name(),
         }
     }
 }
@@ -118,6 +142,25 @@ impl Tensor {
         }
     }
 
+    /// A tensor over `range` of a file mapping (a GGUF tensor; its extent already checked).
+    pub(crate) fn mapped(
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        mmap: Arc<Mmap>,
+        range: Range<usize>,
+    ) -> Self {
+        debug_assert!(range.end <= mmap.len());
+        Tensor {
+            name,
+            dtype,
+            shape,
+            bytes: Bytes::Mapped(mmap),
+            range,
+            view_of: None,
+        }
+    }
+
     /// The checkpoint tensor this one is a view of, or itself.
     pub fn origin(&self) -> &Tensor {
         self.view_of.as_deref().unwrap_or(self)
@@ -132,14 +175,16 @@ impl Tensor {
     /// the gate half of a `[2I, d]` one. The view keeps this tensor's name with `what`
     /// appended, so errors still point into the checkpoint.
     pub fn rows(&self, first: Range<usize>, shape: Vec<usize>, what: &str) -> Tensor {
-        let per: usize = self.shape[1..].iter().product::<usize>() * self.dtype.size();
+        let per: usize = self
+            .dtype
+            .bytes_of(self.shape[1..].iter().product::<usize>());
         assert!(
             first.start <= first.end && first.end <= self.shape[0],
             "{first:?} of {}",
             self.name
         );
         assert_eq!(
-            shape.iter().product::<usize>() * self.dtype.size(),
+            self.dtype.bytes_of(shape.iter().product::<usize>()),
             (first.end - first.start) * per,
             "reshape of {}",
             self.name
@@ -171,12 +216,18 @@ impl Tensor {
 
     /// Converts to f32 and says whether every value is finite: the check rides along the
     /// conversion (one `or` per value in a register; it vectorizes as the plain loop does).
+    /// Quantized GGUF blocks are dequantized as ggml does.
     pub fn to_f32_checked(&self) -> (Vec<f32>, bool) {
         let b = self.bytes();
         match self.dtype {
             DType::F32 => convert(b, |c: &[u8; 4]| f32::from_le_bytes(*c)),
             DType::F16 => convert(b, |c: &[u8; 2]| half::f16::from_le_bytes(*c).to_f32()),
             DType::BF16 => convert(b, |c: &[u8; 2]| half::bf16::from_le_bytes(*c).to_f32()),
+            DType::Quant(q) => {
+                let mut out = Vec::new();
+                let finite = q.dequantize(b, &mut out);
+                (out, finite)
+            }
         }
     }
 
@@ -483,6 +534,15 @@ pub fn write_safetensors(path: &Path, tensors: &[&Tensor]) -> Result<()> {
                 DType::F32 => Dtype::F32,
                 DType::F16 => Dtype::F16,
                 DType::BF16 => Dtype::BF16,
+                DType::Quant(q) => {
+                    return Err(Error::tensor(
+                        &t.name,
+                        format!(
+                            "is {} (from a GGUF file): safetensors holds no such type",
+                            q.name()
+                        ),
+                    ));
+                }
             };
             let view = safetensors::tensor::TensorView::new(dtype, t.shape.clone(), t.bytes())
                 .map_err(|e| Error::tensor(&t.name, e.to_string()))?;

@@ -62,6 +62,7 @@ pub fn random_weights(c: &ModelConfig, seed: u64) -> ModelWeights {
                         .then(|| t(p("mixer.conv1d.bias"), vec![c.conv_dim()], -0.2, 0.2)),
                     dt_bias: t(p("mixer.dt_bias"), vec![h], -4.0, -1.0),
                     a_log: t(p("mixer.A_log"), vec![h], 0.0, 2.5),
+                    a_direct: false,
                     d_skip: t(p("mixer.D"), vec![h], 0.5, 1.5),
                     mixer_norm: t(p("mixer.norm.weight"), vec![di], 0.6, 1.4),
                     out_proj: t(

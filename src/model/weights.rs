@@ -20,7 +20,9 @@ pub struct MambaWeights {
     pub conv_weight: Tensor,
     pub conv_bias: Option<Tensor>,
     pub dt_bias: Tensor,
+    /// `A_log`, or (GGUF's `ssm_a`, `a_direct`) `A = −exp(A_log)` itself.
     pub a_log: Tensor,
+    pub a_direct: bool,
     pub d_skip: Tensor,
     pub mixer_norm: Tensor,
     pub out_proj: Tensor,
@@ -62,6 +64,17 @@ pub struct MoeWeights {
     /// Latent MoE: `fc1_latent_proj [L, d]` before the routed experts (which then read and
     /// write `L` values) and `fc2_latent_proj [d, L]` after their weighted sum.
     pub latent: Option<[Tensor; 2]>,
+}
+
+impl MambaWeights {
+    /// `A = −exp(A_log)` per head, checked finite (as stored when the file holds `A`).
+    pub fn a(&self) -> Result<Vec<f32>> {
+        if self.a_direct {
+            crate::model::quant::finite_f32(&self.a_log)
+        } else {
+            crate::model::quant::map_finite(&self.a_log, |a| -a.exp())
+        }
+    }
 }
 
 impl MlpWeights {
@@ -240,6 +253,14 @@ impl ModelWeights {
             }
         }
         let format = config.format;
+        // The layers whose file stores `A` itself (GGUF's `ssm_a`).
+        let a_direct_layers: std::collections::HashSet<usize> = slots
+            .keys()
+            .filter_map(|s| match s {
+                Slot::Layer(i, Part::A) => Some(*i),
+                _ => None,
+            })
+            .collect();
         let mut take = |slot: Slot, shapes: &[Vec<usize>]| -> Result<Tensor> {
             let t = slots.remove(&slot).ok_or_else(|| {
                 Error::tensor(slot.canonical_name(format), "missing from the checkpoint")
@@ -267,6 +288,11 @@ impl ModelWeights {
                     } else {
                         None
                     };
+                    // GGUF stores `A` itself (`ssm_a`, `[H, 1]`), D as `[H, 1]` and the
+                    // gated norm per group.
+                    let a_direct = a_direct_layers.contains(&i);
+                    let a_part = if a_direct { Part::A } else { Part::ALog };
+                    let g = c.n_groups.max(1);
                     MixerWeights::Mamba2(MambaWeights {
                         in_proj: take(l(Part::InProj), &[vec![c.d_in_proj(), d]])?,
                         conv_weight: take(
@@ -278,9 +304,13 @@ impl ModelWeights {
                         )?,
                         conv_bias,
                         dt_bias: take(l(Part::DtBias), &[vec![h]])?,
-                        a_log: take(l(Part::ALog), &[vec![h]])?,
-                        d_skip: take(l(Part::D), &[vec![h]])?,
-                        mixer_norm: take(l(Part::MixerNorm), &[vec![c.d_inner]])?,
+                        a_log: take(l(a_part), &[vec![h], vec![h, 1]])?,
+                        a_direct,
+                        d_skip: take(l(Part::D), &[vec![h], vec![h, 1]])?,
+                        mixer_norm: take(
+                            l(Part::MixerNorm),
+                            &[vec![c.d_inner], vec![g, c.d_inner / g]],
+                        )?,
                         out_proj: take(l(Part::OutProj), &[vec![d, c.d_inner]])?,
                     })
                 }
@@ -459,6 +489,8 @@ enum Part {
     ConvBias,
     DtBias,
     ALog,
+    /// GGUF's `ssm_a`: `A` itself.
+    A,
     D,
     MixerNorm,
     OutProj,
@@ -531,6 +563,9 @@ impl Slot {
     /// Strips the `model.` / `backbone.` prefixes every format adds in its own way, then
     /// recognizes the rest.
     fn parse(name: &str) -> Option<Slot> {
+        if let Some(slot) = gguf_slot(name) {
+            return Some(slot);
+        }
         let mut rest = name;
         while let Some(r) = rest
             .strip_prefix("model.")
@@ -569,6 +604,20 @@ impl Slot {
     /// The format's spelling, used when a tensor is missing and there is no name to quote.
     fn canonical_name(self, format: ModelFormat) -> String {
         let granite = format == ModelFormat::Granite;
+        if format == ModelFormat::GgufMamba2 {
+            return match self {
+                Slot::Embedding => "token_embd.weight".into(),
+                Slot::FinalNorm => "output_norm.weight".into(),
+                Slot::LmHead => "output.weight".into(),
+                Slot::Layer(i, p) => {
+                    let part = GGUF_PARTS
+                        .iter()
+                        .find(|(q, _)| *q == p || (p == Part::ALog && *q == Part::A))
+                        .map_or("?", |(_, n)| n);
+                    format!("blk.{i}.{part}")
+                }
+            };
+        }
         match self {
             Slot::Embedding if granite => "model.embed_tokens.weight".into(),
             Slot::FinalNorm if granite => "model.norm.weight".into(),
@@ -597,6 +646,33 @@ impl Slot {
             }
         }
     }
+}
+
+/// llama.cpp's `mamba2` names after `blk.N.` (gguf-py's tensor map).
+const GGUF_PARTS: [(Part, &str); 9] = [
+    (Part::Norm, "attn_norm.weight"),
+    (Part::InProj, "ssm_in.weight"),
+    (Part::ConvWeight, "ssm_conv1d.weight"),
+    (Part::ConvBias, "ssm_conv1d.bias"),
+    (Part::DtBias, "ssm_dt.bias"),
+    (Part::A, "ssm_a"),
+    (Part::D, "ssm_d"),
+    (Part::MixerNorm, "ssm_norm.weight"),
+    (Part::OutProj, "ssm_out.weight"),
+];
+
+/// A GGUF tensor name's slot.
+fn gguf_slot(name: &str) -> Option<Slot> {
+    match name {
+        "token_embd.weight" => return Some(Slot::Embedding),
+        "output_norm.weight" => return Some(Slot::FinalNorm),
+        "output.weight" => return Some(Slot::LmHead),
+        _ => {}
+    }
+    let (index, part) = name.strip_prefix("blk.")?.split_once('.')?;
+    let index: usize = index.parse().ok()?;
+    let part = GGUF_PARTS.iter().find(|(_, n)| *n == part)?.0;
+    Some(Slot::Layer(index, part))
 }
 
 /// Granite's names after `model.layers.N.`: `(block within the layer, part, name)`.

@@ -375,7 +375,7 @@ fn mamba<T: Real>(c: &ModelConfig, m: &MambaWeights) -> Result<Mamba<T>> {
         conv_bias: convert_opt(m.conv_bias.as_ref())?
             .unwrap_or_else(|| vec![T::zero(); c.conv_dim()]),
         dt_bias: convert(&m.dt_bias)?,
-        a: map_finite(&m.a_log, |v| T::of_f32(-v.exp()))?,
+        a: m.a()?.into_iter().map(T::of_f32).collect(),
         d_skip: convert(&m.d_skip)?,
         mixer_norm: convert(&m.mixer_norm)?,
         out_proj: convert(&m.out_proj)?,

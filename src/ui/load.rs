@@ -350,14 +350,11 @@ pub fn open(req: LoadRequest, notice: &mut dyn FnMut(&str)) -> Result<Loaded, St
         } => (*model, tokenizer.map(|t| *t)),
         ModelSource::Embedded => embedded()?,
         ModelSource::Dir(dir) => {
-            if !dir.is_dir() {
-                return Err(format!("{} is not a directory", dir.display()));
+            if !dir.exists() {
+                return Err(format!("{} does not exist", dir.display()));
             }
-            let model =
-                Model::load(&dir).map_err(|e| format!("could not load {}: {e}", dir.display()))?;
-            let tok = Tokenizer::from_dir(&dir)
-                .map_err(|e| format!("could not load the tokenizer of {}: {e}", dir.display()))?;
-            (model, tok)
+            Model::load_with_tokenizer(&dir)
+                .map_err(|e| format!("could not load {}: {e}", dir.display()))?
         }
     };
     let mut backend = crate::device::open_backend(&model, &req.device, opts, notice)

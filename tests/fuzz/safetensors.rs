@@ -484,7 +484,7 @@ pub(crate) fn check_load(
                     .shape
                     .iter()
                     .try_fold(1usize, |a, &b| a.checked_mul(b))
-                    .and_then(|n| n.checked_mul(t.dtype.size()));
+                    .map(|n| t.dtype.bytes_of(n));
                 if numel != Some(t.bytes().len()) {
                     return Err(fail(
                         "[loaded] tensor bytes do not match its shape",

@@ -1,0 +1,259 @@
+//! A GGUF file's tokenizer (`tokenizer.ggml.*` metadata) rebuilt as a `tokenizers`
+//! tokenizer, by writing the `tokenizer.json` it stands for and loading that through the
+//! same checked path as a real one:
+//! - `gpt2`: byte-level BPE from `tokens` and `merges`, with the pre-tokenizer regex
+//!   `tokenizer.ggml.pre` names (the GPT-2 split for the GPT-2/NeoX family, the Llama-3
+//!   split for its family; another name is refused rather than tokenized wrongly);
+//! - `llama`: SentencePiece BPE, merges ranked by the `scores` of the merged pieces (how
+//!   llama.cpp's SPM tokenizer picks them), `▁` for spaces and byte fallback `<0xNN>`.
+//!
+//! Token types (llama.cpp's `token_type`): 3 control and 4 user-defined tokens become added
+//! tokens (control ones special). The chat template is `tokenizer.chat_template`.
+
+use serde_json::{Value as Json, json};
+
+use crate::error::{Error, Result};
+use crate::model::gguf::{GgufInfo, Value};
+use crate::tokenizer::Tokenizer;
+
+/// `tokenizer.ggml.pre` names whose pre-tokenizer is GPT-2's regex (`ByteLevel`'s own).
+const GPT2_SPLIT: [&str; 8] = [
+    "default",
+    "gpt-2",
+    "gpt2",
+    "mpt",
+    "olmo",
+    "starcoder",
+    "refact",
+    "codeshell",
+];
+/// Names whose pre-tokenizer is Llama 3's regex.
+const LLAMA3_SPLIT: [&str; 4] = ["llama3", "llama-v3", "llama-bpe", "smaug-bpe"];
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The tokenizer of a GGUF file, or `None` when it has no `tokenizer.ggml.model`.
+pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
+    let path = info.path.display();
+    let err =
+        |key: &str, why: String| Error::Tokenizer(format!("{path}: metadata key `{key}`: {why}"));
+    let Some(model) = info.get("tokenizer.ggml.model") else {
+        return Ok(None);
+    };
+    let model = model
+        .as_str()
+        .ok_or_else(|| err("tokenizer.ggml.model", "expected a string".into()))?;
+    let strings = |key: &str| -> Result<Vec<String>> {
+        match info.get(key) {
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        err(
+                            key,
+                            format!("item {i} is a {}, not a string", v.type_name()),
+                        )
+                    })
+                })
+                .collect(),
+            Some(v) => Err(err(
+                key,
+                format!("expected an array of strings, found {}", v.type_name()),
+            )),
+            None => Err(err(key, "missing".into())),
+        }
+    };
+    let numbers = |key: &str, n: usize| -> Result<Option<Vec<f64>>> {
+        match info.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) if items.len() == n => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_f64()
+                        .ok_or_else(|| err(key, format!("item {i} is not a number")))
+                })
+                .collect::<Result<Vec<f64>>>()
+                .map(Some),
+            Some(Value::Array(items)) => {
+                Err(err(key, format!("{} items for {n} tokens", items.len())))
+            }
+            Some(v) => Err(err(
+                key,
+                format!("expected an array, found {}", v.type_name()),
+            )),
+        }
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let n = tokens.len();
+    let types = numbers("tokenizer.ggml.token_type", n)?.unwrap_or_else(|| vec![1.0; n]);
+    let id = |key: &str| -> Result<Option<u32>> {
+        match info.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(i) if (i as usize) < n => Ok(Some(i as u32)),
+                _ => Err(err(
+                    key,
+                    format!("{} is not a token id below {n}", v.summary()),
+                )),
+            },
+        }
+    };
+    let bos = id("tokenizer.ggml.bos_token_id")?;
+    let eos = id("tokenizer.ggml.eos_token_id")?;
+    let unk = id("tokenizer.ggml.unknown_token_id")?;
+    let flag = |key: &str, default: bool| info.get(key).and_then(Value::as_bool).unwrap_or(default);
+
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in tokens.iter().enumerate() {
+        // A repeated string keeps its first id (the BPE model maps strings to one id).
+        vocab.entry(t.clone()).or_insert(json!(i));
+    }
+    let added: Vec<Json> = tokens
+        .iter()
+        .zip(&types)
+        .enumerate()
+        .filter(|(_, (_, ty))| **ty == 3.0 || **ty == 4.0)
+        .map(|(i, (t, ty))| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": *ty == 3.0})
+        })
+        .collect();
+    let (tok_json, add_bos_default) = match model {
+        "gpt2" => {
+            let merges: Vec<Json> = strings("tokenizer.ggml.merges")?
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    m.split_once(' ')
+                        .map(|(a, b)| json!([a, b]))
+                        .ok_or_else(|| {
+                            err(
+                                "tokenizer.ggml.merges",
+                                format!("item {i} `{m}` is not two pieces"),
+                            )
+                        })
+                })
+                .collect::<Result<_>>()?;
+            let pre = info
+                .get("tokenizer.ggml.pre")
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
+                                    "trim_offsets": true, "use_regex": true});
+            let pre_tokenizer = if GPT2_SPLIT.contains(&pre) {
+                byte_level
+            } else if LLAMA3_SPLIT.contains(&pre) {
+                json!({"type": "Sequence", "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX},
+                     "behavior": "Isolated", "invert": false},
+                    {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                     "use_regex": false}]})
+            } else {
+                return Err(err(
+                    "tokenizer.ggml.pre",
+                    format!(
+                        "pre-tokenizer `{pre}` is not known to this engine (known: {}, {}): put \
+                         the model's tokenizer.json beside the .gguf file",
+                        GPT2_SPLIT.join(", "),
+                        LLAMA3_SPLIT.join(", ")
+                    ),
+                ));
+            };
+            let model = json!({"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": merges});
+            (
+                json!({"version": "1.0", "truncation": null, "padding": null,
+                    "added_tokens": added, "normalizer": null, "pre_tokenizer": pre_tokenizer,
+                    "post_processor": null,
+                    "decoder": {"type": "ByteLevel", "add_prefix_space": true,
+                                "trim_offsets": true, "use_regex": true},
+                    "model": model}),
+                false,
+            )
+        }
+        "llama" => {
+            let scores = numbers("tokenizer.ggml.scores", n)?.ok_or_else(|| {
+                err(
+                    "tokenizer.ggml.scores",
+                    "missing (a `llama` vocabulary ranks its merges by them)".into(),
+                )
+            })?;
+            let merges = spm_merges(&tokens, &scores, &types);
+            let unk_token = unk.map(|u| tokens[u as usize].clone());
+            let model = json!({"type": "BPE", "dropout": null, "unk_token": unk_token,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": vocab, "merges": merges});
+            (
+                json!({"version": "1.0", "truncation": null, "padding": null,
+                    "added_tokens": added,
+                    "normalizer": {"type": "Sequence", "normalizers": [
+                        {"type": "Prepend", "prepend": "▁"},
+                        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+                    "pre_tokenizer": null, "post_processor": null,
+                    "decoder": {"type": "Sequence", "decoders": [
+                        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                        {"type": "ByteFallback"}, {"type": "Fuse"},
+                        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+                    "model": model}),
+                true,
+            )
+        }
+        other => {
+            return Err(err(
+                "tokenizer.ggml.model",
+                format!("tokenizer type `{other}` is not supported (gpt2 and llama are)"),
+            ));
+        }
+    };
+    let mut tok_json = tok_json;
+    if let Some(b) = bos.filter(|_| flag("tokenizer.ggml.add_bos_token", add_bos_default)) {
+        let text = &tokens[b as usize];
+        tok_json["post_processor"] = json!({"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": text, "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": text, "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {text.clone(): {"id": text, "ids": [b], "tokens": [text]}}});
+    }
+    let config = json!({
+        "eos_token": eos.map(|e| tokens[e as usize].clone()),
+        "bos_token": bos.map(|b| tokens[b as usize].clone()),
+        "chat_template": info.get("tokenizer.chat_template").and_then(Value::as_str),
+    });
+    let bytes = serde_json::to_vec(&tok_json).expect("JSON of plain values");
+    Tokenizer::from_bytes(&bytes, Some(&config))
+        .map(Some)
+        .map_err(|e| Error::Tokenizer(format!("{path}: the tokenizer its metadata describes: {e}")))
+}
+
+/// SentencePiece-BPE merges: every split of a normal token into two tokens, ranked by the
+/// merged token's score (best first), then by the pieces' ids.
+fn spm_merges(tokens: &[String], scores: &[f64], types: &[f64]) -> Vec<Json> {
+    let ids: std::collections::HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .rev()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let mut merges: Vec<(f64, usize, usize)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if types[i] != 1.0 {
+            continue;
+        }
+        for (at, _) in t.char_indices().skip(1) {
+            if let (Some(&l), Some(&r)) = (ids.get(&t[..at]), ids.get(&t[at..])) {
+                merges.push((scores[i], l, r));
+            }
+        }
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    merges
+        .into_iter()
+        .map(|(_, l, r)| json!([tokens[l], tokens[r]]))
+        .collect()
+}

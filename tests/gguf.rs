@@ -1,0 +1,487 @@
+//! GGUF files against external oracles (tests/fixtures/gguf, made by
+//! scripts/make_gguf_fixtures.py): gguf-py's numpy dequantization of every tensor (bit for
+//! bit), HF transformers' logits for the f32 conversion of hf_mamba2_g1, and llama.cpp's own
+//! CPU logits for every file; then the tokenizer rebuilt from GGUF metadata against the
+//! tokenizer.json it came from, and broken files against clear errors.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use mamba2_wgpu::gpu::backend::GpuBackend;
+use mamba2_wgpu::gpu::engine::{Engine, EngineOptions};
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::model::gguf::{GgufFile, GgufInfo, Value};
+use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
+use mamba2_wgpu::{Backend, WeightFormat};
+use serde_json::Value as Json;
+
+fn dir() -> PathBuf {
+    common::fixture("gguf")
+}
+
+fn oracle() -> Json {
+    serde_json::from_str(&std::fs::read_to_string(dir().join("oracle.json")).unwrap()).unwrap()
+}
+
+/// llama.cpp's logits for `file`'s prompt, `[T][V]`.
+fn llama_logits(file: &str, vocab: usize) -> Vec<Vec<f32>> {
+    let bytes = std::fs::read(dir().join(format!("{file}.logits"))).unwrap();
+    let v: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    v.chunks(vocab).map(<[f32]>::to_vec).collect()
+}
+
+fn prompt(o: &Json, file: &str) -> Vec<u32> {
+    o["files"][file]["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn fnv64(values: &[f32]) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for v in values {
+        for b in v.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
+fn files(o: &Json) -> Vec<String> {
+    o["files"].as_object().unwrap().keys().cloned().collect()
+}
+
+#[test]
+fn every_tensor_dequantizes_as_gguf_py_does() {
+    let o = oracle();
+    let mut types = std::collections::BTreeSet::new();
+    for file in files(&o) {
+        let g = GgufFile::open(&dir().join(&file)).unwrap();
+        let want = o["files"][&file]["dequant"].as_object().unwrap();
+        assert_eq!(g.tensors.len(), want.len(), "{file}");
+        for t in &g.tensors {
+            let w = &want[&t.name];
+            assert_eq!(
+                t.dtype.ggml().name(),
+                w["type"].as_str().unwrap(),
+                "{file} {}",
+                t.name
+            );
+            let (v, finite) = t.to_f32_checked();
+            assert!(finite);
+            assert_eq!(v.len() as u64, w["n"].as_u64().unwrap());
+            for (a, b) in v.iter().zip(w["first"].as_array().unwrap()) {
+                assert_eq!(*a, b.as_f64().unwrap() as f32, "{file} {}", t.name);
+            }
+            assert_eq!(
+                fnv64(&v),
+                w["fnv64"].as_str().unwrap(),
+                "{file} {}: bits",
+                t.name
+            );
+            types.insert(t.dtype.name());
+        }
+    }
+    for ty in ["f32", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"] {
+        assert!(types.contains(ty), "no fixture holds {ty}");
+    }
+}
+
+#[test]
+fn q8_0_blocks_reach_the_device_layout_as_stored() {
+    let g = GgufFile::open(&dir().join("k256.q8_0.gguf")).unwrap();
+    let t = g
+        .tensors
+        .iter()
+        .find(|t| t.name == "blk.0.ssm_in.weight")
+        .unwrap();
+    let p = mamba2_wgpu::model::quant::repack_q8_0(&[t]);
+    assert_eq!((p.rows, p.cols, p.kp), (1064, 256, 256));
+    assert_eq!(mamba2_wgpu::model::quant::unpack(&p), t.to_f32());
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn cpu_logits(model: &Model, prompt: &[u32]) -> Vec<Vec<f32>> {
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    cpu.forward(&mut cpu.new_state(), prompt, Scan::Sequential, Logits::All)
+        .unwrap()
+}
+
+#[test]
+fn f32_gguf_matches_its_safetensors_and_both_oracles() {
+    let o = oracle();
+    let file = "g1.f32.gguf";
+    let gguf = Model::load(&dir().join(file)).unwrap();
+    let st = Model::load(&common::fixture("hf_mamba2_g1")).unwrap();
+    // The converter pads the vocabulary to a multiple of 16 (zero rows).
+    assert_eq!((gguf.config.vocab_size, st.config.vocab_size), (112, 100));
+    assert_eq!(gguf.config.d_inner, st.config.d_inner);
+    assert_eq!(gguf.config.n_heads, st.config.n_heads);
+    assert!(gguf.config.tie_embeddings && gguf.config.conv_bias);
+    let p = prompt(&o, file);
+    let a = cpu_logits(&gguf, &p);
+    let b = cpu_logits(&st, &p);
+    let ll = llama_logits(file, 112);
+    for t in 0..p.len() {
+        // Same weights; A was stored as −exp(A_log) by numpy, so allow float rounding.
+        let e = max_abs(&a[t][..100], &b[t]);
+        assert!(e <= 1e-5, "position {t}: GGUF vs safetensors {e:e}");
+        assert!(
+            a[t][100..].iter().all(|&v| v == 0.0),
+            "padded rows give zero logits"
+        );
+        let e = max_abs(&a[t], &ll[t]);
+        assert!(e <= 1e-4, "position {t}: vs llama.cpp {e:e}");
+    }
+}
+
+/// The quantized files through the CPU reference (exact dequantization, f32 activations)
+/// against llama.cpp's CPU (which quantizes activations to 8 bits for its dot products, so
+/// the two differ by that rounding: measured ≤ 2 % of the logit range).
+#[test]
+fn quantized_ggufs_match_llama_cpp() {
+    let o = oracle();
+    for file in files(&o).into_iter().filter(|f| f.starts_with("k256")) {
+        let model = Model::load(&dir().join(&file)).unwrap();
+        let p = prompt(&o, &file);
+        let ours = cpu_logits(&model, &p);
+        let ll = llama_logits(&file, model.config.vocab_size);
+        let range = ll.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = ours
+            .iter()
+            .zip(&ll)
+            .map(|(a, b)| max_abs(a, b))
+            .fold(0f32, f32::max);
+        let nmse = common::nmse(&ours.concat(), &ll.concat());
+        eprintln!("{file}: max |Δlogit| {worst:.4} of range {range:.2}, nmse {nmse:e}");
+        assert!(
+            worst <= 0.02 * range,
+            "{file}: max |Δlogit| {worst} (range {range})"
+        );
+        assert!(nmse <= 1e-3, "{file}: nmse {nmse:e}");
+    }
+}
+
+/// The GPU engine (lavapipe in CI) on GGUF weights, in every engine format, against the
+/// CPU reference on the same file (prompt logits: the prefill GEMMs, f32 activations).
+#[test]
+fn gguf_models_on_the_gpu() {
+    let o = oracle();
+    for file in [
+        "g1.f32.gguf",
+        "k256.q4_k.gguf",
+        "k256.q8_0.gguf",
+        "k256.q6_k.gguf",
+    ] {
+        let model = Model::load(&dir().join(file)).unwrap();
+        let p = prompt(&o, file);
+        let want = cpu_logits(&model, &p);
+        // (format, tolerance relative to the logit range, absolute floor): f16 and q8_0
+        // round the (dequantized) weights once more.
+        for (format, rel, floor) in [
+            (WeightFormat::F32, 1e-5, 0.0),
+            (WeightFormat::F16, 2e-3, 5e-3),
+            (WeightFormat::Q8_0, 1e-2, 0.1),
+        ] {
+            let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
+                return;
+            };
+            let opts = EngineOptions {
+                format,
+                ..Default::default()
+            };
+            let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+            let got = b.prefill_logits(&p).unwrap();
+            let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+            let e = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| max_abs(g, w))
+                .fold(0f32, f32::max);
+            eprintln!("{file} as {format:?}: max |Δlogit| {e:e} of range {range:.1}");
+            assert!(
+                e <= rel * range + floor,
+                "{file} as {format:?}: max |Δlogit| {e:e} (range {range})"
+            );
+        }
+    }
+}
+
+#[test]
+fn cli_runs_a_gguf_file_with_its_own_tokenizer() {
+    let bin = env!("CARGO_BIN_EXE_mamba2");
+    let file = dir().join("k256.q4_k.gguf");
+    let out = std::process::Command::new(bin)
+        .args(["info", "--model"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "format     GGUF mamba2 (llama.cpp)",
+        "gguf       version 3, 20 tensors (f32 ×15, Q4_K ×4, Q6_K ×1)",
+        "  mamba2.ssm.inner_size = 512",
+        "tokenizer  256 tokens",
+        "gpu        --dtype q8_0 by default (Q4_K, Q6_K blocks are dequantized",
+    ] {
+        assert!(text.contains(want), "{want:?} not in:\n{text}");
+    }
+    // Generation from text through the GGUF's byte-level vocabulary, on the CPU reference:
+    // the same ids as the reference run directly on the tokens of the prompt.
+    let out = std::process::Command::new(bin)
+        .args(["generate", "--device", "cpu", "-n", "6", "--model"])
+        .arg(&file)
+        .arg("hi!\"")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (model, tok) = Model::load_with_tokenizer(&file).unwrap();
+    let tok = tok.unwrap();
+    let ids = tok.encode("hi!\"").unwrap();
+    // `!"` is one token (the vocabulary's one merge); h and i are byte tokens.
+    assert_eq!(ids, vec![71, 72, 255]);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let mut state = cpu.new_state();
+    let mut logits = cpu
+        .forward(&mut state, &ids, Scan::Sequential, Logits::Last)
+        .unwrap();
+    let mut text = String::from("hi!\"");
+    for _ in 0..6 {
+        let next = mamba2_wgpu::sampling::argmax(&logits[0]);
+        text.push_str(&tok.decode(&[next]).unwrap());
+        logits = cpu
+            .forward(&mut state, &[next], Scan::Sequential, Logits::Last)
+            .unwrap();
+    }
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim_end(), text);
+}
+
+/// The embedded model's tokenizer.json, rewritten as `gpt2` GGUF metadata (tokens, merges,
+/// types), rebuilt by the GGUF path: the same ids on real text.
+#[test]
+fn gpt2_metadata_tokenizes_like_its_tokenizer_json() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let json: Json =
+        serde_json::from_str(&std::fs::read_to_string(root.join("assets/tokenizer.json")).unwrap())
+            .unwrap();
+    let vocab = json["model"]["vocab"].as_object().unwrap();
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, id) in vocab {
+        tokens[id.as_u64().unwrap() as usize] = t.clone();
+    }
+    let merges: Vec<Value> = json["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| match m {
+            Json::String(s) => Value::Str(s.clone()),
+            Json::Array(p) => Value::Str(format!(
+                "{} {}",
+                p[0].as_str().unwrap(),
+                p[1].as_str().unwrap()
+            )),
+            _ => panic!("merge {m}"),
+        })
+        .collect();
+    let types: Vec<Value> = (0..tokens.len())
+        .map(|i| Value::I32(if i == 0 { 3 } else { 1 }))
+        .collect();
+    let info = GgufInfo {
+        path: "test.gguf".into(),
+        version: 3,
+        metadata: vec![
+            ("tokenizer.ggml.model".into(), Value::Str("gpt2".into())),
+            ("tokenizer.ggml.pre".into(), Value::Str("gpt-2".into())),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(tokens.into_iter().map(Value::Str).collect()),
+            ),
+            ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+            ("tokenizer.ggml.merges".into(), Value::Array(merges)),
+            ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+            // Its post-processor adds `<|endoftext|>` first.
+            ("tokenizer.ggml.bos_token_id".into(), Value::U32(0)),
+            ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+            (
+                "tokenizer.chat_template".into(),
+                Value::Str("{% for m in messages %}{{ m.content }}{% endfor %}".into()),
+            ),
+        ],
+        types: Vec::new(),
+        tensors: 0,
+        file_len: 0,
+    };
+    let ours = mamba2_wgpu::gguf_tokenizer::from_gguf(&info)
+        .unwrap()
+        .unwrap();
+    let (_, theirs) = mamba2_wgpu::assets::embedded().unwrap();
+    let text = std::fs::read_to_string(root.join("assets/fortunes-copyright.txt")).unwrap();
+    for line in text
+        .lines()
+        .chain(["  two  spaces, ünïcödé — and <|endoftext|> too"])
+    {
+        assert_eq!(
+            ours.encode(line).unwrap(),
+            theirs.encode(line).unwrap(),
+            "{line:?}"
+        );
+    }
+    assert_eq!(ours.eos, Some(0));
+    let chat = ours
+        .render_chat(&[("user".into(), "hello".into())], true)
+        .unwrap();
+    assert_eq!(chat.as_deref(), Some("hello"));
+}
+
+/// A copy of `g1.f32.gguf` with `edit` applied, written to a temporary file.
+fn broken(name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+    let mut bytes = std::fs::read(dir().join("g1.f32.gguf")).unwrap();
+    edit(&mut bytes);
+    let path = std::env::temp_dir().join(format!("mamba2-gguf-{}-{name}.gguf", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+/// Where tensor `name`'s info (after its name) starts in the header.
+fn info_at(bytes: &[u8], name: &str) -> usize {
+    let mut key = (name.len() as u64).to_le_bytes().to_vec();
+    key.extend(name.as_bytes());
+    bytes
+        .windows(key.len())
+        .position(|w| w == key.as_slice())
+        .unwrap()
+        + key.len()
+}
+
+fn load_error(path: &Path) -> String {
+    let e = Model::load(path)
+        .expect_err("a broken file must not load")
+        .to_string();
+    std::fs::remove_file(path).ok();
+    e
+}
+
+#[test]
+fn broken_gguf_files_are_refused_with_clear_errors() {
+    // ssm_out of layer 1: n_dims (2), ne[0], ne[1], type, offset.
+    let t = "blk.1.ssm_out.weight";
+    type Edit = Box<dyn FnOnce(&mut Vec<u8>)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "truncated",
+            Box::new(|b: &mut Vec<u8>| b.truncate(b.len() - 100)),
+            "run past the end of the file",
+        ),
+        (
+            "offset",
+            Box::new(|b: &mut Vec<u8>| {
+                let at = info_at(b, t) + 4 + 16 + 4;
+                b[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+            }),
+            "tensor `blk.1.ssm_out.weight`",
+        ),
+        (
+            "type",
+            Box::new(|b: &mut Vec<u8>| {
+                let at = info_at(b, t) + 4 + 16;
+                b[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
+            }),
+            "tensor `blk.1.ssm_out.weight`: ",
+        ),
+        (
+            "alignment",
+            Box::new(|b: &mut Vec<u8>| {
+                let at = info_at(b, t) + 4 + 16 + 4;
+                let off = u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+                b[at..at + 8].copy_from_slice(&(off + 2).to_le_bytes());
+            }),
+            "is not a multiple of the file's alignment 32",
+        ),
+        (
+            "key",
+            Box::new(|b: &mut Vec<u8>| {
+                let k = b"mamba2.ssm.inner_size";
+                let at = b.windows(k.len()).position(|w| w == k).unwrap();
+                b[at + k.len() - 1] = b'X';
+            }),
+            "metadata key `mamba2.ssm.inner_size`: missing",
+        ),
+        (
+            "magic",
+            Box::new(|b: &mut Vec<u8>| b[0] = b'X'),
+            "not a GGUF file",
+        ),
+        (
+            "count",
+            Box::new(|b: &mut Vec<u8>| b[8..16].copy_from_slice(&u64::MAX.to_le_bytes())),
+            "declares 18446744073709551615 tensor infos",
+        ),
+    ];
+    for (name, edit, want) in cases {
+        let e = load_error(&broken(name, edit));
+        assert!(e.contains(want), "{name}: {e}");
+    }
+    let e = load_error(&broken("type2", |b| {
+        let at = info_at(b, t) + 4 + 16;
+        b[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
+    }));
+    assert!(e.contains("type IQ2_XXS is not supported"), "{e}");
+    // Every truncation point of the header: an error, never a panic.
+    let bytes = std::fs::read(dir().join("g1.f32.gguf")).unwrap();
+    let g = GgufFile::open(&dir().join("g1.f32.gguf")).unwrap();
+    for cut in (0..g.data_offset as usize).step_by(7) {
+        let path = broken("cut", |b| b.truncate(cut));
+        assert!(GgufFile::open(&path).is_err(), "cut at {cut}");
+        std::fs::remove_file(&path).ok();
+    }
+    assert_eq!(bytes.len() as u64, g.file_len);
+    // Random bytes over the header (a fixed xorshift sequence): loads or clean errors.
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for round in 0..200 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + next() % 4 {
+            let at = (next() % g.data_offset) as usize;
+            b[at] = next() as u8;
+        }
+        let path = std::env::temp_dir().join(format!(
+            "mamba2-gguf-{}-flip{round}.gguf",
+            std::process::id()
+        ));
+        std::fs::write(&path, &b).unwrap();
+        if let Ok(m) = Model::load(&path) {
+            // What loads must also run (or refuse cleanly).
+            let _ = CpuModel::<f32>::new(&m.config, &m.weights).map(|cpu| {
+                cpu.forward(
+                    &mut cpu.new_state(),
+                    &[1, 2],
+                    Scan::Sequential,
+                    Logits::Last,
+                )
+            });
+        }
+        std::fs::remove_file(&path).ok();
+    }
+}
