@@ -351,7 +351,10 @@ pub fn open(req: LoadRequest, notice: &mut dyn FnMut(&str)) -> Result<Loaded, St
         ModelSource::Embedded => embedded()?,
         ModelSource::Dir(dir) => {
             if !dir.exists() {
-                return Err(format!("{} does not exist", dir.display()));
+                return Err(format!(
+                    "{} is not a directory or a GGUF file: it does not exist",
+                    dir.display()
+                ));
             }
             Model::load_with_tokenizer(&dir)
                 .map_err(|e| format!("could not load {}: {e}", dir.display()))?
