@@ -438,13 +438,7 @@ impl GgufFile {
 
     /// How many tensors of each stored type, most common first.
     pub fn type_counts(&self) -> Vec<(DType, usize)> {
-        let mut counts: Vec<(DType, usize)> = Vec::new();
-        for t in &self.tensors {
-            match counts.iter_mut().find(|(d, _)| *d == t.dtype) {
-                Some((_, n)) => *n += 1,
-                None => counts.push((t.dtype, 1)),
-            }
-        }
+        let mut counts = crate::model::count_dtypes(&self.tensors);
         counts.sort_by_key(|c| std::cmp::Reverse(c.1));
         counts
     }

@@ -35,6 +35,18 @@ pub struct Model {
     pub gguf: Option<Arc<GgufInfo>>,
 }
 
+/// How many of `tensors` have each dtype, in order of first appearance.
+pub fn count_dtypes<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Vec<(DType, usize)> {
+    let mut counts: Vec<(DType, usize)> = Vec::new();
+    for t in tensors {
+        match counts.iter_mut().find(|(d, _)| *d == t.dtype) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((t.dtype, 1)),
+        }
+    }
+    counts
+}
+
 impl Model {
     /// Loads a model: a GGUF file (or a directory holding one), else the
     /// `config.json`/`params.json` and safetensors weights of directory `path`.
@@ -121,14 +133,12 @@ impl Model {
         if self.gguf.is_none() {
             return WeightFormat::F16;
         }
-        let big: Vec<DType> = self
-            .weights
-            .all()
-            .into_iter()
-            .filter(|t| t.shape.len() == 2 && t.shape[0] > 1 && t.shape[1] % 32 == 0)
-            .filter(|t| !t.name.contains("ssm_conv1d") && !t.name.contains("ssm_norm"))
-            .map(|t| t.dtype)
-            .collect();
+        // The matrices the GPU stores in the engine format (GGUF models are all Mamba2).
+        let w = &self.weights;
+        let mut big: Vec<DType> = vec![w.head().dtype, w.embedding.dtype];
+        for m in w.layers.iter().filter_map(|l| l.mixer.mamba()) {
+            big.extend([m.in_proj.dtype, m.out_proj.dtype]);
+        }
         if big.iter().all(|d| *d == DType::F32) {
             WeightFormat::F32
         } else if big.iter().any(|d| matches!(d, DType::Quant(_))) {
@@ -140,14 +150,7 @@ impl Model {
 
     /// The dtypes present in the checkpoint with how many tensors use each.
     pub fn dtype_counts(&self) -> Vec<(DType, usize)> {
-        let mut counts: Vec<(DType, usize)> = Vec::new();
-        for t in self.weights.checkpoint() {
-            match counts.iter_mut().find(|(d, _)| *d == t.dtype) {
-                Some((_, n)) => *n += 1,
-                None => counts.push((t.dtype, 1)),
-            }
-        }
-        counts
+        count_dtypes(self.weights.checkpoint())
     }
 
     /// Parameters actually stored (a tied head is counted once).
