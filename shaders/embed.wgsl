@@ -1,8 +1,9 @@
 // Embedding rows into the residual: resid [D] = embedding[ctrl.token] (decode), or with
 // PROMPT resid [T, D] = embedding[prompt[t]] for the T = ctrl.prompt_len tokens of a
-// prefill block (grid row y = token). The [V, D] table is f32, f16 or q8_0 with rows
-// padded to KP columns (the same buffers the tied lm_head reads), times SCALE (Granite's
-// embedding multiplier; 1 elsewhere). One thread per element.
+// prefill block (grid row y = token). The [V, D] table is f32, f16, q8_0 or a 4/6-bit
+// block format (block_quant.wgsl) with rows padded to KP columns (the same buffers the
+// tied lm_head reads), times SCALE (Granite's embedding multiplier; 1 elsewhere). One
+// thread per element.
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<f32>;
@@ -41,6 +42,18 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 #endif
 #if W_F16
     resid[i] = SCALE * unpack2x16float(w[(row * KP + k) / 2u])[k % 2u];
+#endif
+#if W_Q4_0
+    var e = bq_weights8(row, k - k % 8u);
+    resid[i] = SCALE * e[k % 8u];
+#endif
+#if W_Q4_K
+    var e = bq_weights8(row, k - k % 8u);
+    resid[i] = SCALE * e[k % 8u];
+#endif
+#if W_Q6_K
+    var e = bq_weights8(row, k - k % 8u);
+    resid[i] = SCALE * e[k % 8u];
 #endif
 #if W_Q8
     let q = unpack4xI8(w[(row * KP + k) / 4u])[k % 4u];

@@ -1,9 +1,13 @@
-// y = W·x for one token: W [M, K] in f32, f16 or q8_0 (rows zero-padded to KP columns).
+// y = W·x for one token: W [M, K] in f32, f16, q8_0, q4_0, q4_k or q6_k (rows zero-padded
+// to KP columns; the 4/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
 // loads; R = WG/TEAM rows per workgroup; one team reduction per row. The input is ready:
-// f32 `src [KP]` (zero past K) for f32/f16 weights, q8 blocks `xq`/`xd` for q8_0 weights
-// (made once per token by the producer kernel, so no workgroup repeats that work).
-// Flags: W_F32 | W_F16 | W_Q8;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
+// f32 `src [KP]` (zero past K) for f32/f16 weights, q8 blocks `xq`/`xd` (X_Q8) for the
+// quantized ones (made once per token by the producer kernel, so no workgroup repeats that
+// work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
+// (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
+// 6-bit ones as 4·(q−32).
+// Flags: W_F32 | W_F16 | W_Q8 | W_Q4_0 | W_Q4_K | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
 
 #if W_F32
@@ -17,9 +21,20 @@ const VW: u32 = 8u;
 #if W_Q8
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
+const VW: u32 = 16u;
+#endif
+#if W_Q4_0
+const VW: u32 = 32u;
+#endif
+#if W_Q4_K
+const VW: u32 = 32u;
+#endif
+#if W_Q6_K
+const VW: u32 = 64u;
+#endif
+#if X_Q8
 @group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> xd: array<f32>;
-const VW: u32 = 16u;
 #else
 @group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
 #endif
@@ -45,6 +60,79 @@ fn col_scale(k: u32) -> f32 {
 #endif
 }
 
+// Σ over 16 q8 values of q_w·q_x: four dot4I8Packed of weight bytes `q` and input `x`.
+fn dot16(q: vec4<u32>, x: vec4<u32>) -> i32 {
+    return dot4I8Packed(q.x, x.x) + dot4I8Packed(q.y, x.y) + dot4I8Packed(q.z, x.z) + dot4I8Packed(q.w, x.w);
+}
+
+#if W_Q4_0
+// Block v of the row: nibbles q ^ 8 are q − 8 in 4-bit two's complement; shifted to the
+// top of each byte they read as 16·(q − 8).
+fn q4_0_unit(row: u32, v: u32) -> f32 {
+    let s = w[row * (KP / 32u) + v] ^ vec4<u32>(0x88888888u);
+    let lo = (s << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
+    let hi = s & vec4<u32>(0xF0F0F0F0u);
+    let idot = dot16(lo, xq[2u * v]) + dot16(hi, xq[2u * v + 1u]);
+    let si = row * (KP / 32u) + v;
+    let d = unpack2x16float(ws[si / 2u])[si % 2u];
+    return f32(idot) * (d * 0.0625 * xd[v] * col_scale(v * 32u));
+}
+#endif
+
+#if W_Q4_K
+// 16 quant bytes of a superblock: low nibbles are 16 values of sub-block 2j, high nibbles
+// 16 of sub-block 2j+1 (j = c/2, the half h = c%2 of their 32).
+fn q4_k_unit(row: u32, v: u32) -> f32 {
+    let sb = row * (KP / 256u) + v / 8u;
+    let c = v % 8u;
+    let j = c / 2u;
+    let h = c % 2u;
+    let q = w[row * (KP / 32u) + v];
+    let lo = q & vec4<u32>(0x0F0F0F0Fu);
+    let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
+    let b0 = (v / 8u) * 8u + 2u * j;
+    let x0 = xq[2u * b0 + h];
+    let x1 = xq[2u * b0 + 2u + h];
+    let ones = vec4<u32>(0x01010101u);
+    let dm = unpack2x16float(ws[sb * 4u]);
+    let s0 = k4_scale_min(sb, 2u * j);
+    let s1 = k4_scale_min(sb, 2u * j + 1u);
+    let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
+    let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
+    return p0 * (xd[b0] * col_scale(b0 * 32u)) + p1 * (xd[b0 + 1u] * col_scale(b0 * 32u + 32u));
+}
+#endif
+
+#if W_Q6_K
+// 64 values of a superblock: half n, l = 16h…16h+16 of each of its four quarters t (ql
+// nibbles of two 16-byte runs, two bits each of one qh run); (q ^ 32) << 2 is 4·(q − 32).
+fn q6_k_unit(row: u32, v: u32) -> f32 {
+    let sbr = v / 4u;
+    let sb = row * (KP / 256u) + sbr;
+    let n = (v % 4u) / 2u;
+    let h = v % 2u;
+    let base = sb * 12u;
+    let qa = w[base + 4u * n + h];
+    let qb = w[base + 4u * n + 2u + h];
+    let qh = w[base + 8u + 2u * n + h];
+    let m4 = vec4<u32>(0x0F0F0F0Fu);
+    let m2 = vec4<u32>(0x03030303u);
+    let d = unpack2x16float(ws[sb * 5u + 4u]).x * 0.25;
+    var acc = 0.0;
+    for (var t = 0u; t < 4u; t++) {
+        var nib = qa;
+        if (t % 2u == 1u) {
+            nib = qb;
+        }
+        let q = ((nib >> vec4<u32>(4u * (t / 2u))) & m4) | (((qh >> vec4<u32>(2u * t)) & m2) << vec4<u32>(4u));
+        let s = ((q ^ vec4<u32>(0x20202020u)) << vec4<u32>(2u)) & vec4<u32>(0xFCFCFCFCu);
+        let b = sbr * 8u + 4u * n + t;
+        acc += f32(dot16(s, xq[2u * b + h])) * (k6_scale(sb, 8u * n + 2u * t + h) * xd[b] * col_scale(b * 32u));
+    }
+    return acc * d;
+}
+#endif
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(local_invocation_index) lid: u32,
@@ -68,8 +156,17 @@ fn main(
     let base = row * NV;
     var acc = 0.0;
     for (var v = lane; v < NV; v += TEAM) {
-        let wv = w[base + v];
+#if W_Q4_0
+        acc += q4_0_unit(row, v);
+#endif
+#if W_Q4_K
+        acc += q4_k_unit(row, v);
+#endif
+#if W_Q6_K
+        acc += q6_k_unit(row, v);
+#endif
 #if W_Q8
+        let wv = w[base + v];
         let a = xq[v];
         let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
         let blk = v / 2u;
@@ -77,12 +174,14 @@ fn main(
         acc += f32(idot) * (unpack2x16float(ws[si / 2u])[si % 2u] * xd[blk] * col_scale(blk * 32u));
 #endif
 #if W_F16
+        let wv = w[base + v];
         let xa = src[2u * v] * col_scale(v * 8u);
         let xb = src[2u * v + 1u] * col_scale(v * 8u + 4u);
         acc += dot(vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y)), xa)
             + dot(vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w)), xb);
 #endif
 #if W_F32
+        let wv = w[base + v];
         acc += dot(wv, src[v] * col_scale(v * 4u));
 #endif
     }

@@ -94,16 +94,26 @@ fn every_tensor_dequantizes_as_gguf_py_does() {
 }
 
 #[test]
-fn q8_0_blocks_reach_the_device_layout_as_stored() {
-    let g = GgufFile::open(&dir().join("k256.q8_0.gguf")).unwrap();
-    let t = g
-        .tensors
-        .iter()
-        .find(|t| t.name == "blk.0.ssm_in.weight")
-        .unwrap();
-    let p = mamba2_wgpu::model::quant::repack_q8_0(&[t]);
-    assert_eq!((p.rows, p.cols, p.kp), (1064, 256, 256));
-    assert_eq!(mamba2_wgpu::model::quant::unpack(&p), t.to_f32());
+fn gpu_block_types_reach_the_device_layout_as_stored() {
+    use mamba2_wgpu::model::quant::{WeightFormat, repack_ggml, unpack};
+    for (file, format) in [
+        ("k256.q8_0.gguf", WeightFormat::Q8_0),
+        ("k256.q4_0.gguf", WeightFormat::Q4_0),
+        ("k256.q4_k.gguf", WeightFormat::Q4_K),
+        ("k256.q6_k.gguf", WeightFormat::Q6_K),
+    ] {
+        let g = GgufFile::open(&dir().join(file)).unwrap();
+        let t = g
+            .tensors
+            .iter()
+            .find(|t| t.name == "blk.0.ssm_in.weight")
+            .unwrap();
+        assert_eq!(t.dtype.name(), format.ggml().unwrap().name(), "{file}");
+        let p = repack_ggml(format, &[t]);
+        assert_eq!((p.rows, p.cols, p.kp), (1064, 256, 256), "{file}");
+        // Split into the device's quants and scales and back, the values are gguf-py's.
+        assert_eq!(unpack(&p), t.to_f32(), "{file}");
+    }
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
@@ -175,12 +185,17 @@ fn quantized_ggufs_match_llama_cpp() {
 }
 
 /// The GPU engine (lavapipe in CI) on GGUF weights, in every engine format, against the
-/// CPU reference on the same file (prompt logits: the prefill GEMMs, f32 activations).
+/// CPU reference on the same file: prompt logits through the prefill GEMMs (f32
+/// activations) and through the decode graph (the GEMVs, q8 activations for the quantized
+/// formats). Under a quantized engine format the k256 files' blocks go up as stored, so
+/// the GEMMs reproduce the reference's exact dequantization.
 #[test]
 fn gguf_models_on_the_gpu() {
+    use mamba2_wgpu::gpu::engine::PrefillMode;
     let o = oracle();
     for file in [
         "g1.f32.gguf",
+        "k256.q4_0.gguf",
         "k256.q4_k.gguf",
         "k256.q8_0.gguf",
         "k256.q6_k.gguf",
@@ -188,34 +203,111 @@ fn gguf_models_on_the_gpu() {
         let model = Model::load(&dir().join(file)).unwrap();
         let p = prompt(&o, file);
         let want = cpu_logits(&model, &p);
-        // (format, tolerance relative to the logit range, absolute floor): f16 and q8_0
-        // round the (dequantized) weights once more.
-        for (format, rel, floor) in [
-            (WeightFormat::F32, 1e-5, 0.0),
-            (WeightFormat::F16, 2e-3, 5e-3),
-            (WeightFormat::Q8_0, 1e-2, 0.1),
-        ] {
+        let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+        let stored = file != "g1.f32.gguf";
+        // (format, prefill mode, tolerance relative to the logit range, absolute floor):
+        // f16 rounds the (dequantized) weights once more, the quantized formats requantize
+        // the f32 file and (decode graph) round the activations to 8 bits.
+        let mut runs = vec![
+            (WeightFormat::F32, PrefillMode::Chunked, 1e-5, 0.0),
+            (WeightFormat::F16, PrefillMode::Chunked, 2e-3, 5e-3),
+            (WeightFormat::Q8_0, PrefillMode::Decode, 2e-2, 0.1),
+        ];
+        if stored {
+            runs.push((WeightFormat::Q8_0, PrefillMode::Chunked, 1e-5, 1e-4));
+        }
+        for (format, prefill, rel, floor) in runs {
             let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
                 return;
             };
             let opts = EngineOptions {
                 format,
+                prefill,
                 ..Default::default()
             };
             let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
             let got = b.prefill_logits(&p).unwrap();
-            let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
             let e = got
                 .iter()
                 .zip(&want)
                 .map(|(g, w)| max_abs(g, w))
                 .fold(0f32, f32::max);
-            eprintln!("{file} as {format:?}: max |Δlogit| {e:e} of range {range:.1}");
+            eprintln!("{file} as {format:?} ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
             assert!(
                 e <= rel * range + floor,
-                "{file} as {format:?}: max |Δlogit| {e:e} (range {range})"
+                "{file} as {format:?} ({prefill:?}): max |Δlogit| {e:e} (range {range})"
             );
         }
+    }
+}
+
+/// `model` with its big matrices rounded through `format` as the engine packs them (the
+/// k-quants fall back to q8_0 on rows that are not multiples of 256).
+fn rounded(model: &Model, format: WeightFormat) -> Model {
+    use mamba2_wgpu::model::MixerWeights;
+    use mamba2_wgpu::model::quant::{pack, unpack};
+    use mamba2_wgpu::model::safetensors::Tensor;
+    let round = |t: &Tensor| {
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let p = pack(format.for_cols(cols), &t.to_f32(), rows, cols);
+        Tensor::from_f32(t.name.clone(), t.shape.clone(), &unpack(&p))
+    };
+    let mut m = model.clone();
+    m.weights.embedding = round(&m.weights.embedding);
+    m.weights.lm_head = m.weights.lm_head.as_ref().map(round);
+    for l in &mut m.weights.layers {
+        match &mut l.mixer {
+            MixerWeights::Mamba2(w) => {
+                w.in_proj = round(&w.in_proj);
+                w.out_proj = round(&w.out_proj);
+            }
+            _ => unreachable!("the GGUF fixtures are pure Mamba2"),
+        }
+    }
+    m
+}
+
+/// `--dtype` quantization of an f32 GGUF: the GPU (prefill GEMMs) against the CPU reference
+/// on the same weights rounded through the format, and how far each format moves the
+/// logits from the f32 ones.
+#[test]
+fn f32_gguf_requantized_on_the_gpu() {
+    let o = oracle();
+    let file = "g1.f32.gguf";
+    let model = Model::load(&dir().join(file)).unwrap();
+    let p = prompt(&o, file);
+    let exact = cpu_logits(&model, &p);
+    for format in [
+        WeightFormat::Q8_0,
+        WeightFormat::Q6_K,
+        WeightFormat::Q4_K,
+        WeightFormat::Q4_0,
+    ] {
+        let want = cpu_logits(&rounded(&model, format), &p);
+        let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+        let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
+            return;
+        };
+        let opts = EngineOptions {
+            format,
+            ..Default::default()
+        };
+        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+        let got = b.prefill_logits(&p).unwrap();
+        let worst = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+            a.iter()
+                .zip(b)
+                .map(|(g, w)| max_abs(g, w))
+                .fold(0f32, f32::max)
+        };
+        let (e, moved) = (worst(&got, &want), worst(&want, &exact));
+        eprintln!(
+            "{file} as {format:?}: max |Δlogit| {e:e} vs its rounded weights ({moved:.3} from f32) of range {range:.1}"
+        );
+        assert!(
+            e <= 1e-5 * range + 1e-4,
+            "{file} as {format:?}: max |Δlogit| {e:e}"
+        );
     }
 }
 
@@ -235,7 +327,7 @@ fn cli_runs_a_gguf_file_with_its_own_tokenizer() {
         "gguf       version 3, 20 tensors (f32 ×15, Q4_K ×4, Q6_K ×1)",
         "  mamba2.ssm.inner_size = 512",
         "tokenizer  256 tokens",
-        "gpu        --dtype q8_0 by default (Q4_K, Q6_K blocks are dequantized",
+        "gpu        --dtype q4_k by default (Q4_K, Q6_K blocks go up as stored)",
     ] {
         assert!(text.contains(want), "{want:?} not in:\n{text}");
     }

@@ -199,6 +199,50 @@ fn gemv_every_format_and_shape() {
                 "q8_0 [{rows},{cols}] row {r}: {a} vs {b}"
             );
         }
+        // The 4/6-bit formats: the dot product of the dequantized weights with the
+        // dequantized q8 input (what their integer dots compute exactly), to f32 rounding
+        // of the block sums.
+        for format in [WeightFormat::Q4_0, WeightFormat::Q4_K, WeightFormat::Q6_K] {
+            let p = pack(format, &w, rows, cols);
+            let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
+            let mut xp = x.clone();
+            xp.resize(p.kp, 0.0);
+            let (q, d) = q8_blocks(&xp);
+            let (qb, db) = (
+                g.ctx()
+                    .storage_with("xq", bytemuck::cast_slice(&q))
+                    .unwrap(),
+                g.buf(&d),
+            );
+            g.run(
+                &gemv(
+                    &g.k,
+                    "t",
+                    &m,
+                    GemvInput::Plain,
+                    GemvOutput::Store,
+                    gemv_buffers(&src, Some((&qb, &db)), &dst),
+                )
+                .unwrap(),
+            );
+            let (deq, xd) = (unpack(&p), dequant(&q, &d, cols));
+            let got = g.read(&dst, rows);
+            for r in 0..rows {
+                let row = &deq[r * cols..(r + 1) * cols];
+                let want: f64 = row
+                    .iter()
+                    .zip(&xd)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum();
+                let mag: f64 = row.iter().zip(&xd).map(|(a, b)| (a * b).abs() as f64).sum();
+                assert!(
+                    (got[r] as f64 - want).abs() <= 1e-5 * mag + 1e-30,
+                    "{} [{rows},{cols}] row {r}: {} vs {want}",
+                    format.name(),
+                    got[r]
+                );
+            }
+        }
     }
 }
 
@@ -545,7 +589,7 @@ fn gated_norm_residual_and_embedding() {
     // embedding gather, every format, a row of 70 (not a multiple of anything)
     let (v, dm) = (13, 70);
     let table = rand(36, v * dm, -1.0, 1.0);
-    for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8_0] {
+    for format in WeightFormat::ALL {
         let (m, deq) = matrix(&g, format, &table, v, dm);
         let (ctrl, resid) = (
             g.ctrl(&Ctrl {

@@ -40,7 +40,7 @@ use mamba2_wgpu::reference::{ScanDims, ScanInputs, scan_chunked};
 use mamba2_wgpu::sampling::uniform;
 
 use GemmOutput::{Add, Store};
-use WeightFormat::{F16, F32, Q8_0};
+use WeightFormat::{F16, F32, Q4_0, Q4_K, Q6_K, Q8_0};
 
 // ---------------------------------------------------------------------------------------
 // The table
@@ -144,7 +144,7 @@ const GEMMS: &[GemmShape] = &[
         k: 768,
         ys: 3352,
         out: Store,
-        formats: &[F32, F16, Q8_0],
+        formats: &[F32, F16, Q8_0, Q4_0, Q4_K, Q6_K],
         cap: 100,
         blocks: &[100, 37],
     },
@@ -154,7 +154,7 @@ const GEMMS: &[GemmShape] = &[
         k: 1536,
         ys: 768,
         out: Add,
-        formats: &[F32, F16, Q8_0],
+        formats: &[F32, F16, Q8_0, Q4_K, Q6_K],
         cap: 100,
         blocks: &[100, 37],
     },
@@ -164,7 +164,7 @@ const GEMMS: &[GemmShape] = &[
         k: 8192,
         ys: 512,
         out: Add,
-        formats: &[F16, Q8_0],
+        formats: &[F16, Q8_0, Q4_K],
         cap: 40,
         blocks: &[40, 17],
     },
@@ -174,7 +174,7 @@ const GEMMS: &[GemmShape] = &[
         k: 4096,
         ys: 640,
         out: Store,
-        formats: &[F32, Q8_0],
+        formats: &[F32, Q8_0, Q6_K],
         cap: 40,
         blocks: &[33],
     },
@@ -184,7 +184,7 @@ const GEMMS: &[GemmShape] = &[
         k: 70,
         ys: 40,
         out: Store,
-        formats: &[F32, F16, Q8_0],
+        formats: &[F32, F16, Q8_0, Q4_0],
         cap: 80,
         blocks: &[70, 5, 1],
     },
@@ -194,7 +194,7 @@ const GEMMS: &[GemmShape] = &[
         k: 33,
         ys: 129,
         out: Add,
-        formats: &[F32, F16, Q8_0],
+        formats: &[F32, F16, Q8_0, Q4_0],
         cap: 80,
         blocks: &[65, 64],
     },
@@ -325,7 +325,8 @@ fn cases() -> Vec<Case> {
                 shape,
                 tol: F32_TOL,
             });
-            if w != F32 {
+            // gemm_coop reads f16 and q8_0 (the other formats take gemm everywhere).
+            if matches!(w, F16 | Q8_0) {
                 v.push(Case {
                     kernel: Kernel::GemmCoopWgsl(w, s.out),
                     shape,
@@ -358,7 +359,7 @@ fn cases() -> Vec<Case> {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn gemm_f32_f16_q8_0() {
+fn gemm_every_format() {
     run_cases(|k| matches!(k, Kernel::Gemm(..)));
 }
 
@@ -689,7 +690,7 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
     let variants: Vec<Vec<&str>> = match w {
         F16 => vec![vec!["W_F16", o], vec!["W_F16", o, "DIRECT"]],
         Q8_0 => vec![vec!["W_Q8", o]],
-        F32 => return Err("gemm_coop has no f32 variant".into()),
+        _ => return Err(format!("gemm_coop has no {} variant", w.name())),
     };
     for flags in variants {
         let text = assemble("gemm_coop", &[src], &consts, &flags).map_err(err)?;

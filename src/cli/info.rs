@@ -173,23 +173,35 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     }
     if let Some(g) = &model.gguf {
         print_gguf(g);
-        let q = g
-            .types
-            .iter()
-            .filter(|(d, _)| matches!(d, mamba2_wgpu::model::DType::Quant(q) if q.name() != "Q8_0"))
-            .map(|(d, _)| d.name())
-            .collect::<Vec<_>>();
         let format = model.preferred_format();
+        let (mut held, mut other) = (Vec::new(), Vec::new());
+        for (d, _) in &g.types {
+            if let mamba2_wgpu::model::DType::Quant(t) = d {
+                match mamba2_wgpu::WeightFormat::from_ggml(*t) {
+                    Some(_) => held.push(t.name()),
+                    None => other.push(t.name()),
+                }
+            }
+        }
+        let mut notes = Vec::new();
+        if !held.is_empty() {
+            notes.push(format!("{} blocks go up as stored", held.join(", ")));
+        }
+        if !other.is_empty() {
+            notes.push(format!(
+                "{} blocks are dequantized and requantized to {} (the GPU has no kernels for \
+                 them; the CPU reference uses them exactly)",
+                other.join(", "),
+                format.name()
+            ));
+        }
         println!(
             "gpu        --dtype {} by default{}",
             format.name(),
-            if q.is_empty() {
+            if notes.is_empty() {
                 String::new()
             } else {
-                format!(
-                    " ({} blocks are dequantized and requantized to it on upload: the GPU has                      no 4/5/6-bit kernels yet; the CPU reference uses them exactly)",
-                    q.join(", ")
-                )
+                format!(" ({})", notes.join("; "))
             }
         );
     }

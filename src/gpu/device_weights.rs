@@ -9,9 +9,8 @@ use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::weights::DeviceMatrix;
 use crate::model::DType;
-use crate::model::ggml::GgmlType;
 use crate::model::quant::{
-    Packed, WeightFormat, finite_f32, map_finite, pack_checked, repack_q8_0, unfit,
+    Packed, WeightFormat, finite_f32, map_finite, pack_checked, repack_ggml, unfit,
 };
 use crate::model::{MixerWeights, Model};
 
@@ -109,16 +108,30 @@ impl DeviceMoe {
 /// projections), all of them when they fit.
 pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64) -> usize {
     let Some(m) = &c.moe else { return 1 };
-    let bytes = |rows: usize, cols: usize| -> u64 {
-        let kp = format.padded_cols(cols) as u64;
-        match format {
-            WeightFormat::Q8_0 => rows as u64 * kp,
-            _ => format.bytes(rows, cols) as u64,
-        }
-    };
+    let format = expert_format(format);
+    let bytes = |rows: usize, cols: usize| -> u64 { format.data_bytes(rows, cols) as u64 };
     let x = m.expert_width(c.d_model);
     let per_expert = bytes(m.up_rows(), x).max(bytes(x, m.intermediate));
     ((max_binding / per_expert.max(1)) as usize).clamp(1, m.stored_experts())
+}
+
+/// The format of MoE expert banks: the model's, but q8_0 for the 4/6-bit formats (the
+/// expert GEMV reads f32, f16 and q8_0).
+pub fn expert_format(format: WeightFormat) -> WeightFormat {
+    match format {
+        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q6_K => WeightFormat::Q8_0,
+        f => f,
+    }
+}
+
+/// The format of the latent MoE projections: f16 under the quantized formats (their GEMVs
+/// read f32 vectors), the model's otherwise.
+pub fn latent_format(format: WeightFormat) -> WeightFormat {
+    if format.reads_q8() {
+        WeightFormat::F16
+    } else {
+        format
+    }
 }
 
 /// One block on the device.
@@ -207,18 +220,25 @@ impl DeviceWeights {
          -> Result<DeviceMatrix> {
             let cols = parts[0].shape[1];
             let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
-            // GGUF Q8_0 blocks go up as stored, never requantized (after the same check
-            // for NaN/±Inf every weight gets).
-            let q8_0 = DType::Quant(GgmlType::Q8_0);
-            if format == WeightFormat::Q8_0
+            // A GGUF's quantized blocks in a type the GPU holds go up as stored, never
+            // requantized, when a quantized format was asked for (after the same check for
+            // NaN/±Inf every weight gets); f32/f16 asks for everything dequantized.
+            let stored = match parts[0].dtype {
+                DType::Quant(t) => WeightFormat::from_ggml(t),
+                _ => None,
+            };
+            if let Some(stored) = stored
+                && format.reads_q8()
                 && scale == 1.0
-                && parts.iter().all(|t| t.dtype == q8_0 && t.shape[1] == cols)
+                && parts
+                    .iter()
+                    .all(|t| t.dtype == parts[0].dtype && t.shape[1] == cols)
             {
                 for t in parts {
                     finite_f32(t)?;
                     bar.inc(t.numel() as u64);
                 }
-                return DeviceMatrix::upload(ctx, name, &repack_q8_0(parts));
+                return DeviceMatrix::upload(ctx, name, &repack_ggml(stored, parts));
             }
             let mut values = Vec::with_capacity(rows * cols);
             let mut starts = Vec::with_capacity(parts.len());
@@ -231,6 +251,7 @@ impl DeviceWeights {
                 }
                 bar.inc(t.numel() as u64);
             }
+            let format = format.for_cols(cols);
             let packed = pack_parallel(format, &values, rows, cols).map_err(|i| {
                 // Name the part (of a stacked matrix) holding the value.
                 let (r, c) = (i / cols, i % cols);
@@ -317,16 +338,19 @@ impl DeviceWeights {
                     for (b, bank) in stored.chunks(per_bank).enumerate() {
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().flat_map(|e| ups(e)).collect();
-                        up.push(upload(&name(&format!("experts.up.bank{b}")), &parts)?);
+                        let ef = expert_format(format);
+                        up.push(upload_as(
+                            &name(&format!("experts.up.bank{b}")),
+                            &parts,
+                            ef,
+                            1.0,
+                        )?);
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().map(|e| &e.down).collect();
                         // With latent projections the residual scale goes into fc2 instead.
                         let bank_name = name(&format!("experts.down.bank{b}"));
-                        down.push(if m.latent.is_some() {
-                            upload(&bank_name, &parts)?
-                        } else {
-                            upload_out(&bank_name, &parts)?
-                        });
+                        let scale = if m.latent.is_some() { 1.0 } else { resid_scale };
+                        down.push(upload_as(&bank_name, &parts, ef, scale)?);
                     }
                     let shared = match &m.shared {
                         Some(s) if slices.is_empty() => Some((
@@ -335,10 +359,7 @@ impl DeviceWeights {
                         )),
                         _ => None,
                     };
-                    let latent_format = match format {
-                        WeightFormat::Q8_0 => WeightFormat::F16,
-                        f => f,
-                    };
+                    let latent_format = latent_format(format);
                     let latent = match &m.latent {
                         Some([fc1, fc2]) => Some((
                             upload_as(&name("fc1_latent_proj"), &[fc1], latent_format, 1.0)?,

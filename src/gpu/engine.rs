@@ -167,11 +167,14 @@ impl Engine {
                 ("shared.up_proj" | "shared.down_proj", Some(m)) if m.shared_slots() > 0 => 0,
                 _ => rows,
             };
-            let kp = format.padded_cols(cols);
-            let bytes = match format {
-                WeightFormat::Q8_0 => (rows * kp) as u64,
-                _ => format.bytes(rows, cols) as u64,
+            // A GGUF's quantized tensors go up as stored, which may be q8_0 under a 4-bit
+            // format: size for the widest quantized format.
+            let sized = if format.reads_q8() {
+                WeightFormat::Q8_0
+            } else {
+                format
             };
+            let bytes = sized.data_bytes(rows, cols) as u64;
             if bytes > largest.1 {
                 largest = (
                     format!("{name} [{rows}, {cols}] in {}", format.name()),

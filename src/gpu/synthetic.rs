@@ -28,11 +28,9 @@ fn random_matrix(
     seed: u32,
 ) -> Result<DeviceMatrix> {
     let ctx = &k.ctx;
+    let format = format.for_cols(cols);
     let kp = format.padded_cols(cols);
-    let bytes = match format {
-        WeightFormat::Q8_0 => rows * kp,
-        _ => format.bytes(rows, cols),
-    } as u64;
+    let bytes = format.data_bytes(rows, cols) as u64;
     let data = ctx.storage_zeroed(name, bytes)?;
     let mut enc = ctx.device.create_command_encoder(&Default::default());
     let words = bytes / 4;
@@ -45,18 +43,26 @@ fn random_matrix(
             lo: -scale,
             hi: scale,
         },
-        WeightFormat::Q8_0 => FillMode::I8x4,
+        // Random quants: every bit pattern is a valid block.
+        _ => FillMode::I8x4,
     };
     fill(k, &mut enc, &data, words, seed, mode)?;
-    let scales = if format == WeightFormat::Q8_0 {
-        let n = rows * kp / 32;
-        let buf = ctx.storage_zeroed(&format!("{name}.scales"), (2 * n) as u64)?;
-        let d = half::f16::from_f32(scale / 127.0).to_bits() as u32;
+    let scales = if format.reads_q8() {
+        // Every f16 field of the block scales set to one step (the k-quants' sub-block
+        // scale bytes then hold bytes of it too: finite, which is all speed needs).
+        let n = (format.bytes(rows, cols) - format.data_bytes(rows, cols)) as u64;
+        let buf = ctx.storage_zeroed(&format!("{name}.scales"), n)?;
+        let step = match format {
+            WeightFormat::Q8_0 => 127.0,
+            WeightFormat::Q6_K => 32.0 * 64.0,
+            _ => 8.0 * 16.0,
+        };
+        let d = half::f16::from_f32(scale / step).to_bits() as u32;
         fill(
             k,
             &mut enc,
             &buf,
-            (n as u64).div_ceil(2),
+            n.div_ceil(4),
             0,
             FillMode::Word(d | (d << 16)),
         )?;
@@ -180,19 +186,24 @@ impl Engine {
                     for (bank, first) in (0..stored).step_by(per_bank).enumerate() {
                         let n_e = per_bank.min(stored - first);
                         let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;
-                        up.push(mat(
+                        let ef = crate::gpu::device_weights::expert_format(format);
+                        up.push(random_matrix(
+                            &k,
                             &n(&format!("experts.up.bank{bank}")),
                             n_e * mo.up_rows(),
                             x,
+                            ef,
                             in_scale,
-                            seed,
+                            s(seed),
                         )?);
-                        down.push(mat(
+                        down.push(random_matrix(
+                            &k,
                             &n(&format!("experts.down.bank{bank}")),
                             n_e * x,
                             mo.intermediate,
+                            ef,
                             out_scale(mo.intermediate),
-                            seed + 1,
+                            s(seed + 1),
                         )?);
                     }
                     let shared = match &mo.shared {
@@ -218,10 +229,7 @@ impl Engine {
                         _ => None,
                     };
                     // Latent projections in f16 under q8_0, as on load.
-                    let latent_format = match format {
-                        WeightFormat::Q8_0 => WeightFormat::F16,
-                        f => f,
-                    };
+                    let latent_format = crate::gpu::device_weights::latent_format(format);
                     let latent = match mo.latent {
                         Some(lw) => Some((
                             random_matrix(

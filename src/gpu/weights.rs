@@ -13,16 +13,16 @@ pub struct DeviceMatrix {
     /// Columns each row is padded to.
     pub kp: usize,
     pub data: wgpu::Buffer,
-    /// q8_0 block scales (two f16 per u32).
+    /// The block scales of the quantized formats (`model::quant` has their layouts).
     pub scales: Option<wgpu::Buffer>,
 }
 
 impl DeviceMatrix {
     pub fn upload(ctx: &GpuContext, name: &str, p: &Packed) -> Result<Self> {
         let data = ctx.storage_with(name, &p.data)?;
-        let scales = match p.format {
-            WeightFormat::Q8_0 => Some(ctx.storage_with(&format!("{name}.scales"), &p.scales)?),
-            _ => None,
+        let scales = match p.format.reads_q8() {
+            true => Some(ctx.storage_with(&format!("{name}.scales"), &p.scales)?),
+            false => None,
         };
         Ok(DeviceMatrix {
             name: name.to_string(),
@@ -46,6 +46,9 @@ impl DeviceMatrix {
             WeightFormat::F32 => "W_F32",
             WeightFormat::F16 => "W_F16",
             WeightFormat::Q8_0 => "W_Q8",
+            WeightFormat::Q4_0 => "W_Q4_0",
+            WeightFormat::Q4_K => "W_Q4_K",
+            WeightFormat::Q6_K => "W_Q6_K",
         }
     }
 

@@ -3,6 +3,7 @@
 
 pub mod ggml;
 pub mod gguf;
+pub mod kquant;
 pub mod quant;
 pub mod safetensors;
 pub mod synthetic;
@@ -126,22 +127,34 @@ impl Model {
     }
 
     /// The GPU format that keeps this model's big matrices closest to how they are stored:
-    /// a GGUF file's F32 → f32, Q8_0 → q8_0 (uploaded as stored), other quantized types →
-    /// q8_0 (the smallest format the GPU kernels hold today; 4-bit blocks are dequantized
-    /// and requantized to it, which `mamba2 info` says), F16/BF16 → f16; safetensors → f16.
+    /// for a GGUF file, the block type the GPU holds (Q8_0, Q4_0, Q4_K, Q6_K) that most of
+    /// them use — every such tensor goes up as stored, whatever its type; tensors in other
+    /// block types (Q4_1, Q5_0, Q5_1, Q5_K) are dequantized and requantized to it (q8_0 when
+    /// none is held), which `mamba2 info` says; all F32 → f32; F16/BF16 → f16. Safetensors
+    /// → f16.
     pub fn preferred_format(&self) -> WeightFormat {
         if self.gguf.is_none() {
             return WeightFormat::F16;
         }
         // The matrices the GPU stores in the engine format (GGUF models are all Mamba2).
         let w = &self.weights;
-        let mut big: Vec<DType> = vec![w.head().dtype, w.embedding.dtype];
+        let mut big: Vec<&Tensor> = vec![w.head(), &w.embedding];
         for m in w.layers.iter().filter_map(|l| l.mixer.mamba()) {
-            big.extend([m.in_proj.dtype, m.out_proj.dtype]);
+            big.extend([&m.in_proj, &m.out_proj]);
         }
-        if big.iter().all(|d| *d == DType::F32) {
+        let counts = count_dtypes(big);
+        let held = counts
+            .iter()
+            .filter_map(|&(d, n)| match d {
+                DType::Quant(t) => WeightFormat::from_ggml(t).map(|f| (f, n)),
+                _ => None,
+            })
+            .max_by_key(|&(_, n)| n);
+        if counts.iter().all(|(d, _)| *d == DType::F32) {
             WeightFormat::F32
-        } else if big.iter().any(|d| matches!(d, DType::Quant(_))) {
+        } else if let Some((f, _)) = held {
+            f
+        } else if counts.iter().any(|(d, _)| matches!(d, DType::Quant(_))) {
             WeightFormat::Q8_0
         } else {
             WeightFormat::F16

@@ -4,6 +4,12 @@
 //! - q8_0: `kp = ceil(K/32)·32`; 32-weight blocks, `w = d·q` with `d = max|w|/127` stored as
 //!   f16 and `q = round(w/d)` (ggml's rule), int8 packed four per u32; scales in their own
 //!   array, two f16 per u32, block `b` of row `r` at index `r·kp/32 + b`.
+//! - q4_0, q4_k, q6_k: ggml's blocks (`ggml` has their layouts) as GGUF stores them, each
+//!   split in two so the kernels load the bulk with aligned 16-byte reads: `data` holds the
+//!   quants (q4_0: the 16 `qs` bytes; q4_k: the 128 `qs` bytes; q6_k: `ql[128] qh[64]`),
+//!   `scales` the rest (q4_0: `d`, two per u32 as for q8_0; q4_k: `d dmin scales[12]`,
+//!   16 bytes; q6_k: `scales[16] d` and two zero bytes, 20 bytes). `kp` is a whole number
+//!   of blocks (32 or 256), padded with zeros; a GGUF's blocks go up byte for byte.
 //!
 //! Every weight is checked for NaN and ±Inf on its way to a device, inside the conversion
 //! pass that already touches each value (`finite_f32`, `map_finite`), and a packed matrix
@@ -14,21 +20,78 @@ use half::f16;
 
 use crate::error::{Error, Result};
 use crate::model::Tensor;
+use crate::model::ggml::GgmlType;
+use crate::model::kquant;
 
 /// How a big matrix is stored on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
 pub enum WeightFormat {
     F32,
     F16,
     Q8_0,
+    Q4_0,
+    Q4_K,
+    Q6_K,
 }
 
 impl WeightFormat {
+    pub const ALL: [WeightFormat; 6] = [
+        WeightFormat::F32,
+        WeightFormat::F16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_K,
+        WeightFormat::Q6_K,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             WeightFormat::F32 => "f32",
             WeightFormat::F16 => "f16",
             WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q4_K => "q4_k",
+            WeightFormat::Q6_K => "q6_k",
+        }
+    }
+
+    /// The ggml block type of a quantized format.
+    pub fn ggml(self) -> Option<GgmlType> {
+        match self {
+            WeightFormat::F32 | WeightFormat::F16 => None,
+            WeightFormat::Q8_0 => Some(GgmlType::Q8_0),
+            WeightFormat::Q4_0 => Some(GgmlType::Q4_0),
+            WeightFormat::Q4_K => Some(GgmlType::Q4_K),
+            WeightFormat::Q6_K => Some(GgmlType::Q6_K),
+        }
+    }
+
+    /// The format that holds a ggml block type as stored, if the GPU has one.
+    pub fn from_ggml(t: GgmlType) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.ggml() == Some(t))
+    }
+
+    /// Whether GEMVs over this format read the q8 blocks of their input (integer dot
+    /// products) rather than f32 values.
+    pub fn reads_q8(self) -> bool {
+        self.ggml().is_some()
+    }
+
+    /// Values per block (1 for the float formats).
+    pub fn block(self) -> usize {
+        self.ggml().map_or(1, |t| t.block().0)
+    }
+
+    /// `(data, scales)` bytes of one block of a quantized format (see the module doc).
+    pub fn split(self) -> (usize, usize) {
+        match self {
+            WeightFormat::F32 => (4, 0),
+            WeightFormat::F16 => (2, 0),
+            WeightFormat::Q8_0 => (32, 2),
+            WeightFormat::Q4_0 => (16, 2),
+            WeightFormat::Q4_K => (128, 16),
+            WeightFormat::Q6_K => (192, 20),
         }
     }
 
@@ -37,18 +100,31 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 => k.next_multiple_of(4),
             WeightFormat::F16 => k.next_multiple_of(8),
-            WeightFormat::Q8_0 => k.next_multiple_of(32),
+            f => k.next_multiple_of(f.block()),
         }
+    }
+
+    /// The format a `[rows, k]` matrix asked for in `self` is packed in: the k-quants'
+    /// 256-value superblocks must tile its rows (zero-padding them would make the kernels
+    /// read activations past K), so other widths go to q8_0 — llama.cpp likewise falls
+    /// back to a 32-value block type for such rows.
+    pub fn for_cols(self, k: usize) -> WeightFormat {
+        match self {
+            WeightFormat::Q4_K | WeightFormat::Q6_K if !k.is_multiple_of(256) => WeightFormat::Q8_0,
+            f => f,
+        }
+    }
+
+    /// Bytes of the `data` buffer of a `[rows, k]` matrix (the quants, without scales).
+    pub fn data_bytes(self, rows: usize, k: usize) -> usize {
+        rows * self.padded_cols(k) / self.block() * self.split().0
     }
 
     /// Bytes of a `[rows, k]` matrix in this format (data + scales).
     pub fn bytes(self, rows: usize, k: usize) -> usize {
-        let kp = self.padded_cols(k);
-        match self {
-            WeightFormat::F32 => 4 * rows * kp,
-            WeightFormat::F16 => 2 * rows * kp,
-            WeightFormat::Q8_0 => rows * kp + 2 * rows * (kp / 32),
-        }
+        let blocks = rows * self.padded_cols(k) / self.block();
+        let (d, s) = self.split();
+        blocks * (d + s)
     }
 }
 
@@ -59,7 +135,12 @@ impl std::str::FromStr for WeightFormat {
             "f32" => Ok(WeightFormat::F32),
             "f16" => Ok(WeightFormat::F16),
             "q8_0" | "q8" => Ok(WeightFormat::Q8_0),
-            _ => Err(format!("`{s}`: expected f32, f16 or q8_0")),
+            "q4_0" => Ok(WeightFormat::Q4_0),
+            "q4_k" | "q4_K" => Ok(WeightFormat::Q4_K),
+            "q6_k" | "q6_K" => Ok(WeightFormat::Q6_K),
+            _ => Err(format!(
+                "`{s}`: expected f32, f16, q8_0, q4_0, q4_k or q6_k"
+            )),
         }
     }
 }
@@ -149,17 +230,19 @@ pub fn unfit(
     c: usize,
     cols: usize,
 ) -> Error {
+    let per = format.block();
     let what = match format {
-        WeightFormat::Q8_0 => format!(
-            "the q8_0 block of row {r} at columns {}…{} has max |w| = {}, past what its f16 \
-             scale holds (127·65504): use --dtype f32",
-            c / 32 * 32,
-            (c / 32 * 32 + 31).min(cols.saturating_sub(1)),
-            value.abs()
-        ),
-        _ => format!(
+        WeightFormat::F32 | WeightFormat::F16 => format!(
             "the value {value} at index [{r}, {c}] is past {}'s range (±65504): use --dtype f32",
             format.name()
+        ),
+        _ => format!(
+            "the {} block of row {r} at columns {}…{} has max |w| = {}, past what its f16 \
+             scale holds: use --dtype f32",
+            format.name(),
+            c / per * per,
+            (c / per * per + per - 1).min(cols.saturating_sub(1)),
+            value.abs()
         ),
     };
     Error::tensor(name, what)
@@ -227,6 +310,29 @@ fn pack_rows(
                 bytemuck::cast_slice(&d).to_vec(),
             )
         }
+        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q6_K => {
+            let ty = format.ggml().expect("a quantized format");
+            let (per, bytes) = ty.block();
+            let (mut data, mut scales) = (Vec::new(), Vec::new());
+            let (mut padded, mut blocks) = (vec![0f32; kp], Vec::with_capacity(kp / per * bytes));
+            for r in 0..rows {
+                padded[..cols].copy_from_slice(row(r));
+                blocks.clear();
+                kquant::quantize_row(ty, &padded, &mut blocks);
+                for (b, block) in blocks.chunks_exact(bytes).enumerate() {
+                    if overflow.is_none() && !scales_finite(ty, block) {
+                        // The largest |w| of the block whose scale overflowed.
+                        let lo = b * per;
+                        let xs = &row(r)[lo.min(cols)..(lo + per).min(cols)];
+                        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let j = xs.iter().position(|v| v.abs() == amax).unwrap_or(0);
+                        overflow = Some(r * cols + lo + j);
+                    }
+                    split_block(format, block, &mut data, &mut scales);
+                }
+            }
+            (data, scales)
+        }
     };
     let p = Packed {
         format,
@@ -237,6 +343,46 @@ fn pack_rows(
         scales,
     };
     (p, overflow)
+}
+
+/// Whether a ggml block's f16 scale fields are finite (an f16 overflow otherwise).
+fn scales_finite(ty: GgmlType, block: &[u8]) -> bool {
+    let h = |at: usize| f16::from_le_bytes([block[at], block[at + 1]]).is_finite();
+    match ty {
+        GgmlType::Q4_K => h(0) && h(2),
+        GgmlType::Q6_K => h(208),
+        _ => h(0),
+    }
+}
+
+/// Appends one ggml block of `format` to the device layout's `data` and `scales`.
+fn split_block(format: WeightFormat, block: &[u8], data: &mut Vec<u8>, scales: &mut Vec<u8>) {
+    match format {
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
+            scales.extend_from_slice(&block[..2]);
+            data.extend_from_slice(&block[2..]);
+        }
+        WeightFormat::Q4_K => {
+            scales.extend_from_slice(&block[..16]);
+            data.extend_from_slice(&block[16..]);
+        }
+        WeightFormat::Q6_K => {
+            data.extend_from_slice(&block[..192]);
+            scales.extend_from_slice(&block[192..210]);
+            scales.extend_from_slice(&[0, 0]);
+        }
+        WeightFormat::F32 | WeightFormat::F16 => unreachable!("not a block format"),
+    }
+}
+
+/// Block `i` of a packed matrix back in ggml's byte layout (`split_block` undone).
+fn join_block(p: &Packed, i: usize) -> Vec<u8> {
+    let (d, s) = p.format.split();
+    let (data, sc) = (&p.data[i * d..(i + 1) * d], &p.scales[i * s..(i + 1) * s]);
+    match p.format {
+        WeightFormat::Q6_K => [data, &sc[..18]].concat(),
+        _ => [sc, data].concat(),
+    }
 }
 
 /// ggml's q8_0 block rule: `d = amax/127`, `q = round(w/d)`, `d` stored as f16.
@@ -299,26 +445,22 @@ pub fn q8_0_gemv_reference(p: &Packed, x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// GGUF Q8_0 tensors (stacked by rows, each `[rows, cols]`, cols a multiple of 32) in the
-/// device's q8_0 layout, as stored: each 34-byte block's f16 scale goes to `scales`, its 32
-/// int8 values to `data`. No value is requantized.
-pub fn repack_q8_0(parts: &[&Tensor]) -> Packed {
+/// GGUF tensors of one block type the GPU holds (stacked by rows, each `[rows, cols]`,
+/// cols a whole number of blocks) in the device layout of `format`, as stored: each block
+/// split into `data` and `scales` (see the module doc). No value is requantized.
+pub fn repack_ggml(format: WeightFormat, parts: &[&Tensor]) -> Packed {
+    let ty = format.ggml().expect("a quantized format");
     let cols = parts[0].shape[1];
     let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
-    let mut data = Vec::with_capacity(rows * cols);
-    let mut scales = Vec::with_capacity(rows * cols / 16);
+    let (mut data, mut scales) = (Vec::new(), Vec::new());
     for t in parts {
-        debug_assert_eq!(
-            t.dtype,
-            crate::model::DType::Quant(crate::model::ggml::GgmlType::Q8_0)
-        );
-        for block in t.bytes().chunks_exact(34) {
-            scales.extend_from_slice(&block[..2]);
-            data.extend_from_slice(&block[2..]);
+        debug_assert_eq!(t.dtype, crate::model::DType::Quant(ty));
+        for block in t.bytes().chunks_exact(ty.block().1) {
+            split_block(format, block, &mut data, &mut scales);
         }
     }
     Packed {
-        format: WeightFormat::Q8_0,
+        format,
         rows,
         cols,
         kp: cols,
@@ -330,6 +472,18 @@ pub fn repack_q8_0(parts: &[&Tensor]) -> Packed {
 /// Dequantizes a packed matrix back to `[rows, cols]` f32 (what the kernels compute with).
 pub fn unpack(p: &Packed) -> Vec<f32> {
     let mut out = Vec::with_capacity(p.rows * p.cols);
+    if let (Some(ty), false) = (p.format.ggml(), p.format == WeightFormat::Q8_0) {
+        let per_row = p.kp / ty.block().0;
+        let mut row = Vec::with_capacity(p.kp);
+        for r in 0..p.rows {
+            row.clear();
+            for b in 0..per_row {
+                ty.dequantize(&join_block(p, r * per_row + b), &mut row);
+            }
+            out.extend_from_slice(&row[..p.cols]);
+        }
+        return out;
+    }
     for r in 0..p.rows {
         for c in 0..p.cols {
             let i = r * p.kp + c;
@@ -340,6 +494,7 @@ pub fn unpack(p: &Packed) -> Vec<f32> {
                     let q = bytemuck::cast_slice::<u8, i8>(&p.data)[i] as f32;
                     q * bytemuck::cast_slice::<u8, f16>(&p.scales)[r * p.kp / 32 + c / 32].to_f32()
                 }
+                _ => unreachable!("block formats are dequantized above"),
             });
         }
     }

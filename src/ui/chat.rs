@@ -367,7 +367,7 @@ impl ChatApp {
         });
         ui.horizontal(|ui| {
             ui.label("weights");
-            for f in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8_0] {
+            for f in WeightFormat::ALL {
                 ui.selectable_value(&mut self.form.format, f, f.name());
             }
         });

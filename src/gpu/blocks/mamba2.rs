@@ -80,13 +80,10 @@ pub fn mixer_consts(c: &ModelConfig, layout: &ParamLayout) -> MixerConsts {
 }
 
 /// Whether the fused graph can run these shapes: its out_proj scales whole input vectors
-/// (4 columns, or 32 for q8_0) by one group's 1/rms, so groups must split into them.
+/// (4 columns, or a 32-column q8 block for the quantized formats) by one group's 1/rms, so
+/// groups must split into them.
 pub fn fusable(c: &ModelConfig, format: crate::model::quant::WeightFormat) -> bool {
-    let unit = if format == crate::model::quant::WeightFormat::Q8_0 {
-        32
-    } else {
-        4
-    };
+    let unit = if format.reads_q8() { 32 } else { 4 };
     c.group_size().is_multiple_of(unit)
 }
 

@@ -36,9 +36,10 @@ pub struct BlockCtx<'a> {
 }
 
 impl BlockCtx<'_> {
-    /// The q8 activation blocks, when the matrices are q8_0.
+    /// The q8 activation blocks, when the matrices are quantized (their GEMVs take integer
+    /// dot products).
     pub fn q8(&self) -> Option<(&wgpu::Buffer, &wgpu::Buffer)> {
-        (self.format == WeightFormat::Q8_0).then_some((&self.s.xq, &self.s.xd))
+        self.format.reads_q8().then_some((&self.s.xq, &self.s.xd))
     }
 }
 

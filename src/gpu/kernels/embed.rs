@@ -6,7 +6,10 @@ use crate::error::Result;
 use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/embed.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/block_quant.wgsl"),
+    include_str!("../../../shaders/embed.wgsl"),
+];
 const WG: u32 = 64;
 
 fn dispatch(

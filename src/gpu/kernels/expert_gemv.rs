@@ -81,11 +81,16 @@ pub fn expert_gemv(
     }
     check_len(&format!("{name}: ids"), b.ids, tokens * top_k)?;
     check_len(&format!("{name}: dst"), b.dst, z.max(tokens) * m)?;
-    let vw = match w.format {
-        WeightFormat::F32 => 4,
-        WeightFormat::F16 => 8,
-        WeightFormat::Q8_0 => 16,
-    };
+    if !matches!(
+        w.format,
+        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Q8_0
+    ) {
+        return Err(Error::Gpu(format!(
+            "{name}: expert banks are f32, f16 or q8_0, not {}",
+            w.format.name()
+        )));
+    }
+    let vw = super::gemv::vector_width(w.format);
     // A down projection's row spans every choice's vectors.
     let per_row = match pass {
         ExpertPass::Up => w.kp / vw,

@@ -7,7 +7,10 @@ use crate::error::Result;
 use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/gemm.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/block_quant.wgsl"),
+    include_str!("../../../shaders/gemm.wgsl"),
+];
 
 /// Output tile: rows of W × tokens. (A 128-token tile with 8×8 values per invocation
 /// measured slower on the H200: BENCHMARKS.md.)

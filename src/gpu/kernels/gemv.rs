@@ -1,7 +1,8 @@
 //! `gemv.wgsl`: `y = W·x` for one token over a `DeviceMatrix` `[M, K]`, with the gated
 //! group norm folded into its input (`Group`) and the epilogues the decode graph needs
 //! (residual add, conv + dt). Shapes: f32 input `src [KP]` (zero past K) for f32/f16
-//! weights, q8 blocks `xq [KP/4]`, `xd [KP/32]` for q8_0 weights; `dst [M]`;
+//! weights, q8 blocks `xq [KP/4]`, `xd [KP/32]` for the quantized formats (q8_0, q4_0,
+//! q4_k, q6_k: integer dot products of their quants with the q8 values); `dst [M]`;
 //! `part [G·blocks_per_group]` per-block Σv².
 
 use super::{Dispatch, Kernels, Label, Section, check_len, finite, grid};
@@ -12,6 +13,7 @@ use crate::model::quant::WeightFormat;
 
 const SOURCES: super::Sources = &[
     include_str!("../../../shaders/mixer_row.wgsl"),
+    include_str!("../../../shaders/block_quant.wgsl"),
     include_str!("../../../shaders/gemv.wgsl"),
 ];
 
@@ -106,12 +108,15 @@ impl<'a> GemvBuffers<'a> {
     }
 }
 
-/// Weights per 16-byte vector load.
-fn vector_width(format: WeightFormat) -> usize {
+/// Weights per step of a lane: one 16-byte load of f32/f16/q8_0 values, one 16-byte load
+/// of q4_0/q4_k quants (32 nibbles), three of q6_k (`ql` ×2 and `qh`: 64 values).
+pub fn vector_width(format: WeightFormat) -> usize {
     match format {
         WeightFormat::F32 => 4,
         WeightFormat::F16 => 8,
         WeightFormat::Q8_0 => 16,
+        WeightFormat::Q4_0 | WeightFormat::Q4_K => 32,
+        WeightFormat::Q6_K => 64,
     }
 }
 
@@ -156,11 +161,12 @@ pub fn gemv(
     let mut flags = vec![w.flag()];
     flags.extend(team_flags);
     let mut entries = w.bindings();
-    if w.format == WeightFormat::Q8_0 {
+    if w.format.reads_q8() {
         let (q, d) = b.q8.ok_or_else(|| missing("q8 activation"))?;
         check_len(&format!("{name}: xq"), q, w.kp / 4)?;
         check_len(&format!("{name}: xd"), d, w.kp / 32)?;
         entries.extend([(3, q), (4, d)]);
+        flags.push("X_Q8");
     } else {
         check_len(&format!("{name}: src"), b.src, w.kp)?;
         entries.push((2, b.src));
@@ -172,10 +178,7 @@ pub fn gemv(
         eps,
     } = input
     {
-        let vec = match w.format {
-            WeightFormat::Q8_0 => 32,
-            _ => 4,
-        };
+        let vec = if w.format.reads_q8() { 32 } else { 4 };
         if !group_size.is_multiple_of(vec) {
             return Err(Error::Gpu(format!(
                 "{name}: group size {group_size} is not a multiple of {vec}"

@@ -1,0 +1,99 @@
+// The 4- and 6-bit block formats in the device layout `model::quant` describes (ggml's
+// blocks split into quants and scales): bindings 0 (quants, 16-byte vectors) and
+// 1 (scales, words), and `bq_weights8`, eight consecutive weights of a row dequantized
+// the way ggml does (what the GEMM tiles and the embedding gather read; the GEMV takes
+// integer dot products instead). Needs KP (a whole number of blocks).
+//   W_Q4_0: 32-value blocks; data 16 B (value j = nibble j/16 of byte j%16, d·(q−8));
+//           scales: d, two f16 per word.
+//   W_Q4_K: 256-value superblocks; data qs[128] (sub-block s = nibble s%2 of bytes
+//           32·(s/2)…+32), scales 4 words: d|dmin, then 12 bytes of 6-bit scales and mins.
+//   W_Q6_K: 256-value superblocks; data ql[128] qh[64] (48 words), scales 5 words:
+//           sixteen i8 scales, then d.
+
+#if W_Q4_0
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> ws: array<u32>;
+
+fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
+    let blk = row * (KP / 32u) + k0 / 32u;
+    let d = unpack2x16float(ws[blk / 2u])[blk % 2u];
+    let j = k0 % 32u;
+    let v = w[blk];
+    // Bytes j%16 … +8 of the block: two words, their nibble j/16.
+    let sh = (j / 16u) * 4u;
+    let wi = (j % 16u) / 4u;
+    let a = (vec4<f32>(unpack4xU8((v[wi] >> sh) & 0x0F0F0F0Fu)) - 8.0) * d;
+    let b = (vec4<f32>(unpack4xU8((v[wi + 1u] >> sh) & 0x0F0F0F0Fu)) - 8.0) * d;
+    return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+}
+#endif
+
+#if W_Q4_K
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> ws: array<u32>;
+
+// Byte i (0…11) of superblock sb's scale bytes.
+fn k4_byte(sb: u32, i: u32) -> u32 {
+    return (ws[sb * 4u + 1u + i / 4u] >> (8u * (i % 4u))) & 0xFFu;
+}
+
+// (scale, min) of sub-block j (ggml's get_scale_min_k4).
+fn k4_scale_min(sb: u32, j: u32) -> vec2<f32> {
+    if (j < 4u) {
+        return vec2<f32>(f32(k4_byte(sb, j) & 63u), f32(k4_byte(sb, j + 4u) & 63u));
+    }
+    let sc = (k4_byte(sb, j + 4u) & 0xFu) | ((k4_byte(sb, j - 4u) >> 6u) << 4u);
+    let m = (k4_byte(sb, j + 4u) >> 4u) | ((k4_byte(sb, j) >> 6u) << 4u);
+    return vec2<f32>(f32(sc), f32(m));
+}
+
+fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
+    let sb = row * (KP / 256u) + k0 / 256u;
+    let e = k0 % 256u;
+    let j = e / 32u;
+    let l = e % 32u;
+    let dm = unpack2x16float(ws[sb * 4u]);
+    let sm = k4_scale_min(sb, j);
+    let dl = dm.x * sm.x;
+    let ml = dm.y * sm.y;
+    // qs bytes 32·(j/2) + l … +8, nibble j%2.
+    let wi = sb * 32u + (32u * (j / 2u) + l) / 4u;
+    let sh = (j % 2u) * 4u;
+    let a = vec4<f32>(unpack4xU8((w[wi / 4u][wi % 4u] >> sh) & 0x0F0F0F0Fu)) * dl - ml;
+    let b = vec4<f32>(unpack4xU8((w[(wi + 1u) / 4u][(wi + 1u) % 4u] >> sh) & 0x0F0F0F0Fu)) * dl - ml;
+    return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+}
+#endif
+
+#if W_Q6_K
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> ws: array<u32>;
+
+// The i8 scale i (0…15) of superblock sb.
+fn k6_scale(sb: u32, i: u32) -> f32 {
+    let b = (ws[sb * 5u + i / 4u] >> (8u * (i % 4u))) & 0xFFu;
+    return f32(bitcast<i32>(b << 24u) >> 24u);
+}
+
+fn k6_word(i: u32) -> u32 {
+    return w[i / 4u][i % 4u];
+}
+
+fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
+    let sb = row * (KP / 256u) + k0 / 256u;
+    let e = k0 % 256u;
+    let n = e / 128u;        // which 128-value half
+    let t = (e % 128u) / 32u; // which of its four 32-value quarters
+    let l = e % 32u;
+    let d = unpack2x16float(ws[sb * 5u + 4u]).x * k6_scale(sb, e / 16u);
+    // ql bytes 64n + 32·(t%2) + l (nibble t/2), qh bytes 32n + l (bits 2t, 2t+1).
+    let ql = sb * 48u + (64u * n + 32u * (t % 2u) + l) / 4u;
+    let qh = sb * 48u + 32u + (32u * n + l) / 4u;
+    let sh = (t / 2u) * 4u;
+    let qa = ((k6_word(ql) >> sh) & 0x0F0F0F0Fu) | (((k6_word(qh) >> (2u * t)) & 0x03030303u) << 4u);
+    let qb = ((k6_word(ql + 1u) >> sh) & 0x0F0F0F0Fu) | (((k6_word(qh + 1u) >> (2u * t)) & 0x03030303u) << 4u);
+    let a = (vec4<f32>(unpack4xU8(qa)) - 32.0) * d;
+    let b = (vec4<f32>(unpack4xU8(qb)) - 32.0) * d;
+    return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+}
+#endif
