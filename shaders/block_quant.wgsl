@@ -6,7 +6,8 @@
 //   W_Q4_0: 32-value blocks; data 16 B (value j = nibble j/16 of byte j%16, d·(q−8));
 //           scales: d, two f16 per word.
 //   W_Q4_K: 256-value superblocks; data qs[128] (sub-block s = nibble s%2 of bytes
-//           32·(s/2)…+32), scales 4 words: d|dmin, then 12 bytes of 6-bit scales and mins.
+//           32·(s/2)…+32), scales one 16-byte vector: d|dmin, then 12 bytes of 6-bit
+//           scales and mins (bound as vec4 words).
 //   W_Q6_K: 256-value superblocks; data ql[128] qh[64] (48 words), scales 5 words:
 //           sixteen i8 scales, then d.
 
@@ -30,21 +31,20 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
 
 #if W_Q4_K
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
-@group(0) @binding(1) var<storage, read> ws: array<u32>;
+// One 16-byte vector per superblock: d|dmin, then the 12 scale bytes.
+@group(0) @binding(1) var<storage, read> ws: array<vec4<u32>>;
 
-// Byte i (0…11) of superblock sb's scale bytes.
-fn k4_byte(sb: u32, i: u32) -> u32 {
-    return (ws[sb * 4u + 1u + i / 4u] >> (8u * (i % 4u))) & 0xFFu;
-}
-
-// (scale, min) of sub-block j (ggml's get_scale_min_k4).
-fn k4_scale_min(sb: u32, j: u32) -> vec2<f32> {
-    if (j < 4u) {
-        return vec2<f32>(f32(k4_byte(sb, j) & 63u), f32(k4_byte(sb, j + 4u) & 63u));
-    }
-    let sc = (k4_byte(sb, j + 4u) & 0xFu) | ((k4_byte(sb, j - 4u) >> 6u) << 4u);
-    let m = (k4_byte(sb, j + 4u) >> 4u) | ((k4_byte(sb, j) >> 6u) << 4u);
-    return vec2<f32>(f32(sc), f32(m));
+// (scale, min) of sub-block j of superblock scales `s` (ggml's get_scale_min_k4, on words:
+// bytes 0…3 hold the low 6 bits of scales 0…3, bytes 4…7 of mins 0…3; sub-blocks 4…7 take
+// their low 4 bits from bytes 8…11 and their top 2 from the top bits of bytes 0…7).
+fn k4_scale_min(s: vec4<u32>, j: u32) -> vec2<f32> {
+    let i = 8u * (j % 4u);
+    let lo = vec2<u32>((s.y >> i) & 63u, (s.z >> i) & 63u);
+    let b = s.w >> i;
+    let sc = (b & 0xFu) | ((((s.y >> i) >> 6u) & 3u) << 4u);
+    let m = ((b >> 4u) & 0xFu) | ((((s.z >> i) >> 6u) & 3u) << 4u);
+    let hi = vec2<u32>(sc, m);
+    return vec2<f32>(select(hi, lo, j < 4u));
 }
 
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
@@ -52,8 +52,9 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let e = k0 % 256u;
     let j = e / 32u;
     let l = e % 32u;
-    let dm = unpack2x16float(ws[sb * 4u]);
-    let sm = k4_scale_min(sb, j);
+    let s = ws[sb];
+    let dm = unpack2x16float(s.x);
+    let sm = k4_scale_min(s, j);
     let dl = dm.x * sm.x;
     let ml = dm.y * sm.y;
     // qs bytes 32·(j/2) + l … +8, nibble j%2.

@@ -94,9 +94,10 @@ fn q4_k_unit(row: u32, v: u32) -> f32 {
     let x0 = xq[2u * b0 + h];
     let x1 = xq[2u * b0 + 2u + h];
     let ones = vec4<u32>(0x01010101u);
-    let dm = unpack2x16float(ws[sb * 4u]);
-    let s0 = k4_scale_min(sb, 2u * j);
-    let s1 = k4_scale_min(sb, 2u * j + 1u);
+    let sv = ws[sb];
+    let dm = unpack2x16float(sv.x);
+    let s0 = k4_scale_min(sv, 2u * j);
+    let s1 = k4_scale_min(sv, 2u * j + 1u);
     let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
     let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
     return p0 * (xd[b0] * col_scale(b0 * 32u)) + p1 * (xd[b0 + 1u] * col_scale(b0 * 32u + 32u));
@@ -118,6 +119,8 @@ fn q6_k_unit(row: u32, v: u32) -> f32 {
     let m4 = vec4<u32>(0x0F0F0F0Fu);
     let m2 = vec4<u32>(0x03030303u);
     let d = unpack2x16float(ws[sb * 5u + 4u]).x * 0.25;
+    // The i8 scales 8n + 2t + h of the four quarters: bytes h and h+2 of words 2n, 2n+1.
+    let sw = vec2<u32>(ws[sb * 5u + 2u * n], ws[sb * 5u + 2u * n + 1u]);
     var acc = 0.0;
     for (var t = 0u; t < 4u; t++) {
         var nib = qa;
@@ -127,7 +130,9 @@ fn q6_k_unit(row: u32, v: u32) -> f32 {
         let q = ((nib >> vec4<u32>(4u * (t / 2u))) & m4) | (((qh >> vec4<u32>(2u * t)) & m2) << vec4<u32>(4u));
         let s = ((q ^ vec4<u32>(0x20202020u)) << vec4<u32>(2u)) & vec4<u32>(0xFCFCFCFCu);
         let b = sbr * 8u + 4u * n + t;
-        acc += f32(dot16(s, xq[2u * b + h])) * (k6_scale(sb, 8u * n + 2u * t + h) * xd[b] * col_scale(b * 32u));
+        let sbyte = (sw[t / 2u] >> (8u * (h + 2u * (t % 2u)))) & 0xFFu;
+        let sc = f32(bitcast<i32>(sbyte << 24u) >> 24u);
+        acc += f32(dot16(s, xq[2u * b + h])) * (sc * xd[b] * col_scale(b * 32u));
     }
     return acc * d;
 }

@@ -241,32 +241,6 @@ fn gguf_models_on_the_gpu() {
     }
 }
 
-/// `model` with its big matrices rounded through `format` as the engine packs them (the
-/// k-quants fall back to q8_0 on rows that are not multiples of 256).
-fn rounded(model: &Model, format: WeightFormat) -> Model {
-    use mamba2_wgpu::model::MixerWeights;
-    use mamba2_wgpu::model::quant::{pack, unpack};
-    use mamba2_wgpu::model::safetensors::Tensor;
-    let round = |t: &Tensor| {
-        let (rows, cols) = (t.shape[0], t.shape[1]);
-        let p = pack(format.for_cols(cols), &t.to_f32(), rows, cols);
-        Tensor::from_f32(t.name.clone(), t.shape.clone(), &unpack(&p))
-    };
-    let mut m = model.clone();
-    m.weights.embedding = round(&m.weights.embedding);
-    m.weights.lm_head = m.weights.lm_head.as_ref().map(round);
-    for l in &mut m.weights.layers {
-        match &mut l.mixer {
-            MixerWeights::Mamba2(w) => {
-                w.in_proj = round(&w.in_proj);
-                w.out_proj = round(&w.out_proj);
-            }
-            _ => unreachable!("the GGUF fixtures are pure Mamba2"),
-        }
-    }
-    m
-}
-
 /// `--dtype` quantization of an f32 GGUF: the GPU (prefill GEMMs) against the CPU reference
 /// on the same weights rounded through the format, and how far each format moves the
 /// logits from the f32 ones.
@@ -283,7 +257,7 @@ fn f32_gguf_requantized_on_the_gpu() {
         WeightFormat::Q4_K,
         WeightFormat::Q4_0,
     ] {
-        let want = cpu_logits(&rounded(&model, format), &p);
+        let want = cpu_logits(&common::rounded(&model, |k| format.for_cols(k)), &p);
         let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
         let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
             return;

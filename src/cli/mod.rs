@@ -108,8 +108,9 @@ pub struct DeviceArgs {
     /// only with `gpu`), cpu, gpu, gpu:INDEX or gpu:NAME.
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
-    /// Storage of the big matrices on the GPU: f32, f16 or q8_0 (default: f16; for a GGUF
-    /// file, its own: f32 for F32, q8_0 for Q8_0 and the 4/5/6-bit types, f16 otherwise).
+    /// Storage of the big matrices on the GPU: f32, f16, q8_0, q6_k, q4_k or q4_0 (default:
+    /// f16; for a GGUF file, its most common block type among q8_0/q6_k/q4_k/q4_0 with every
+    /// such tensor used as stored, f32 for an F32 file, f16 otherwise; `mamba2 info` says).
     #[arg(long)]
     pub dtype: Option<mamba2_wgpu::WeightFormat>,
     /// Run the unfused graph (one kernel per op) instead of the fused one (also: MAMBA2_NO_FUSE=1).

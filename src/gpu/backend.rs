@@ -407,10 +407,20 @@ impl Backend for GpuBackend {
     }
 
     fn describe(&self) -> String {
+        // The asked format, and what the matrices are held in when that differs.
+        let counts = self.engine.weights.format_counts();
+        let mut format = self.engine.format.name().to_string();
+        if counts.iter().any(|&(f, _)| f != self.engine.format) {
+            let held: Vec<String> = counts
+                .iter()
+                .map(|(f, n)| format!("{n} {}", f.name()))
+                .collect();
+            format = format!("{format}: matrices in {}", held.join(", "));
+        }
         format!(
             "{} ({}, {})",
             self.engine.ctx().describe(),
-            self.engine.format.name(),
+            format,
             if self.engine.fused {
                 "fused"
             } else {

@@ -186,6 +186,26 @@ impl DeviceWeights {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
     }
 
+    /// How many matrices each format holds, most first (a GGUF's blocks go up as stored,
+    /// the k-quants fall back to q8_0 on other widths, MoE experts and routers keep their
+    /// own formats).
+    pub fn format_counts(&self) -> Vec<(WeightFormat, usize)> {
+        let mut all: Vec<&DeviceMatrix> = vec![&self.embedding];
+        all.extend(&self.lm_head);
+        for l in &self.layers {
+            all.extend(l.matrices());
+        }
+        let mut counts: Vec<(WeightFormat, usize)> = Vec::new();
+        for m in all {
+            match counts.iter_mut().find(|(f, _)| *f == m.format) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((m.format, 1)),
+            }
+        }
+        counts.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+        counts
+    }
+
     /// Device bytes of all weights.
     pub fn bytes(&self) -> u64 {
         let mut b = self.embedding.bytes() + self.lm_head.as_ref().map_or(0, |m| m.bytes());

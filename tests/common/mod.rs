@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use mamba2_wgpu::gpu::context::{DeviceChoice, GpuContext, Needs, pick_adapter};
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::model::quant::WeightFormat;
 
 /// A device on the best adapter, software ones included (lavapipe in CI: `Auto` would pass
 /// it over). Without one the test is skipped with a loud message, unless
@@ -56,4 +58,32 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
+}
+
+/// `model` with its big Mamba2 matrices (embedding, head, in_proj, out_proj) rounded
+/// through the format `format_of(cols)` picks for their width: `|k| f.for_cols(k)` is what
+/// the engine packs for `--dtype f`; `|_| f` keeps the k-quants' zero-padded superblocks on
+/// any width (which only the CPU reference can run).
+pub fn rounded(model: &Model, format_of: impl Fn(usize) -> WeightFormat) -> Model {
+    use mamba2_wgpu::model::MixerWeights;
+    use mamba2_wgpu::model::quant::{pack, unpack};
+    use mamba2_wgpu::model::safetensors::Tensor;
+    let round = |t: &Tensor| {
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let p = pack(format_of(cols), &t.to_f32(), rows, cols);
+        Tensor::from_f32(t.name.clone(), t.shape.clone(), &unpack(&p))
+    };
+    let mut m = model.clone();
+    m.weights.embedding = round(&m.weights.embedding);
+    m.weights.lm_head = m.weights.lm_head.as_ref().map(round);
+    for l in &mut m.weights.layers {
+        match &mut l.mixer {
+            MixerWeights::Mamba2(w) => {
+                w.in_proj = round(&w.in_proj);
+                w.out_proj = round(&w.out_proj);
+            }
+            _ => unreachable!("`rounded` takes pure Mamba2 models"),
+        }
+    }
+    m
 }
