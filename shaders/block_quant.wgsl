@@ -1,4 +1,4 @@
-// The 4- and 6-bit block formats in the device layout `model::quant` describes (ggml's
+// bf16 (W_BF16: binding 0 and `bf16x2`), and the 4- and 6-bit block formats in the device layout `model::quant` describes (ggml's
 // blocks split into quants and scales): bindings 0 (quants, 16-byte vectors) and
 // 1 (scales, words), and `bq_weights8`, eight consecutive weights of a row dequantized
 // the way ggml does (what the GEMM tiles and the embedding gather read; the GEMV takes
@@ -10,6 +10,15 @@
 //           scales and mins (bound as vec4 words).
 //   W_Q6_K: 256-value superblocks; data ql[128] qh[64] (48 words), scales 5 words:
 //           sixteen i8 scales, then d.
+
+#if W_BF16
+// bf16: the top half of an f32, two per word (low half first), read as 16-byte vectors.
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+
+fn bf16x2(u: u32) -> vec2<f32> {
+    return vec2<f32>(bitcast<f32>(u << 16u), bitcast<f32>(u & 0xFFFF0000u));
+}
+#endif
 
 #if W_Q4_0
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;

@@ -1,5 +1,5 @@
 // Y[t, m] = Σ_k X[t, k]·W[m, k] for the T tokens of a prefill block (T = ctrl.prompt_len):
-// W [M, KP] in f32, f16, q8_0 or the 4/6-bit block formats of block_quant.wgsl
+// W [M, KP] in f32, f16, bf16, q8_0 or the 4/6-bit block formats of block_quant.wgsl
 // (dequantized into workgroup memory), X [T, XS] f32
 // (XS ≥ KP, zero past K).
 // A workgroup computes a 128 (rows of W) × 64 (tokens) tile in steps of 16 columns; each
@@ -57,6 +57,14 @@ fn weights8(row: u32, k0: u32) -> array<f32, 8> {
     let p1 = unpack2x16float(v.y);
     let p2 = unpack2x16float(v.z);
     let p3 = unpack2x16float(v.w);
+    o = array<f32, 8>(p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y);
+#endif
+#if W_BF16
+    let v = w[(row * KP + k0) / 8u];
+    let p0 = bf16x2(v.x);
+    let p1 = bf16x2(v.y);
+    let p2 = bf16x2(v.z);
+    let p3 = bf16x2(v.w);
     o = array<f32, 8>(p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y);
 #endif
 #if W_Q4_0

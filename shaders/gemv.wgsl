@@ -1,4 +1,4 @@
-// y = W·x for one token: W [M, K] in f32, f16, q8_0, q4_0, q4_k or q6_k (rows zero-padded
+// y = W·x for one token: W [M, K] in f32, f16, bf16, q8_0, q4_0, q4_k or q6_k (rows zero-padded
 // to KP columns; the 4/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
 // loads; R = WG/TEAM rows per workgroup; one team reduction per row. The input is ready:
@@ -7,7 +7,7 @@
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
 // (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
 // 6-bit ones as 4·(q−32).
-// Flags: W_F32 | W_F16 | W_Q8 | W_Q4_0 | W_Q4_K | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
+// Flags: W_F32 | W_F16 | W_BF16 | W_Q8 | W_Q4_0 | W_Q4_K | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
 
 #if W_F32
@@ -16,6 +16,9 @@ const VW: u32 = 4u;
 #endif
 #if W_F16
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+const VW: u32 = 8u;
+#endif
+#if W_BF16
 const VW: u32 = 8u;
 #endif
 #if W_Q8
@@ -184,6 +187,13 @@ fn main(
         let xb = src[2u * v + 1u] * col_scale(v * 8u + 4u);
         acc += dot(vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y)), xa)
             + dot(vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w)), xb);
+#endif
+#if W_BF16
+        let wv = w[base + v];
+        let xa = src[2u * v] * col_scale(v * 8u);
+        let xb = src[2u * v + 1u] * col_scale(v * 8u + 4u);
+        acc += dot(vec4<f32>(bf16x2(wv.x), bf16x2(wv.y)), xa)
+            + dot(vec4<f32>(bf16x2(wv.z), bf16x2(wv.w)), xb);
 #endif
 #if W_F32
         let wv = w[base + v];

@@ -241,17 +241,19 @@ fn gguf_models_on_the_gpu() {
     }
 }
 
-/// `--dtype` quantization of an f32 GGUF: the GPU (prefill GEMMs) against the CPU reference
+/// `--dtype` conversion of an f32 GGUF: the GPU (prefill GEMMs) against the CPU reference
 /// on the same weights rounded through the format, and how far each format moves the
 /// logits from the f32 ones.
 #[test]
-fn f32_gguf_requantized_on_the_gpu() {
+fn f32_gguf_in_every_gpu_format() {
     let o = oracle();
     let file = "g1.f32.gguf";
     let model = Model::load(&dir().join(file)).unwrap();
     let p = prompt(&o, file);
     let exact = cpu_logits(&model, &p);
     for format in [
+        WeightFormat::F16,
+        WeightFormat::BF16,
         WeightFormat::Q8_0,
         WeightFormat::Q6_K,
         WeightFormat::Q4_K,

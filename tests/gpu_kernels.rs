@@ -147,7 +147,7 @@ fn gemv_every_format_and_shape() {
         let w = rand(1, rows * cols, -1.0, 1.0);
         let x = rand(2, cols, -2.0, 2.0);
         let (src, dst) = (g.buf(&padded(&x)), g.zeros(rows));
-        for format in [WeightFormat::F32, WeightFormat::F16] {
+        for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::BF16] {
             let (m, deq) = matrix(&g, format, &w, rows, cols);
             g.run(
                 &gemv(
@@ -314,7 +314,8 @@ fn gemv_with_the_group_norm_folded_in() {
             .unwrap(),
         g.buf(&d),
     );
-    for format in [WeightFormat::F32, WeightFormat::F16, WeightFormat::Q8_0] {
+    // Every format (the k-quants as the engine packs this width: q8_0 unless it tiles 256).
+    for format in WeightFormat::ALL.map(|f| f.for_cols(di)) {
         let (m, deq) = matrix(&g, format, &w, rows, di);
         let b = GemvBuffers {
             part: Some(&partb),
@@ -323,11 +324,7 @@ fn gemv_with_the_group_norm_folded_in() {
         g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
         let mut want = vec![0f32; rows];
         matvec(&deq, &x, &mut want);
-        let tol = if format == WeightFormat::Q8_0 {
-            1e-4
-        } else {
-            1e-7
-        };
+        let tol = if format.reads_q8() { 1e-4 } else { 1e-7 };
         assert_nmse(
             &format!("group-norm gemv {}", format.name()),
             &g.read(&dst, rows),

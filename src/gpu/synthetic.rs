@@ -39,7 +39,9 @@ fn random_matrix(
             lo: -scale,
             hi: scale,
         },
-        WeightFormat::F16 => FillMode::F16x2 {
+        // bf16 words filled with f16 bits of values in ±scale (≤ 1) read as bf16 values
+        // of at most 2^-7: finite, which is all speed needs.
+        WeightFormat::F16 | WeightFormat::BF16 => FillMode::F16x2 {
             lo: -scale,
             hi: scale,
         },

@@ -45,6 +45,7 @@ impl DeviceMatrix {
         match self.format {
             WeightFormat::F32 => "W_F32",
             WeightFormat::F16 => "W_F16",
+            WeightFormat::BF16 => "W_BF16",
             WeightFormat::Q8_0 => "W_Q8",
             WeightFormat::Q4_0 => "W_Q4_0",
             WeightFormat::Q4_K => "W_Q4_K",

@@ -130,8 +130,9 @@ impl Model {
     /// for a GGUF file, the block type the GPU holds (Q8_0, Q4_0, Q4_K, Q6_K) that most of
     /// them use — every such tensor goes up as stored, whatever its type; tensors in other
     /// block types (Q4_1, Q5_0, Q5_1, Q5_K) are dequantized and requantized to it (q8_0 when
-    /// none is held), which `mamba2 info` says; all F32 → f32; F16/BF16 → f16. Safetensors
-    /// → f16.
+    /// none is held), which `mamba2 info` says; all F32 → f32; BF16 without F16 → bf16;
+    /// otherwise f16. Safetensors → f16 (its prefill GEMMs take the tensor cores where the
+    /// adapter has them; `--dtype bf16` keeps a bf16 checkpoint exact instead).
     pub fn preferred_format(&self) -> WeightFormat {
         if self.gguf.is_none() {
             return WeightFormat::F16;
@@ -156,6 +157,11 @@ impl Model {
             f
         } else if counts.iter().any(|(d, _)| matches!(d, DType::Quant(_))) {
             WeightFormat::Q8_0
+        } else if counts.iter().any(|(d, _)| *d == DType::BF16)
+            && !counts.iter().any(|(d, _)| *d == DType::F16)
+        {
+            // bf16 as stored (f16 would round them and could overflow).
+            WeightFormat::BF16
         } else {
             WeightFormat::F16
         }

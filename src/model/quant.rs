@@ -1,6 +1,7 @@
 //! Device weight layouts and q8_0 quantization. Big matrices are stored row-major with each
 //! row zero-padded to `kp` columns so kernels can load whole vectors:
-//! - f32: `kp = ceil(K/4)·4`; f16: `kp = ceil(K/8)·8` (halves packed two per u32);
+//! - f32: `kp = ceil(K/4)·4`; f16 and bf16: `kp = ceil(K/8)·8` (halves packed two per u32;
+//!   bf16 keeps a bf16 checkpoint's values exactly, with f32's range);
 //! - q8_0: `kp = ceil(K/32)·32`; 32-weight blocks, `w = d·q` with `d = max|w|/127` stored as
 //!   f16 and `q = round(w/d)` (ggml's rule), int8 packed four per u32; scales in their own
 //!   array, two f16 per u32, block `b` of row `r` at index `r·kp/32 + b`.
@@ -16,7 +17,7 @@
 //! for values its format cannot hold (an f16 weight or q8_0 scale past ±65504:
 //! `pack_checked`).
 
-use half::f16;
+use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 use crate::model::Tensor;
@@ -29,6 +30,7 @@ use crate::model::kquant;
 pub enum WeightFormat {
     F32,
     F16,
+    BF16,
     Q8_0,
     Q4_0,
     Q4_K,
@@ -36,9 +38,10 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 6] = [
+    pub const ALL: [WeightFormat; 7] = [
         WeightFormat::F32,
         WeightFormat::F16,
+        WeightFormat::BF16,
         WeightFormat::Q8_0,
         WeightFormat::Q4_0,
         WeightFormat::Q4_K,
@@ -49,6 +52,7 @@ impl WeightFormat {
         match self {
             WeightFormat::F32 => "f32",
             WeightFormat::F16 => "f16",
+            WeightFormat::BF16 => "bf16",
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q4_0 => "q4_0",
             WeightFormat::Q4_K => "q4_k",
@@ -59,7 +63,7 @@ impl WeightFormat {
     /// The ggml block type of a quantized format.
     pub fn ggml(self) -> Option<GgmlType> {
         match self {
-            WeightFormat::F32 | WeightFormat::F16 => None,
+            WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => None,
             WeightFormat::Q8_0 => Some(GgmlType::Q8_0),
             WeightFormat::Q4_0 => Some(GgmlType::Q4_0),
             WeightFormat::Q4_K => Some(GgmlType::Q4_K),
@@ -87,7 +91,7 @@ impl WeightFormat {
     pub fn split(self) -> (usize, usize) {
         match self {
             WeightFormat::F32 => (4, 0),
-            WeightFormat::F16 => (2, 0),
+            WeightFormat::F16 | WeightFormat::BF16 => (2, 0),
             WeightFormat::Q8_0 => (32, 2),
             WeightFormat::Q4_0 => (16, 2),
             WeightFormat::Q4_K => (128, 16),
@@ -99,7 +103,7 @@ impl WeightFormat {
     pub fn padded_cols(self, k: usize) -> usize {
         match self {
             WeightFormat::F32 => k.next_multiple_of(4),
-            WeightFormat::F16 => k.next_multiple_of(8),
+            WeightFormat::F16 | WeightFormat::BF16 => k.next_multiple_of(8),
             f => k.next_multiple_of(f.block()),
         }
     }
@@ -134,12 +138,13 @@ impl std::str::FromStr for WeightFormat {
         match s {
             "f32" => Ok(WeightFormat::F32),
             "f16" => Ok(WeightFormat::F16),
+            "bf16" => Ok(WeightFormat::BF16),
             "q8_0" | "q8" => Ok(WeightFormat::Q8_0),
             "q4_0" => Ok(WeightFormat::Q4_0),
             "q4_k" | "q4_K" => Ok(WeightFormat::Q4_K),
             "q6_k" | "q6_K" => Ok(WeightFormat::Q6_K),
             _ => Err(format!(
-                "`{s}`: expected f32, f16, q8_0, q4_0, q4_k or q6_k"
+                "`{s}`: expected f32, f16, bf16, q8_0, q6_k, q4_k or q4_0"
             )),
         }
     }
@@ -233,8 +238,12 @@ pub fn unfit(
     let per = format.block();
     let what = match format {
         WeightFormat::F32 | WeightFormat::F16 => format!(
-            "the value {value} at index [{r}, {c}] is past {}'s range (±65504): use --dtype f32",
+            "the value {value} at index [{r}, {c}] is past {}'s range (±65504): use --dtype \
+             bf16 or f32",
             format.name()
+        ),
+        WeightFormat::BF16 => format!(
+            "the value {value} at index [{r}, {c}] rounds past bf16's range: use --dtype f32"
         ),
         _ => format!(
             "the {} block of row {r} at columns {}…{} has max |w| = {}, past what its f16 \
@@ -281,6 +290,17 @@ fn pack_rows(
             if bad {
                 overflow = values.iter().position(|v| !f16::from_f32(*v).is_finite());
             }
+            (bytemuck::cast_slice(&out).to_vec(), Vec::new())
+        }
+        WeightFormat::BF16 => {
+            // Exact for values read from a bf16 checkpoint; others round to nearest even.
+            let mut out = vec![bf16::ZERO; rows * kp];
+            for r in 0..rows {
+                for (o, &v) in out[r * kp..].iter_mut().zip(row(r)) {
+                    *o = bf16::from_f32(v);
+                }
+            }
+            overflow = values.iter().position(|v| !bf16::from_f32(*v).is_finite());
             (bytemuck::cast_slice(&out).to_vec(), Vec::new())
         }
         WeightFormat::Q8_0 => {
@@ -371,7 +391,9 @@ fn split_block(format: WeightFormat, block: &[u8], data: &mut Vec<u8>, scales: &
             scales.extend_from_slice(&block[192..210]);
             scales.extend_from_slice(&[0, 0]);
         }
-        WeightFormat::F32 | WeightFormat::F16 => unreachable!("not a block format"),
+        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => {
+            unreachable!("not a block format")
+        }
     }
 }
 
@@ -490,6 +512,7 @@ pub fn unpack(p: &Packed) -> Vec<f32> {
             out.push(match p.format {
                 WeightFormat::F32 => bytemuck::cast_slice::<u8, f32>(&p.data)[i],
                 WeightFormat::F16 => bytemuck::cast_slice::<u8, f16>(&p.data)[i].to_f32(),
+                WeightFormat::BF16 => bytemuck::cast_slice::<u8, bf16>(&p.data)[i].to_f32(),
                 WeightFormat::Q8_0 => {
                     let q = bytemuck::cast_slice::<u8, i8>(&p.data)[i] as f32;
                     q * bytemuck::cast_slice::<u8, f16>(&p.scales)[r * p.kp / 32 + c / 32].to_f32()

@@ -1,6 +1,6 @@
 //! `gemv.wgsl`: `y = W·x` for one token over a `DeviceMatrix` `[M, K]`, with the gated
 //! group norm folded into its input (`Group`) and the epilogues the decode graph needs
-//! (residual add, conv + dt). Shapes: f32 input `src [KP]` (zero past K) for f32/f16
+//! (residual add, conv + dt). Shapes: f32 input `src [KP]` (zero past K) for f32/f16/bf16
 //! weights, q8 blocks `xq [KP/4]`, `xd [KP/32]` for the quantized formats (q8_0, q4_0,
 //! q4_k, q6_k: integer dot products of their quants with the q8 values); `dst [M]`;
 //! `part [G·blocks_per_group]` per-block Σv².
@@ -113,7 +113,7 @@ impl<'a> GemvBuffers<'a> {
 pub fn vector_width(format: WeightFormat) -> usize {
     match format {
         WeightFormat::F32 => 4,
-        WeightFormat::F16 => 8,
+        WeightFormat::F16 | WeightFormat::BF16 => 8,
         WeightFormat::Q8_0 => 16,
         WeightFormat::Q4_0 | WeightFormat::Q4_K => 32,
         WeightFormat::Q6_K => 64,
