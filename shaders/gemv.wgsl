@@ -50,6 +50,7 @@ const VW: u32 = 64u;
 #if X_GROUP
 @group(0) @binding(9) var<storage, read> part: array<f32>;
 var<workgroup> grp_rstd: array<f32, G>;
+var<workgroup> grp_red: array<f32, WG>;
 #endif
 
 const NV: u32 = KP / VW;
@@ -148,13 +149,26 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
 #if X_GROUP
-    // rstd per group from the per-block sums of squares of v (BPG blocks per group).
-    if (lid < G) {
-        var s = 0.0;
-        for (var i = 0u; i < BPG; i++) {
-            s += part[lid * BPG + i];
+    // rstd per group from the per-block sums of squares of v (BPG blocks per group): GSUB
+    // lanes per group sum strided shares, then a tree in workgroup memory (one lane summing
+    // a group's BPG partials alone cost 2.7b's out_proj more than its weights).
+    var s = 0.0;
+    if (lid < G * GSUB) {
+        let g = lid / GSUB;
+        for (var i = lid % GSUB; i < BPG; i += GSUB) {
+            s += part[g * BPG + i];
         }
-        grp_rstd[lid] = inverseSqrt(s / f32(GS) + EPS);
+    }
+    grp_red[lid] = s;
+    workgroupBarrier();
+    for (var st = GSUB / 2u; st > 0u; st /= 2u) {
+        if (lid % GSUB < st) {
+            grp_red[lid] += grp_red[lid + st];
+        }
+        workgroupBarrier();
+    }
+    if (lid < G) {
+        grp_rstd[lid] = inverseSqrt(grp_red[lid * GSUB] / f32(GS) + EPS);
     }
     workgroupBarrier();
 #endif

@@ -281,9 +281,16 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
 #[test]
 fn gemv_with_the_group_norm_folded_in() {
     let Some(g) = Gpu::new() else { return };
-    // d_inner 192 in G = 3 groups of 64; the SSD step's input: u = v ⊙ w and Σv² per
-    // 32-channel block (2 blocks per group).
-    let (di, groups, rows, cb) = (192, 3, 21, 32);
+    // (d_inner, G): 3 groups of 2 blocks; mamba2-130m's one group of 48 blocks (more than
+    // the lanes summing them); 8 groups of 4 blocks. The SSD step's input: u = v ⊙ w and
+    // Σv² per 32-channel block.
+    for (di, groups) in [(192, 3), (1536, 1), (1024, 8)] {
+        group_norm_gemv(&g, di, groups);
+    }
+}
+
+fn group_norm_gemv(g: &Gpu, di: usize, groups: usize) {
+    let (rows, cb) = (21, 32);
     let v = rand(7, di, -2.0, 2.0);
     let wn = rand(8, di, 0.5, 1.5);
     let u: Vec<f32> = v.iter().zip(&wn).map(|(a, b)| a * b).collect();
@@ -316,7 +323,7 @@ fn gemv_with_the_group_norm_folded_in() {
     );
     // Every format (the k-quants as the engine packs this width: q8_0 unless it tiles 256).
     for format in WeightFormat::ALL.map(|f| f.for_cols(di)) {
-        let (m, deq) = matrix(&g, format, &w, rows, di);
+        let (m, deq) = matrix(g, format, &w, rows, di);
         let b = GemvBuffers {
             part: Some(&partb),
             ..gemv_buffers(&src, Some((&qb, &db)), &dst)
@@ -326,7 +333,10 @@ fn gemv_with_the_group_norm_folded_in() {
         matvec(&deq, &x, &mut want);
         let tol = if format.reads_q8() { 1e-4 } else { 1e-7 };
         assert_nmse(
-            &format!("group-norm gemv {}", format.name()),
+            &format!(
+                "group-norm gemv {} (d_inner {di}, G {groups})",
+                format.name()
+            ),
             &g.read(&dst, rows),
             &want,
             tol,

@@ -186,8 +186,23 @@ pub fn gemv(
         }
         let part = b.part.ok_or_else(|| missing("part"))?;
         check_len(&format!("{name}: part"), part, groups * blocks_per_group)?;
+        if groups == 0 || groups > WG as usize {
+            return Err(Error::Gpu(format!(
+                "{name}: {groups} groups (1…{WG} fit a workgroup's norm prologue)"
+            )));
+        }
+        // Lanes summing each group's partials: a power of two, at most WG/G and BPG.
+        let gsub = (WG as usize / groups)
+            .min(blocks_per_group.max(1))
+            .next_power_of_two();
+        let gsub = if gsub * groups > WG as usize {
+            gsub / 2
+        } else {
+            gsub
+        };
         flags.push("X_GROUP");
         consts.extend([
+            ("GSUB", u(gsub)),
             ("G", u(groups)),
             ("GS", u(group_size)),
             ("BPG", u(blocks_per_group)),
