@@ -26,6 +26,9 @@ Made:
 - `g1.f32.gguf`: tests/fixtures/hf_mamba2_g1 (whose HF oracle the test compares with).
 - `k256.{q8_0,q4_0,q4_k,q5_k,q6_k}.gguf`: a random 256-wide model (seed 7; k-quant blocks
   need rows of 256), quantized by llama-quantize from its f32 GGUF (not committed).
+- `k256.rows.safetensors`: the f32 source of the first rows of `blk.0.ssm_in` (32) and
+  `blk.0.ssm_out` (16), the input whose llama-quantize blocks the k256 files hold (the
+  quantizers' oracle in tests/gguf.rs). `--rows-only` writes just this file.
 - `oracle.json`: per file, llama.cpp's logits for `prompt` (in `<file>.logits`, f32
   `[T, V]`), and for every tensor gguf-py's dequantization (`gguf.quants.dequantize`) as an
   FNV-1a 64 hash of its little-endian f32 bytes plus its first values.
@@ -184,7 +187,27 @@ def dequant_record(path):
     return rec
 
 
+def write_rows(out):
+    """The quantizers' oracle input: the first rows of two k256 matrices as F32 safetensors."""
+    _, t = k256_model()
+    rows = {"blk.0.ssm_in.weight": t["backbone.layers.0.mixer.in_proj.weight"][:32],
+            "blk.0.ssm_out.weight": t["backbone.layers.0.mixer.out_proj.weight"][:16]}
+    header, blobs, off = {}, [], 0
+    for name, v in rows.items():
+        b = np.ascontiguousarray(v, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(v.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    Path(out).write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
 def main():
+    if "--rows-only" in sys.argv:
+        out = Path(sys.argv[sys.argv.index("--out") + 1])
+        write_rows(out / "k256.rows.safetensors")
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-cpp", required=True, type=Path)
     ap.add_argument("--logits", required=True, type=Path)
@@ -200,6 +223,7 @@ def main():
                read_safetensors(src / "model.safetensors"))
     files = [("g1.f32.gguf", g1_prompt)]
 
+    write_rows(a.out / "k256.rows.safetensors")
     cfg, tensors = k256_model()
     f32 = Path("/tmp") / "k256.f32.gguf"
     write_gguf(f32, cfg, tensors)

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use mamba2_wgpu::gpu::backend::GpuBackend;
 use mamba2_wgpu::gpu::engine::{Engine, EngineOptions};
-use mamba2_wgpu::model::Model;
 use mamba2_wgpu::model::gguf::{GgufFile, GgufInfo, Value};
+use mamba2_wgpu::model::{DType, Model};
 use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
 use mamba2_wgpu::{Backend, WeightFormat};
 use serde_json::Value as Json;
@@ -113,6 +113,61 @@ fn gpu_block_types_reach_the_device_layout_as_stored() {
         assert_eq!((p.rows, p.cols, p.kp), (1064, 256, 256), "{file}");
         // Split into the device's quants and scales and back, the values are gguf-py's.
         assert_eq!(unpack(&p), t.to_f32(), "{file}");
+    }
+}
+
+/// The quantizers `--dtype` uses against llama.cpp's: the f32 rows the k256 files were
+/// quantized from (k256.rows.safetensors) through `kquant::quantize_row`, byte for byte
+/// against the blocks llama-quantize wrote for them.
+#[test]
+fn quantizers_write_llama_quantize_blocks() {
+    use mamba2_wgpu::model::TensorStore;
+    use mamba2_wgpu::model::kquant::quantize_row;
+    let store = TensorStore::from_static(
+        "k256.rows.safetensors",
+        include_bytes!("fixtures/gguf/k256.rows.safetensors"),
+    )
+    .unwrap();
+    let rows: Vec<_> = store.into_tensors().collect();
+    assert_eq!(rows.len(), 2);
+    for file in [
+        "k256.q8_0.gguf",
+        "k256.q4_0.gguf",
+        "k256.q4_k.gguf",
+        "k256.q6_k.gguf",
+    ] {
+        let g = GgufFile::open(&dir().join(file)).unwrap();
+        for src in &rows {
+            let t = g.tensors.iter().find(|t| t.name == src.name).unwrap();
+            let DType::Quant(ty) = t.dtype else {
+                panic!("{file} {}: not a block type", t.name)
+            };
+            let (n, cols) = (src.shape[0], src.shape[1]);
+            assert_eq!(t.shape[1], cols, "{file} {}", t.name);
+            let (per, bytes) = ty.block();
+            let row_bytes = cols / per * bytes;
+            let values = src.to_f32();
+            let mut differ = Vec::new();
+            for r in 0..n {
+                let mut ours = Vec::new();
+                quantize_row(ty, &values[r * cols..(r + 1) * cols], &mut ours);
+                assert_eq!(ours.len(), row_bytes, "{file} {}: row {r}", t.name);
+                let theirs = &t.bytes()[r * row_bytes..(r + 1) * row_bytes];
+                for (b, (x, y)) in ours.chunks(bytes).zip(theirs.chunks(bytes)).enumerate() {
+                    if x != y {
+                        differ.push((r, b));
+                    }
+                }
+            }
+            assert!(
+                differ.is_empty(),
+                "{file} {}: {} of {} blocks differ from llama-quantize's (row, block): {:?}",
+                t.name,
+                differ.len(),
+                n * cols / per,
+                &differ[..differ.len().min(8)]
+            );
+        }
     }
 }
 
