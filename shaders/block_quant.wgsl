@@ -1,15 +1,31 @@
-// bf16 (W_BF16: binding 0 and `bf16x2`), and the 4- and 6-bit block formats in the device layout `model::quant` describes (ggml's
-// blocks split into quants and scales): bindings 0 (quants, 16-byte vectors) and
-// 1 (scales, words), and `bq_weights8`, eight consecutive weights of a row dequantized
-// the way ggml does (what the GEMM tiles and the embedding gather read; the GEMV takes
-// integer dot products instead). Needs KP (a whole number of blocks).
+// bf16 (W_BF16: binding 0 and `bf16x2`), and the 4-, 5- and 6-bit block formats (W_BLOCK)
+// in the device layout `model::quant` describes (ggml's blocks split into quants and
+// scales): bindings 0 (quants, 16-byte vectors) and 1 (scales), and `bq_weights8`, eight
+// consecutive weights of a row dequantized the way ggml does (what the GEMM tiles and the
+// embedding gather read; the GEMV takes integer dot products instead). Needs KP (a whole
+// number of blocks).
 //   W_Q4_0: 32-value blocks; data 16 B (value j = nibble j/16 of byte j%16, d·(q−8));
 //           scales: d, two f16 per word.
 //   W_Q4_K: 256-value superblocks; data qs[128] (sub-block s = nibble s%2 of bytes
 //           32·(s/2)…+32), scales one 16-byte vector: d|dmin, then 12 bytes of 6-bit
 //           scales and mins (bound as vec4 words).
+//   W_Q5_K: as W_Q4_K, with qh[32] after qs (bit j of byte l: the fifth bit of value l of
+//           sub-block j): data 40 words per superblock.
 //   W_Q6_K: 256-value superblocks; data ql[128] qh[64] (48 words), scales 5 words:
 //           sixteen i8 scales, then d.
+
+// (scale, min) of sub-block j of superblock scales `s` (ggml's get_scale_min_k4, on words:
+// bytes 0…3 hold the low 6 bits of scales 0…3, bytes 4…7 of mins 0…3; sub-blocks 4…7 take
+// their low 4 bits from bytes 8…11 and their top 2 from the top bits of bytes 0…7).
+fn k4_scale_min(s: vec4<u32>, j: u32) -> vec2<f32> {
+    let i = 8u * (j % 4u);
+    let lo = vec2<u32>((s.y >> i) & 63u, (s.z >> i) & 63u);
+    let b = s.w >> i;
+    let sc = (b & 0xFu) | ((((s.y >> i) >> 6u) & 3u) << 4u);
+    let m = ((b >> 4u) & 0xFu) | ((((s.z >> i) >> 6u) & 3u) << 4u);
+    let hi = vec2<u32>(sc, m);
+    return vec2<f32>(select(hi, lo, j < 4u));
+}
 
 #if W_BF16
 // bf16: the top half of an f32, two per word (low half first), read as 16-byte vectors.
@@ -43,19 +59,6 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
 // One 16-byte vector per superblock: d|dmin, then the 12 scale bytes.
 @group(0) @binding(1) var<storage, read> ws: array<vec4<u32>>;
 
-// (scale, min) of sub-block j of superblock scales `s` (ggml's get_scale_min_k4, on words:
-// bytes 0…3 hold the low 6 bits of scales 0…3, bytes 4…7 of mins 0…3; sub-blocks 4…7 take
-// their low 4 bits from bytes 8…11 and their top 2 from the top bits of bytes 0…7).
-fn k4_scale_min(s: vec4<u32>, j: u32) -> vec2<f32> {
-    let i = 8u * (j % 4u);
-    let lo = vec2<u32>((s.y >> i) & 63u, (s.z >> i) & 63u);
-    let b = s.w >> i;
-    let sc = (b & 0xFu) | ((((s.y >> i) >> 6u) & 3u) << 4u);
-    let m = ((b >> 4u) & 0xFu) | ((((s.z >> i) >> 6u) & 3u) << 4u);
-    let hi = vec2<u32>(sc, m);
-    return vec2<f32>(select(hi, lo, j < 4u));
-}
-
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let sb = row * (KP / 256u) + k0 / 256u;
     let e = k0 % 256u;
@@ -71,6 +74,37 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let sh = (j % 2u) * 4u;
     let a = vec4<f32>(unpack4xU8((w[wi / 4u][wi % 4u] >> sh) & 0x0F0F0F0Fu)) * dl - ml;
     let b = vec4<f32>(unpack4xU8((w[(wi + 1u) / 4u][(wi + 1u) % 4u] >> sh) & 0x0F0F0F0Fu)) * dl - ml;
+    return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+}
+#endif
+
+#if W_Q5_K
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+// One 16-byte vector per superblock: d|dmin, then the 12 scale bytes (as W_Q4_K).
+@group(0) @binding(1) var<storage, read> ws: array<vec4<u32>>;
+
+fn k5_word(i: u32) -> u32 {
+    return w[i / 4u][i % 4u];
+}
+
+fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
+    let sb = row * (KP / 256u) + k0 / 256u;
+    let e = k0 % 256u;
+    let j = e / 32u;
+    let l = e % 32u;
+    let s = ws[sb];
+    let dm = unpack2x16float(s.x);
+    let sm = k4_scale_min(s, j);
+    let dl = dm.x * sm.x;
+    let ml = dm.y * sm.y;
+    // qs bytes 32·(j/2) + l … +8, nibble j%2; qh bytes l … +8, bit j.
+    let qs = sb * 40u + (32u * (j / 2u) + l) / 4u;
+    let qh = sb * 40u + 32u + l / 4u;
+    let sh = (j % 2u) * 4u;
+    let qa = ((k5_word(qs) >> sh) & 0x0F0F0F0Fu) | (((k5_word(qh) >> j) & 0x01010101u) << 4u);
+    let qb = ((k5_word(qs + 1u) >> sh) & 0x0F0F0F0Fu) | (((k5_word(qh + 1u) >> j) & 0x01010101u) << 4u);
+    let a = vec4<f32>(unpack4xU8(qa)) * dl - ml;
+    let b = vec4<f32>(unpack4xU8(qb)) * dl - ml;
     return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
 }
 #endif

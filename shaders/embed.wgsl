@@ -1,6 +1,6 @@
 // Embedding rows into the residual: resid [D] = embedding[ctrl.token] (decode), or with
 // PROMPT resid [T, D] = embedding[prompt[t]] for the T = ctrl.prompt_len tokens of a
-// prefill block (grid row y = token). The [V, D] table is f32, f16, bf16, q8_0 or a 4/6-bit
+// prefill block (grid row y = token). The [V, D] table is f32, f16, bf16, q8_0 or a 4/5/6-bit
 // block format (block_quant.wgsl) with rows padded to KP columns (the same buffers the
 // tied lm_head reads), times SCALE (Granite's embedding multiplier; 1 elsewhere). One
 // thread per element.
@@ -47,16 +47,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let e = (row * KP + k) / 2u;
     resid[i] = SCALE * bf16x2(w[e / 4u][e % 4u])[k % 2u];
 #endif
-#if W_Q4_0
-    var e = bq_weights8(row, k - k % 8u);
-    resid[i] = SCALE * e[k % 8u];
-#endif
-#if W_Q4_K
-    var e = bq_weights8(row, k - k % 8u);
-    resid[i] = SCALE * e[k % 8u];
-#endif
-#if W_Q6_K
-    var e = bq_weights8(row, k - k % 8u);
+#if W_BLOCK
+    let e = bq_weights8(row, k - k % 8u);
     resid[i] = SCALE * e[k % 8u];
 #endif
 #if W_Q8

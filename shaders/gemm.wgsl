@@ -1,5 +1,5 @@
 // Y[t, m] = Σ_k X[t, k]·W[m, k] for the T tokens of a prefill block (T = ctrl.prompt_len):
-// W [M, KP] in f32, f16, bf16, q8_0 or the 4/6-bit block formats of block_quant.wgsl
+// W [M, KP] in f32, f16, bf16, q8_0 or the 4/5/6-bit block formats of block_quant.wgsl
 // (dequantized into workgroup memory), X [T, XS] f32
 // (XS ≥ KP, zero past K).
 // A workgroup computes a 128 (rows of W) × 64 (tokens) tile in steps of 16 columns; each
@@ -67,13 +67,7 @@ fn weights8(row: u32, k0: u32) -> array<f32, 8> {
     let p3 = bf16x2(v.w);
     o = array<f32, 8>(p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y);
 #endif
-#if W_Q4_0
-    o = bq_weights8(row, k0);
-#endif
-#if W_Q4_K
-    o = bq_weights8(row, k0);
-#endif
-#if W_Q6_K
+#if W_BLOCK
     o = bq_weights8(row, k0);
 #endif
 #if W_Q8

@@ -1,5 +1,5 @@
-// y = W·x for one token: W [M, K] in f32, f16, bf16, q8_0, q4_0, q4_k or q6_k (rows zero-padded
-// to KP columns; the 4/6-bit layouts and bindings are block_quant.wgsl's).
+// y = W·x for one token: W [M, K] in f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k (rows zero-padded
+// to KP columns; the 4/5/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
 // loads; R = WG/TEAM rows per workgroup; one team reduction per row. The input is ready:
 // f32 `src [KP]` (zero past K) for f32/f16 weights, q8 blocks `xq`/`xd` (X_Q8) for the
@@ -7,7 +7,7 @@
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
 // (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
 // 6-bit ones as 4·(q−32).
-// Flags: W_F32 | W_F16 | W_BF16 | W_Q8 | W_Q4_0 | W_Q4_K | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
+// Flags: W_F32 | W_F16 | W_BF16 | W_Q8 | W_Q4_0 | W_Q4_K | W_Q5_K | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
 
 #if W_F32
@@ -30,6 +30,9 @@ const VW: u32 = 16u;
 const VW: u32 = 32u;
 #endif
 #if W_Q4_K
+const VW: u32 = 32u;
+#endif
+#if W_Q5_K
 const VW: u32 = 32u;
 #endif
 #if W_Q6_K
@@ -104,6 +107,32 @@ fn q4_k_unit(row: u32, v: u32) -> f32 {
     let s1 = k4_scale_min(sv, 2u * j + 1u);
     let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
     let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
+    return p0 * (xd[b0] * col_scale(b0 * 32u)) + p1 * (xd[b0 + 1u] * col_scale(b0 * 32u + 32u));
+}
+#endif
+
+#if W_Q5_K
+// As q4_k_unit, with each value's fifth bit from the superblock's qh bytes 16h…16h+16
+// (bit 2j for sub-block 2j, 2j+1 for 2j+1): levels 0…31 are still positive int8.
+fn q5_k_unit(row: u32, v: u32) -> f32 {
+    let sb = row * (KP / 256u) + v / 8u;
+    let c = v % 8u;
+    let j = c / 2u;
+    let h = c % 2u;
+    let q = w[sb * 10u + c];
+    let qh = w[sb * 10u + 8u + h];
+    let b1 = vec4<u32>(0x01010101u);
+    let lo = (q & vec4<u32>(0x0F0F0F0Fu)) | (((qh >> vec4<u32>(2u * j)) & b1) << vec4<u32>(4u));
+    let hi = ((q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu)) | (((qh >> vec4<u32>(2u * j + 1u)) & b1) << vec4<u32>(4u));
+    let b0 = (v / 8u) * 8u + 2u * j;
+    let x0 = xq[2u * b0 + h];
+    let x1 = xq[2u * b0 + 2u + h];
+    let sv = ws[sb];
+    let dm = unpack2x16float(sv.x);
+    let s0 = k4_scale_min(sv, 2u * j);
+    let s1 = k4_scale_min(sv, 2u * j + 1u);
+    let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(b1, x0));
+    let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(b1, x1));
     return p0 * (xd[b0] * col_scale(b0 * 32u)) + p1 * (xd[b0 + 1u] * col_scale(b0 * 32u + 32u));
 }
 #endif
@@ -183,6 +212,9 @@ fn main(
 #endif
 #if W_Q4_K
         acc += q4_k_unit(row, v);
+#endif
+#if W_Q5_K
+        acc += q5_k_unit(row, v);
 #endif
 #if W_Q6_K
         acc += q6_k_unit(row, v);

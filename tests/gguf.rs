@@ -100,6 +100,7 @@ fn gpu_block_types_reach_the_device_layout_as_stored() {
         ("k256.q8_0.gguf", WeightFormat::Q8_0),
         ("k256.q4_0.gguf", WeightFormat::Q4_0),
         ("k256.q4_k.gguf", WeightFormat::Q4_K),
+        ("k256.q5_k.gguf", WeightFormat::Q5_K),
         ("k256.q6_k.gguf", WeightFormat::Q6_K),
     ] {
         let g = GgufFile::open(&dir().join(file)).unwrap();
@@ -134,6 +135,7 @@ fn quantizers_write_llama_quantize_blocks() {
         "k256.q8_0.gguf",
         "k256.q4_0.gguf",
         "k256.q4_k.gguf",
+        "k256.q5_k.gguf",
         "k256.q6_k.gguf",
     ] {
         let g = GgufFile::open(&dir().join(file)).unwrap();
@@ -252,6 +254,7 @@ fn gguf_models_on_the_gpu() {
         "g1.f32.gguf",
         "k256.q4_0.gguf",
         "k256.q4_k.gguf",
+        "k256.q5_k.gguf",
         "k256.q8_0.gguf",
         "k256.q6_k.gguf",
     ] {
@@ -311,6 +314,7 @@ fn f32_gguf_in_every_gpu_format() {
         WeightFormat::BF16,
         WeightFormat::Q8_0,
         WeightFormat::Q6_K,
+        WeightFormat::Q5_K,
         WeightFormat::Q4_K,
         WeightFormat::Q4_0,
     ] {

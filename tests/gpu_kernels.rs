@@ -202,7 +202,12 @@ fn gemv_every_format_and_shape() {
         // The 4/6-bit formats: the dot product of the dequantized weights with the
         // dequantized q8 input (what their integer dots compute exactly), to f32 rounding
         // of the block sums.
-        for format in [WeightFormat::Q4_0, WeightFormat::Q4_K, WeightFormat::Q6_K] {
+        for format in [
+            WeightFormat::Q4_0,
+            WeightFormat::Q4_K,
+            WeightFormat::Q5_K,
+            WeightFormat::Q6_K,
+        ] {
             let p = pack(format, &w, rows, cols);
             let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
             let mut xp = x.clone();

@@ -40,7 +40,7 @@ use mamba2_wgpu::reference::{ScanDims, ScanInputs, scan_chunked};
 use mamba2_wgpu::sampling::uniform;
 
 use GemmOutput::{Add, Store};
-use WeightFormat::{BF16, F16, F32, Q4_0, Q4_K, Q6_K, Q8_0};
+use WeightFormat::{BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
 
 // ---------------------------------------------------------------------------------------
 // The table
@@ -144,7 +144,7 @@ const GEMMS: &[GemmShape] = &[
         k: 768,
         ys: 3352,
         out: Store,
-        formats: &[F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K],
+        formats: &[F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K],
         cap: 100,
         blocks: &[100, 37],
     },
@@ -154,7 +154,7 @@ const GEMMS: &[GemmShape] = &[
         k: 1536,
         ys: 768,
         out: Add,
-        formats: &[F32, F16, Q8_0, Q4_K, Q6_K],
+        formats: &[F32, F16, Q8_0, Q4_K, Q5_K, Q6_K],
         cap: 100,
         blocks: &[100, 37],
     },

@@ -115,12 +115,14 @@ pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64)
     ((max_binding / per_expert.max(1)) as usize).clamp(1, m.stored_experts())
 }
 
-/// The format of MoE expert banks: the model's, but q8_0 for the 4/6-bit formats and f16
+/// The format of MoE expert banks: the model's, but q8_0 for the 4/5/6-bit formats and f16
 /// for bf16 (the expert GEMV reads f32, f16 and q8_0).
 pub fn expert_format(format: WeightFormat) -> WeightFormat {
     match format {
         WeightFormat::BF16 => WeightFormat::F16,
-        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q6_K => WeightFormat::Q8_0,
+        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K => {
+            WeightFormat::Q8_0
+        }
         f => f,
     }
 }

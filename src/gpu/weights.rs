@@ -40,6 +40,16 @@ impl DeviceMatrix {
         self.data.size() + self.scales.as_ref().map_or(0, |s| s.size())
     }
 
+    /// The WGSL flags selecting this format: its own, and `W_BLOCK` for the 4/5/6-bit
+    /// block formats (whose weights `block_quant.wgsl`'s `bq_weights8` reads).
+    pub fn flags(&self) -> Vec<&'static str> {
+        let mut f = vec![self.flag()];
+        if self.format.reads_q8() && self.format != WeightFormat::Q8_0 {
+            f.push("W_BLOCK");
+        }
+        f
+    }
+
     /// The WGSL flag selecting this format.
     pub fn flag(&self) -> &'static str {
         match self.format {
@@ -49,6 +59,7 @@ impl DeviceMatrix {
             WeightFormat::Q8_0 => "W_Q8",
             WeightFormat::Q4_0 => "W_Q4_0",
             WeightFormat::Q4_K => "W_Q4_K",
+            WeightFormat::Q5_K => "W_Q5_K",
             WeightFormat::Q6_K => "W_Q6_K",
         }
     }

@@ -1,5 +1,5 @@
-//! ggml's reference block quantizers for the 4- and 6-bit formats the GPU holds (Q4_0,
-//! Q4_K, Q6_K), producing the block bytes GGUF files store (layouts in `ggml`). The rules
+//! ggml's reference block quantizers for the 4-, 5- and 6-bit formats the GPU holds (Q4_0,
+//! Q4_K, Q5_K, Q6_K), producing the block bytes GGUF files store (layouts in `ggml`). The rules
 //! are llama.cpp's `quantize_row_*_ref` (ggml-quants.c), followed step by step so a matrix
 //! quantized here equals what `llama-quantize` (no importance matrix) writes for the same
 //! f32 values; `tests/gguf.rs` checks that against llama-quantize's own output.
@@ -19,7 +19,7 @@ fn nearest_int(x: f32) -> i32 {
 const GROUP_MAX_EPS: f32 = 1e-15;
 
 /// One row (a whole number of `ty`'s blocks) quantized to `ty`'s block bytes, appended to
-/// `out`. `ty` must be Q4_0, Q4_K, Q6_K or Q8_0.
+/// `out`. `ty` must be Q4_0, Q4_K, Q5_K, Q6_K or Q8_0.
 pub fn quantize_row(ty: GgmlType, row: &[f32], out: &mut Vec<u8>) {
     let (per, _) = ty.block();
     debug_assert!(row.len().is_multiple_of(per));
@@ -27,6 +27,7 @@ pub fn quantize_row(ty: GgmlType, row: &[f32], out: &mut Vec<u8>) {
         match ty {
             GgmlType::Q4_0 => q4_0_block(x.try_into().unwrap(), out),
             GgmlType::Q4_K => q4_k_block(x.try_into().unwrap(), out),
+            GgmlType::Q5_K => q5_k_block(x.try_into().unwrap(), out),
             GgmlType::Q6_K => q6_k_block(x.try_into().unwrap(), out),
             GgmlType::Q8_0 => {
                 let (d, q) = super::quant::quantize_block(x.try_into().unwrap());
@@ -54,10 +55,40 @@ fn q4_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
     out.extend((0..16).map(|j| q(x[j]) | q(x[j + 16]) << 4));
 }
 
-/// ggml's `make_qkx2_quants` for a 32-value sub-block with weights `w` (nmax 15, rmin −1,
-/// rdelta 0.1, 20 steps, squared error): levels into `l`, returns `(scale, −min)`.
-fn make_qkx2(x: &[f32], w: &[f32], l: &mut [u8]) -> (f32, f32) {
-    let (nmax, rmin, rdelta, nstep) = (15i32, -1.0f32, 0.1f32, 20);
+/// The search parameters of ggml's `make_qkx2_quants` for a k-quant with levels 0…nmax.
+#[derive(Clone, Copy)]
+struct Qkx2 {
+    nmax: i32,
+    rmin: f32,
+    rdelta: f32,
+    nstep: i32,
+}
+
+/// Q4_K's (`quantize_row_q4_K_ref`).
+const Q4_K_SEARCH: Qkx2 = Qkx2 {
+    nmax: 15,
+    rmin: -1.0,
+    rdelta: 0.1,
+    nstep: 20,
+};
+
+/// Q5_K's (`quantize_row_q5_K_ref`).
+const Q5_K_SEARCH: Qkx2 = Qkx2 {
+    nmax: 31,
+    rmin: -0.5,
+    rdelta: 0.1,
+    nstep: 15,
+};
+
+/// ggml's `make_qkx2_quants` for a 32-value sub-block with weights `w` (squared error):
+/// levels into `l`, returns `(scale, −min)`.
+fn make_qkx2(p: Qkx2, x: &[f32], w: &[f32], l: &mut [u8]) -> (f32, f32) {
+    let Qkx2 {
+        nmax,
+        rmin,
+        rdelta,
+        nstep,
+    } = p;
     let n = x.len();
     let (mut min, mut max) = (x[0], x[0]);
     let mut sum_w = w[0];
@@ -122,10 +153,38 @@ fn make_qkx2(x: &[f32], w: &[f32], l: &mut [u8]) -> (f32, f32) {
     (scale, -min)
 }
 
-/// Q4_K: eight 32-value sub-blocks, each `make_qkx2` with weights `rms + |x|`; their scales
-/// and mins quantized to 6 bits against the largest (`d = max_scale/63`,
-/// `dmin = max_min/63`), then the levels recomputed against the stored scales.
+/// Q4_K: `d dmin scales[12]` then the levels as nibbles (`kx_levels`).
 fn q4_k_block(x: &[f32; 256], out: &mut Vec<u8>) {
+    let (head, levels) = kx_levels(Q4_K_SEARCH, x);
+    out.extend(head);
+    for j in (0..256).step_by(64) {
+        out.extend((0..32).map(|l| levels[j + l] | levels[j + l + 32] << 4));
+    }
+}
+
+/// Q5_K: `d dmin scales[12]`, then `qh[32]` (bit 2i/2i+1 of byte l: the fifth bit of value l
+/// of the i-th 64-value pair of sub-blocks), then the low nibbles as Q4_K lays them out.
+fn q5_k_block(x: &[f32; 256], out: &mut Vec<u8>) {
+    let (head, levels) = kx_levels(Q5_K_SEARCH, x);
+    out.extend(head);
+    let mut qh = [0u8; 32];
+    let mut qs = Vec::with_capacity(128);
+    for (i, j) in (0..256).step_by(64).enumerate() {
+        for l in 0..32 {
+            let (a, b) = (levels[j + l], levels[j + l + 32]);
+            qh[l] |= (a >> 4) << (2 * i) | (b >> 4) << (2 * i + 1);
+            qs.push((a & 0xf) | (b & 0xf) << 4);
+        }
+    }
+    out.extend(qh);
+    out.extend(qs);
+}
+
+/// The Q4_K/Q5_K rule: eight 32-value sub-blocks, each `make_qkx2` with weights
+/// `rms + |x|`; their scales and mins quantized to 6 bits against the largest
+/// (`d = max_scale/63`, `dmin = max_min/63`), then the levels (0…nmax) recomputed against
+/// the stored scales. Returns the 16 header bytes `d dmin scales[12]` and the levels.
+fn kx_levels(p: Qkx2, x: &[f32; 256]) -> ([u8; 16], [u8; 256]) {
     let mut levels = [0u8; 256];
     let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
     let (mut max_scale, mut max_min) = (0f32, 0f32);
@@ -140,7 +199,7 @@ fn q4_k_block(x: &[f32; 256], out: &mut Vec<u8>) {
         for (wi, v) in w.iter_mut().zip(xs) {
             *wi = av + v.abs();
         }
-        let (s, m) = make_qkx2(xs, &w, &mut levels[32 * j..32 * j + 32]);
+        let (s, m) = make_qkx2(p, xs, &w, &mut levels[32 * j..32 * j + 32]);
         scales[j] = s;
         mins[j] = m;
         if s > max_scale {
@@ -179,15 +238,14 @@ fn q4_k_block(x: &[f32; 256], out: &mut Vec<u8>) {
         }
         let dm = dmin.to_f32() * m as f32;
         for i in 0..32 {
-            levels[32 * j + i] = nearest_int((x[32 * j + i] + dm) / dl).clamp(0, 15) as u8;
+            levels[32 * j + i] = nearest_int((x[32 * j + i] + dm) / dl).clamp(0, p.nmax) as u8;
         }
     }
-    out.extend(d.to_le_bytes());
-    out.extend(dmin.to_le_bytes());
-    out.extend(sc);
-    for j in (0..256).step_by(64) {
-        out.extend((0..32).map(|l| levels[j + l] | levels[j + l + 32] << 4));
-    }
+    let mut head = [0u8; 16];
+    head[..2].copy_from_slice(&d.to_le_bytes());
+    head[2..4].copy_from_slice(&dmin.to_le_bytes());
+    head[4..].copy_from_slice(&sc);
+    (head, levels)
 }
 
 /// Scale and min of sub-block `j` from a k-quant's 12 scale bytes (ggml's
@@ -334,6 +392,7 @@ mod tests {
         for (ty, step) in [
             (GgmlType::Q4_0, 1.0 / 7.0),
             (GgmlType::Q4_K, 1.0 / 12.0),
+            (GgmlType::Q5_K, 1.0 / 24.0),
             (GgmlType::Q6_K, 1.0 / 28.0),
         ] {
             let back = round_trip(ty, &x);
@@ -349,7 +408,12 @@ mod tests {
             }
         }
         // All-zero input stays zero in every format.
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ] {
             assert!(round_trip(ty, &[0.0; 256]).iter().all(|v| *v == 0.0));
         }
     }

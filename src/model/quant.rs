@@ -5,11 +5,12 @@
 //! - q8_0: `kp = ceil(K/32)·32`; 32-weight blocks, `w = d·q` with `d = max|w|/127` stored as
 //!   f16 and `q = round(w/d)` (ggml's rule), int8 packed four per u32; scales in their own
 //!   array, two f16 per u32, block `b` of row `r` at index `r·kp/32 + b`.
-//! - q4_0, q4_k, q6_k: ggml's blocks (`ggml` has their layouts) as GGUF stores them, each
-//!   split in two so the kernels load the bulk with aligned 16-byte reads: `data` holds the
-//!   quants (q4_0: the 16 `qs` bytes; q4_k: the 128 `qs` bytes; q6_k: `ql[128] qh[64]`),
-//!   `scales` the rest (q4_0: `d`, two per u32 as for q8_0; q4_k: `d dmin scales[12]`,
-//!   16 bytes; q6_k: `scales[16] d` and two zero bytes, 20 bytes). `kp` is a whole number
+//! - q4_0, q4_k, q5_k, q6_k: ggml's blocks (`ggml` has their layouts) as GGUF stores them,
+//!   each split in two so the kernels load the bulk with aligned 16-byte reads: `data` holds
+//!   the quants (q4_0: the 16 `qs` bytes; q4_k: the 128 `qs` bytes; q5_k: `qs[128]` then
+//!   `qh[32]`; q6_k: `ql[128] qh[64]`), `scales` the rest (q4_0: `d`, two per u32 as for
+//!   q8_0; q4_k and q5_k: `d dmin scales[12]`, 16 bytes; q6_k: `scales[16] d` and two zero
+//!   bytes, 20 bytes). `kp` is a whole number
 //!   of blocks (32 or 256), padded with zeros; a GGUF's blocks go up byte for byte.
 //!
 //! Every weight is checked for NaN and ±Inf on its way to a device, inside the conversion
@@ -34,17 +35,19 @@ pub enum WeightFormat {
     Q8_0,
     Q4_0,
     Q4_K,
+    Q5_K,
     Q6_K,
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 7] = [
+    pub const ALL: [WeightFormat; 8] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::BF16,
         WeightFormat::Q8_0,
         WeightFormat::Q4_0,
         WeightFormat::Q4_K,
+        WeightFormat::Q5_K,
         WeightFormat::Q6_K,
     ];
 
@@ -56,6 +59,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q4_0 => "q4_0",
             WeightFormat::Q4_K => "q4_k",
+            WeightFormat::Q5_K => "q5_k",
             WeightFormat::Q6_K => "q6_k",
         }
     }
@@ -67,6 +71,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 => Some(GgmlType::Q8_0),
             WeightFormat::Q4_0 => Some(GgmlType::Q4_0),
             WeightFormat::Q4_K => Some(GgmlType::Q4_K),
+            WeightFormat::Q5_K => Some(GgmlType::Q5_K),
             WeightFormat::Q6_K => Some(GgmlType::Q6_K),
         }
     }
@@ -95,6 +100,7 @@ impl WeightFormat {
             WeightFormat::Q8_0 => (32, 2),
             WeightFormat::Q4_0 => (16, 2),
             WeightFormat::Q4_K => (128, 16),
+            WeightFormat::Q5_K => (160, 16),
             WeightFormat::Q6_K => (192, 20),
         }
     }
@@ -114,7 +120,11 @@ impl WeightFormat {
     /// back to a 32-value block type for such rows.
     pub fn for_cols(self, k: usize) -> WeightFormat {
         match self {
-            WeightFormat::Q4_K | WeightFormat::Q6_K if !k.is_multiple_of(256) => WeightFormat::Q8_0,
+            WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K
+                if !k.is_multiple_of(256) =>
+            {
+                WeightFormat::Q8_0
+            }
             f => f,
         }
     }
@@ -142,9 +152,10 @@ impl std::str::FromStr for WeightFormat {
             "q8_0" | "q8" => Ok(WeightFormat::Q8_0),
             "q4_0" => Ok(WeightFormat::Q4_0),
             "q4_k" | "q4_K" => Ok(WeightFormat::Q4_K),
+            "q5_k" | "q5_K" => Ok(WeightFormat::Q5_K),
             "q6_k" | "q6_K" => Ok(WeightFormat::Q6_K),
             _ => Err(format!(
-                "`{s}`: expected f32, f16, bf16, q8_0, q6_k, q4_k or q4_0"
+                "`{s}`: expected f32, f16, bf16, q8_0, q6_k, q5_k, q4_k or q4_0"
             )),
         }
     }
@@ -330,7 +341,7 @@ fn pack_rows(
                 bytemuck::cast_slice(&d).to_vec(),
             )
         }
-        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q6_K => {
+        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K => {
             let ty = format.ggml().expect("a quantized format");
             let (per, bytes) = ty.block();
             let (mut data, mut scales) = (Vec::new(), Vec::new());
@@ -369,7 +380,7 @@ fn pack_rows(
 fn scales_finite(ty: GgmlType, block: &[u8]) -> bool {
     let h = |at: usize| f16::from_le_bytes([block[at], block[at + 1]]).is_finite();
     match ty {
-        GgmlType::Q4_K => h(0) && h(2),
+        GgmlType::Q4_K | GgmlType::Q5_K => h(0) && h(2),
         GgmlType::Q6_K => h(208),
         _ => h(0),
     }
@@ -385,6 +396,11 @@ fn split_block(format: WeightFormat, block: &[u8], data: &mut Vec<u8>, scales: &
         WeightFormat::Q4_K => {
             scales.extend_from_slice(&block[..16]);
             data.extend_from_slice(&block[16..]);
+        }
+        WeightFormat::Q5_K => {
+            scales.extend_from_slice(&block[..16]);
+            data.extend_from_slice(&block[48..176]);
+            data.extend_from_slice(&block[16..48]);
         }
         WeightFormat::Q6_K => {
             data.extend_from_slice(&block[..192]);
@@ -403,6 +419,7 @@ fn join_block(p: &Packed, i: usize) -> Vec<u8> {
     let (data, sc) = (&p.data[i * d..(i + 1) * d], &p.scales[i * s..(i + 1) * s]);
     match p.format {
         WeightFormat::Q6_K => [data, &sc[..18]].concat(),
+        WeightFormat::Q5_K => [sc, &data[128..], &data[..128]].concat(),
         _ => [sc, data].concat(),
     }
 }

@@ -27,7 +27,7 @@ fn dispatch(
         ("KP", Const::U32(table.kp as u32)),
         ("SCALE", Const::F32(scale)),
     ];
-    let mut flags = vec![table.flag()];
+    let mut flags = table.flags();
     if tokens > 1 {
         flags.push("PROMPT");
     }

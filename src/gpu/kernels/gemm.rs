@@ -59,7 +59,8 @@ pub fn gemm(
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
     };
-    let mut flags = vec![w.flag(), out];
+    let mut flags = w.flags();
+    flags.push(out);
     if coop {
         flags.extend(super::gemm_coop::extra_flag(w));
     }
@@ -132,7 +133,8 @@ pub fn expert_gemm(
         ("NE", u(bank.count)),
         ("NONE", Const::U32(u32::MAX)),
     ];
-    let mut flags = vec![w.flag(), "O_STORE", "GROUPED"];
+    let mut flags = w.flags();
+    flags.extend(["O_STORE", "GROUPED"]);
     let mut entries = w.bindings();
     entries.extend([(2, x), (3, y), (5, sorted.tile_expert)]);
     match sorted.gather {

@@ -2,7 +2,7 @@
 //! group norm folded into its input (`Group`) and the epilogues the decode graph needs
 //! (residual add, conv + dt). Shapes: f32 input `src [KP]` (zero past K) for f32/f16/bf16
 //! weights, q8 blocks `xq [KP/4]`, `xd [KP/32]` for the quantized formats (q8_0, q4_0,
-//! q4_k, q6_k: integer dot products of their quants with the q8 values); `dst [M]`;
+//! q4_k, q5_k, q6_k: integer dot products of their quants with the q8 values); `dst [M]`;
 //! `part [G·blocks_per_group]` per-block Σv².
 
 use super::{Dispatch, Kernels, Label, Section, check_len, finite, grid};
@@ -108,14 +108,15 @@ impl<'a> GemvBuffers<'a> {
     }
 }
 
-/// Weights per step of a lane: one 16-byte load of f32/f16/q8_0 values, one 16-byte load
-/// of q4_0/q4_k quants (32 nibbles), three of q6_k (`ql` ×2 and `qh`: 64 values).
+/// Weights per step of a lane: one 16-byte load of f32/f16/bf16/q8_0 values, one 16-byte
+/// load of q4_0/q4_k quants (32 nibbles; q5_k adds one of `qh`), three of q6_k (`ql` ×2 and
+/// `qh`: 64 values).
 pub fn vector_width(format: WeightFormat) -> usize {
     match format {
         WeightFormat::F32 => 4,
         WeightFormat::F16 | WeightFormat::BF16 => 8,
         WeightFormat::Q8_0 => 16,
-        WeightFormat::Q4_0 | WeightFormat::Q4_K => 32,
+        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K => 32,
         WeightFormat::Q6_K => 64,
     }
 }
@@ -158,7 +159,7 @@ pub fn gemv(
         ("KP", u(w.kp)),
     ];
     consts.extend(team_consts);
-    let mut flags = vec![w.flag()];
+    let mut flags = w.flags();
     flags.extend(team_flags);
     let mut entries = w.bindings();
     if w.format.reads_q8() {
