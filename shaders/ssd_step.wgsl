@@ -9,7 +9,11 @@
 
 @group(0) @binding(0) var<storage, read> mix: array<f32>;
 @group(0) @binding(1) var<storage, read> params: array<f32>;
+#if VEC4
+@group(0) @binding(2) var<storage, read_write> state: array<vec4<f32>>;
+#else
 @group(0) @binding(2) var<storage, read_write> state: array<f32>;
+#endif
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 #if GATED
 @group(0) @binding(4) var<storage, read_write> part: array<f32>;
@@ -37,6 +41,20 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let bbase = DI + DI + g * N;
     let cbase = DI + DI + G * N + g * N;
     var acc = 0.0;
+#if VEC4
+    // Four consecutive state columns per lane and step: one 16-byte load and store.
+    for (var n4 = lane; n4 < N / 4u; n4 += TEAM) {
+        let n = 4u * n4;
+        let idx = c * (N / 4u) + n4;
+        let bv = vec4<f32>(mix[bbase + n], mix[bbase + n + 1u], mix[bbase + n + 2u], mix[bbase + n + 3u]);
+        let cv = vec4<f32>(mix[cbase + n], mix[cbase + n + 1u], mix[cbase + n + 2u], mix[cbase + n + 3u]);
+        let s = alpha * state[idx] + dx * bv;
+        if (live) {
+            state[idx] = s;
+        }
+        acc += dot(cv, s);
+    }
+#else
     for (var n = lane; n < N; n += TEAM) {
         let idx = c * N + n;
         let s = alpha * state[idx] + dx * mix[bbase + n];
@@ -45,6 +63,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         }
         acc += mix[cbase + n] * s;
     }
+#endif
     let out = team_sum(acc, lid) + params[D_OFF + h] * xv;
 #if GATED
     let v = out * silu(mix[c]);

@@ -441,9 +441,11 @@ fn conv_step_and_fused_mixer_epilogue() {
 fn ssd_step_plain_and_gated() {
     let Some(g) = Gpu::new() else { return };
     // (heads, head dim, groups, state): a head dim that is not a power of two, blocks that
-    // span heads, N not a multiple of the team, and a 32-channel-block case with q8 output.
+    // span heads, N not a multiple of the team, N not a multiple of 4 (scalar state loads),
+    // and a 32-channel-block case with q8 output.
     for (heads, p, groups, n) in [
         (4, 6, 2, 12),
+        (3, 8, 1, 13),
         (6, 64, 3, 16),
         (2, 5, 1, 40),
         (4, 24, 2, 128),

@@ -64,10 +64,13 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
     )?;
     check_len(&format!("{name}: y"), b.y, c.d_inner)?;
     let cb = c.block();
-    // A row's team: up to 32 lanes (a warp reads a whole row of N = 128 contiguously),
-    // no more than the state columns, within the device's workgroup size.
+    // A row's team: up to 32 lanes (a warp reads a whole row of N = 128 contiguously, four
+    // columns per lane when N is a multiple of 4), no more than the state columns (or
+    // groups of four), within the device's workgroup size.
+    let vec4 = c.d_state.is_multiple_of(4);
+    let columns = if vec4 { c.d_state / 4 } else { c.d_state };
     let team = 32
-        .min(c.d_state.next_power_of_two())
+        .min(columns.next_power_of_two())
         .min(k.max_workgroup() as usize / cb)
         .max(1);
     let u = |v: usize| Const::U32(v as u32);
@@ -88,6 +91,9 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
     ];
     consts.extend(team_consts);
     let mut flags = team_flags;
+    if vec4 {
+        flags.push("VEC4");
+    }
     let mut entries = vec![
         (0, b.mix),
         (1, b.params),
