@@ -269,8 +269,8 @@ pub fn unfit(
 }
 
 /// `pack`, and the index in `values` of the first value whose stored form is not finite
-/// (f16 overflow; for q8_0 the largest |w| of a block whose scale overflows). The check is
-/// folded into the conversion loop and costs nothing for f32.
+/// (f16 or bf16 overflow; for the block formats the largest |w| of a block whose f16 scale
+/// overflows). The check is folded into the conversion loop and costs nothing for f32.
 fn pack_rows(
     format: WeightFormat,
     values: &[f32],
@@ -314,34 +314,12 @@ fn pack_rows(
             overflow = values.iter().position(|v| !bf16::from_f32(*v).is_finite());
             (bytemuck::cast_slice(&out).to_vec(), Vec::new())
         }
-        WeightFormat::Q8_0 => {
-            let mut q = vec![0i8; rows * kp];
-            let mut d = vec![f16::ZERO; rows * kp / 32];
-            let mut block = [0f32; 32];
-            for r in 0..rows {
-                for b in 0..kp / 32 {
-                    for (j, slot) in block.iter_mut().enumerate() {
-                        *slot = row(r).get(b * 32 + j).copied().unwrap_or(0.0);
-                    }
-                    let (scale, qs) = quantize_block(&block);
-                    d[r * kp / 32 + b] = scale;
-                    q[r * kp + b * 32..r * kp + b * 32 + 32].copy_from_slice(&qs);
-                }
-            }
-            // A scale that overflowed f16 (one value per block: a cheap look afterwards).
-            if let Some(i) = d.iter().position(|s| !s.is_finite()) {
-                let (r, b) = (i / (kp / 32), i % (kp / 32));
-                let block = &row(r)[b * 32..((b + 1) * 32).min(cols)];
-                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let j = block.iter().position(|v| v.abs() == amax).unwrap_or(0);
-                overflow = Some(r * cols + b * 32 + j);
-            }
-            (
-                bytemuck::cast_slice(&q).to_vec(),
-                bytemuck::cast_slice(&d).to_vec(),
-            )
-        }
-        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K => {
+        WeightFormat::Q8_0
+        | WeightFormat::Q4_0
+        | WeightFormat::Q4_K
+        | WeightFormat::Q5_K
+        | WeightFormat::Q6_K => {
+            // ggml's block bytes (q8_0's rule is `quantize_block`), split for the device.
             let ty = format.ggml().expect("a quantized format");
             let (per, bytes) = ty.block();
             let (mut data, mut scales) = (Vec::new(), Vec::new());
@@ -511,7 +489,7 @@ pub fn repack_ggml(format: WeightFormat, parts: &[&Tensor]) -> Packed {
 /// Dequantizes a packed matrix back to `[rows, cols]` f32 (what the kernels compute with).
 pub fn unpack(p: &Packed) -> Vec<f32> {
     let mut out = Vec::with_capacity(p.rows * p.cols);
-    if let (Some(ty), false) = (p.format.ggml(), p.format == WeightFormat::Q8_0) {
+    if let Some(ty) = p.format.ggml() {
         let per_row = p.kp / ty.block().0;
         let mut row = Vec::with_capacity(p.kp);
         for r in 0..p.rows {
@@ -530,10 +508,6 @@ pub fn unpack(p: &Packed) -> Vec<f32> {
                 WeightFormat::F32 => bytemuck::cast_slice::<u8, f32>(&p.data)[i],
                 WeightFormat::F16 => bytemuck::cast_slice::<u8, f16>(&p.data)[i].to_f32(),
                 WeightFormat::BF16 => bytemuck::cast_slice::<u8, bf16>(&p.data)[i].to_f32(),
-                WeightFormat::Q8_0 => {
-                    let q = bytemuck::cast_slice::<u8, i8>(&p.data)[i] as f32;
-                    q * bytemuck::cast_slice::<u8, f16>(&p.scales)[r * p.kp / 32 + c / 32].to_f32()
-                }
                 _ => unreachable!("block formats are dequantized above"),
             });
         }
