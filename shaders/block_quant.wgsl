@@ -1,37 +1,28 @@
-// bf16 (W_BF16: binding 0 and `bf16x2`), and the 4-, 5- and 6-bit block formats (W_BLOCK)
-// in the device layout `model::quant` describes (ggml's blocks split into quants and
-// scales): bindings 0 (quants, 16-byte vectors) and 1 (scales), and `bq_weights8`, eight
+// The pair decoder `half2` of the 16-bit float formats (W_HALF: W_F16 or W_BF16; their
+// binding is the including shader's), and the 4-, 5- and 6-bit block formats (W_BLOCK) in
+// the device layout `model::quant` describes (ggml's blocks split into quants and scales):
+// bindings 0 (quants, 16-byte vectors) and 1 (scales), and `bq_weights8`, eight
 // consecutive weights of a row dequantized the way ggml does (what the GEMM tiles and the
 // embedding gather read; the GEMV takes integer dot products instead). Needs KP (a whole
 // number of blocks).
 //   W_Q4_0: 32-value blocks; data 16 B (value j = nibble j/16 of byte j%16, d·(q−8));
 //           scales: d, two f16 per word.
-//   W_Q4_K: 256-value superblocks; data qs[128] (sub-block s = nibble s%2 of bytes
-//           32·(s/2)…+32), scales one 16-byte vector: d|dmin, then 12 bytes of 6-bit
-//           scales and mins (bound as vec4 words).
-//   W_Q5_K: as W_Q4_K, with qh[32] after qs (bit j of byte l: the fifth bit of value l of
-//           sub-block j): data 40 words per superblock.
+//   W_K4 (W_Q4_K, W_Q5_K): 256-value superblocks; data qs[128] (sub-block s = nibble
+//           s%2 of bytes 32·(s/2)…+32), for W_Q5_K then qh[32] (bit s of byte l: the fifth
+//           bit of value l of sub-block s); scales one 16-byte vector: d|dmin, then 12
+//           bytes of 6-bit scales and mins (bound as vec4 words).
 //   W_Q6_K: 256-value superblocks; data ql[128] qh[64] (48 words), scales 5 words:
 //           sixteen i8 scales, then d.
 
-// (scale, min) of sub-block j of superblock scales `s` (ggml's get_scale_min_k4, on words:
-// bytes 0…3 hold the low 6 bits of scales 0…3, bytes 4…7 of mins 0…3; sub-blocks 4…7 take
-// their low 4 bits from bytes 8…11 and their top 2 from the top bits of bytes 0…7).
-fn k4_scale_min(s: vec4<u32>, j: u32) -> vec2<f32> {
-    let i = 8u * (j % 4u);
-    let lo = vec2<u32>((s.y >> i) & 63u, (s.z >> i) & 63u);
-    let b = s.w >> i;
-    let sc = (b & 0xFu) | ((((s.y >> i) >> 6u) & 3u) << 4u);
-    let m = ((b >> 4u) & 0xFu) | ((((s.z >> i) >> 6u) & 3u) << 4u);
-    let hi = vec2<u32>(sc, m);
-    return vec2<f32>(select(hi, lo, j < 4u));
+#if W_F16
+fn half2(u: u32) -> vec2<f32> {
+    return unpack2x16float(u);
 }
+#endif
 
 #if W_BF16
-// bf16: the top half of an f32, two per word (low half first), read as 16-byte vectors.
-@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
-
-fn bf16x2(u: u32) -> vec2<f32> {
+// bf16: the top half of an f32, two per word (low half first).
+fn half2(u: u32) -> vec2<f32> {
     return vec2<f32>(bitcast<f32>(u << 16u), bitcast<f32>(u & 0xFFFF0000u));
 }
 #endif
@@ -54,37 +45,28 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
 }
 #endif
 
-#if W_Q4_K
+#if W_K4
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 // One 16-byte vector per superblock: d|dmin, then the 12 scale bytes.
 @group(0) @binding(1) var<storage, read> ws: array<vec4<u32>>;
 
-fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
-    let sb = row * (KP / 256u) + k0 / 256u;
-    let e = k0 % 256u;
-    let j = e / 32u;
-    let l = e % 32u;
-    let s = ws[sb];
-    let dm = unpack2x16float(s.x);
-    let sm = k4_scale_min(s, j);
-    let dl = dm.x * sm.x;
-    let ml = dm.y * sm.y;
-    // qs bytes 32·(j/2) + l … +8, nibble j%2.
-    let wi = sb * 32u + (32u * (j / 2u) + l) / 4u;
-    let sh = (j % 2u) * 4u;
-    let a = vec4<f32>(unpack4xU8((w[wi / 4u][wi % 4u] >> sh) & 0x0F0F0F0Fu)) * dl - ml;
-    let b = vec4<f32>(unpack4xU8((w[(wi + 1u) / 4u][(wi + 1u) % 4u] >> sh) & 0x0F0F0F0Fu)) * dl - ml;
-    return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
-}
+#if W_Q5_K
+const K4_DV: u32 = 10u; // 16-byte data vectors per superblock: qs, qh
+#else
+const K4_DV: u32 = 8u; // qs
 #endif
 
-#if W_Q5_K
-@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
-// One 16-byte vector per superblock: d|dmin, then the 12 scale bytes (as W_Q4_K).
-@group(0) @binding(1) var<storage, read> ws: array<vec4<u32>>;
-
-fn k5_word(i: u32) -> u32 {
-    return w[i / 4u][i % 4u];
+// (scale, min) of sub-block j of superblock scales `s` (ggml's get_scale_min_k4, on words:
+// bytes 0…3 hold the low 6 bits of scales 0…3, bytes 4…7 of mins 0…3; sub-blocks 4…7 take
+// their low 4 bits from bytes 8…11 and their top 2 from the top bits of bytes 0…7).
+fn k4_scale_min(s: vec4<u32>, j: u32) -> vec2<f32> {
+    let i = 8u * (j % 4u);
+    let lo = vec2<u32>((s.y >> i) & 63u, (s.z >> i) & 63u);
+    let b = s.w >> i;
+    let sc = (b & 0xFu) | ((((s.y >> i) >> 6u) & 3u) << 4u);
+    let m = ((b >> 4u) & 0xFu) | ((((s.z >> i) >> 6u) & 3u) << 4u);
+    let hi = vec2<u32>(sc, m);
+    return vec2<f32>(select(hi, lo, j < 4u));
 }
 
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
@@ -97,12 +79,16 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let sm = k4_scale_min(s, j);
     let dl = dm.x * sm.x;
     let ml = dm.y * sm.y;
-    // qs bytes 32·(j/2) + l … +8, nibble j%2; qh bytes l … +8, bit j.
-    let qs = sb * 40u + (32u * (j / 2u) + l) / 4u;
-    let qh = sb * 40u + 32u + l / 4u;
+    // qs bytes 32·(j/2) + l … +8, nibble j%2 (W_Q5_K: qh bytes l … +8, bit j).
+    let qs = sb * 4u * K4_DV + (32u * (j / 2u) + l) / 4u;
     let sh = (j % 2u) * 4u;
-    let qa = ((k5_word(qs) >> sh) & 0x0F0F0F0Fu) | (((k5_word(qh) >> j) & 0x01010101u) << 4u);
-    let qb = ((k5_word(qs + 1u) >> sh) & 0x0F0F0F0Fu) | (((k5_word(qh + 1u) >> j) & 0x01010101u) << 4u);
+    var qa = (bq_word(qs) >> sh) & 0x0F0F0F0Fu;
+    var qb = (bq_word(qs + 1u) >> sh) & 0x0F0F0F0Fu;
+#if W_Q5_K
+    let qh = sb * 4u * K4_DV + 32u + l / 4u;
+    qa |= ((bq_word(qh) >> j) & 0x01010101u) << 4u;
+    qb |= ((bq_word(qh + 1u) >> j) & 0x01010101u) << 4u;
+#endif
     let a = vec4<f32>(unpack4xU8(qa)) * dl - ml;
     let b = vec4<f32>(unpack4xU8(qb)) * dl - ml;
     return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
@@ -119,10 +105,6 @@ fn k6_scale(sb: u32, i: u32) -> f32 {
     return f32(bitcast<i32>(b << 24u) >> 24u);
 }
 
-fn k6_word(i: u32) -> u32 {
-    return w[i / 4u][i % 4u];
-}
-
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let sb = row * (KP / 256u) + k0 / 256u;
     let e = k0 % 256u;
@@ -134,10 +116,17 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let ql = sb * 48u + (64u * n + 32u * (t % 2u) + l) / 4u;
     let qh = sb * 48u + 32u + (32u * n + l) / 4u;
     let sh = (t / 2u) * 4u;
-    let qa = ((k6_word(ql) >> sh) & 0x0F0F0F0Fu) | (((k6_word(qh) >> (2u * t)) & 0x03030303u) << 4u);
-    let qb = ((k6_word(ql + 1u) >> sh) & 0x0F0F0F0Fu) | (((k6_word(qh + 1u) >> (2u * t)) & 0x03030303u) << 4u);
+    let qa = ((bq_word(ql) >> sh) & 0x0F0F0F0Fu) | (((bq_word(qh) >> (2u * t)) & 0x03030303u) << 4u);
+    let qb = ((bq_word(ql + 1u) >> sh) & 0x0F0F0F0Fu) | (((bq_word(qh + 1u) >> (2u * t)) & 0x03030303u) << 4u);
     let a = (vec4<f32>(unpack4xU8(qa)) - 32.0) * d;
     let b = (vec4<f32>(unpack4xU8(qb)) - 32.0) * d;
     return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+}
+#endif
+
+#if W_BLOCK
+// Word i of the quants.
+fn bq_word(i: u32) -> u32 {
+    return w[i / 4u][i % 4u];
 }
 #endif

@@ -8,7 +8,7 @@
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<f32>;
 #endif
-#if W_F16
+#if W_HALF
 @group(0) @binding(0) var<storage, read> w: array<u32>;
 #endif
 #if W_Q8
@@ -40,12 +40,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 #if W_F32
     resid[i] = SCALE * w[row * KP + k];
 #endif
-#if W_F16
-    resid[i] = SCALE * unpack2x16float(w[(row * KP + k) / 2u])[k % 2u];
-#endif
-#if W_BF16
-    let e = (row * KP + k) / 2u;
-    resid[i] = SCALE * bf16x2(w[e / 4u][e % 4u])[k % 2u];
+#if W_HALF
+    resid[i] = SCALE * half2(w[(row * KP + k) / 2u])[k % 2u];
 #endif
 #if W_BLOCK
     let e = bq_weights8(row, k - k % 8u);

@@ -16,7 +16,7 @@
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
 #endif
-#if W_F16
+#if W_HALF
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 #endif
 #if W_Q8
@@ -51,20 +51,12 @@ fn weights8(row: u32, k0: u32) -> array<f32, 8> {
     let b = w[(row * KP + k0) / 4u + 1u];
     o = array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
 #endif
-#if W_F16
+#if W_HALF
     let v = w[(row * KP + k0) / 8u];
-    let p0 = unpack2x16float(v.x);
-    let p1 = unpack2x16float(v.y);
-    let p2 = unpack2x16float(v.z);
-    let p3 = unpack2x16float(v.w);
-    o = array<f32, 8>(p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y);
-#endif
-#if W_BF16
-    let v = w[(row * KP + k0) / 8u];
-    let p0 = bf16x2(v.x);
-    let p1 = bf16x2(v.y);
-    let p2 = bf16x2(v.z);
-    let p3 = bf16x2(v.w);
+    let p0 = half2(v.x);
+    let p1 = half2(v.y);
+    let p2 = half2(v.z);
+    let p3 = half2(v.w);
     o = array<f32, 8>(p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y);
 #endif
 #if W_BLOCK

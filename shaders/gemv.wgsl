@@ -7,18 +7,15 @@
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
 // (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
 // 6-bit ones as 4·(q−32).
-// Flags: W_F32 | W_F16 | W_BF16 | W_Q8 | W_Q4_0 | W_Q4_K | W_Q5_K | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
+// Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
 const VW: u32 = 4u;
 #endif
-#if W_F16
+#if W_HALF
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
-const VW: u32 = 8u;
-#endif
-#if W_BF16
 const VW: u32 = 8u;
 #endif
 #if W_Q8
@@ -29,10 +26,7 @@ const VW: u32 = 16u;
 #if W_Q4_0
 const VW: u32 = 32u;
 #endif
-#if W_Q4_K
-const VW: u32 = 32u;
-#endif
-#if W_Q5_K
+#if W_K4
 const VW: u32 = 32u;
 #endif
 #if W_Q6_K
@@ -86,53 +80,34 @@ fn q4_0_unit(row: u32, v: u32) -> f32 {
 }
 #endif
 
-#if W_Q4_K
+#if W_K4
 // 16 quant bytes of a superblock: low nibbles are 16 values of sub-block 2j, high nibbles
-// 16 of sub-block 2j+1 (j = c/2, the half h = c%2 of their 32).
-fn q4_k_unit(row: u32, v: u32) -> f32 {
+// 16 of sub-block 2j+1 (j = c/2, the half h = c%2 of their 32). W_Q5_K adds each value's
+// fifth bit from the superblock's qh bytes 16h…16h+16 (bit 2j for sub-block 2j, 2j+1 for
+// 2j+1): levels 0…31 are still positive int8.
+fn k4_unit(row: u32, v: u32) -> f32 {
     let sb = row * (KP / 256u) + v / 8u;
     let c = v % 8u;
     let j = c / 2u;
     let h = c % 2u;
-    let q = w[row * (KP / 32u) + v];
-    let lo = q & vec4<u32>(0x0F0F0F0Fu);
-    let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
+    let q = w[sb * K4_DV + c];
+    let ones = vec4<u32>(0x01010101u);
+    var lo = q & vec4<u32>(0x0F0F0F0Fu);
+    var hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
+#if W_Q5_K
+    let qh = w[sb * K4_DV + 8u + h];
+    lo |= ((qh >> vec4<u32>(2u * j)) & ones) << vec4<u32>(4u);
+    hi |= ((qh >> vec4<u32>(2u * j + 1u)) & ones) << vec4<u32>(4u);
+#endif
     let b0 = (v / 8u) * 8u + 2u * j;
     let x0 = xq[2u * b0 + h];
     let x1 = xq[2u * b0 + 2u + h];
-    let ones = vec4<u32>(0x01010101u);
     let sv = ws[sb];
     let dm = unpack2x16float(sv.x);
     let s0 = k4_scale_min(sv, 2u * j);
     let s1 = k4_scale_min(sv, 2u * j + 1u);
     let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
     let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
-    return p0 * (xd[b0] * col_scale(b0 * 32u)) + p1 * (xd[b0 + 1u] * col_scale(b0 * 32u + 32u));
-}
-#endif
-
-#if W_Q5_K
-// As q4_k_unit, with each value's fifth bit from the superblock's qh bytes 16h…16h+16
-// (bit 2j for sub-block 2j, 2j+1 for 2j+1): levels 0…31 are still positive int8.
-fn q5_k_unit(row: u32, v: u32) -> f32 {
-    let sb = row * (KP / 256u) + v / 8u;
-    let c = v % 8u;
-    let j = c / 2u;
-    let h = c % 2u;
-    let q = w[sb * 10u + c];
-    let qh = w[sb * 10u + 8u + h];
-    let b1 = vec4<u32>(0x01010101u);
-    let lo = (q & vec4<u32>(0x0F0F0F0Fu)) | (((qh >> vec4<u32>(2u * j)) & b1) << vec4<u32>(4u));
-    let hi = ((q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu)) | (((qh >> vec4<u32>(2u * j + 1u)) & b1) << vec4<u32>(4u));
-    let b0 = (v / 8u) * 8u + 2u * j;
-    let x0 = xq[2u * b0 + h];
-    let x1 = xq[2u * b0 + 2u + h];
-    let sv = ws[sb];
-    let dm = unpack2x16float(sv.x);
-    let s0 = k4_scale_min(sv, 2u * j);
-    let s1 = k4_scale_min(sv, 2u * j + 1u);
-    let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(b1, x0));
-    let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(b1, x1));
     return p0 * (xd[b0] * col_scale(b0 * 32u)) + p1 * (xd[b0 + 1u] * col_scale(b0 * 32u + 32u));
 }
 #endif
@@ -210,11 +185,8 @@ fn main(
 #if W_Q4_0
         acc += q4_0_unit(row, v);
 #endif
-#if W_Q4_K
-        acc += q4_k_unit(row, v);
-#endif
-#if W_Q5_K
-        acc += q5_k_unit(row, v);
+#if W_K4
+        acc += k4_unit(row, v);
 #endif
 #if W_Q6_K
         acc += q6_k_unit(row, v);
@@ -227,19 +199,12 @@ fn main(
         let si = row * (KP / 32u) + blk;
         acc += f32(idot) * (unpack2x16float(ws[si / 2u])[si % 2u] * xd[blk] * col_scale(blk * 32u));
 #endif
-#if W_F16
+#if W_HALF
         let wv = w[base + v];
         let xa = src[2u * v] * col_scale(v * 8u);
         let xb = src[2u * v + 1u] * col_scale(v * 8u + 4u);
-        acc += dot(vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y)), xa)
-            + dot(vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w)), xb);
-#endif
-#if W_BF16
-        let wv = w[base + v];
-        let xa = src[2u * v] * col_scale(v * 8u);
-        let xb = src[2u * v + 1u] * col_scale(v * 8u + 4u);
-        acc += dot(vec4<f32>(bf16x2(wv.x), bf16x2(wv.y)), xa)
-            + dot(vec4<f32>(bf16x2(wv.z), bf16x2(wv.w)), xb);
+        acc += dot(vec4<f32>(half2(wv.x), half2(wv.y)), xa)
+            + dot(vec4<f32>(half2(wv.z), half2(wv.w)), xb);
 #endif
 #if W_F32
         let wv = w[base + v];

@@ -40,12 +40,16 @@ impl DeviceMatrix {
         self.data.size() + self.scales.as_ref().map_or(0, |s| s.size())
     }
 
-    /// The WGSL flags selecting this format: its own, and `W_BLOCK` for the 4/5/6-bit
-    /// block formats (whose weights `block_quant.wgsl`'s `bq_weights8` reads).
+    /// The WGSL flags selecting this format: its own, and the families `block_quant.wgsl`
+    /// serves: `W_HALF` (f16, bf16: `half2`), `W_BLOCK` for the 4/5/6-bit block formats
+    /// (`bq_weights8`), and `W_K4` among them for q4_k and q5_k (one scale layout).
     pub fn flags(&self) -> Vec<&'static str> {
         let mut f = vec![self.flag()];
-        if self.format.reads_q8() && self.format != WeightFormat::Q8_0 {
-            f.push("W_BLOCK");
+        match self.format {
+            WeightFormat::F16 | WeightFormat::BF16 => f.push("W_HALF"),
+            WeightFormat::Q4_K | WeightFormat::Q5_K => f.extend(["W_BLOCK", "W_K4"]),
+            WeightFormat::Q4_0 | WeightFormat::Q6_K => f.push("W_BLOCK"),
+            WeightFormat::F32 | WeightFormat::Q8_0 => {}
         }
         f
     }
