@@ -18,7 +18,7 @@ use mamba2_wgpu::gpu::kernels::{
 };
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::quant::{
-    WeightFormat, pack, q8_0_gemv_reference, quantize_activation_block, unpack,
+    Packed, WeightFormat, pack, q8_0_gemv_reference, quantize_activation_block, unpack,
 };
 use mamba2_wgpu::reference::math::{
     gated_group_rmsnorm, matvec, rmsnorm as ref_rmsnorm, silu, softplus,
@@ -124,6 +124,39 @@ fn dequant(q: &[u32], d: &[f32], n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// `dst = W·x` for a quantized `p` through the GEMV's integer dots: x (zero-padded to the
+/// matrix's KP) goes in as q8 blocks, which are returned.
+fn q8_gemv(
+    g: &Gpu,
+    p: &Packed,
+    x: &[f32],
+    src: &wgpu::Buffer,
+    dst: &wgpu::Buffer,
+) -> (Vec<u32>, Vec<f32>) {
+    let m = DeviceMatrix::upload(g.ctx(), "w", p).unwrap();
+    let mut xp = x.to_vec();
+    xp.resize(p.kp, 0.0);
+    let (q, d) = q8_blocks(&xp);
+    let (qb, db) = (
+        g.ctx()
+            .storage_with("xq", bytemuck::cast_slice(&q))
+            .unwrap(),
+        g.buf(&d),
+    );
+    g.run(
+        &gemv(
+            &g.k,
+            "t",
+            &m,
+            GemvInput::Plain,
+            GemvOutput::Store,
+            gemv_buffers(src, Some((&qb, &db)), dst),
+        )
+        .unwrap(),
+    );
+    (q, d)
+}
+
 fn gemv_buffers<'a>(
     src: &'a wgpu::Buffer,
     q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
@@ -171,25 +204,7 @@ fn gemv_every_format_and_shape() {
         }
         // q8_0: equal to the host's q8_0 dot product (same integer dots) to f32 rounding.
         let p = pack(WeightFormat::Q8_0, &w, rows, cols);
-        let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
-        let (q, d) = q8_blocks(&x);
-        let (qb, db) = (
-            g.ctx()
-                .storage_with("xq", bytemuck::cast_slice(&q))
-                .unwrap(),
-            g.buf(&d),
-        );
-        g.run(
-            &gemv(
-                &g.k,
-                "t",
-                &m,
-                GemvInput::Plain,
-                GemvOutput::Store,
-                gemv_buffers(&src, Some((&qb, &db)), &dst),
-            )
-            .unwrap(),
-        );
+        q8_gemv(&g, &p, &x, &src, &dst);
         let want = q8_0_gemv_reference(&p, &x);
         let got = g.read(&dst, rows);
         let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
@@ -209,27 +224,7 @@ fn gemv_every_format_and_shape() {
             WeightFormat::Q6_K,
         ] {
             let p = pack(format, &w, rows, cols);
-            let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
-            let mut xp = x.clone();
-            xp.resize(p.kp, 0.0);
-            let (q, d) = q8_blocks(&xp);
-            let (qb, db) = (
-                g.ctx()
-                    .storage_with("xq", bytemuck::cast_slice(&q))
-                    .unwrap(),
-                g.buf(&d),
-            );
-            g.run(
-                &gemv(
-                    &g.k,
-                    "t",
-                    &m,
-                    GemvInput::Plain,
-                    GemvOutput::Store,
-                    gemv_buffers(&src, Some((&qb, &db)), &dst),
-                )
-                .unwrap(),
-            );
+            let (q, d) = q8_gemv(&g, &p, &x, &src, &dst);
             let (deq, xd) = (unpack(&p), dequant(&q, &d, cols));
             let got = g.read(&dst, rows);
             for r in 0..rows {

@@ -83,8 +83,8 @@ pub fn mixer_consts(c: &ModelConfig, layout: &ParamLayout) -> MixerConsts {
 /// (4 columns, or a 32-column q8 block for the quantized formats) by one group's 1/rms, so
 /// groups must split into them.
 pub fn fusable(c: &ModelConfig, format: crate::model::quant::WeightFormat) -> bool {
-    let unit = if format.reads_q8() { 32 } else { 4 };
-    c.group_size().is_multiple_of(unit)
+    c.group_size()
+        .is_multiple_of(crate::gpu::kernels::gemv::group_unit(format))
 }
 
 /// One decode token through the layer (after the pre-norm).

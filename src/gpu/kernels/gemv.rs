@@ -121,6 +121,12 @@ pub fn vector_width(format: WeightFormat) -> usize {
     }
 }
 
+/// Input columns the group-norm input scales as one (a 4-wide f32 vector, or a 32-value q8
+/// block for the quantized formats): a group must split into them.
+pub fn group_unit(format: WeightFormat) -> usize {
+    if format.reads_q8() { 32 } else { 4 }
+}
+
 /// Lanes per row: 32, more for matrices with few rows (so enough loads are in flight to
 /// fill the memory system: about 2^18 lanes), fewer for short rows; each lane keeps at
 /// least a few vector loads.
@@ -179,7 +185,7 @@ pub fn gemv(
         eps,
     } = input
     {
-        let vec = if w.format.reads_q8() { 32 } else { 4 };
+        let vec = group_unit(w.format);
         if !group_size.is_multiple_of(vec) {
             return Err(Error::Gpu(format!(
                 "{name}: group size {group_size} is not a multiple of {vec}"
