@@ -22,6 +22,15 @@ pub struct Chat {
     before_last: Option<(Snapshot, Vec<u32>, Option<Finish>, String)>,
 }
 
+/// What a saved chat keeps beside the state (`mamba2.extra` of its file).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SavedChat {
+    messages: Vec<(String, String)>,
+    fed: String,
+    last_finish: Option<Finish>,
+    pending: Option<u32>,
+}
+
 /// One finished reply.
 #[derive(Clone, Debug)]
 pub struct Reply {
@@ -107,6 +116,51 @@ impl Chat {
         let first = self.session.position() == 0;
         ids.extend(self.tokenizer.encode_with(user, first)?);
         Ok(ids)
+    }
+
+    /// The conversation and its state, to write with `state_file::save` (the state is
+    /// read from the device: blocking).
+    pub fn export(&self) -> Result<crate::state_file::SavedState> {
+        let saved = SavedChat {
+            messages: self.messages.clone(),
+            fed: self.fed.clone(),
+            last_finish: self.last_finish,
+            pending: self.session.pending(),
+        };
+        Ok(crate::state_file::SavedState {
+            state: self.session.backend().state()?,
+            tokens: Vec::new(),
+            extra: Some(serde_json::to_string(&saved).map_err(|e| {
+                Error::InvalidInput(format!("the conversation does not serialize: {e}"))
+            })?),
+        })
+    }
+
+    /// Continues the conversation of `saved` (read with `state_file::load`, which checked
+    /// that it belongs to this model); `path` names the file in errors.
+    pub fn import(
+        &mut self,
+        saved: &crate::state_file::SavedState,
+        path: &std::path::Path,
+    ) -> Result<()> {
+        let extra = saved.extra.as_deref().ok_or_else(|| {
+            Error::format(
+                path,
+                "this saved state holds no conversation (field mamba2.extra)",
+            )
+        })?;
+        let chat: SavedChat = serde_json::from_str(extra).map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            field: "mamba2.extra".into(),
+            message: format!("not a saved conversation: {e}"),
+        })?;
+        self.session.load_state(&saved.state, chat.pending)?;
+        self.messages = chat.messages;
+        self.fed = chat.fed;
+        self.last_finish = chat.last_finish;
+        self.before_last = None;
+        self.pending_render.clear();
+        Ok(())
     }
 
     /// Sends a user message and streams the reply's text to `on_text` (return false to
@@ -198,4 +252,33 @@ impl Chat {
             fed: ids.len(),
         })
     }
+}
+
+/// The tokens of a whole conversation rendered from scratch, ending with the cue for the
+/// assistant's reply: what `Chat` feeds turn by turn, in one piece (the server's requests
+/// carry the whole conversation each time; the prefix cache finds what was fed before).
+/// With a template, its rendering with the tokenizer's special tokens unless the template
+/// writes the BOS token itself; without one, the messages as plain text separated by the
+/// end-of-text token, as `Chat` continues a conversation.
+pub fn conversation_tokens(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec<u32>> {
+    if messages.is_empty() {
+        return Err(Error::InvalidInput("the message list is empty".into()));
+    }
+    if let Some(text) = tok.render_chat(messages, true)? {
+        let template_bos = tok
+            .bos_token
+            .as_deref()
+            .is_some_and(|b| !b.is_empty() && text.starts_with(b));
+        return tok.encode_with(&text, !template_bos);
+    }
+    let mut ids = Vec::new();
+    for (i, (_, content)) in messages.iter().enumerate() {
+        if i > 0
+            && let Some(eos) = tok.eos
+        {
+            ids.push(eos);
+        }
+        ids.extend(tok.encode_with(content, i == 0)?);
+    }
+    Ok(ids)
 }

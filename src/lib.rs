@@ -22,11 +22,14 @@ pub mod gguf_tokenizer;
 pub mod gpu;
 pub mod model;
 pub mod perplexity;
+pub mod prefix_cache;
 pub mod progress;
 pub mod reference;
 pub mod sampling;
+pub mod server;
 pub mod session;
 pub mod state;
+pub mod state_file;
 pub mod tokenizer;
 #[cfg(feature = "ui")]
 pub mod ui;

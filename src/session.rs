@@ -38,7 +38,25 @@ pub trait Backend: Send {
     ) -> Result<usize>;
     /// A copy of the state, to restore later.
     fn snapshot(&self) -> Result<Box<dyn Any + Send>>;
+    /// Puts a snapshot back: one this device took, or a `State<f32>` (a saved state; a
+    /// prefix-cache entry in host memory).
     fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()>;
+    /// A snapshot this device took, read to the host (blocking).
+    fn snapshot_state(&self, snapshot: &(dyn Any + Send)) -> Result<State<f32>> {
+        snapshot
+            .downcast_ref::<State<f32>>()
+            .cloned()
+            .ok_or_else(|| Error::InvalidInput("snapshot was taken on another device".into()))
+    }
+    /// Bytes a snapshot of the current state holds on the device (0 where snapshots live
+    /// in host memory).
+    fn snapshot_device_bytes(&self) -> u64 {
+        0
+    }
+    /// Tokens a sequence may hold (the KV caches' rows); `None` without a limit.
+    fn context(&self) -> Option<usize> {
+        None
+    }
     /// The GPU backend behind this device, for front-ends that show timings and state.
     fn gpu(&mut self) -> Option<&mut crate::gpu::GpuBackend> {
         None
@@ -160,6 +178,14 @@ impl Backend for CpuBackend {
     fn state(&self) -> Result<State<f32>> {
         Ok(self.state.clone())
     }
+
+    fn context(&self) -> Option<usize> {
+        self.model
+            .config
+            .attention
+            .is_some()
+            .then_some(self.model.context)
+    }
 }
 
 /// The first row of `rows` holding a NaN or ±Inf logit, if any (a device checks its
@@ -190,7 +216,7 @@ impl Default for GenerateOptions {
 }
 
 /// Why a `generate` call returned.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Finish {
     /// `max_new_tokens` were produced.
     Length,
@@ -352,6 +378,27 @@ impl Session {
         let mut logits = self.backend.prefill_logits(&input)?;
         self.pos += input.len() as u64;
         Ok(logits.split_off(skip))
+    }
+
+    /// The last sampled token, not yet fed (the next `generate` feeds it first).
+    pub fn pending(&self) -> Option<u32> {
+        self.pending
+    }
+
+    /// Continues from a saved state (`state.len` tokens fed) with `pending` sampled and
+    /// not yet fed.
+    pub fn load_state(
+        &mut self,
+        state: &crate::state::State<f32>,
+        pending: Option<u32>,
+    ) -> Result<()> {
+        if let Some(t) = pending {
+            self.check_ids(&[t])?;
+        }
+        self.backend.restore(state)?;
+        self.pos = state.len as u64;
+        self.pending = pending;
+        Ok(())
     }
 
     pub fn snapshot(&self) -> Result<Snapshot> {

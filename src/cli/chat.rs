@@ -2,14 +2,16 @@
 //! feeds only its new tokens; /regen redoes the last reply from a state snapshot.
 
 use std::io::{BufRead, Write};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
 use mamba2_wgpu::chat::Chat;
+use mamba2_wgpu::state_file::{self, StateDtype};
 use mamba2_wgpu::{GenerateOptions, Sampling, Session};
 
-use super::{EngineArgs, ModelArgs, check_at_least, check_sampling, note_unused_ctx};
+use super::{EngineArgs, ModelArgs, check_at_least, check_sampling, note_unused_ctx, state_key};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -38,6 +40,17 @@ pub struct ChatArgs {
     /// Seed of the sampler; /regen moves to the next one.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Write the conversation and its state to FILE after every turn (a safetensors file
+    /// that `--resume` and the server's prefix cache also read).
+    #[arg(long, value_name = "FILE")]
+    save: Option<PathBuf>,
+    /// Continue the conversation saved in FILE (refused if it was saved with another
+    /// model, weight format or engine version).
+    #[arg(long, value_name = "FILE")]
+    resume: Option<PathBuf>,
+    /// How --save stores the state: f32 (exact) or f16 (half the bytes).
+    #[arg(long, default_value = "f32")]
+    save_dtype: StateDtype,
 }
 
 impl ChatArgs {
@@ -59,6 +72,11 @@ impl ChatArgs {
             check_at_least("--ctx", ctx, 1)?;
         }
         self.engine.check()?;
+        if let Some(p) = &self.resume
+            && !p.is_file()
+        {
+            bail!("--resume {}: no such file", p.display());
+        }
         self.model.require_tokenizer("chat needs one")
     }
 }
@@ -73,9 +91,29 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             args.model.name()
         )
     })?;
-    let session = Session::new(args.engine.open(&model, args.ctx)?);
+    let mut backend = args.engine.open(&model, args.ctx)?;
+    let key = state_key(&model, &args.engine, backend.as_mut());
+    let session = Session::new(backend);
     eprintln!("{} on {}", args.model.name(), session.describe());
     let mut chat = Chat::new(session, tokenizer);
+    if let Some(path) = &args.resume {
+        let saved = state_file::load(path, &key, &model.config)?;
+        chat.import(&saved, path)
+            .with_context(|| format!("--resume {}", path.display()))?;
+        eprintln!(
+            "(resumed {}: {} messages, {} tokens in the state)",
+            path.display(),
+            chat.messages.len(),
+            chat.session.position()
+        );
+    }
+    let save = |chat: &Chat| -> anyhow::Result<()> {
+        if let Some(path) = &args.save {
+            state_file::save(path, &key, &chat.export()?, args.save_dtype, &model.config)
+                .with_context(|| format!("--save {}", path.display()))?;
+        }
+        Ok(())
+    };
     if !chat.has_template() {
         eprintln!("(no chat template: each message is continued as plain text)");
     }
@@ -120,6 +158,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             "/quit" | "/exit" => break,
             "/reset" => {
                 chat.reset()?;
+                save(&chat)?;
                 eprintln!("(new conversation)");
                 continue;
             }
@@ -131,6 +170,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         };
         match reply {
             Ok(r) => {
+                save(&chat)?;
                 let secs = start.elapsed().as_secs_f64();
                 println!();
                 eprintln!(

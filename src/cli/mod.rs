@@ -10,6 +10,7 @@ mod info;
 #[cfg(feature = "ui")]
 mod inspect;
 mod perplexity;
+mod serve;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -41,6 +42,8 @@ enum Command {
     Devices(devices::DevicesArgs),
     /// Decode speed at real model shapes (synthetic weights made on the GPU).
     Bench(bench::BenchArgs),
+    /// An OpenAI-compatible HTTP server with a prefix cache.
+    Serve(serve::ServeArgs),
     /// The desktop chat window.
     #[cfg(feature = "ui")]
     App(app::AppArgs),
@@ -203,6 +206,53 @@ impl EngineArgs {
     }
 }
 
+/// What a saved state must match to be loaded into `backend` running `model` as `engine`
+/// says: the model's fingerprint, the weight (and KV) format, the block pattern.
+pub fn state_key(
+    model: &mamba2_wgpu::Model,
+    engine: &EngineArgs,
+    backend: &mut dyn mamba2_wgpu::Backend,
+) -> mamba2_wgpu::state_file::StateKey {
+    let format = if backend.gpu().is_some() {
+        let o = engine.engine_options(model, None);
+        if model.config.attention.is_some() {
+            format!("{}+kv-{}", o.format.name(), o.kv.name())
+        } else {
+            o.format.name().to_string()
+        }
+    } else {
+        "cpu-f32".to_string()
+    };
+    mamba2_wgpu::state_file::StateKey {
+        model: model.fingerprint(),
+        format,
+        blocks: model.config.pattern(),
+    }
+}
+
+/// A byte count written as `123`, `64K`, `512M`, `4G` or `1T` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("`{s}`: expected a size like 512M or 4G")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{s}`: expected a size like 512M or 4G"))?;
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("`{s}`: too large"))
+}
+
 /// Refuses a `--chunk-size` the engine would refuse, before the model is read.
 pub fn check_chunk_size(q: Option<usize>) -> anyhow::Result<()> {
     match q {
@@ -280,6 +330,7 @@ pub fn run() -> ExitCode {
         Command::Perplexity(a) => perplexity::run(a),
         Command::Devices(a) => devices::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
         #[cfg(feature = "ui")]
         Command::App(a) => app::run(a),
         #[cfg(feature = "ui")]

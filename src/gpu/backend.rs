@@ -541,6 +541,26 @@ impl Backend for GpuBackend {
         self.engine.read_state()
     }
 
+    fn snapshot_state(&self, snapshot: &(dyn Any + Send)) -> Result<crate::state::State<f32>> {
+        match snapshot.downcast_ref::<DeviceSnapshot>() {
+            Some(s) => self.engine.read_snapshot(s),
+            None => snapshot
+                .downcast_ref::<crate::state::State<f32>>()
+                .cloned()
+                .ok_or_else(|| {
+                    Error::InvalidInput("snapshot was taken on another kind of device".into())
+                }),
+        }
+    }
+
+    fn snapshot_device_bytes(&self) -> u64 {
+        self.engine.state.snapshot_bytes(self.engine.len)
+    }
+
+    fn context(&self) -> Option<usize> {
+        (self.engine.state.kv_bytes() > 0).then(|| self.engine.context())
+    }
+
     fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()> {
         if let Some(s) = snapshot.downcast_ref::<DeviceSnapshot>() {
             return self.engine.restore(s);

@@ -341,6 +341,11 @@ impl Engine {
         self.state.snapshot(self.ctx(), self.len)
     }
 
+    /// A device snapshot read to the host as the CPU reference lays it out.
+    pub fn read_snapshot(&self, s: &DeviceSnapshot) -> Result<State<f32>> {
+        self.state.read_snapshot(self.ctx(), &self.config, s)
+    }
+
     /// Puts a snapshot of this engine's state back.
     pub fn restore(&mut self, s: &DeviceSnapshot) -> Result<()> {
         self.state.restore(self.ctx(), s)?;

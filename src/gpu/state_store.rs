@@ -182,21 +182,60 @@ impl DeviceState {
     /// The state of a sequence of `len` tokens as the CPU reference lays it out (blocking
     /// reads; not for the hot path).
     pub fn read(&self, gpu: &GpuContext, c: &ModelConfig, len: usize) -> Result<State<f32>> {
+        self.read_pairs(gpu, c, len, self.layers.iter().map(pair))
+    }
+
+    /// A device snapshot of this state, read as the CPU reference lays it out (blocking;
+    /// the prefix cache moves entries to host memory with it).
+    pub fn read_snapshot(
+        &self,
+        gpu: &GpuContext,
+        c: &ModelConfig,
+        s: &DeviceSnapshot,
+    ) -> Result<State<f32>> {
+        if s.buffers.len() != self.layers.len() {
+            return Err(Error::InvalidInput(
+                "snapshot belongs to another model".into(),
+            ));
+        }
+        let pairs = s.buffers.iter().map(|b| b.as_ref().map(|(a, b)| (a, b)));
+        self.read_pairs(gpu, c, s.len, pairs)
+    }
+
+    /// Reads each layer's buffer pair (this state's, or a snapshot's of the same layout).
+    fn read_pairs<'a>(
+        &self,
+        gpu: &GpuContext,
+        c: &ModelConfig,
+        len: usize,
+        pairs: impl Iterator<Item = Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>>,
+    ) -> Result<State<f32>> {
         let mut layers = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            layers.push(match l {
-                DeviceLayerState::Mamba2 { conv, ssm } => LayerState::Mamba2 {
+        for (l, p) in self.layers.iter().zip(pairs) {
+            layers.push(match (l, p) {
+                (DeviceLayerState::Mamba2 { .. }, Some((conv, ssm))) => LayerState::Mamba2 {
                     conv: gpu.read_f32(conv, c.conv_state_len())?,
                     ssm: gpu.read_f32(ssm, c.ssm_state_len())?,
                 },
-                DeviceLayerState::Attention { k, v } => LayerState::Attention {
+                (DeviceLayerState::Attention { .. }, Some((k, v))) => LayerState::Attention {
                     k: self.read_kv(gpu, k, len)?,
                     v: self.read_kv(gpu, v, len)?,
                 },
-                DeviceLayerState::Stateless => LayerState::Stateless,
+                _ => LayerState::Stateless,
             });
         }
         Ok(State { layers, len })
+    }
+
+    /// Bytes a snapshot of a `len`-token sequence holds on the device.
+    pub fn snapshot_bytes(&self, len: usize) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| {
+                let (a, b) = self.in_use(l, len);
+                a + b
+            })
+            .sum()
     }
 
     fn read_kv(&self, gpu: &GpuContext, b: &wgpu::Buffer, len: usize) -> Result<Vec<f32>> {

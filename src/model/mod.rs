@@ -1,6 +1,7 @@
 //! Loading a model directory: config detection, safetensors (mmap, shards), name maps and
 //! shape checks. What comes out is host-side and format-independent.
 
+pub mod fingerprint;
 pub mod ggml;
 pub mod gguf;
 pub mod kquant;

@@ -1,0 +1,148 @@
+//! `mamba2 serve`: the OpenAI-compatible HTTP server (see `mamba2_wgpu::server`).
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use mamba2_wgpu::prefix_cache::{CacheConfig, PrefixCache};
+use mamba2_wgpu::server::{Server, ServerConfig};
+use mamba2_wgpu::state_file::StateDtype;
+
+use super::{EngineArgs, ModelArgs, check_at_least, note_unused_ctx, parse_bytes, state_key};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Address to bind. The default takes connections from this machine only; anything
+    /// else exposes the model to the network (consider --api-key).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0: any free port; the one chosen is printed).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Hybrid models: tokens each sequence's KV caches hold.
+    #[arg(long, value_name = "N")]
+    ctx: Option<usize>,
+    /// Sequences in flight at once (the others wait in the queue).
+    #[arg(long, default_value_t = 4)]
+    slots: usize,
+    /// Requests that may wait for a slot; beyond them a request gets 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// max_tokens of a request that gives none.
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    /// Longest prompt taken, in tokens (hybrids: also capped by the context).
+    #[arg(long, default_value_t = 65536)]
+    max_prompt: usize,
+    /// Require `Authorization: Bearer KEY` on every route but /health (default: the
+    /// MAMBA2_API_KEY environment variable, if set).
+    #[arg(long, env = "MAMBA2_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The model id clients see (default: the model directory's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Host memory for prefix-cache states (0 turns the host tier off), e.g. 4G.
+    #[arg(long, default_value = "4G", value_parser = parse_bytes)]
+    cache_mem: u64,
+    /// Device memory for prefix-cache snapshots (0: none), e.g. 1G.
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    cache_device_mem: u64,
+    /// Directory where prefix-cache entries spill and survive restarts (files from another
+    /// model or version found there are refused and left alone).
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Bytes of files in --cache-dir, e.g. 32G.
+    #[arg(long, default_value = "32G", value_parser = parse_bytes)]
+    cache_disk: u64,
+    /// How host and disk entries store their values: f32 (exact) or f16 (half the bytes).
+    #[arg(long, default_value = "f32")]
+    cache_dtype: StateDtype,
+    /// Long prompts leave a cache entry every N tokens (0: only at prompt and reply ends).
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    cache_every: usize,
+}
+
+impl ServeArgs {
+    fn check(&self) -> anyhow::Result<()> {
+        check_at_least("--slots", self.slots, 1)?;
+        check_at_least("--max-tokens", self.max_tokens, 1)?;
+        check_at_least("--max-prompt", self.max_prompt, 1)?;
+        if let Some(ctx) = self.ctx {
+            check_at_least("--ctx", ctx, 2)?;
+        }
+        if let Some(key) = &self.api_key
+            && key.trim().is_empty()
+        {
+            anyhow::bail!("--api-key: empty");
+        }
+        self.engine.check()?;
+        self.model.require_tokenizer("serve needs one")
+    }
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    args.check()?;
+    // Bind first: a taken port fails before the model is read.
+    let listener = TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("--host {} --port {}: cannot bind", args.host, args.port))?;
+    let (model, tokenizer) = args.model.load()?;
+    note_unused_ctx(&model, args.ctx);
+    let tokenizer = tokenizer
+        .with_context(|| format!("{} has no tokenizer: serve needs one", args.model.name()))?;
+    let mut backend = args.engine.open(&model, args.ctx)?;
+    let key = state_key(&model, &args.engine, backend.as_mut());
+    let cache = PrefixCache::open(
+        key,
+        &model.config,
+        CacheConfig {
+            device_bytes: args.cache_device_mem,
+            host_bytes: args.cache_mem,
+            dir: args.cache_dir.clone(),
+            disk_bytes: args.cache_disk,
+            dtype: args.cache_dtype,
+            every: args.cache_every,
+        },
+        &mut |n| eprintln!("note: {n}"),
+    )?;
+    let stats = cache.stats();
+    let name = args.name.clone().unwrap_or_else(|| {
+        args.model
+            .model
+            .as_ref()
+            .and_then(|p| p.file_name())
+            .map_or(args.model.name(), |n| n.to_string_lossy().into_owned())
+    });
+    let describe = backend.describe();
+    let config = ServerConfig {
+        model_name: name.clone(),
+        slots: args.slots,
+        queue: args.queue,
+        max_tokens: args.max_tokens,
+        max_prompt: args.max_prompt,
+        api_key: args.api_key.clone(),
+        ..Default::default()
+    };
+    let server = Server::start(listener, config, backend, tokenizer, cache)?;
+    eprintln!("{name} on {describe}");
+    if stats.entries[2] > 0 {
+        eprintln!(
+            "prefix cache: {} entries found in {}",
+            stats.entries[2],
+            args.cache_dir
+                .as_ref()
+                .map_or(String::new(), |d| d.display().to_string())
+        );
+    }
+    // Scripts (and the tests) read the address from this line.
+    println!("listening on http://{}", server.addr);
+    server.wait(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })?;
+    eprintln!("stopped");
+    Ok(())
+}

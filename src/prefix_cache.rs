@@ -1,0 +1,568 @@
+//! The prefix cache: sequence states at exact positions, found by the longest prefix of a
+//! new prompt. A recurrent state is exact at any position and of fixed size whatever the
+//! length (a hybrid's KV caches add their rows), so a follow-up request or a new chat turn
+//! restores the state at the end of the shared prefix and feeds only the rest.
+//!
+//! Entries are keyed by their token ids in a radix tree and live in three tiers: device
+//! snapshots (a buffer copy to take or restore), host memory (`State<f32>`, rounded to f16
+//! on request), and safetensors files in a directory (`state_file`), which outlive the
+//! process: a new process lists them, refusing files made for another model. Each tier has a
+//! byte budget; the least recently used entry moves down a tier when one is full, and off
+//! the bottom when the disk is.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use sha2::{Digest, Sha256};
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::session::Backend;
+use crate::state::State;
+use crate::state_file::{self, SavedState, StateDtype, StateKey};
+
+/// Budgets and placement.
+#[derive(Clone, Debug)]
+pub struct CacheConfig {
+    /// Bytes of device memory for snapshots.
+    pub device_bytes: u64,
+    /// Bytes of host memory for states.
+    pub host_bytes: u64,
+    /// Where entries go when host memory is full, and where they survive a restart.
+    pub dir: Option<PathBuf>,
+    /// Bytes of files in `dir`.
+    pub disk_bytes: u64,
+    /// How host and disk entries store their values.
+    pub dtype: StateDtype,
+    /// Long prompts also leave an entry every this many tokens (0: only at prompt and
+    /// reply ends).
+    pub every: usize,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            device_bytes: 1 << 30,
+            host_bytes: 4 << 30,
+            dir: None,
+            disk_bytes: 32 << 30,
+            dtype: StateDtype::F32,
+            every: 1024,
+        }
+    }
+}
+
+/// Where an entry's state is.
+enum Tier {
+    /// A snapshot the backend took (restored with one copy).
+    Device(Box<dyn Any + Send>),
+    Host(State<f32>),
+    Disk,
+}
+
+struct Entry {
+    tokens: Vec<u32>,
+    tier: Tier,
+    /// Bytes in its tier.
+    bytes: u64,
+    /// Whether its file exists (then dropping it from memory loses nothing).
+    file: Option<(PathBuf, u64)>,
+    last_used: u64,
+}
+
+/// A radix tree over token ids: each edge holds a run of tokens; a node may hold an entry.
+#[derive(Default)]
+struct Node {
+    edges: Vec<(Vec<u32>, Node)>,
+    entry: Option<u64>,
+}
+
+impl Node {
+    fn insert(&mut self, tokens: &[u32], id: u64) -> Option<u64> {
+        if tokens.is_empty() {
+            return self.entry.replace(id);
+        }
+        for (label, child) in self.edges.iter_mut() {
+            let common = label.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+            if common == 0 {
+                continue;
+            }
+            if common < label.len() {
+                // Split the edge at the divergence.
+                let tail = label.split_off(common);
+                let old = std::mem::take(child);
+                child.edges.push((tail, old));
+            }
+            return child.insert(&tokens[common..], id);
+        }
+        let leaf = Node {
+            edges: Vec::new(),
+            entry: Some(id),
+        };
+        self.edges.push((tokens.to_vec(), leaf));
+        None
+    }
+
+    /// The deepest entry on the path of `tokens` no longer than `max`, with its length.
+    fn longest(&self, tokens: &[u32], max: usize, depth: usize) -> Option<(usize, u64)> {
+        let here = self.entry.filter(|_| depth <= max).map(|id| (depth, id));
+        for (label, child) in &self.edges {
+            if tokens.len() >= label.len() && tokens[..label.len()] == label[..] {
+                let deeper = child.longest(&tokens[label.len()..], max, depth + label.len());
+                return deeper.or(here);
+            }
+        }
+        here
+    }
+
+    /// Removes the entry at exactly `tokens`; prunes nodes left empty.
+    fn remove(&mut self, tokens: &[u32]) {
+        if tokens.is_empty() {
+            self.entry = None;
+            return;
+        }
+        let Some(i) = self
+            .edges
+            .iter()
+            .position(|(l, _)| tokens.len() >= l.len() && tokens[..l.len()] == l[..])
+        else {
+            return;
+        };
+        let n = self.edges[i].0.len();
+        self.edges[i].1.remove(&tokens[n..]);
+        let child = &mut self.edges[i].1;
+        if child.entry.is_none() && child.edges.is_empty() {
+            self.edges.remove(i);
+        } else if child.entry.is_none() && child.edges.len() == 1 {
+            let (tail, grandchild) = child.edges.pop().expect("one edge");
+            let (label, _) = &mut self.edges[i];
+            label.extend(tail);
+            self.edges[i].1 = grandchild;
+        }
+    }
+}
+
+/// Counters for `/metrics` and the closing notes.
+#[derive(Clone, Debug, Default)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    /// Prompt tokens not fed thanks to hits.
+    pub hit_tokens: u64,
+    pub entries: [usize; 3],
+    /// Bytes held in the device, host and disk tiers.
+    pub bytes: [u64; 3],
+    /// Files in the directory refused at start (another model, format or version).
+    pub refused_files: usize,
+}
+
+/// The cache of one model on one backend.
+pub struct PrefixCache {
+    key: StateKey,
+    config: ModelConfig,
+    cfg: CacheConfig,
+    root: Node,
+    entries: HashMap<u64, Entry>,
+    next_id: u64,
+    clock: u64,
+    stats: CacheStats,
+}
+
+impl PrefixCache {
+    /// An empty cache; with a directory, the files in it made for this model (others are
+    /// refused and left alone; `on_note` hears about each).
+    pub fn open(
+        key: StateKey,
+        config: &ModelConfig,
+        cfg: CacheConfig,
+        on_note: &mut dyn FnMut(String),
+    ) -> Result<Self> {
+        let mut cache = PrefixCache {
+            key,
+            config: config.clone(),
+            cfg,
+            root: Node::default(),
+            entries: HashMap::new(),
+            next_id: 0,
+            clock: 0,
+            stats: CacheStats::default(),
+        };
+        if let Some(dir) = cache.cfg.dir.clone() {
+            std::fs::create_dir_all(&dir).map_err(|e| crate::Error::io(&dir, e))?;
+            let mut files = Vec::new();
+            for e in std::fs::read_dir(&dir).map_err(|e| crate::Error::io(&dir, e))? {
+                let path = e.map_err(|e| crate::Error::io(&dir, e))?.path();
+                if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+                    continue;
+                }
+                let meta = std::fs::metadata(&path).map_err(|e| crate::Error::io(&path, e))?;
+                match state_file::read_header(&path, &cache.key) {
+                    Ok(h) if !h.tokens.is_empty() => {
+                        let modified = meta.modified().ok();
+                        files.push((modified, path, h.tokens, meta.len()));
+                    }
+                    Ok(_) => {}
+                    Err(err) => {
+                        cache.stats.refused_files += 1;
+                        on_note(format!("prefix cache: not using {err}"));
+                    }
+                }
+            }
+            // Oldest first, so the newest are the most recently used.
+            files.sort_by_key(|f| f.0);
+            for (_, path, tokens, len) in files {
+                let id = cache.new_id();
+                if let Some(old) = cache.root.insert(&tokens, id) {
+                    cache.entries.remove(&old);
+                }
+                cache.entries.insert(
+                    id,
+                    Entry {
+                        tokens,
+                        tier: Tier::Disk,
+                        bytes: len,
+                        file: Some((path, len)),
+                        last_used: cache.clock,
+                    },
+                );
+            }
+            cache.evict_disk();
+        }
+        Ok(cache)
+    }
+
+    fn new_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.clock += 1;
+        self.next_id
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    /// Whether anything may be cached at all.
+    pub fn enabled(&self) -> bool {
+        self.cfg.device_bytes > 0 || self.cfg.host_bytes > 0 || self.cfg.dir.is_some()
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let mut s = self.stats.clone();
+        s.entries = [0; 3];
+        s.bytes = [0; 3];
+        for e in self.entries.values() {
+            let t = match e.tier {
+                Tier::Device(_) => 0,
+                Tier::Host(_) => 1,
+                Tier::Disk => 2,
+            };
+            s.entries[t] += 1;
+            s.bytes[t] += e.bytes;
+            if let (Some((_, len)), false) = (&e.file, t == 2) {
+                s.bytes[2] += len;
+            }
+        }
+        s
+    }
+
+    /// Puts the state of the longest cached prefix of `tokens` (at most `max` tokens) into
+    /// `backend` and returns its length; 0 (and the backend untouched) on a miss. An entry
+    /// that cannot be read back is dropped and counts as a miss.
+    pub fn resume(
+        &mut self,
+        tokens: &[u32],
+        max: usize,
+        backend: &mut dyn Backend,
+        on_note: &mut dyn FnMut(String),
+    ) -> usize {
+        let Some((len, id)) = self.root.longest(tokens, max, 0).filter(|(l, _)| *l > 0) else {
+            self.stats.misses += 1;
+            return 0;
+        };
+        match self.restore(id, backend) {
+            Ok(()) => {
+                self.stats.hits += 1;
+                self.stats.hit_tokens += len as u64;
+                len
+            }
+            Err(err) => {
+                on_note(format!("prefix cache: dropping an entry: {err}"));
+                self.remove(id);
+                self.stats.misses += 1;
+                0
+            }
+        }
+    }
+
+    fn restore(&mut self, id: u64, backend: &mut dyn Backend) -> Result<()> {
+        self.clock += 1;
+        let clock = self.clock;
+        let e = self.entries.get_mut(&id).expect("entry of the tree");
+        e.last_used = clock;
+        match &e.tier {
+            Tier::Device(snap) => backend.restore(snap.as_ref()),
+            Tier::Host(state) => backend.restore(state),
+            Tier::Disk => {
+                let (path, _) = e.file.as_ref().expect("a disk entry has a file");
+                let saved = state_file::load(path, &self.key, &self.config)?;
+                if saved.tokens != e.tokens {
+                    return Err(crate::Error::format(
+                        path,
+                        "its tokens changed since it was listed",
+                    ));
+                }
+                backend.restore(&saved.state)?;
+                // Back to host memory: the next hit needs no file read.
+                let bytes = host_bytes(&saved.state, self.cfg.dtype);
+                if bytes <= self.cfg.host_bytes {
+                    e.tier = Tier::Host(saved.state);
+                    e.bytes = bytes;
+                    self.evict_host(backend);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether an entry for exactly `tokens` exists (it is then marked used).
+    pub fn touch(&mut self, tokens: &[u32]) -> bool {
+        match self.root.longest(tokens, tokens.len(), 0) {
+            Some((len, id)) if len == tokens.len() => {
+                self.clock += 1;
+                if let Some(e) = self.entries.get_mut(&id) {
+                    e.last_used = self.clock;
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Keeps the backend's current state as the entry for `tokens` (the tokens it was fed).
+    pub fn insert(&mut self, tokens: &[u32], backend: &mut dyn Backend) -> Result<()> {
+        if tokens.is_empty() || !self.enabled() || self.touch(tokens) {
+            return Ok(());
+        }
+        let device = backend.snapshot_device_bytes();
+        let (tier, bytes) = if device > 0 && device <= self.cfg.device_bytes {
+            (Tier::Device(backend.snapshot()?), device)
+        } else {
+            let state = self.rounded(backend.state()?);
+            let bytes = host_bytes(&state, self.cfg.dtype);
+            (Tier::Host(state), bytes)
+        };
+        let id = self.new_id();
+        if let Some(old) = self.root.insert(tokens, id) {
+            self.entries.remove(&old);
+        }
+        self.entries.insert(
+            id,
+            Entry {
+                tokens: tokens.to_vec(),
+                tier,
+                bytes,
+                file: None,
+                last_used: self.clock,
+            },
+        );
+        self.evict_device(backend)?;
+        self.evict_host(backend);
+        Ok(())
+    }
+
+    fn rounded(&self, mut s: State<f32>) -> State<f32> {
+        if self.cfg.dtype == StateDtype::F16 {
+            for l in s.layers.iter_mut() {
+                match l {
+                    crate::state::LayerState::Mamba2 { conv, ssm } => {
+                        *conv = self.cfg.dtype.round(conv);
+                        *ssm = self.cfg.dtype.round(ssm);
+                    }
+                    crate::state::LayerState::Attention { k, v } => {
+                        *k = self.cfg.dtype.round(k);
+                        *v = self.cfg.dtype.round(v);
+                    }
+                    crate::state::LayerState::Stateless => {}
+                }
+            }
+        }
+        s
+    }
+
+    fn used(&self, tier: usize) -> u64 {
+        self.entries
+            .values()
+            .filter(|e| match e.tier {
+                Tier::Device(_) => tier == 0,
+                Tier::Host(_) => tier == 1,
+                Tier::Disk => tier == 2,
+            })
+            .map(|e| e.bytes)
+            .sum::<u64>()
+            + if tier == 2 {
+                self.entries
+                    .values()
+                    .filter(|e| !matches!(e.tier, Tier::Disk))
+                    .filter_map(|e| e.file.as_ref().map(|f| f.1))
+                    .sum::<u64>()
+            } else {
+                0
+            }
+    }
+
+    fn lru(&self, tier: usize) -> Option<u64> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| match e.tier {
+                Tier::Device(_) => tier == 0,
+                Tier::Host(_) => tier == 1,
+                Tier::Disk => tier == 2,
+            })
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(id, _)| *id)
+    }
+
+    /// Moves device entries to host memory until the device budget holds.
+    fn evict_device(&mut self, backend: &mut dyn Backend) -> Result<()> {
+        while self.used(0) > self.cfg.device_bytes {
+            let id = self.lru(0).expect("a device entry");
+            let e = self.entries.get(&id).expect("entry");
+            let Tier::Device(snap) = &e.tier else {
+                unreachable!()
+            };
+            let state = backend.snapshot_state(snap.as_ref())?;
+            let state = self.rounded(state);
+            let e = self.entries.get_mut(&id).expect("entry");
+            e.bytes = host_bytes(&state, self.cfg.dtype);
+            e.tier = Tier::Host(state);
+        }
+        Ok(())
+    }
+
+    /// Moves host entries to files (or drops them without a directory) until the host
+    /// budget holds.
+    fn evict_host(&mut self, _backend: &mut dyn Backend) {
+        while self.used(1) > self.cfg.host_bytes {
+            let id = self.lru(1).expect("a host entry");
+            if let Err(err) = self.spill(id) {
+                tracing::warn!("prefix cache: {err}");
+                self.remove(id);
+            }
+        }
+        self.evict_disk();
+    }
+
+    /// Writes a memory entry to its file (when there is a directory and none yet) and
+    /// leaves it on disk only; without a directory it is dropped.
+    fn spill(&mut self, id: u64) -> Result<()> {
+        let Some(dir) = self.cfg.dir.clone() else {
+            self.remove(id);
+            return Ok(());
+        };
+        let e = self.entries.get_mut(&id).expect("entry");
+        if e.file.is_none() {
+            let Tier::Host(state) = &e.tier else {
+                return Ok(());
+            };
+            let path = dir.join(format!("{}.safetensors", file_stem(&e.tokens)));
+            let saved = SavedState {
+                state: state.clone(),
+                tokens: e.tokens.clone(),
+                extra: None,
+            };
+            state_file::save(&path, &self.key, &saved, self.cfg.dtype, &self.config)?;
+            let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            e.file = Some((path, len));
+        }
+        e.bytes = e.file.as_ref().map_or(0, |f| f.1);
+        e.tier = Tier::Disk;
+        Ok(())
+    }
+
+    /// Deletes the least recently used files until the disk budget holds.
+    fn evict_disk(&mut self) {
+        while self.used(2) > self.cfg.disk_bytes {
+            // Only entries living on disk alone are deleted; memory entries keep theirs.
+            let Some(id) = self.lru(2) else { break };
+            self.remove(id);
+        }
+    }
+
+    fn remove(&mut self, id: u64) {
+        if let Some(e) = self.entries.remove(&id) {
+            self.root.remove(&e.tokens);
+            if let Some((path, _)) = e.file {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    /// Writes every memory entry to the directory (at shutdown: what a restart finds).
+    pub fn persist(&mut self, backend: &mut dyn Backend) -> Result<usize> {
+        if self.cfg.dir.is_none() {
+            return Ok(0);
+        }
+        let ids: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.file.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        for &id in &ids {
+            let e = self.entries.get(&id).expect("entry");
+            if let Tier::Device(snap) = &e.tier {
+                let state = backend.snapshot_state(snap.as_ref())?;
+                let state = self.rounded(state);
+                let e = self.entries.get_mut(&id).expect("entry");
+                e.bytes = host_bytes(&state, self.cfg.dtype);
+                e.tier = Tier::Host(state);
+            }
+            self.spill(id)?;
+        }
+        self.evict_disk();
+        Ok(ids.len())
+    }
+}
+
+/// Bytes of a host entry.
+fn host_bytes(s: &State<f32>, dtype: StateDtype) -> u64 {
+    // Held as f32 in memory whatever the dtype (the values are rounded, not packed).
+    let _ = dtype;
+    s.bytes(4) as u64
+}
+
+/// A file name for the entry of `tokens`: the first 16 bytes of their SHA-256, in hex.
+fn file_stem(tokens: &[u32]) -> String {
+    let mut h = Sha256::new();
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Node;
+
+    #[test]
+    fn radix_tree_finds_the_longest_prefix_at_most_max() {
+        let mut t = Node::default();
+        assert_eq!(t.insert(&[1, 2, 3, 4], 1), None);
+        assert_eq!(t.insert(&[1, 2], 2), None);
+        assert_eq!(t.insert(&[1, 2, 5], 3), None);
+        assert_eq!(t.longest(&[1, 2, 3, 4, 9], 10, 0), Some((4, 1)));
+        assert_eq!(t.longest(&[1, 2, 3, 4], 3, 0), Some((2, 2)));
+        assert_eq!(t.longest(&[1, 2, 5, 6], 9, 0), Some((3, 3)));
+        assert_eq!(t.longest(&[1, 3], 9, 0), None);
+        assert_eq!(t.insert(&[1, 2], 4), Some(2));
+        t.remove(&[1, 2, 3, 4]);
+        assert_eq!(t.longest(&[1, 2, 3, 4], 9, 0), Some((2, 4)));
+        t.remove(&[1, 2]);
+        assert_eq!(t.longest(&[1, 2, 3], 9, 0), None);
+        assert_eq!(t.longest(&[1, 2, 5], 9, 0), Some((3, 3)));
+    }
+}

@@ -1,0 +1,437 @@
+//! The engine thread: one backend, many sequences. Requests join and leave between steps;
+//! each step gives one sequence a prefill chunk or a few decode tokens, so a new prompt is
+//! read in chunks between the running streams' tokens instead of stalling them. A sequence
+//! whose state is not the backend's is kept as a device snapshot and put back when its
+//! turn comes (one buffer copy each way). Tokens are sampled at their absolute positions
+//! with the request's seed, so a stream's tokens do not depend on what else runs.
+//!
+//! Every prompt first looks up the prefix cache; the state at the end of each prompt and
+//! of each reply (and every `CacheConfig::every` tokens of long prompts) is cached.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::Metrics;
+use super::stop::StopText;
+use crate::error::Result;
+use crate::prefix_cache::PrefixCache;
+use crate::sampling::Sampling;
+use crate::session::Backend;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// Tokens of a prompt fed per step (chunks end at multiples of it, counted from position
+/// 0, so a prompt is cut the same way whatever runs beside it).
+pub const PREFILL_CHUNK: usize = 512;
+/// Decode tokens per step while other sequences wait.
+const DECODE_QUANTUM: usize = 16;
+/// Decode tokens per step when a sequence runs alone (new requests are still looked at
+/// between steps).
+const SOLO_QUANTUM: usize = 64;
+
+/// One request for the engine.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_new: usize,
+    pub sampling: Sampling,
+    /// Token ids that end the reply (the tokenizer's EOS).
+    pub stop_ids: Vec<u32>,
+    /// Strings that end the reply (not included in it).
+    pub stop_text: Vec<String>,
+    pub events: UnboundedSender<Event>,
+}
+
+/// Why a reply ended, as OpenAI names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens restored from the prefix cache instead of fed.
+    pub cached_tokens: usize,
+}
+
+/// What a request hears back, in order: text pieces, then `Done` or `Error`.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Text(String),
+    Done { finish: FinishReason, usage: Usage },
+    Error(String),
+}
+
+/// A request in flight.
+struct Seq {
+    job: Job,
+    /// Its state when the backend holds another's.
+    parked: Option<Box<dyn Any + Send>>,
+    /// Whether it has started (its first state was set up).
+    started: bool,
+    /// Tokens fed so far (the state's position is its length).
+    fed: Vec<u32>,
+    /// The last sampled token, not yet fed.
+    pending: Option<u32>,
+    completion: usize,
+    cached: usize,
+    decoder: StreamDecoder,
+    stop: StopText,
+}
+
+/// What the engine thread owns.
+pub struct Engine {
+    pub backend: Box<dyn Backend>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub cache: PrefixCache,
+    pub metrics: Arc<Metrics>,
+    /// Sequences decoded at once (the others wait in the queue).
+    pub slots: usize,
+}
+
+impl Engine {
+    /// Runs until `jobs` closes, then writes the prefix cache to its directory.
+    pub fn run(mut self, jobs: Receiver<Job>) {
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut active: Vec<Seq> = Vec::new();
+        // Which sequence's state the backend holds (an index into `active`).
+        let mut loaded: Option<usize> = None;
+        let mut open = true;
+        let mut turn = 0usize;
+        loop {
+            // Take new requests: block only when there is nothing to do.
+            loop {
+                let job = if active.is_empty() && waiting.is_empty() && open {
+                    match jobs.recv_timeout(Duration::from_millis(200)) {
+                        Ok(j) => Some(j),
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => {
+                            open = false;
+                            None
+                        }
+                    }
+                } else if open {
+                    match jobs.try_recv() {
+                        Ok(j) => Some(j),
+                        Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                            open = false;
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
+                match job {
+                    Some(j) => waiting.push_back(j),
+                    None => break,
+                }
+            }
+            // A client that left before its turn frees its place.
+            waiting.retain(|j| !j.events.is_closed());
+            while active.len() < self.slots.max(1)
+                && let Some(job) = waiting.pop_front()
+            {
+                active.push(Seq::new(job, &self.tokenizer));
+            }
+            self.metrics.queued.store(waiting.len(), Ordering::Relaxed);
+            self.metrics.active.store(active.len(), Ordering::Relaxed);
+            if active.is_empty() {
+                if !open {
+                    break;
+                }
+                continue;
+            }
+            turn %= active.len();
+            let quantum = if active.len() == 1 {
+                SOLO_QUANTUM
+            } else {
+                DECODE_QUANTUM
+            };
+            let done = match self.switch_to(&mut active, &mut loaded, turn) {
+                Ok(()) => self.step(&mut active[turn], quantum),
+                Err(e) => Err(e),
+            };
+            let finished = match done {
+                Ok(false) => false,
+                Ok(true) => true,
+                Err(e) => {
+                    let _ = active[turn].job.events.send(Event::Error(e.to_string()));
+                    self.metrics.failed.fetch_add(1, Ordering::Relaxed);
+                    // A device error may leave the state anywhere: start the next one afresh.
+                    true
+                }
+            };
+            if finished {
+                active.remove(turn);
+                if let Ok(mut c) = self.metrics.cache.lock() {
+                    *c = self.cache.stats();
+                }
+                self.metrics.active.store(active.len(), Ordering::Relaxed);
+                loaded = match loaded {
+                    Some(l) if l == turn => None,
+                    Some(l) if l > turn => Some(l - 1),
+                    other => other,
+                };
+            } else {
+                turn += 1;
+            }
+        }
+        self.metrics.queued.store(0, Ordering::Relaxed);
+        self.metrics.active.store(0, Ordering::Relaxed);
+        match self.cache.persist(self.backend.as_mut()) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("prefix cache: {n} entries written to disk"),
+            Err(e) => tracing::warn!("prefix cache: {e}"),
+        }
+    }
+
+    /// Makes the backend hold sequence `i`'s state: parks the one it holds, then restores
+    /// `i`'s snapshot (or sets up its first state from the prefix cache).
+    fn switch_to(
+        &mut self,
+        active: &mut [Seq],
+        loaded: &mut Option<usize>,
+        i: usize,
+    ) -> Result<()> {
+        if *loaded == Some(i) {
+            return Ok(());
+        }
+        if let Some(l) = *loaded
+            && l < active.len()
+        {
+            active[l].parked = Some(self.backend.snapshot()?);
+        }
+        *loaded = None;
+        let seq = &mut active[i];
+        if let Some(snap) = seq.parked.take() {
+            self.backend.restore(snap.as_ref())?;
+        } else if !seq.started {
+            self.backend.reset()?;
+            let prompt = &seq.job.prompt;
+            if prompt.is_empty() {
+                return Err(crate::Error::InvalidInput("the prompt is empty".into()));
+            }
+            // At least one token is fed: its logits sample the first reply token.
+            let hit =
+                self.cache
+                    .resume(prompt, prompt.len() - 1, self.backend.as_mut(), &mut |n| {
+                        tracing::warn!("{n}")
+                    });
+            seq.fed.extend_from_slice(&prompt[..hit]);
+            seq.cached = hit;
+            seq.started = true;
+            let m = &self.metrics;
+            m.prompt_tokens
+                .fetch_add(prompt.len() as u64, Ordering::Relaxed);
+            m.cached_tokens.fetch_add(hit as u64, Ordering::Relaxed);
+            if hit > 0 {
+                m.cache_hits.fetch_add(1, Ordering::Relaxed);
+            } else {
+                m.cache_misses.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        *loaded = Some(i);
+        Ok(())
+    }
+
+    /// One step of `seq`, whose state the backend holds. Returns whether it finished.
+    fn step(&mut self, seq: &mut Seq, quantum: usize) -> Result<bool> {
+        if seq.job.events.is_closed() {
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            return Ok(true);
+        }
+        let prompt_len = seq.job.prompt.len();
+        let pos = seq.fed.len();
+        if pos < prompt_len {
+            let end = ((pos / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(prompt_len);
+            let piece = seq.job.prompt[pos..end].to_vec();
+            if let Some(ctx) = self.backend.context()
+                && prompt_len > ctx
+            {
+                return Err(crate::Error::InvalidInput(format!(
+                    "the prompt has {prompt_len} tokens, the context holds {ctx}"
+                )));
+            }
+            if end < prompt_len {
+                // A middle chunk: its sampled token is not used.
+                self.backend
+                    .prefill_sample(&piece, &Sampling::greedy(), end as u64)?;
+                seq.fed.extend_from_slice(&piece);
+                let every = self.cache.config().every;
+                if every > 0 && end.is_multiple_of(every) {
+                    self.cache.insert(&seq.fed, self.backend.as_mut())?;
+                }
+                return Ok(false);
+            }
+            let t0 = Instant::now();
+            let first = self
+                .backend
+                .prefill_sample(&piece, &seq.job.sampling, end as u64)?;
+            seq.fed.extend_from_slice(&piece);
+            self.cache.insert(&seq.fed, self.backend.as_mut())?;
+            self.metrics
+                .prefill_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            seq.pending = Some(first);
+            return Ok(self.emit(seq, first));
+        }
+        let Some(first) = seq.pending else {
+            return Ok(true);
+        };
+        if let Some(ctx) = self.backend.context()
+            && seq.fed.len() >= ctx
+        {
+            return self.finish(seq, FinishReason::Length);
+        }
+        let want = quantum.min(seq.job.max_new - seq.completion);
+        let t0 = Instant::now();
+        let mut sampled = Vec::with_capacity(want);
+        let mut ended = false;
+        let job_stop = seq.job.stop_ids.clone();
+        let sampling = seq.job.sampling;
+        let next_pos = seq.fed.len() as u64 + 1;
+        let n = {
+            let backend = self.backend.as_mut();
+            let mut on_token = |t: u32| {
+                sampled.push(t);
+                ended = self_emit(seq, t, &self.tokenizer, &self.metrics);
+                !ended
+            };
+            backend.decode(first, next_pos, want, &sampling, &job_stop, &mut on_token)?
+        };
+        self.metrics
+            .decode_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        // Every sampled token but the last has been fed; the last is pending.
+        seq.fed.push(first);
+        if n > 0 {
+            seq.fed.extend_from_slice(&sampled[..n - 1]);
+            seq.pending = Some(sampled[n - 1]);
+        }
+        if ended || seq.job.events.is_closed() {
+            if seq.job.events.is_closed() {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            self.cache.insert(&seq.fed, self.backend.as_mut())?;
+            return Ok(true);
+        }
+        if seq.completion >= seq.job.max_new || n < want {
+            // The caches filled up (n < want without a stop) or the length was reached.
+            return self.finish(seq, FinishReason::Length);
+        }
+        Ok(false)
+    }
+
+    /// Handles a sampled token; true when the reply is over (the `Done` event sent).
+    fn emit(&mut self, seq: &mut Seq, t: u32) -> bool {
+        let ended = self_emit(seq, t, &self.tokenizer, &self.metrics);
+        if ended {
+            let _ = self.cache.insert(&seq.fed, self.backend.as_mut());
+            return true;
+        }
+        if seq.completion >= seq.job.max_new {
+            let _ = self.finish(seq, FinishReason::Length);
+            return true;
+        }
+        false
+    }
+
+    fn finish(&mut self, seq: &mut Seq, why: FinishReason) -> Result<bool> {
+        let tail = seq.stop.flush();
+        if !tail.is_empty() {
+            let _ = seq.job.events.send(Event::Text(tail));
+        }
+        let _ = seq.job.events.send(Event::Done {
+            finish: why,
+            usage: seq.usage(),
+        });
+        self.metrics.completed.fetch_add(1, Ordering::Relaxed);
+        self.cache.insert(&seq.fed, self.backend.as_mut())?;
+        Ok(true)
+    }
+}
+
+/// Handles sampled token `t` of `seq`: a stop id, a stop string or a closed client ends
+/// the reply (sending `Done` where the client still listens); else its text goes out.
+fn self_emit(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool {
+    if seq.job.events.is_closed() {
+        return true;
+    }
+    if seq.job.stop_ids.contains(&t) {
+        let tail = seq.stop.flush();
+        if !tail.is_empty() {
+            let _ = seq.job.events.send(Event::Text(tail));
+        }
+        let _ = seq.job.events.send(Event::Done {
+            finish: FinishReason::Stop,
+            usage: seq.usage(),
+        });
+        metrics.completed.fetch_add(1, Ordering::Relaxed);
+        return true;
+    }
+    seq.completion += 1;
+    metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    let piece = match seq.decoder.step(tok, t) {
+        Ok(p) => p.unwrap_or_default(),
+        Err(e) => {
+            let _ = seq.job.events.send(Event::Error(e.to_string()));
+            metrics.failed.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+    };
+    let (out, hit) = seq.stop.push(&piece);
+    if !out.is_empty() {
+        let _ = seq.job.events.send(Event::Text(out));
+    }
+    if hit {
+        let _ = seq.job.events.send(Event::Done {
+            finish: FinishReason::Stop,
+            usage: seq.usage(),
+        });
+        metrics.completed.fetch_add(1, Ordering::Relaxed);
+        return true;
+    }
+    false
+}
+
+impl Seq {
+    fn new(job: Job, _tok: &Tokenizer) -> Self {
+        let stop = StopText::new(job.stop_text.clone());
+        Seq {
+            job,
+            parked: None,
+            started: false,
+            fed: Vec::new(),
+            pending: None,
+            completion: 0,
+            cached: 0,
+            decoder: StreamDecoder::default(),
+            stop,
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: self.completion,
+            cached_tokens: self.cached,
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! Parsing OpenAI-style request bodies by hand from JSON values, so that every refusal
+//! names its field (`messages[2].content: expected a string`) in an OpenAI error body.
+//! Fields this server does not use are ignored, as OpenAI's clients send many; fields it
+//! uses must have the right type and a meaningful value.
+
+use serde_json::{Map, Value};
+
+use crate::sampling::Sampling;
+
+/// A refused request: the message and the field at fault.
+#[derive(Debug, Clone)]
+pub struct BadRequest {
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl BadRequest {
+    pub fn new(param: impl Into<String>, message: impl Into<String>) -> Self {
+        let param = param.into();
+        BadRequest {
+            message: format!("{param}: {}", message.into()),
+            param: Some(param),
+        }
+    }
+    pub fn body(message: impl Into<String>) -> Self {
+        BadRequest {
+            message: message.into(),
+            param: None,
+        }
+    }
+}
+
+type Parsed<T> = Result<T, BadRequest>;
+
+/// What both endpoints share.
+#[derive(Clone, Debug)]
+pub struct Common {
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// The body of `/v1/chat/completions`.
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<(String, String)>,
+    pub common: Common,
+}
+
+/// The body of `/v1/completions`.
+#[derive(Clone, Debug)]
+pub struct CompletionRequest {
+    pub prompt: String,
+    pub common: Common,
+}
+
+/// Most stop strings a request may give (OpenAI allows 4).
+const MAX_STOPS: usize = 16;
+
+fn object(body: &[u8]) -> Parsed<Map<String, Value>> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| BadRequest::body(format!("the body is not valid JSON: {e}")))?;
+    match v {
+        Value::Object(m) => Ok(m),
+        _ => Err(BadRequest::body("the body must be a JSON object")),
+    }
+}
+
+fn opt_f32(m: &Map<String, Value>, key: &str) -> Parsed<Option<f32>> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(x) if x.is_finite() => Ok(Some(x as f32)),
+            _ => Err(BadRequest::new(key, "expected a finite number")),
+        },
+        Some(_) => Err(BadRequest::new(key, "expected a number")),
+    }
+}
+
+fn opt_u64(m: &Map<String, Value>, key: &str) -> Parsed<Option<u64>> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| BadRequest::new(key, "expected a non-negative integer")),
+        Some(_) => Err(BadRequest::new(key, "expected an integer")),
+    }
+}
+
+fn opt_bool(m: &Map<String, Value>, key: &str) -> Parsed<Option<bool>> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(BadRequest::new(key, "expected true or false")),
+    }
+}
+
+fn common(m: &Map<String, Value>, default_max: usize, default_seed: u64) -> Parsed<Common> {
+    if let Some(model) = m.get("model")
+        && !model.is_string()
+    {
+        return Err(BadRequest::new("model", "expected a string"));
+    }
+    if let Some(n) = opt_u64(m, "n")?
+        && n != 1
+    {
+        return Err(BadRequest::new("n", "only n = 1 is supported"));
+    }
+    if opt_bool(m, "logprobs")? == Some(true) {
+        return Err(BadRequest::new(
+            "logprobs",
+            "log-probabilities are not supported",
+        ));
+    }
+    if opt_bool(m, "echo")? == Some(true) {
+        return Err(BadRequest::new(
+            "echo",
+            "echoing the prompt is not supported",
+        ));
+    }
+    let max = match (
+        opt_u64(m, "max_completion_tokens")?,
+        opt_u64(m, "max_tokens")?,
+    ) {
+        (Some(n), _) => ("max_completion_tokens", n),
+        (None, Some(n)) => ("max_tokens", n),
+        (None, None) => ("max_tokens", default_max as u64),
+    };
+    if max.1 == 0 {
+        return Err(BadRequest::new(max.0, "must be at least 1"));
+    }
+    let max_tokens = usize::try_from(max.1).unwrap_or(usize::MAX);
+    let sampling = Sampling {
+        temperature: opt_f32(m, "temperature")?.unwrap_or(1.0),
+        top_p: opt_f32(m, "top_p")?.unwrap_or(1.0),
+        top_k: opt_u64(m, "top_k")?.map_or(0, |k| usize::try_from(k).unwrap_or(usize::MAX)),
+        seed: match m.get("seed") {
+            None | Some(Value::Null) => default_seed,
+            // OpenAI's seeds may be negative: keep their bits.
+            Some(Value::Number(n)) => n
+                .as_u64()
+                .or_else(|| n.as_i64().map(|i| i as u64))
+                .ok_or_else(|| BadRequest::new("seed", "expected an integer"))?,
+            Some(_) => return Err(BadRequest::new("seed", "expected an integer")),
+        },
+    };
+    if let Some((field, why)) = sampling.problem() {
+        let field = if field == "top-p" { "top_p" } else { field };
+        return Err(BadRequest::new(field, why));
+    }
+    let stop = match m.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            if a.len() > MAX_STOPS {
+                return Err(BadRequest::new(
+                    "stop",
+                    format!("at most {MAX_STOPS} stop strings, found {}", a.len()),
+                ));
+            }
+            a.iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| BadRequest::new(format!("stop[{i}]"), "expected a string"))
+                })
+                .collect::<Parsed<_>>()?
+        }
+        Some(_) => {
+            return Err(BadRequest::new(
+                "stop",
+                "expected a string or an array of strings",
+            ));
+        }
+    };
+    let stream = opt_bool(m, "stream")?.unwrap_or(false);
+    let include_usage = match m.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => opt_bool(o, "include_usage")
+            .map_err(|_| BadRequest::new("stream_options.include_usage", "expected true or false"))?
+            .unwrap_or(false),
+        Some(_) => return Err(BadRequest::new("stream_options", "expected an object")),
+    };
+    Ok(Common {
+        max_tokens,
+        sampling,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+/// A message's content: a string, or an array of text parts.
+fn content(v: &Value, at: &str) -> Parsed<String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let at = format!("{at}[{j}]");
+                let kind = p.get("type").and_then(Value::as_str);
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => out.push_str(t),
+                    (Some("text"), None) => {
+                        return Err(BadRequest::new(format!("{at}.text"), "expected a string"));
+                    }
+                    _ => {
+                        return Err(BadRequest::new(
+                            format!("{at}.type"),
+                            "only text parts are supported",
+                        ));
+                    }
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(BadRequest::new(
+            at,
+            "expected a string or an array of text parts",
+        )),
+    }
+}
+
+impl ChatRequest {
+    pub fn parse(body: &[u8], default_max: usize, default_seed: u64) -> Parsed<Self> {
+        let m = object(body)?;
+        let messages = match m.get("messages") {
+            Some(Value::Array(a)) if a.is_empty() => {
+                return Err(BadRequest::new("messages", "the message list is empty"));
+            }
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, msg)| {
+                    let at = format!("messages[{i}]");
+                    let Value::Object(o) = msg else {
+                        return Err(BadRequest::new(at, "expected an object"));
+                    };
+                    let role = match o.get("role") {
+                        Some(Value::String(r)) => r.clone(),
+                        _ => {
+                            return Err(BadRequest::new(format!("{at}.role"), "expected a string"));
+                        }
+                    };
+                    let text = match o.get("content") {
+                        Some(v) => content(v, &format!("{at}.content"))?,
+                        None => {
+                            return Err(BadRequest::new(format!("{at}.content"), "missing"));
+                        }
+                    };
+                    Ok((role, text))
+                })
+                .collect::<Parsed<Vec<_>>>()?,
+            Some(_) => return Err(BadRequest::new("messages", "expected an array")),
+            None => return Err(BadRequest::new("messages", "missing")),
+        };
+        Ok(ChatRequest {
+            messages,
+            common: common(&m, default_max, default_seed)?,
+        })
+    }
+}
+
+impl CompletionRequest {
+    pub fn parse(body: &[u8], default_max: usize, default_seed: u64) -> Parsed<Self> {
+        let m = object(body)?;
+        let prompt = match m.get("prompt") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                a[0].as_str().unwrap_or_default().to_string()
+            }
+            Some(Value::Array(_)) => {
+                return Err(BadRequest::new(
+                    "prompt",
+                    "only one prompt string per request",
+                ));
+            }
+            Some(_) => return Err(BadRequest::new("prompt", "expected a string")),
+            None => return Err(BadRequest::new("prompt", "missing")),
+        };
+        if prompt.is_empty() {
+            return Err(BadRequest::new("prompt", "the prompt is empty"));
+        }
+        Ok(CompletionRequest {
+            prompt,
+            common: common(&m, default_max, default_seed)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ChatRequest, CompletionRequest};
+
+    #[test]
+    fn refusals_name_their_field() {
+        let bad = |body: &str| {
+            ChatRequest::parse(body.as_bytes(), 16, 0)
+                .unwrap_err()
+                .message
+        };
+        assert!(bad("{").contains("not valid JSON"));
+        assert!(bad("[]").contains("JSON object"));
+        assert!(bad(r#"{"messages": []}"#).contains("messages: the message list is empty"));
+        assert!(
+            bad(r#"{"messages": [{"role": "user", "content": 3}]}"#)
+                .contains("messages[0].content")
+        );
+        assert!(
+            bad(r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}"#)
+                .contains("temperature: expected a number")
+        );
+        assert!(
+            bad(r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}"#)
+                .contains("max_tokens: must be at least 1")
+        );
+        assert!(
+            bad(r#"{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}"#)
+                .contains("top_p")
+        );
+        assert!(
+            bad(r#"{"messages": [{"role": "user", "content": "hi"}], "stop": [1]}"#)
+                .contains("stop[0]")
+        );
+        let ok = ChatRequest::parse(
+            br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                 "unknown": {"deep": 1}, "seed": -1, "stop": "x", "stream": true}"#,
+            16,
+            0,
+        )
+        .unwrap();
+        assert_eq!(ok.messages, vec![("user".to_string(), "hi".to_string())]);
+        assert_eq!(ok.common.sampling.seed, u64::MAX);
+        assert_eq!(ok.common.max_tokens, 16);
+        assert!(ok.common.stream);
+        let bad = |body: &str| {
+            CompletionRequest::parse(body.as_bytes(), 16, 0)
+                .unwrap_err()
+                .message
+        };
+        assert!(bad(r#"{"prompt": ""}"#).contains("prompt: the prompt is empty"));
+        assert!(bad(r#"{"prompt": ["a", "b"]}"#).contains("one prompt"));
+        assert!(bad(r#"{"prompt": "a", "n": 2}"#).contains("n: only n = 1"));
+    }
+}
