@@ -258,8 +258,8 @@ impl Chat {
 /// assistant's reply: what `Chat` feeds turn by turn, in one piece (the server's requests
 /// carry the whole conversation each time; the prefix cache finds what was fed before).
 /// With a template, its rendering with the tokenizer's special tokens unless the template
-/// writes the BOS token itself; without one, the messages as plain text separated by the
-/// end-of-text token, as `Chat` continues a conversation.
+/// writes the BOS token itself; without one, the messages as plain text, each but the
+/// replies after an end-of-text token, as `Chat` continues a conversation.
 pub fn conversation_tokens(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec<u32>> {
     if messages.is_empty() {
         return Err(Error::InvalidInput("the message list is empty".into()));
@@ -271,9 +271,12 @@ pub fn conversation_tokens(tok: &Tokenizer, messages: &[(String, String)]) -> Re
             .is_some_and(|b| !b.is_empty() && text.starts_with(b));
         return tok.encode_with(&text, !template_bos);
     }
+    // A reply follows its message directly; every other message after the first starts
+    // after an end-of-text token.
     let mut ids = Vec::new();
-    for (i, (_, content)) in messages.iter().enumerate() {
+    for (i, (role, content)) in messages.iter().enumerate() {
         if i > 0
+            && role != "assistant"
             && let Some(eos) = tok.eos
         {
             ids.push(eos);

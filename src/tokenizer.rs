@@ -93,6 +93,7 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 const TEMPLATE_FUEL: u64 = 10_000_000;
 
 /// A model's tokenizer plus what `tokenizer_config.json` says about it.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The token that ends a reply, when the tokenizer has one.

@@ -441,3 +441,94 @@ fn chunk_size_is_checked_on_the_cpu_too() {
     ]);
     assert!(ok, "{err}");
 }
+
+/// `chat --save` then `chat --resume` continues the conversation exactly where it was: the
+/// second turn after a resume equals the second turn of one uninterrupted chat. A file
+/// saved with another engine format is refused, naming the field.
+#[test]
+fn chat_save_and_resume_continue_the_same_conversation() {
+    let dir = std::env::temp_dir().join(format!("mamba2-chat-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("talk.safetensors");
+    let f = file.to_str().unwrap();
+    let flags = ["--device", "cpu", "-n", "8", "--temperature", "0"];
+    let (ok, whole, err) = chat(&flags, b"Tell me a fortune\nAnother one\n");
+    assert!(ok, "{err}");
+    let mut save = flags.to_vec();
+    save.extend(["--save", f]);
+    let (ok, first, err) = chat(&save, b"Tell me a fortune\n");
+    assert!(ok, "{err}");
+    let mut resume = flags.to_vec();
+    resume.extend(["--resume", f]);
+    let (ok, second, err) = chat(&resume, b"Another one\n");
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("resumed") && err.contains("2 messages"),
+        "{err}"
+    );
+    assert_eq!(format!("{first}{second}"), whole);
+    // The same file on the GPU engine (another format) is refused.
+    let (ok, _, err) = chat(&["--device", "gpu", "-n", "2", "--resume", f], b"hello\n");
+    if !err.contains("no GPU adapter") {
+        assert!(!ok);
+        assert!(
+            err.contains("mamba2.format") && err.contains("talk.safetensors"),
+            "{err}"
+        );
+    }
+    let (ok, _, err) = chat(&["--device", "cpu", "--resume", "/nonexistent/x"], b"");
+    assert!(
+        !ok && err.contains("--resume /nonexistent/x: no such file"),
+        "{err}"
+    );
+}
+
+/// `mamba2 serve --port 0` prints the address it bound, answers /health there, and
+/// refuses bad flags before reading the model.
+#[test]
+fn serve_prints_its_address_and_answers() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
+        .args(["serve", "--device", "cpu", "--port", "0"])
+        .env("XDG_RUNTIME_DIR", "/tmp")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(reply.contains("\"status\":\"ok\""), "{reply}");
+    for (args, says) in [
+        (
+            &["serve", "--slots", "0"][..],
+            "--slots: must be at least 1",
+        ),
+        (
+            &["serve", "--cache-mem", "lots"],
+            "expected a size like 512M or 4G",
+        ),
+        (&["serve", "--cache-dtype", "f8"], "expected f32 or f16"),
+    ] {
+        let (ok, _, err) = mamba2(args);
+        assert!(!ok && err.contains(says), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,868 @@
+//! The server's engine and HTTP front: interleaved sequences give each request exactly the
+//! tokens of its solo `generate`, the prefix cache feeds only what is new (and survives a
+//! restart, refusing another model's files), and the HTTP routes answer every bad request
+//! with a clear OpenAI-style error. GPU tests run on lavapipe in CI.
+
+mod common;
+
+use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use mamba2_wgpu::gpu::context::{DeviceChoice, pick_adapter};
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::prefix_cache::{CacheConfig, PrefixCache};
+use mamba2_wgpu::sampling::Sampling;
+use mamba2_wgpu::server::engine::{Engine, Event, FinishReason, Job};
+use mamba2_wgpu::server::{Server, ServerConfig};
+use mamba2_wgpu::state_file::{self, SavedState, StateDtype, StateKey};
+use mamba2_wgpu::{Backend, EngineOptions, GenerateOptions, Session, Tokenizer, assets};
+use serde_json::{Value, json};
+
+/// A GPU backend for `model`, or None (the test is skipped, loudly) without an adapter;
+/// with MAMBA2_REQUIRE_GPU set (CI) a missing adapter fails instead.
+fn gpu_backend(model: &Model) -> Option<Box<dyn Backend>> {
+    match pick_adapter(&DeviceChoice::Gpu(None)) {
+        Ok(Some(_)) => Some(
+            mamba2_wgpu::open_backend(
+                model,
+                &DeviceChoice::Gpu(None),
+                EngineOptions {
+                    context: model.config.attention.as_ref().map(|_| 256),
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .expect("backend"),
+        ),
+        _ => {
+            assert!(
+                std::env::var_os("MAMBA2_REQUIRE_GPU").is_none(),
+                "MAMBA2_REQUIRE_GPU is set but no GPU adapter was found"
+            );
+            eprintln!(
+                "\n!!!!!!!! SKIPPED: no GPU adapter (install mesa-vulkan-drivers) !!!!!!!!\n"
+            );
+            None
+        }
+    }
+}
+
+fn key(model: &Model) -> StateKey {
+    StateKey {
+        model: model.fingerprint(),
+        format: "test".into(),
+        blocks: model.config.pattern(),
+    }
+}
+
+/// A cache that keeps nothing.
+fn no_cache(model: &Model) -> PrefixCache {
+    let cfg = CacheConfig {
+        device_bytes: 0,
+        host_bytes: 0,
+        dir: None,
+        ..Default::default()
+    };
+    PrefixCache::open(key(model), &model.config, cfg, &mut |_| {}).unwrap()
+}
+
+/// The reply text of a solo `generate` from a fresh state, decoded as the server streams it.
+fn solo(backend: &mut Session, tok: &Tokenizer, prompt: &[u32], job: &Spec) -> (String, usize) {
+    backend.reset().unwrap();
+    let opts = GenerateOptions {
+        max_new_tokens: job.max_new,
+        sampling: job.sampling,
+        stop: job.stop_ids.clone(),
+    };
+    let (ids, _) = backend.generate(prompt, &opts, |_| true).unwrap();
+    let mut dec = tok.stream();
+    let text: String = ids
+        .iter()
+        .filter_map(|&t| dec.step(tok, t).unwrap())
+        .collect();
+    (text, ids.len())
+}
+
+#[derive(Clone)]
+struct Spec {
+    prompt: Vec<u32>,
+    max_new: usize,
+    sampling: Sampling,
+    stop_ids: Vec<u32>,
+}
+
+/// What one job heard: its text, finish and usage.
+#[derive(Debug, Clone, PartialEq)]
+struct Heard {
+    text: String,
+    finish: Option<FinishReason>,
+    completion: usize,
+    cached: usize,
+}
+
+/// Runs `specs` through an engine with `slots` slots (all sent at once, so they
+/// interleave), returning what each heard, in order.
+fn run_engine(
+    backend: Box<dyn Backend>,
+    tok: &Tokenizer,
+    cache: PrefixCache,
+    slots: usize,
+    specs: &[Spec],
+) -> Vec<Heard> {
+    let engine = Engine {
+        backend,
+        tokenizer: std::sync::Arc::new(tok.clone()),
+        cache,
+        metrics: Default::default(),
+        slots,
+    };
+    let (tx, rx) = mpsc::channel();
+    let thread = std::thread::spawn(move || engine.run(rx));
+    let mut outs = Vec::new();
+    for s in specs {
+        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(Job {
+            prompt: s.prompt.clone(),
+            max_new: s.max_new,
+            sampling: s.sampling,
+            stop_ids: s.stop_ids.clone(),
+            stop_text: Vec::new(),
+            events: etx,
+        })
+        .unwrap();
+        outs.push(erx);
+    }
+    let heard = outs
+        .into_iter()
+        .map(|mut rx| {
+            let mut h = Heard {
+                text: String::new(),
+                finish: None,
+                completion: 0,
+                cached: 0,
+            };
+            while let Some(ev) = rx.blocking_recv() {
+                match ev {
+                    Event::Text(t) => h.text.push_str(&t),
+                    Event::Done { finish, usage } => {
+                        h.finish = Some(finish);
+                        h.completion = usage.completion_tokens;
+                        h.cached = usage.cached_tokens;
+                        break;
+                    }
+                    Event::Error(e) => panic!("engine error: {e}"),
+                }
+            }
+            h
+        })
+        .collect();
+    drop(tx);
+    thread.join().unwrap();
+    heard
+}
+
+/// Eight requests of different prompt lengths and reply lengths, greedy and sampled.
+fn specs(vocab: u32, eos: Option<u32>) -> Vec<Spec> {
+    (0..8u32)
+        .map(|i| Spec {
+            prompt: (0..(3 + 7 * i))
+                .map(|j| (j * 31 + i * 17 + 5) % vocab)
+                .collect(),
+            max_new: 6 + 5 * (i as usize % 4),
+            sampling: if i % 2 == 0 {
+                Sampling::greedy()
+            } else {
+                Sampling {
+                    temperature: 0.9,
+                    top_k: 20,
+                    top_p: 0.95,
+                    seed: 1000 + i as u64,
+                }
+            },
+            stop_ids: eos.into_iter().collect(),
+        })
+        .collect()
+}
+
+/// Interleaved == solo, for a model and a tokenizer: every slot count from 1 (one after
+/// another) to 8 (all at once, switching state every step).
+fn interleaved_equals_solo(model: &Model, tok: &Tokenizer, eos: Option<u32>) {
+    let Some(b) = gpu_backend(model) else { return };
+    let mut solo_session = Session::new(b);
+    let vocab = model.config.vocab_size as u32;
+    let specs = specs(vocab, eos);
+    let want: Vec<(String, usize)> = specs
+        .iter()
+        .map(|s| solo(&mut solo_session, tok, &s.prompt, s))
+        .collect();
+    for slots in [1, 3, 8] {
+        let backend = gpu_backend(model).unwrap();
+        let heard = run_engine(backend, tok, no_cache(model), slots, &specs);
+        for (i, (h, w)) in heard.iter().zip(&want).enumerate() {
+            assert_eq!(h.text, w.0, "request {i} with {slots} slots");
+            assert_eq!(h.completion, w.1, "request {i} with {slots} slots");
+        }
+    }
+}
+
+#[test]
+fn interleaved_sequences_equal_their_solo_runs_mamba2() {
+    let (model, tok) = assets::embedded().unwrap();
+    interleaved_equals_solo(&model, &tok, tok.eos);
+}
+
+#[test]
+fn interleaved_sequences_equal_their_solo_runs_hybrid() {
+    let model = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    // The fixture has no tokenizer; its 101 ids decode through the embedded one (the
+    // texts compared are then just a readable form of the ids).
+    let (_, tok) = assets::embedded().unwrap();
+    interleaved_equals_solo(&model, &tok, None);
+}
+
+/// A follow-up that extends a cached prompt feeds only the new tokens and produces what a
+/// fresh run produces.
+#[test]
+fn prefix_cache_feeds_only_new_tokens_and_changes_nothing() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(b) = gpu_backend(&model) else { return };
+    let mut solo_session = Session::new(b);
+    let base: Vec<u32> = tok
+        .encode("The quick brown fox jumps over the lazy dog.")
+        .unwrap();
+    let mut longer = base.clone();
+    longer.extend(tok.encode_with(" Then it sat down and", false).unwrap());
+    let spec = |prompt: &[u32]| Spec {
+        prompt: prompt.to_vec(),
+        max_new: 12,
+        sampling: Sampling::greedy(),
+        stop_ids: Vec::new(),
+    };
+    let want = solo(&mut solo_session, &tok, &longer, &spec(&longer));
+    for cfg in [
+        // Device snapshots.
+        CacheConfig::default(),
+        // Host memory only (f32).
+        CacheConfig {
+            device_bytes: 0,
+            ..Default::default()
+        },
+    ] {
+        let cache = PrefixCache::open(key(&model), &model.config, cfg, &mut |_| {}).unwrap();
+        let backend = gpu_backend(&model).unwrap();
+        let heard = run_engine(backend, &tok, cache, 1, &[spec(&base), spec(&longer)]);
+        assert_eq!(heard[0].cached, 0);
+        assert_eq!(
+            heard[1].cached,
+            base.len(),
+            "the second request resumes at the first's end"
+        );
+        assert_eq!(heard[1].text, want.0);
+    }
+}
+
+/// Cache files: written at shutdown, found again by a new cache, refused when they belong
+/// to another model.
+#[test]
+fn prefix_cache_files_survive_a_restart_and_refuse_another_model() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(backend) = gpu_backend(&model) else {
+        return;
+    };
+    let dir = tempdir("cache-files");
+    let cfg = CacheConfig {
+        dir: Some(dir.clone()),
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = tok.encode("A stitch in time saves nine, and").unwrap();
+    let spec = Spec {
+        prompt: prompt.clone(),
+        max_new: 4,
+        sampling: Sampling::greedy(),
+        stop_ids: Vec::new(),
+    };
+    let cache = PrefixCache::open(key(&model), &model.config, cfg.clone(), &mut |_| {}).unwrap();
+    run_engine(backend, &tok, cache, 1, std::slice::from_ref(&spec));
+    let files = std::fs::read_dir(&dir).unwrap().count();
+    assert!(
+        files >= 2,
+        "the prompt's and the reply's states were written ({files})"
+    );
+    // A new process finds them.
+    let cache = PrefixCache::open(key(&model), &model.config, cfg.clone(), &mut |_| {}).unwrap();
+    assert_eq!(cache.stats().entries[2], files);
+    let mut longer = prompt.clone();
+    longer.extend(tok.encode_with(" more", false).unwrap());
+    let backend = gpu_backend(&model).unwrap();
+    let heard = run_engine(
+        backend,
+        &tok,
+        cache,
+        1,
+        &[Spec {
+            prompt: longer,
+            ..spec.clone()
+        }],
+    );
+    assert!(heard[0].cached >= prompt.len());
+    // The same files under another model's key are refused, each with a note naming the
+    // file and the field.
+    let mut other = key(&model);
+    other.model = "0123456789abcdef0123456789abcdef".into();
+    let mut notes = Vec::new();
+    let cache =
+        PrefixCache::open(other.clone(), &model.config, cfg, &mut |n| notes.push(n)).unwrap();
+    assert_eq!(cache.stats().entries[2], 0);
+    assert!(cache.stats().refused_files >= files);
+    assert!(notes[0].contains("mamba2.model"), "{}", notes[0]);
+    // And loading one directly says why.
+    let file = std::fs::read_dir(&dir)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let err = state_file::load(&file, &other, &model.config)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("mamba2.model") && err.contains(file.to_str().unwrap()),
+        "{err}"
+    );
+}
+
+/// Saved states round-trip exactly in f32, and a damaged or foreign file is refused with
+/// its name and the field at fault.
+#[test]
+fn state_files_round_trip_and_refuse_bad_headers() {
+    let model = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    let c = &model.config;
+    let mut state = mamba2_wgpu::state::State::<f32>::new(c);
+    state.len = 3;
+    let kv = c.attention.as_ref().unwrap().kv_width();
+    for (i, l) in state.layers.iter_mut().enumerate() {
+        match l {
+            mamba2_wgpu::state::LayerState::Mamba2 { conv, ssm } => {
+                conv.iter_mut()
+                    .enumerate()
+                    .for_each(|(j, v)| *v = (i + j) as f32 * 0.1);
+                ssm.iter_mut()
+                    .enumerate()
+                    .for_each(|(j, v)| *v = -(j as f32) * 0.01);
+            }
+            mamba2_wgpu::state::LayerState::Attention { k, v } => {
+                *k = (0..3 * kv).map(|j| j as f32 * 0.5).collect();
+                *v = (0..3 * kv).map(|j| 1.0 / (1.0 + j as f32)).collect();
+            }
+            _ => {}
+        }
+    }
+    let dir = tempdir("state-files");
+    let path = dir.join("s.safetensors");
+    let saved = SavedState {
+        state: state.clone(),
+        tokens: vec![4, 5, 6],
+        extra: Some("{\"x\":1}".into()),
+    };
+    let k = key(&model);
+    state_file::save(&path, &k, &saved, StateDtype::F32, c).unwrap();
+    let back = state_file::load(&path, &k, c).unwrap();
+    assert_eq!(back.state, state);
+    assert_eq!(back.tokens, vec![4, 5, 6]);
+    assert_eq!(back.extra.as_deref(), Some("{\"x\":1}"));
+    // f16: every value within f16 rounding.
+    state_file::save(&path, &k, &saved, StateDtype::F16, c).unwrap();
+    let half = state_file::load(&path, &k, c).unwrap();
+    for (a, b) in half.state.values().iter().zip(state.values()) {
+        assert!((a - b).abs() <= b.abs() * 1e-3 + 1e-7, "{a} vs {b}");
+    }
+    // Another format, another block pattern.
+    for (field, mut other) in [("mamba2.format", k.clone()), ("mamba2.blocks", k.clone())] {
+        if field == "mamba2.format" {
+            other.format = "q8_0".into();
+        } else {
+            other.blocks = "MMMM".into();
+        }
+        let err = state_file::load(&path, &other, c).unwrap_err().to_string();
+        assert!(
+            err.contains(field) && err.contains("s.safetensors"),
+            "{err}"
+        );
+    }
+    // Not a state file at all; a truncated one.
+    let junk = dir.join("junk.safetensors");
+    std::fs::write(&junk, b"hello").unwrap();
+    let err = state_file::load(&junk, &k, c).unwrap_err().to_string();
+    assert!(err.contains("junk.safetensors"), "{err}");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&junk, &bytes[..bytes.len() - 7]).unwrap();
+    let err = state_file::load(&junk, &k, c).unwrap_err().to_string();
+    assert!(err.contains("junk.safetensors"), "{err}");
+    // The model's own weights file is not a state.
+    let err = state_file::load(
+        &common::fixture("nemotron_h_hybrid").join("model.safetensors"),
+        &k,
+        c,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("mamba2.kind"), "{err}");
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("mamba2-serve-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+// ---------------------------------------------------------------------------------------
+// HTTP
+
+struct Running {
+    server: Option<Server>,
+    base: String,
+    client: reqwest::Client,
+    key: Option<String>,
+}
+
+impl Running {
+    fn stop(mut self) {
+        self.server.take().unwrap().stop().unwrap();
+    }
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+    async fn raw(&self, path: &str, body: &'static str) -> (u16, Value) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+    async fn metric(&self, name: &str) -> f64 {
+        let mut get = self.client.get(format!("{}/metrics", self.base));
+        if let Some(k) = &self.key {
+            get = get.bearer_auth(k);
+        }
+        let text = get.send().await.unwrap().text().await.unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("mamba2_{name} ")))
+            .unwrap_or_else(|| panic!("{name} not in /metrics"))
+            .parse()
+            .unwrap()
+    }
+}
+
+fn start(
+    model: &Model,
+    tok: &Tokenizer,
+    config: ServerConfig,
+    cache: Option<CacheConfig>,
+) -> Option<Running> {
+    let backend = gpu_backend(model)?;
+    let api_key = config.api_key.clone();
+    let cache = match cache {
+        Some(cfg) => PrefixCache::open(key(model), &model.config, cfg, &mut |_| {}).unwrap(),
+        None => no_cache(model),
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let server = Server::start(listener, config, backend, tok.clone(), cache).unwrap();
+    let base = format!("http://{}", server.addr);
+    Some(Running {
+        server: Some(server),
+        base,
+        client: reqwest::Client::new(),
+        key: api_key,
+    })
+}
+
+/// Reads a server-sent-event stream to its end: the `data:` payloads in order.
+async fn sse(r: reqwest::Response) -> Vec<String> {
+    let text = r.text().await.unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+fn completion_body(prompt: &str, max: usize, seed: Option<u64>, stream: bool) -> Value {
+    let mut b = json!({"prompt": prompt, "max_tokens": max, "stream": stream});
+    match seed {
+        Some(s) => {
+            b["seed"] = json!(s);
+            b["temperature"] = json!(0.8);
+            b["top_k"] = json!(30);
+        }
+        None => b["temperature"] = json!(0),
+    }
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_replies_equal_solo_generate_streamed_or_not_and_concurrently() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(srv) = start(
+        &model,
+        &tok,
+        ServerConfig {
+            slots: 4,
+            ..Default::default()
+        },
+        None,
+    ) else {
+        return;
+    };
+    let prompts: Vec<String> = (0..32)
+        .map(|i| {
+            format!(
+                "Fortune number {i}: the {}",
+                ["wise", "old", "quick", "happy"][i % 4]
+            )
+        })
+        .collect();
+    // Solo runs, on a backend of their own.
+    let mut session = Session::new(gpu_backend(&model).unwrap());
+    let want: Vec<String> = tokio::task::block_in_place(|| {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let seed = (i % 2 == 1).then_some(i as u64);
+                let spec = Spec {
+                    prompt: tok.encode(p).unwrap(),
+                    max_new: 10,
+                    sampling: match seed {
+                        Some(s) => Sampling {
+                            temperature: 0.8,
+                            top_k: 30,
+                            top_p: 1.0,
+                            seed: s,
+                        },
+                        None => Sampling::greedy(),
+                    },
+                    stop_ids: tok.eos.into_iter().collect(),
+                };
+                solo(&mut session, &tok, &spec.prompt, &spec).0
+            })
+            .collect()
+    });
+    // One non-streamed and one streamed request.
+    let (status, body) = srv
+        .post(
+            "/v1/completions",
+            completion_body(&prompts[0], 10, None, false),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], want[0]);
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        tok.encode(&prompts[0]).unwrap().len()
+    );
+    let r = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&completion_body(&prompts[1], 10, Some(1), true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = sse(r).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(text, want[1]);
+    // 32 at once, streamed and not, on 4 slots (28 wait in the queue).
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let client = srv.client.clone();
+        let url = format!("{}/v1/completions", srv.base);
+        let body = completion_body(p, 10, (i % 2 == 1).then_some(i as u64), i % 3 == 0);
+        tasks.push(tokio::spawn(async move {
+            let r = client.post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            if body["stream"] == true {
+                let ev = sse(r).await;
+                ev[..ev.len() - 1]
+                    .iter()
+                    .map(|e| {
+                        let v: Value = serde_json::from_str(e).unwrap();
+                        v["choices"][0]["text"].as_str().unwrap().to_string()
+                    })
+                    .collect::<String>()
+            } else {
+                let v: Value = r.json().await.unwrap();
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            }
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.unwrap(), want[i], "request {i}");
+    }
+    // Chat completions stream a role first and end with a finish reason.
+    let r = srv
+        .client
+        .post(format!("{}/v1/chat/completions", srv.base))
+        .json(
+            &json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+                      "stream": true, "stream_options": {"include_usage": true}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let ev = sse(r).await;
+    let first: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let usage: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert!(usage["usage"]["completion_tokens"].as_u64().unwrap() <= 4);
+    let models = srv
+        .client
+        .get(format!("{}/v1/models", srv.base))
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["object"], "model");
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_refuses_bad_requests_and_survives_a_vanishing_client() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(srv) = start(
+        &model,
+        &tok,
+        ServerConfig {
+            slots: 1,
+            queue: 0,
+            max_prompt: 64,
+            ..Default::default()
+        },
+        None,
+    ) else {
+        return;
+    };
+    let cases: [(&str, &str, &str); 9] = [
+        ("/v1/chat/completions", "{not json", "not valid JSON"),
+        ("/v1/chat/completions", "[1, 2]", "JSON object"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#,
+            "message list is empty",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": "hi"}"#,
+            "messages: expected an array",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}"#,
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}"#,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": 7}"#,
+            "prompt: expected a string",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "stream": "yes"}"#,
+            "stream",
+        ),
+        ("/v1/completions", r#"{"prompt": "x", "seed": 1.5}"#, "seed"),
+    ];
+    for (path, body, says) in cases {
+        let (status, v) = srv.raw(path, body).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{body}: {msg}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    // Over the prompt limit.
+    let long = "word ".repeat(200);
+    let (status, v) = srv.post("/v1/completions", json!({"prompt": long})).await;
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("more than the 64"),
+        "{v}"
+    );
+    // A long stream holds the only slot; the next request finds the queue full.
+    let r = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&completion_body("Once upon a time", 100_000, None, true))
+        .send()
+        .await
+        .unwrap();
+    let mut r = r;
+    let chunk = r.chunk().await.unwrap().unwrap();
+    assert!(chunk.starts_with(b"data: "));
+    let busy = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&completion_body("hello", 2, None, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(busy.status(), 503);
+    assert_eq!(busy.headers()["retry-after"], "1");
+    // The client goes away mid-stream: its slot is freed and the server goes on.
+    drop(r);
+    let mut freed = false;
+    for _ in 0..200 {
+        if srv.metric("active_slots").await == 0.0 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(freed, "the vanished client's slot was freed");
+    assert!(srv.metric("requests_cancelled_total").await >= 1.0);
+    let (status, v) = srv
+        .post("/v1/completions", completion_body("hello", 2, None, false))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert!(srv.metric("requests_rejected_total").await >= 1.0);
+    // Unknown routes.
+    let r = srv
+        .client
+        .get(format!("{}/v2/nothing", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_api_key_and_cached_prefix_in_usage_across_a_restart() {
+    let (model, tok) = assets::embedded().unwrap();
+    let dir = tempdir("http-cache");
+    let config = ServerConfig {
+        api_key: Some("sekrit".into()),
+        ..Default::default()
+    };
+    let cache = CacheConfig {
+        dir: Some(dir.clone()),
+        ..Default::default()
+    };
+    let Some(srv) = start(&model, &tok, config.clone(), Some(cache.clone())) else {
+        return;
+    };
+    let r = srv
+        .client
+        .get(format!("{}/v1/models", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = srv
+        .client
+        .get(format!("{}/health", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "health needs no key");
+    let ask = |text: &str| {
+        srv.client
+            .post(format!("{}/v1/chat/completions", srv.base))
+            .bearer_auth("sekrit")
+            .json(&json!({"messages": [{"role": "user", "content": text}],
+                          "max_tokens": 6, "temperature": 0}))
+            .send()
+    };
+    let first: Value = ask("Tell me a fortune")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let reply = first["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // The follow-up turn carries the whole conversation.
+    let follow = json!({"messages": [
+        {"role": "user", "content": "Tell me a fortune"},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Another"}],
+        "max_tokens": 6, "temperature": 0});
+    let second: Value = srv
+        .client
+        .post(format!("{}/v1/chat/completions", srv.base))
+        .bearer_auth("sekrit")
+        .json(&follow)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let prompt1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached2 = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached2 >= prompt1,
+        "the follow-up resumed at least at the first prompt's end"
+    );
+    assert!(srv.metric("prefix_cache_hits_total").await >= 1.0);
+    tokio::task::block_in_place(|| srv.stop());
+    // Restarted on the same directory: the hit survives.
+    let srv = start(&model, &tok, config, Some(cache)).unwrap();
+    let again: Value = srv
+        .client
+        .post(format!("{}/v1/chat/completions", srv.base))
+        .bearer_auth("sekrit")
+        .json(&follow)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"], cached2,
+        "{again}"
+    );
+    assert_eq!(again["choices"], second["choices"]);
+    tokio::task::block_in_place(|| srv.stop());
+    let _ = Path::new(&dir);
+}
