@@ -744,3 +744,108 @@ impl DecodeReport {
         s
     }
 }
+
+/// Time to first token of a request whose first `prefix` tokens are in the prefix cache
+/// and whose last `new` tokens are not: the state restored from a device snapshot (or from
+/// host memory), the new tokens fed, the first token sampled.
+#[derive(Clone, Debug, Serialize)]
+pub struct CachedPrefixReport {
+    pub config: String,
+    pub format: String,
+    pub device: String,
+    pub prefix: usize,
+    pub new_tokens: usize,
+    /// Bytes of one cache entry (the snapshot).
+    pub entry_bytes: u64,
+    /// Median ms: restore from a device snapshot + feed `new` + sample.
+    pub device_ms: f64,
+    /// The same from a host-memory entry (uploaded first).
+    pub host_ms: f64,
+    /// Median ms of the whole prompt fed from a fresh state (no cache).
+    pub cold_ms: f64,
+    /// The issue's target for a 4096-token cached prefix, and device_ms as a ratio to it.
+    pub target_ms: f64,
+}
+
+/// Times `runs` cached-prefix requests after one warm-up (see `CachedPrefixReport`).
+pub fn cached_prefix(
+    backend: &mut GpuBackend,
+    preset_name: &str,
+    prefix: usize,
+    new: usize,
+    runs: usize,
+) -> Result<CachedPrefixReport> {
+    if prefix == 0 || new == 0 {
+        return Err(Error::InvalidInput(
+            "the cached prefix and the new tokens must both be at least 1".into(),
+        ));
+    }
+    let vocab = backend.engine.config.vocab_size as f32;
+    let prompt: Vec<u32> = (0..(prefix + new) as u64)
+        .map(|i| (crate::sampling::uniform(98, i) * vocab) as u32)
+        .collect();
+    let greedy = Sampling::greedy();
+    let pos = (prefix + new) as u64;
+    backend.reset()?;
+    backend.prefill_sample(&prompt[..prefix], &greedy, prefix as u64)?;
+    let device = backend.snapshot()?;
+    let entry_bytes = backend.snapshot_device_bytes();
+    let host = backend.snapshot_state(device.as_ref())?;
+    let time = |backend: &mut GpuBackend, what: &dyn Fn(&mut GpuBackend) -> Result<()>| {
+        let mut times = Vec::new();
+        for run in 0..=runs {
+            let t0 = Instant::now();
+            what(backend)?;
+            if run > 0 {
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok::<f64, Error>(median(&mut times))
+    };
+    let suffix = &prompt[prefix..];
+    let device_ms = time(backend, &|b| {
+        b.restore(device.as_ref())?;
+        b.prefill_sample(suffix, &greedy, pos).map(|_| ())
+    })?;
+    let host_ms = time(backend, &|b| {
+        b.restore(&host)?;
+        b.prefill_sample(suffix, &greedy, pos).map(|_| ())
+    })?;
+    let cold_ms = time(backend, &|b| {
+        b.reset()?;
+        b.prefill_sample(&prompt, &greedy, pos).map(|_| ())
+    })?;
+    Ok(CachedPrefixReport {
+        config: preset_name.to_string(),
+        format: backend.engine.format.name().to_string(),
+        device: backend.engine.ctx().describe(),
+        prefix,
+        new_tokens: new,
+        entry_bytes,
+        device_ms,
+        host_ms,
+        cold_ms,
+        target_ms: 20.0,
+    })
+}
+
+impl CachedPrefixReport {
+    pub fn text(&self) -> String {
+        format!(
+            "{} {} on {}: first token after a cached {}-token prefix + {} new tokens\n  \
+             from a device snapshot {:.2} ms, from host memory {:.2} ms, uncached {:.1} ms \
+             ({:.1}× faster); entry {:.1} MB; target {:.0} ms\n",
+            self.config,
+            self.format,
+            self.device,
+            self.prefix,
+            self.new_tokens,
+            self.device_ms,
+            self.host_ms,
+            self.cold_ms,
+            self.cold_ms / self.device_ms,
+            self.entry_bytes as f64 / 1e6,
+            self.target_ms,
+        )
+    }
+}

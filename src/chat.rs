@@ -169,7 +169,22 @@ impl Chat {
         &mut self,
         user: &str,
         opts: &GenerateOptions,
-        on_text: impl FnMut(&str) -> bool,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Reply> {
+        self.say_with(user, opts, |e| match e {
+            TurnEvent::Token { piece: Some(p), .. } => on_text(p),
+            _ => true,
+        })
+    }
+
+    /// `say`, telling `on` when the turn's input is ready and about every sampled token
+    /// (with its text once whole characters are complete): for front-ends that time
+    /// tokens or watch the state while decoding.
+    pub fn say_with(
+        &mut self,
+        user: &str,
+        opts: &GenerateOptions,
+        on: impl FnMut(TurnEvent) -> bool,
     ) -> Result<Reply> {
         if user.trim().is_empty() {
             return Err(Error::InvalidInput("the message is empty".into()));
@@ -182,7 +197,7 @@ impl Chat {
         // a regenerated reply read the history twice).
         let snapshot = self.session.snapshot()?;
         let finish = self.last_finish;
-        let reply = self.reply(&ids, opts, on_text)?;
+        let reply = self.reply(&ids, opts, on)?;
         self.before_last = Some((snapshot, ids, finish, fed));
         self.messages.push(("user".into(), user.to_string()));
         self.messages.push(("assistant".into(), reply.text.clone()));
@@ -195,7 +210,19 @@ impl Chat {
     pub fn regenerate(
         &mut self,
         opts: &GenerateOptions,
-        on_text: impl FnMut(&str) -> bool,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<Reply> {
+        self.regenerate_with(opts, |e| match e {
+            TurnEvent::Token { piece: Some(p), .. } => on_text(p),
+            _ => true,
+        })
+    }
+
+    /// `regenerate` with the events of `say_with`.
+    pub fn regenerate_with(
+        &mut self,
+        opts: &GenerateOptions,
+        on: impl FnMut(TurnEvent) -> bool,
     ) -> Result<Reply> {
         let (snapshot, ids, finish, fed) = self
             .before_last
@@ -204,7 +231,7 @@ impl Chat {
         self.session.restore(&snapshot)?;
         self.last_finish = finish;
         let last = self.messages.pop();
-        let reply = self.reply(&ids, opts, on_text)?;
+        let reply = self.reply(&ids, opts, on)?;
         if let Some((role, old)) = last {
             // The rendering up to the cue is what was fed before the old reply.
             self.fed = format!(
@@ -222,20 +249,26 @@ impl Chat {
         &mut self,
         ids: &[u32],
         opts: &GenerateOptions,
-        mut on_text: impl FnMut(&str) -> bool,
+        mut on: impl FnMut(TurnEvent) -> bool,
     ) -> Result<Reply> {
         let mut decoder = self.tokenizer.stream();
         let mut text = String::new();
         let mut failure = None;
         let tok = &self.tokenizer;
+        // The input is fed whatever this returns (stop at the first token instead).
+        let _ = on(TurnEvent::Started { fed: ids.len() });
         let (tokens, finish) =
             self.session
                 .generate(ids, opts, |id| match decoder.step(tok, id) {
-                    Ok(Some(piece)) => {
-                        text.push_str(&piece);
-                        on_text(&piece)
+                    Ok(piece) => {
+                        if let Some(p) = &piece {
+                            text.push_str(p);
+                        }
+                        on(TurnEvent::Token {
+                            id,
+                            piece: piece.as_deref(),
+                        })
                     }
-                    Ok(None) => true,
                     Err(e) => {
                         failure = Some(e);
                         false
@@ -252,6 +285,17 @@ impl Chat {
             fed: ids.len(),
         })
     }
+}
+
+/// What `Chat::say_with` reports while a turn runs.
+#[derive(Debug)]
+pub enum TurnEvent<'a> {
+    /// The turn's new tokens are ready and about to be fed (they are fed whatever the
+    /// callback returns).
+    Started { fed: usize },
+    /// A sampled token of the reply (a stop token is not reported), with its text once
+    /// whole UTF-8 characters are complete.
+    Token { id: u32, piece: Option<&'a str> },
 }
 
 /// The tokens of a whole conversation rendered from scratch, ending with the cue for the

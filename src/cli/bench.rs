@@ -58,6 +58,13 @@ pub struct BenchArgs {
     /// 1024,32768 (0 = an empty cache).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     ctx: Vec<usize>,
+    /// Also time the first token of requests whose first N tokens are in the prefix cache
+    /// (restored from a device snapshot and from host memory), e.g. 4096.
+    #[arg(long, value_delimiter = ',', value_name = "N")]
+    cached_prefix: Vec<usize>,
+    /// New tokens after the cached prefix (with --cached-prefix).
+    #[arg(long, default_value_t = 32)]
+    new_tokens: usize,
     /// Print JSON lines instead of text.
     #[arg(long)]
     json: bool,
@@ -85,9 +92,13 @@ impl BenchArgs {
         if !self.prefill.is_empty() {
             check_at_least("--prefill-runs", self.prefill_runs, 1)?;
         }
-        if self.no_decode && self.prefill.is_empty() {
+        if self.no_decode && self.prefill.is_empty() && self.cached_prefix.is_empty() {
             bail!("--no-decode: nothing left to time (add --prefill 512,4096)");
         }
+        if let Some(0) = self.cached_prefix.iter().copied().min() {
+            bail!("--cached-prefix: a prefix must be at least 1 token, found 0");
+        }
+        check_at_least("--new-tokens", self.new_tokens, 1)?;
         check_chunk_size(self.chunk_size)?;
         if self.device == DeviceChoice::Cpu {
             self.check_cpu_flags()?;
@@ -101,6 +112,7 @@ impl BenchArgs {
     fn check_cpu_flags(&self) -> anyhow::Result<()> {
         let unused = [
             ("--prefill", !self.prefill.is_empty()),
+            ("--cached-prefix", !self.cached_prefix.is_empty()),
             ("--no-decode", self.no_decode),
             ("--ctx", self.ctx.iter().any(|&c| c > 0)),
             ("--dtype", self.dtype != [WeightFormat::F16]),
@@ -174,7 +186,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     + args.tokens
                     + args.profile_tokens
                     + 8;
-                let longest = longest.max(args.prefill.iter().max().copied().unwrap_or(0));
+                let longest = longest
+                    .max(args.prefill.iter().max().copied().unwrap_or(0))
+                    .max(
+                        args.cached_prefix
+                            .iter()
+                            .max()
+                            .map_or(0, |p| p + args.new_tokens),
+                    );
                 let opts = mamba2_wgpu::EngineOptions {
                     format,
                     fused,
@@ -199,6 +218,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         } else {
                             print!("{}", report.text());
                         }
+                    }
+                }
+                for &prefix in &args.cached_prefix {
+                    let report = mamba2_wgpu::bench::cached_prefix(
+                        &mut backend,
+                        name,
+                        prefix,
+                        args.new_tokens,
+                        args.prefill_runs,
+                    )?;
+                    if args.json {
+                        println!("{}", serde_json::to_string(&report)?);
+                    } else {
+                        print!("{}", report.text());
                     }
                 }
                 for &len in &args.prefill {

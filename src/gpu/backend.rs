@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
-use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode};
+use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode, SHORT_PROMPT};
 use crate::gpu::graph::{Ctrl, Tail};
 use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
 use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
@@ -439,7 +439,12 @@ impl Backend for GpuBackend {
         let ctrl = self.ctrl(tokens[0], pos, sampling, &[])?;
         match self.engine.prefill_mode {
             PrefillMode::Decode => self.feed(tokens, ctrl, tail, None)?,
-            PrefillMode::Chunked => self.prefill_chunked(tokens, ctrl, Some(tail), None)?,
+            PrefillMode::Auto if tokens.len() <= SHORT_PROMPT => {
+                self.feed(tokens, ctrl, tail, None)?
+            }
+            PrefillMode::Auto | PrefillMode::Chunked => {
+                self.prefill_chunked(tokens, ctrl, Some(tail), None)?
+            }
         }
         let c = self.engine.read_ctrl()?;
         if c.nonfinite != 0 {
@@ -455,7 +460,9 @@ impl Backend for GpuBackend {
         let mut out = Vec::with_capacity(tokens.len());
         match self.engine.prefill_mode {
             PrefillMode::Decode => self.feed(tokens, ctrl, Tail::FeedLogits, Some(&mut out))?,
-            PrefillMode::Chunked => self.prefill_chunked(tokens, ctrl, None, Some(&mut out))?,
+            PrefillMode::Auto | PrefillMode::Chunked => {
+                self.prefill_chunked(tokens, ctrl, None, Some(&mut out))?
+            }
         }
         self.check_logits(&out, first)?;
         Ok(out)

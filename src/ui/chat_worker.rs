@@ -2,22 +2,21 @@
 //! from the window over a channel and streams events back. The window never blocks on
 //! it; Stop is an atomic the decode callback reads, so it works mid-reply.
 //!
-//! A turn feeds only its new tokens: the state carries the whole conversation. Without a
-//! chat template a turn is `[eos] + text` (documents are separated by the end-of-text
-//! token, as base Mamba2 models and the embedded model were trained), the separator left
-//! out when the previous reply ended on it (it is then already pending in the session).
-//! Regenerate restores the snapshot taken before the last turn and samples again with the
-//! next seed.
+//! The turns are `chat::Chat`'s, as in `mamba2 chat` and the server: a turn feeds only
+//! its new tokens (the state carries the whole conversation), rendered with the model's
+//! chat template and special tokens when it has one, as end-of-text-separated plain text
+//! when it has not. Regenerate restores the snapshot taken before the last turn and
+//! samples again with the next seed.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::time::Instant;
 
+use crate::chat::{Chat, TurnEvent};
 use crate::gpu::profiler::TokenProfile;
 use crate::sampling::Sampling;
-use crate::session::{Finish, GenerateOptions, Session, Snapshot};
-use crate::tokenizer::Tokenizer;
+use crate::session::{Finish, GenerateOptions, Session};
 use crate::ui::load::{LoadRequest, ModelInfo, open};
 use crate::ui::state_view::StateSummary;
 use crate::ui::worker::{
@@ -182,21 +181,11 @@ impl Drop for ChatHandle {
     }
 }
 
-struct Turn {
-    snapshot: Snapshot,
-    prompt: Vec<u32>,
-    /// Whether the reply before this turn ended on the separator.
-    after_stop: bool,
-    variation: u64,
-}
-
 struct Live {
-    session: Session,
-    tokenizer: Tokenizer,
+    chat: Chat,
     reader: StateReader,
-    last_turn: Option<Turn>,
-    /// The last reply ended on the end-of-text token (pending in the session).
-    after_stop: bool,
+    /// Regenerations of the last reply so far (each moves the seed on by one).
+    variation: u64,
 }
 
 struct Worker {
@@ -250,10 +239,9 @@ impl Worker {
             ChatCommand::Regenerate { id, settings } => self.regenerate(id, settings),
             ChatCommand::Reset => {
                 if let Some(live) = self.live.as_mut() {
-                    live.session.reset().map_err(|e| e.to_string())?;
-                    live.last_turn = None;
-                    live.after_stop = false;
-                    let _ = take_profiles(live.session.backend_mut());
+                    live.chat.reset().map_err(|e| e.to_string())?;
+                    live.variation = 0;
+                    let _ = take_profiles(live.chat.session.backend_mut());
                     self.out.send(ChatEvent::Cleared);
                     self.read_state_idle()?;
                 }
@@ -278,7 +266,7 @@ impl Worker {
         let Some(live) = self.live.as_mut() else {
             return Ok(());
         };
-        if let Some(notice) = set_profiling(live.session.backend_mut(), self.profiling)? {
+        if let Some(notice) = set_profiling(live.chat.session.backend_mut(), self.profiling)? {
             self.out.send(ChatEvent::Notice(notice));
         }
         Ok(())
@@ -314,11 +302,9 @@ impl Worker {
         reader.set(self.live_state.0, self.live_state.1)?;
         self.out.send(ChatEvent::Loaded(Box::new(loaded.info)));
         self.live = Some(Live {
-            session,
-            tokenizer,
+            chat: Chat::new(session, tokenizer),
             reader,
-            last_turn: None,
-            after_stop: false,
+            variation: 0,
         });
         self.apply_profiling()?;
         self.read_state_idle()
@@ -334,48 +320,21 @@ impl Worker {
         if text.trim().is_empty() {
             return Err("type a message first".into());
         }
-        let live = self.live()?;
-        let mut prompt = Vec::new();
-        if let Some(eos) = live.tokenizer.eos
-            && !live.after_stop
-        {
-            prompt.push(eos);
-        }
-        prompt.extend(
-            live.tokenizer
-                .encode_with(text, false)
-                .map_err(|e| e.to_string())?,
-        );
-        let snapshot = live.session.snapshot().map_err(|e| e.to_string())?;
-        live.last_turn = Some(Turn {
-            snapshot,
-            prompt: prompt.clone(),
-            after_stop: live.after_stop,
-            variation: 0,
-        });
-        self.generate(id, &prompt, settings, 0)
+        self.live()?.variation = 0;
+        self.generate(id, Some(text), settings)
     }
 
     fn regenerate(&mut self, id: u64, settings: GenSettings) -> Result<(), String> {
-        let live = self.live()?;
-        let Some(turn) = live.last_turn.as_mut() else {
-            return Err("nothing to regenerate yet".into());
-        };
-        live.session
-            .restore(&turn.snapshot)
-            .map_err(|e| e.to_string())?;
-        live.after_stop = turn.after_stop;
-        turn.variation += 1;
-        let (prompt, variation) = (turn.prompt.clone(), turn.variation);
-        self.generate(id, &prompt, settings, variation)
+        self.live()?.variation += 1;
+        self.generate(id, None, settings)
     }
 
+    /// A turn: `user`'s message, or (None) the last reply again.
     fn generate(
         &mut self,
         id: u64,
-        prompt: &[u32],
+        user: Option<&str>,
         settings: GenSettings,
-        variation: u64,
     ) -> Result<(), String> {
         if self.stop.load(Ordering::SeqCst) >= id {
             self.out.send(ChatEvent::ReplyDone {
@@ -390,54 +349,56 @@ impl Worker {
         let stop = self.stop.clone();
         let live = self.live.as_mut().ok_or("no model is open")?;
         let Live {
-            session,
-            tokenizer,
+            chat,
             reader,
-            ..
+            variation,
         } = live;
         let opts = GenerateOptions {
             max_new_tokens: settings.max_tokens.max(1),
-            sampling: settings.sampling(variation),
+            sampling: settings.sampling(*variation),
             stop: if settings.ignore_eos {
                 Vec::new()
             } else {
-                tokenizer.eos.into_iter().collect()
+                chat.tokenizer.eos.into_iter().collect()
             },
         };
-        out.send(ChatEvent::ReplyStarted {
-            id,
-            prompt_tokens: prompt.len(),
-        });
-        let mut decoder = tokenizer.stream();
         let start = Instant::now();
-        let mut position = session.position() + prompt.len() as u64;
+        let mut position = chat.session.position();
         let mut failure: Option<String> = None;
-        let result = session.generate(prompt, &opts, |tok| {
-            let piece = match decoder.step(tokenizer, tok) {
-                Ok(p) => p,
-                Err(e) => {
-                    failure = Some(e.to_string());
+        let mut on = |e: TurnEvent| match e {
+            TurnEvent::Started { fed } => {
+                out.send(ChatEvent::ReplyStarted {
+                    id,
+                    prompt_tokens: fed,
+                });
+                position += fed as u64;
+                true
+            }
+            TurnEvent::Token { piece, .. } => {
+                out.send(ChatEvent::Token {
+                    id,
+                    piece: piece.map(str::to_string),
+                    at: Instant::now(),
+                });
+                position += 1;
+                if let Err(e) = reader.during_decode(position) {
+                    failure = Some(e);
                     return false;
                 }
-            };
-            out.send(ChatEvent::Token {
-                id,
-                piece,
-                at: Instant::now(),
-            });
-            position += 1;
-            if let Err(e) = reader.during_decode(position) {
-                failure = Some(e);
-                return false;
+                stop.load(Ordering::SeqCst) < id
             }
-            stop.load(Ordering::SeqCst) < id
-        });
+        };
+        let result = match user {
+            Some(text) => chat.say_with(text, &opts, &mut on),
+            None => chat.regenerate_with(&opts, &mut on),
+        };
         let seconds = start.elapsed().as_secs_f64();
-        let profiles = take_profiles(session.backend_mut());
+        let backend = chat.session.backend_mut();
+        let profiles = take_profiles(backend);
         if !profiles.is_empty() {
             out.send(ChatEvent::Profiles(profiles));
         }
-        if let Some(load) = crate::ui::expert_view::read_expert_load(session.backend_mut()) {
+        if let Some(load) = crate::ui::expert_view::read_expert_load(backend) {
             out.send(ChatEvent::ExpertLoad(Box::new(load)));
         }
         match (result, failure) {
@@ -453,12 +414,11 @@ impl Worker {
             (Ok(_), Some(e)) => {
                 out.send(ChatEvent::ReplyFailed { id, error: e });
             }
-            (Ok((reply, finish)), None) => {
-                live.after_stop = finish == Finish::Stop;
+            (Ok(reply), None) => {
                 out.send(ChatEvent::ReplyDone {
                     id,
-                    finish,
-                    tokens: reply.len(),
+                    finish: reply.finish,
+                    tokens: reply.tokens,
                     seconds,
                 });
             }
@@ -473,7 +433,7 @@ impl Worker {
         if !live.reader.on {
             return Ok(());
         }
-        let pos = live.session.position();
-        live.reader.now(live.session.backend_mut(), pos)
+        let pos = live.chat.session.position();
+        live.reader.now(live.chat.session.backend_mut(), pos)
     }
 }
