@@ -30,6 +30,8 @@ pub enum ModelFormat {
     Granite,
     /// A GGUF file of llama.cpp's `mamba2` architecture (metadata keys `mamba2.*`).
     GgufMamba2,
+    /// A GGUF file of llama.cpp's `nemotron_h` architecture (`nemotron_h.*`).
+    GgufNemotronH,
 }
 
 impl ModelFormat {
@@ -70,6 +72,7 @@ impl ModelFormat {
             (Granite, "intermediate_size") => "shared_intermediate_size",
             (Granite, "moe_intermediate_size") => "intermediate_size",
             (Granite, "n_routed_experts") => "num_local_experts",
+            (GgufNemotronH, "attention.head_dim") => "nemotron_h.attention.key_length",
             (_, "attention.head_dim") => "head_dim",
             (GgufMamba2, "d_model") => "mamba2.embedding_length",
             (GgufMamba2, "n_layer") => "mamba2.block_count",
@@ -80,6 +83,16 @@ impl ModelFormat {
             (GgufMamba2, "d_conv") => "mamba2.ssm.conv_kernel",
             (GgufMamba2, "norm_eps") => "mamba2.attention.layer_norm_rms_epsilon",
             (GgufMamba2, "vocab_size") => "token_embd.weight (rows)",
+            (GgufNemotronH, "d_model") => "nemotron_h.embedding_length",
+            (GgufNemotronH, "n_layer") => "nemotron_h.block_count",
+            (GgufNemotronH, "d_inner") => "nemotron_h.ssm.inner_size",
+            (GgufNemotronH, "n_heads" | "head_dim") => "nemotron_h.ssm.time_step_rank",
+            (GgufNemotronH, "n_groups") => "nemotron_h.ssm.group_count",
+            (GgufNemotronH, "d_state") => "nemotron_h.ssm.state_size",
+            (GgufNemotronH, "d_conv") => "nemotron_h.ssm.conv_kernel",
+            (GgufNemotronH, "norm_eps") => "nemotron_h.attention.layer_norm_rms_epsilon",
+            (GgufNemotronH, "intermediate_size") => "nemotron_h.feed_forward_length",
+            (GgufNemotronH, "vocab_size") => "token_embd.weight (rows)",
             _ => normalized,
         }
     }
@@ -92,6 +105,7 @@ impl ModelFormat {
             ModelFormat::NemotronH => "HF transformers nemotron_h",
             ModelFormat::Granite => "HF transformers granitemoehybrid",
             ModelFormat::GgufMamba2 => "GGUF mamba2 (llama.cpp)",
+            ModelFormat::GgufNemotronH => "GGUF nemotron_h (llama.cpp)",
         }
     }
 }

@@ -612,3 +612,109 @@ fn broken_gguf_files_are_refused_with_clear_errors() {
         std::fs::remove_file(&path).ok();
     }
 }
+
+/// The prompt and prompt logits of a safetensors fixture's HF oracle.
+fn hf_oracle(fixture: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let bytes = std::fs::read(common::fixture(fixture).join("oracle.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids = st.tensor("prompt_ids").unwrap();
+    let prompt: Vec<u32> = ids
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let l = st.tensor("prompt_logits").unwrap();
+    let v = l.shape()[1];
+    let logits: Vec<f32> = l
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (prompt, logits.chunks(v).map(<[f32]>::to_vec).collect())
+}
+
+/// llama.cpp's `nemotron_h` layout (scripts/make_nemotron_h_gguf.py, from the
+/// nemotron_h_hybrid fixture): the layer kinds come from the per-layer metadata arrays, the
+/// attention and MLP tensors from their GGUF names, and the logits equal HF transformers'
+/// (f32 file) or stay within Q8_0's rounding (the Q8_0 file, whose 96- and 64-wide rows are
+/// Q8_0 blocks), on the CPU reference and on the GPU.
+#[test]
+fn nemotron_h_gguf_matches_the_hf_oracle() {
+    let (prompt, want) = hf_oracle("nemotron_h_hybrid");
+    let st = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    // The Q8_0 file's oracle: the fixture with the same matrices (those 32-multiple wide:
+    // ssm_out, attn_output, ffn_down) rounded through ggml's q8_0 blocks, on the CPU.
+    let q8_want = {
+        use mamba2_wgpu::model::MixerWeights;
+        use mamba2_wgpu::model::quant::{pack, unpack};
+        use mamba2_wgpu::model::safetensors::Tensor;
+        let round = |t: &Tensor| {
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            let p = pack(WeightFormat::Q8_0, &t.to_f32(), rows, cols);
+            Tensor::from_f32(t.name.clone(), t.shape.clone(), &unpack(&p))
+        };
+        let mut m = st.clone();
+        for l in &mut m.weights.layers {
+            match &mut l.mixer {
+                MixerWeights::Mamba2(w) => w.out_proj = round(&w.out_proj),
+                MixerWeights::Attention(w) => w.o = round(&w.o),
+                MixerWeights::Mlp(w) => w.down = round(&w.down),
+                MixerWeights::Moe(_) => unreachable!(),
+            }
+        }
+        cpu_logits(&m, &prompt)
+    };
+    // (file, oracle, tolerance): f32 against HF, within float rounding; Q8_0 against the
+    // same weights rounded as the file stores them (its blocks differ from HF by 0.36 of a
+    // logit range of 20).
+    for (file, want, tol) in [
+        ("nemotron_h_hybrid.f32.gguf", &want, 1e-4f32),
+        ("nemotron_h_hybrid.q8_0.gguf", &q8_want, 1e-4),
+    ] {
+        let model = Model::load(&dir().join(file)).unwrap();
+        let c = &model.config;
+        assert_eq!(c.pattern(), st.config.pattern(), "{file}");
+        assert_eq!(c.attention, st.config.attention, "{file}");
+        assert_eq!(c.mlp, st.config.mlp, "{file}");
+        assert_eq!(
+            (c.vocab_size, c.n_groups, c.head_dim),
+            (101, 2, 12),
+            "{file}"
+        );
+        let got = cpu_logits(&model, &prompt);
+        let e = got
+            .iter()
+            .zip(want.iter())
+            .map(|(g, w)| max_abs(g, w))
+            .fold(0f32, f32::max);
+        assert!(e <= tol, "{file}: CPU max |Δlogit| vs its oracle {e:e}");
+        let Some(ctx) = common::gpu(&Engine::needs(c, WeightFormat::F32)) else {
+            return;
+        };
+        let opts = EngineOptions {
+            format: WeightFormat::F32,
+            context: Some(64),
+            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+            ..Default::default()
+        };
+        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+        let gpu = b.prefill_logits(&prompt).unwrap();
+        let e = gpu
+            .iter()
+            .zip(&got)
+            .map(|(g, w)| max_abs(g, w))
+            .fold(0f32, f32::max);
+        assert!(e <= 1e-3, "{file}: GPU vs CPU max |Δlogit| {e:e}");
+    }
+    // The MoE variant and unknown architectures are refused by name.
+    let mut bytes = std::fs::read(dir().join("nemotron_h_hybrid.f32.gguf")).unwrap();
+    let at = bytes.windows(10).position(|w| w == b"nemotron_h").unwrap();
+    bytes[at..at + 10].copy_from_slice(b"nemotron_x");
+    let path = std::env::temp_dir().join(format!("nemotron-x-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Model::load(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("nemotron_x") || err.contains("general.architecture"),
+        "{err}"
+    );
+}

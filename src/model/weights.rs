@@ -604,7 +604,7 @@ impl Slot {
     /// The format's spelling, used when a tensor is missing and there is no name to quote.
     fn canonical_name(self, format: ModelFormat) -> String {
         let granite = format == ModelFormat::Granite;
-        if format == ModelFormat::GgufMamba2 {
+        if matches!(format, ModelFormat::GgufMamba2 | ModelFormat::GgufNemotronH) {
             return match self {
                 Slot::Embedding => "token_embd.weight".into(),
                 Slot::FinalNorm => "output_norm.weight".into(),
@@ -648,8 +648,8 @@ impl Slot {
     }
 }
 
-/// llama.cpp's `mamba2` names after `blk.N.` (gguf-py's tensor map).
-const GGUF_PARTS: [(Part, &str); 9] = [
+/// llama.cpp's `mamba2` and `nemotron_h` names after `blk.N.` (gguf-py's tensor map).
+const GGUF_PARTS: [(Part, &str); 15] = [
     (Part::Norm, "attn_norm.weight"),
     (Part::InProj, "ssm_in.weight"),
     (Part::ConvWeight, "ssm_conv1d.weight"),
@@ -659,6 +659,12 @@ const GGUF_PARTS: [(Part, &str); 9] = [
     (Part::D, "ssm_d"),
     (Part::MixerNorm, "ssm_norm.weight"),
     (Part::OutProj, "ssm_out.weight"),
+    (Part::Q, "attn_q.weight"),
+    (Part::K, "attn_k.weight"),
+    (Part::V, "attn_v.weight"),
+    (Part::O, "attn_output.weight"),
+    (Part::Up, "ffn_up.weight"),
+    (Part::Down, "ffn_down.weight"),
 ];
 
 /// A GGUF tensor name's slot.

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""GGUF fixtures in llama.cpp's `nemotron_h` layout, written with the `gguf` package (PyPI)
+from tests/fixtures/nemotron_h_hybrid (whose HF oracle tests/gguf.rs compares them with).
+
+  pip install gguf numpy
+  python3 scripts/make_nemotron_h_gguf.py --out tests/fixtures/gguf
+
+The layout follows llama.cpp's converter (`NemotronHModel`, a `GraniteHybridModel`, read at
+upstream commit #19519 through the ymcki/llama.cpp mirror 77d6ae4) and loader
+(`llama-model.cpp`, LLM_ARCH_NEMOTRON_H):
+- metadata `nemotron_h.{block_count, context_length (2^20), embedding_length,
+  feed_forward_length (per layer: the MLP width on MLP layers, 0 elsewhere),
+  attention.head_count (one value), attention.head_count_kv (per layer: the kv heads on
+  attention layers, 0 elsewhere), attention.key_length / value_length (the attention head
+  size), attention.layer_norm_rms_epsilon, vocab_size (unpadded), rope.dimension_count,
+  ssm.{conv_kernel, state_size, group_count, inner_size, time_step_rank}}`; the loader
+  calls a layer recurrent when both per-layer values are 0, attention when only its
+  feed-forward length is 0, MLP otherwise;
+- tensors `token_embd`, `output_norm`, `output`, `blk.N.attn_norm` (every layer), the
+  Mamba layers' `ssm_*` as in the `mamba2` layout (`ssm_a = -exp(A_log)` `[H, 1]`, `ssm_d`
+  `[H, 1]`, `ssm_conv1d` squeezed, `ssm_norm` `[G, d_inner/G]`), the attention layers'
+  `attn_q/attn_k/attn_v/attn_output` (q and k rows permuted per head as the converter's
+  llama-style `permute` does; with no rotary embedding this leaves q·k unchanged) and the MLP
+  layers' `ffn_up/ffn_down`;
+- a byte-level `gpt2` vocabulary padded to a multiple of 8 with `[PAD{i}]` tokens (the
+  tensors keep the model's 101 rows).
+
+Made: `nemotron_h_hybrid.f32.gguf`, and `nemotron_h_hybrid.q8_0.gguf` with every 2-D weight
+whose rows are a multiple of 32 wide in Q8_0 (gguf-py's quantizer, as llama-quantize writes
+Q8_0 blocks).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import gguf
+
+from make_gguf_fixtures import byte_tokens, read_safetensors
+
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "nemotron_h_hybrid"
+
+
+def permute(w, n_head):
+    """llama.cpp's converter permutation of q/k rows (per head: interleaved halves)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write(out, cfg, tensors, q8):
+    kinds = cfg["layers_block_type"]
+    n = len(kinds)
+    d = cfg["hidden_size"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    H, P, G = cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["n_groups"]
+    d_inner = H * P
+    vocab = tensors["backbone.embeddings.weight"].shape[0]
+    padded = -(vocab // -8) * 8
+    w = gguf.GGUFWriter(str(out), "nemotron_h")
+    w.add_name(out.stem)
+    w.add_block_count(n)
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length([cfg["intermediate_size"] if k == "mlp" else 0 for k in kinds])
+    w.add_head_count(heads)
+    w.add_head_count_kv([kv if k == "full_attention" else 0 for k in kinds])
+    w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(d // heads)
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_state_size(cfg["ssm_state_size"])
+    w.add_ssm_group_count(G)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_time_step_rank(H)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    tokens = byte_tokens(vocab - 1) + ['!"'] + [f"[PAD{i}]" for i in range(padded - vocab)]
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab + [gguf.TokenType.UNUSED] * (padded - vocab))
+    w.add_token_merges(['! "'])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(True)
+    names = {
+        "norm.weight": "attn_norm.weight",
+        "mixer.in_proj.weight": "ssm_in.weight",
+        "mixer.conv1d.weight": "ssm_conv1d.weight",
+        "mixer.conv1d.bias": "ssm_conv1d.bias",
+        "mixer.dt_bias": "ssm_dt.bias",
+        "mixer.A_log": "ssm_a",
+        "mixer.D": "ssm_d",
+        "mixer.norm.weight": "ssm_norm.weight",
+        "mixer.out_proj.weight": "ssm_out.weight",
+        "mixer.q_proj.weight": "attn_q.weight",
+        "mixer.k_proj.weight": "attn_k.weight",
+        "mixer.v_proj.weight": "attn_v.weight",
+        "mixer.o_proj.weight": "attn_output.weight",
+        "mixer.up_proj.weight": "ffn_up.weight",
+        "mixer.down_proj.weight": "ffn_down.weight",
+    }
+    for name, t in tensors.items():
+        rest = name.removeprefix("backbone.")
+        if rest == "embeddings.weight":
+            new = "token_embd.weight"
+        elif rest == "norm_f.weight":
+            new = "output_norm.weight"
+        elif name == "lm_head.weight":
+            new = "output.weight"
+        else:
+            _, i, part = rest.split(".", 2)
+            new = f"blk.{i}.{names[part]}"
+            if part == "mixer.conv1d.weight":
+                t = t.squeeze()
+            elif part == "mixer.A_log":
+                t = (-np.exp(t)).reshape(-1, 1)
+            elif part == "mixer.D":
+                t = t.reshape(-1, 1)
+            elif part == "mixer.norm.weight":
+                t = t.reshape(G, d_inner // G)
+            elif part == "mixer.q_proj.weight":
+                t = permute(t, heads)
+            elif part == "mixer.k_proj.weight":
+                t = permute(t, kv)
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if q8 and t.ndim == 2 and t.shape[1] % 32 == 0 and "norm" not in new:
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(new, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(new, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("tests/fixtures/gguf"))
+    a = p.parse_args()
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    tensors = read_safetensors(FIXTURE / "model.safetensors")
+    a.out.mkdir(parents=True, exist_ok=True)
+    write(a.out / "nemotron_h_hybrid.f32.gguf", cfg, tensors, False)
+    write(a.out / "nemotron_h_hybrid.q8_0.gguf", cfg, tensors, True)
+
+
+if __name__ == "__main__":
+    main()
