@@ -8,7 +8,7 @@
 
 use super::{AttentionConfig, BlockKind, MlpAct, MlpConfig, ModelConfig, ModelFormat, mamba_only};
 use crate::error::{Error, Result};
-use crate::model::gguf::GgufFile;
+use crate::model::gguf::{GgufFile, Value};
 
 /// The SSD chunk length GGUF files do not record: HF's default.
 const DEFAULT_CHUNK: usize = 256;
@@ -98,7 +98,7 @@ impl ModelConfig {
 
 /// A per-layer value of `key`: an array of one value per layer, or one value for all.
 fn per_layer(file: &GgufFile, key: &str, n_layer: usize) -> Result<Vec<usize>> {
-    let Some(items) = file.array(key).or_else(|_| Ok::<_, Error>(None))? else {
+    let Some(Value::Array(items)) = file.get(key) else {
         return Ok(vec![file.opt_usize(key)?.unwrap_or(0); n_layer]);
     };
     if items.len() != n_layer {
