@@ -43,7 +43,7 @@ pub struct CacheConfig {
 impl Default for CacheConfig {
     fn default() -> Self {
         CacheConfig {
-            device_bytes: 1 << 30,
+            device_bytes: 4 << 30,
             host_bytes: 4 << 30,
             dir: None,
             disk_bytes: 32 << 30,

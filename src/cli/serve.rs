@@ -49,8 +49,10 @@ pub struct ServeArgs {
     /// Host memory for prefix-cache states (0 turns the host tier off), e.g. 4G.
     #[arg(long, default_value = "4G", value_parser = parse_bytes)]
     cache_mem: u64,
-    /// Device memory for prefix-cache snapshots (0: none), e.g. 1G.
-    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    /// Device memory for prefix-cache snapshots (0: none), e.g. 8G. Each request leaves up
+    /// to two entries (its prompt's end, its reply's end) of one state each (Codestral: 276 MB);
+    /// an entry moved to host memory is read back while the other requests wait.
+    #[arg(long, default_value = "4G", value_parser = parse_bytes)]
     cache_device_mem: u64,
     /// Directory where prefix-cache entries spill and survive restarts (files from another
     /// model or version found there are refused and left alone).
@@ -140,8 +142,28 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Scripts (and the tests) read the address from this line.
     println!("listening on http://{}", server.addr);
+    // Ctrl-C or (Unix) SIGTERM, as a service manager sends: stop taking connections, let
+    // the open ones finish, write the prefix cache to --cache-dir.
     server.wait(async {
-        let _ = tokio::signal::ctrl_c().await;
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     })?;
     eprintln!("stopped");
     Ok(())
