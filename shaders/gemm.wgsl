@@ -6,6 +6,9 @@
 // invocation owns 8 rows × 4 tokens in eight vec4 registers, fed by vec4 reads of the
 // tiles in workgroup memory. O_STORE writes Y rows of YS values,
 // O_ADD adds into them (the residual).
+// SPLIT (blocks of at most TT tokens, where W's row tiles alone are too few workgroups to
+// fill the GPU): workgroup z takes the z-th of KS slices of the K loop and O_PART stores its
+// partial tile at `y[(z·TT + t)·M + m]`; gemm_reduce.wgsl sums the slices in order.
 // GROUPED (the MoE experts of a prefill block, rows sorted by expert by moe_sort): the T = TR
 // rows come in tiles of 64 that each belong to one expert, `tile_expert[tile]`; W is a bank
 // of NE experts from E0, M rows each, and a tile whose expert lives in another bank (or
@@ -106,7 +109,14 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     // Loaders: W row m0 + lid/2, columns (lid%2)·8..; X token t0 + lid/4, columns (lid%4)·4..
     let lrow = m0 + lid / 2u;
     let ltok = t0 + lid / 4u;
-    for (var k = 0u; k < KP; k += TK) {
+#if SPLIT
+    let kbeg = wid.z * (KP / KS);
+    let kend = kbeg + KP / KS;
+#else
+    let kbeg = 0u;
+    let kend = KP;
+#endif
+    for (var k = kbeg; k < kend; k += TK) {
         var wv: array<f32, 8>;
         if (lrow < M) {
             wv = weights8(wbase + lrow, k + (lid % 2u) * 8u);
@@ -160,6 +170,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endif
 #if O_ADD
                     y[t * YS + m] += acc[i][j];
+#endif
+#if O_PART
+                    y[(wid.z * TT + t) * M + m] = acc[i][j];
 #endif
                 }
             }

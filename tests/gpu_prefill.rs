@@ -88,6 +88,38 @@ fn chunked_prefill_equals_the_cpu_reference() {
     );
 }
 
+/// Blocks of at most one GEMM token tile go through the short-block graph (the Mamba2
+/// projections split over K, `gemm_split`): a short prompt from a fresh state and a short
+/// continuation after a long one, against the CPU reference's last-position logits.
+#[test]
+fn short_blocks_take_the_split_k_graph_and_equal_the_cpu_reference() {
+    use mamba2_wgpu::gpu::prefill::SHORT_BLOCK;
+    let model = Model::synthetic(tiny_config(2, 6), 4);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let Some(mut gpu) = backend(&model, PrefillMode::Chunked, 64) else {
+        return;
+    };
+    let v = model.config.vocab_size;
+    for (first, then) in [(17, 0), (SHORT_BLOCK, 0), (100, 30), (530, 1)] {
+        let toks = tokens(first + then, 11 + first as u64, v);
+        let mut state = cpu.new_state();
+        let want = cpu
+            .forward(&mut state, &toks, Scan::Chunked(64), Logits::Last)
+            .unwrap();
+        gpu.reset().unwrap();
+        let greedy = Sampling::greedy();
+        gpu.prefill_sample(&toks[..first], &greedy, first as u64)
+            .unwrap();
+        if then > 0 {
+            gpu.prefill_sample(&toks[first..], &greedy, (first + then) as u64)
+                .unwrap();
+        }
+        let got = gpu.engine.read_logits().unwrap();
+        let e = common::nmse(&got, &want[0]);
+        assert!(e <= 1e-7, "{first} + {then} tokens: last logits NMSE {e:e}");
+    }
+}
+
 #[test]
 fn two_turns_equal_one_prefill_and_snapshots_restore() {
     let model = Model::synthetic(tiny_config(2, 6), 8);

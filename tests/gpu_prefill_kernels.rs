@@ -25,7 +25,7 @@ use std::time::Instant;
 use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::chunk::ChunkConsts;
-use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm, gemm_split, split_slices};
 use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
 use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill_conv_state};
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
@@ -56,6 +56,9 @@ const F32_TOL: f64 = 1e-7;
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kernel {
     Gemm(WeightFormat, GemmOutput),
+    /// `gemm_split`: the K loop split over workgroup slices, then `gemm_reduce` (blocks of at
+    /// most one token tile).
+    GemmSplit(WeightFormat, GemmOutput),
     /// `gemm_coop.wgsl` for these weights and output, parsed, validated and translated to
     /// SPIR-V by naga (no run: lavapipe has no cooperative matrices).
     GemmCoopWgsl(WeightFormat, GemmOutput),
@@ -73,6 +76,7 @@ impl Kernel {
         let out = |o: GemmOutput| if o == Store { "store" } else { "add" };
         match self {
             Kernel::Gemm(w, o) => format!("gemm {} {}", w.name(), out(o)),
+            Kernel::GemmSplit(w, o) => format!("gemm split-K {} {}", w.name(), out(o)),
             Kernel::GemmCoopWgsl(w, o) => format!("gemm_coop wgsl {} {}", w.name(), out(o)),
             Kernel::Conv => "prefill_conv+state".into(),
             Kernel::Cumsum => "ssd_cumsum".into(),
@@ -177,6 +181,26 @@ const GEMMS: &[GemmShape] = &[
         formats: &[F32, Q8_0, Q6_K],
         cap: 40,
         blocks: &[33],
+    },
+    GemmShape {
+        name: "mamba2-130m out_proj + residual, short blocks: M 768, K 1536",
+        m: 768,
+        k: 1536,
+        ys: 768,
+        out: Add,
+        formats: &[F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K],
+        cap: 64,
+        blocks: &[64, 17, 1],
+    },
+    GemmShape {
+        name: "odd short: M 37, K 70, rows of 40",
+        m: 37,
+        k: 70,
+        ys: 40,
+        out: Store,
+        formats: &[F32, F16, Q8_0, Q4_0],
+        cap: 64,
+        blocks: &[23, 2],
     },
     GemmShape {
         name: "odd: M 37, K 70, rows of 40",
@@ -325,6 +349,14 @@ fn cases() -> Vec<Case> {
                 shape,
                 tol: F32_TOL,
             });
+            // Blocks of at most one token tile also run split over K.
+            if s.blocks.iter().all(|&t| t <= TILE.1) {
+                v.push(Case {
+                    kernel: Kernel::GemmSplit(w, s.out),
+                    shape,
+                    tol: F32_TOL,
+                });
+            }
             // gemm_coop reads f16 and q8_0 (the other formats take gemm everywhere).
             if matches!(w, F16 | Q8_0) {
                 v.push(Case {
@@ -361,6 +393,11 @@ fn cases() -> Vec<Case> {
 #[test]
 fn gemm_every_format() {
     run_cases(|k| matches!(k, Kernel::Gemm(..)));
+}
+
+#[test]
+fn gemm_split_k_every_format() {
+    run_cases(|k| matches!(k, Kernel::GemmSplit(..)));
 }
 
 #[test]
@@ -427,7 +464,10 @@ fn run_cases(pick: impl Fn(Kernel) -> bool) {
         let start = Instant::now();
         let result = match (case.kernel, case.shape, &gpu) {
             (Kernel::GemmCoopWgsl(w, out), Shape::Gemm(s), _) => coop_wgsl(w, out, s),
-            (Kernel::Gemm(w, out), Shape::Gemm(s), Some(g)) => run_gemm(g, seed, w, out, s),
+            (Kernel::Gemm(w, out), Shape::Gemm(s), Some(g)) => run_gemm(g, seed, w, out, s, false),
+            (Kernel::GemmSplit(w, out), Shape::Gemm(s), Some(g)) => {
+                run_gemm(g, seed, w, out, s, true)
+            }
             (kernel, Shape::Ssd(s), Some(g)) => run_ssd(g, seed, kernel, s),
             _ => Err("kernel and shape do not go together".into()),
         };
@@ -608,8 +648,17 @@ fn compare(what: &str, got: &[f32], want: &[f32], region: impl Fn(usize) -> Regi
 // gemm
 // ---------------------------------------------------------------------------------------
 
-fn run_gemm(g: &Gpu, seed: u64, w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> {
-    let (m, k, ys, cap) = (s.m, s.k, s.ys, s.cap);
+fn run_gemm(
+    g: &Gpu,
+    seed: u64,
+    w: WeightFormat,
+    out: GemmOutput,
+    s: &GemmShape,
+    split: bool,
+) -> Res<Vec<Stat>> {
+    let (m, k, ys) = (s.m, s.k, s.ys);
+    // The split GEMM's buffers hold one token tile.
+    let cap = if split { TILE.1 } else { s.cap };
     let xs = k.next_multiple_of(32);
     let p = pack(w, &rand(seed, m * k, -1.0, 1.0), m, k);
     let deq = unpack(&p);
@@ -617,9 +666,18 @@ fn run_gemm(g: &Gpu, seed: u64, w: WeightFormat, out: GemmOutput, s: &GemmShape)
     let mut xh = vec![f32::NAN; cap * xs];
     let mut yh = vec![f32::NAN; cap * ys];
     let (xb, yb, ctrl) = (g.buf(&xh)?, g.buf(&yh)?, g.buf(&[0.0; 16])?);
-    let d = gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl)
-        .map_err(err)?
-        .per_token(1, TILE.1, 1);
+    let ds = if split {
+        // (A K whose padded width has no whole slices runs the plain GEMM: checked too.)
+        let slices = split_slices(&mat);
+        let part = g.buf(&vec![f32::NAN; slices * TILE.1 * m])?;
+        gemm_split(&g.k, "gemm", &mat, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
+    } else {
+        vec![
+            gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl)
+                .map_err(err)?
+                .per_token(1, TILE.1, 1),
+        ]
+    };
     let mut stats = Vec::new();
     for (b, &t) in s.blocks.iter().enumerate() {
         let seed = seed + 100 * (b as u64 + 1);
@@ -638,7 +696,7 @@ fn run_gemm(g: &Gpu, seed: u64, w: WeightFormat, out: GemmOutput, s: &GemmShape)
             g.write(&yb, &yh);
         }
         g.set_tokens(&ctrl, t);
-        g.run(&[&d], t)?;
+        g.run(&ds.iter().collect::<Vec<_>>(), t)?;
         let got = g.read(&yb, cap * ys)?;
         let mut want = yh.clone();
         for r in 0..t {

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode, SHORT_PROMPT};
 use crate::gpu::graph::{Ctrl, Tail};
-use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
+use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill, SHORT_BLOCK};
 use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
 use crate::gpu::state_store::{DeviceSnapshot, KvFormat};
 use crate::sampling::{Sampling, seed_key};
@@ -231,10 +231,10 @@ impl GpuBackend {
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                let graph = if want_logits {
-                    p.logits_graph.as_ref().expect("logits graph")
-                } else {
-                    &p.graph
+                let graph = match (&p.short_graph, want_logits) {
+                    (_, true) => p.logits_graph.as_ref().expect("logits graph"),
+                    (Some(g), false) if chunk.len() <= SHORT_BLOCK => g,
+                    _ => &p.graph,
                 };
                 graph.record(&mut pass, None, Some(chunk.len() as u32));
             }

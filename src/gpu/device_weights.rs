@@ -185,6 +185,14 @@ pub struct DeviceWeights {
 
 impl DeviceWeights {
     /// The matrix that produces logits (lm_head, or the tied embedding).
+    /// The in_proj and out_proj of every Mamba2 layer.
+    pub fn mamba_projections(&self) -> impl Iterator<Item = &DeviceMatrix> {
+        self.layers.iter().flat_map(|l| match &l.mixer {
+            DeviceMixer::Mamba2 { in_proj, out_proj } => vec![in_proj, out_proj],
+            _ => Vec::new(),
+        })
+    }
+
     pub fn head(&self) -> &DeviceMatrix {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
     }

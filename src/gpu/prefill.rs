@@ -60,11 +60,20 @@ pub struct Prefill {
     pub moe_latent_sum: wgpu::Buffer,
     /// `[T][V]` logits (perplexity blocks only).
     pub logits: Option<wgpu::Buffer>,
+    /// Split-K partial products of the short-block graph's Mamba2 projections,
+    /// `[KS][TILE.1][rows]` (4 bytes when there is no short-block graph).
+    pub part: wgpu::Buffer,
     /// Feeds a block: the state advances by its tokens.
     pub graph: Graph,
     /// Feeds a block of at most MAX_LOGITS_BLOCK tokens and writes every position's logits.
     pub logits_graph: Option<Graph>,
+    /// Feeds a block of at most SHORT_BLOCK tokens, its Mamba2 projections split over K
+    /// (`gemm_split`): a short prompt, the tail of a long one, a turn after a cached prefix.
+    pub short_graph: Option<Graph>,
 }
+
+/// The most tokens the short-block graph takes: one GEMM token tile.
+pub const SHORT_BLOCK: usize = crate::gpu::kernels::gemm::TILE.1;
 
 /// Largest prompt block of a model with MoE blocks: each expert's rows are padded to whole
 /// GEMM tiles, and a longer block fills them (Nemotron 3 Nano, 512 tokens × 8 slots over
@@ -153,10 +162,21 @@ impl Prefill {
             moe_latent: ctx.storage_zeroed("prefill moe latent", f32s(t * latent))?,
             moe_latent_sum: ctx.storage_zeroed("prefill moe latent sum", f32s(t * latent))?,
             logits: None,
+            part: ctx.storage_zeroed("prefill split-K partials", f32s(part_len(e)))?,
             graph: Graph::default(),
             logits_graph: None,
+            short_graph: None,
         };
         p.graph = prefill_graph(&e.block_ctx(), &e.weights, &p, cc, false)?;
+        if part_len(e) > 0 && t > SHORT_BLOCK {
+            p.short_graph = Some(prefill_graph(
+                &e.block_ctx(),
+                &e.weights,
+                &p,
+                chunk_consts(c, chunk, SHORT_BLOCK),
+                false,
+            )?);
+        }
         if with_logits {
             let lt = t.min(MAX_LOGITS_BLOCK);
             p.logits = Some(ctx.storage_zeroed("prefill logits", f32s(lt * c.vocab_size))?);
@@ -170,6 +190,23 @@ impl Prefill {
         }
         Ok(p)
     }
+}
+
+/// Values of the split-K partial buffer: the largest `KS · SHORT_BLOCK · rows` over the
+/// Mamba2 projections that split (0 when none does, or MAMBA2_NO_SPLITK is set).
+fn part_len(e: &Engine) -> usize {
+    use crate::gpu::kernels::gemm::split_slices;
+    if std::env::var_os("MAMBA2_NO_SPLITK").is_some() {
+        return 0;
+    }
+    e.weights
+        .mamba_projections()
+        .map(|w| {
+            let s = split_slices(w);
+            if s > 1 { s * SHORT_BLOCK * w.rows } else { 0 }
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// The chunked-SSD sizes of a config for chunks of `q` in blocks of `max_tokens`.

@@ -82,6 +82,85 @@ pub fn gemm(
     })
 }
 
+/// Workgroups a split-K GEMM aims for (a few per SM on the big GPUs).
+const SPLIT_TARGET: usize = 512;
+/// Most K slices of a split-K GEMM.
+pub const MAX_SLICES: usize = 16;
+
+/// How many K slices a GEMM of `w` over one token tile takes: enough for its row tiles to
+/// make ~SPLIT_TARGET workgroups, each slice a whole number of 16-column steps (1: no
+/// split).
+pub fn split_slices(w: &DeviceMatrix) -> usize {
+    let tiles = w.rows.div_ceil(TILE.0).max(1);
+    let want = (SPLIT_TARGET / tiles).clamp(1, MAX_SLICES);
+    (1..=want)
+        .rev()
+        .find(|&s| w.kp.is_multiple_of(s * 16))
+        .unwrap_or(1)
+}
+
+/// The GEMM of a block of at most `TILE.1` tokens with its K loop split over
+/// `split_slices(w)` workgroup slices into `part` (`[KS][TILE.1][rows]`), then summed in
+/// order into `y` by `gemm_reduce`: for short blocks, where W's row tiles alone leave most of
+/// the GPU idle (Codestral's out_proj: 32 workgroups). One dispatch (the plain GEMM) when no
+/// split applies (the cooperative-matrix path, or a matrix with enough row tiles).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_split(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    x: &wgpu::Buffer,
+    part: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    ys: usize,
+    output: GemmOutput,
+    ctrl: &wgpu::Buffer,
+) -> Result<Vec<Dispatch>> {
+    let t = TILE.1;
+    let slices = split_slices(w);
+    if slices == 1 || super::gemm_coop::applies(k, w) {
+        return Ok(vec![
+            gemm(k, name, w, t, x, y, ys, output, ctrl)?.per_token(1, TILE.1, 1),
+        ]);
+    }
+    let xs = w.cols.next_multiple_of(32);
+    check_len(&format!("{name}: x"), x, t * xs)?;
+    check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
+    let consts = [
+        ("M", Const::U32(w.rows as u32)),
+        ("KP", Const::U32(w.kp as u32)),
+        ("XS", Const::U32(xs as u32)),
+        ("YS", Const::U32(ys as u32)),
+        ("KS", Const::U32(slices as u32)),
+    ];
+    let mut flags = w.flags();
+    flags.extend(["SPLIT", "O_PART"]);
+    let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
+    let mut entries = w.bindings();
+    entries.extend([(2, x), (3, part), (4, ctrl)]);
+    let split = Dispatch {
+        bind_group: k.bind(&pipeline, name, &entries),
+        pipeline,
+        workgroups: (w.rows.div_ceil(TILE.0) as u32, 1, slices as u32),
+        name: format!("{name} (split-K)"),
+        per_token: None,
+        section: Section::Matmul,
+        label: Label::default(),
+    };
+    let reduce = super::gemm_reduce::gemm_reduce(
+        k,
+        &format!("{name} (reduce)"),
+        w.rows,
+        slices,
+        part,
+        y,
+        ys,
+        output,
+        ctrl,
+    )?;
+    Ok(vec![split, reduce])
+}
+
 /// The rows of a prefill block's MoE, sorted by expert (`moe_sort`): `rows` of them in tiles
 /// of `TILE.1`, each tile one expert's (`tile_expert`), and with `gather`, the (token,
 /// choice) pair of each row and the choices per token (up projections read the token's

@@ -16,6 +16,7 @@ pub mod fill;
 pub mod gated_norm;
 pub mod gemm;
 pub mod gemm_coop;
+pub mod gemm_reduce;
 pub mod gemv;
 pub mod kv_store;
 pub mod mlp_act;
