@@ -120,6 +120,36 @@ fn short_blocks_take_the_split_k_graph_and_equal_the_cpu_reference() {
     }
 }
 
+/// The same for a hybrid (the nemotron_h_hybrid fixture: attention and MLP projections split
+/// too), a short prompt and a short turn after it, against the CPU reference.
+#[test]
+fn hybrid_short_blocks_equal_the_cpu_reference() {
+    let model = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
+        return;
+    };
+    let opts = EngineOptions {
+        format: WeightFormat::F32,
+        prefill: PrefillMode::Chunked,
+        chunk_size: Some(16),
+        context: Some(256),
+        kv: KvFormat::F32,
+        ..Default::default()
+    };
+    let mut gpu = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+    let toks = tokens(60, 5, model.config.vocab_size);
+    let want = cpu
+        .forward(&mut cpu.new_state(), &toks, Scan::Chunked(16), Logits::Last)
+        .unwrap();
+    let greedy = Sampling::greedy();
+    gpu.prefill_sample(&toks[..37], &greedy, 37).unwrap();
+    gpu.prefill_sample(&toks[37..], &greedy, 60).unwrap();
+    let got = gpu.engine.read_logits().unwrap();
+    let e = common::nmse(&got, &want[0]);
+    assert!(e <= 1e-7, "37 + 23 tokens: last logits NMSE {e:e}");
+}
+
 #[test]
 fn two_turns_equal_one_prefill_and_snapshots_restore() {
     let model = Model::synthetic(tiny_config(2, 6), 8);

@@ -185,12 +185,13 @@ pub struct DeviceWeights {
 
 impl DeviceWeights {
     /// The matrix that produces logits (lm_head, or the tied embedding).
-    /// The in_proj and out_proj of every Mamba2 layer.
-    pub fn mamba_projections(&self) -> impl Iterator<Item = &DeviceMatrix> {
-        self.layers.iter().flat_map(|l| match &l.mixer {
-            DeviceMixer::Mamba2 { in_proj, out_proj } => vec![in_proj, out_proj],
-            _ => Vec::new(),
-        })
+    /// The projections of every Mamba2, attention and MLP layer (what a prefill block
+    /// multiplies with `gemm::projection`).
+    pub fn dense_projections(&self) -> impl Iterator<Item = &DeviceMatrix> {
+        self.layers
+            .iter()
+            .filter(|l| !matches!(l.mixer, DeviceMixer::Moe(_)))
+            .flat_map(|l| l.matrices())
     }
 
     pub fn head(&self) -> &DeviceMatrix {

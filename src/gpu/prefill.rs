@@ -60,14 +60,14 @@ pub struct Prefill {
     pub moe_latent_sum: wgpu::Buffer,
     /// `[T][V]` logits (perplexity blocks only).
     pub logits: Option<wgpu::Buffer>,
-    /// Split-K partial products of the short-block graph's Mamba2 projections,
+    /// Split-K partial products of the short-block graph's dense projections,
     /// `[KS][TILE.1][rows]` (4 bytes when there is no short-block graph).
     pub part: wgpu::Buffer,
     /// Feeds a block: the state advances by its tokens.
     pub graph: Graph,
     /// Feeds a block of at most MAX_LOGITS_BLOCK tokens and writes every position's logits.
     pub logits_graph: Option<Graph>,
-    /// Feeds a block of at most SHORT_BLOCK tokens, its Mamba2 projections split over K
+    /// Feeds a block of at most SHORT_BLOCK tokens, its dense projections split over K
     /// (`gemm_split`): a short prompt, the tail of a long one, a turn after a cached prefix.
     pub short_graph: Option<Graph>,
 }
@@ -193,14 +193,14 @@ impl Prefill {
 }
 
 /// Values of the split-K partial buffer: the largest `KS · SHORT_BLOCK · rows` over the
-/// Mamba2 projections that split (0 when none does, or MAMBA2_NO_SPLITK is set).
+/// Mamba2, attention and MLP projections that split (0 when none does, or MAMBA2_NO_SPLITK is set).
 fn part_len(e: &Engine) -> usize {
     use crate::gpu::kernels::gemm::split_slices;
     if std::env::var_os("MAMBA2_NO_SPLITK").is_some() {
         return 0;
     }
     e.weights
-        .mamba_projections()
+        .dense_projections()
         .map(|w| {
             let s = split_slices(w);
             if s > 1 { s * SHORT_BLOCK * w.rows } else { 0 }

@@ -12,7 +12,7 @@ use crate::gpu::kernels::attention_combine::attention_combine;
 use crate::gpu::kernels::attention_decode::{attention_decode, decode_partials_len};
 use crate::gpu::kernels::attention_prefill::attention_prefill;
 use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
-use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::kv_store::kv_store;
 use crate::gpu::kernels::{Dispatch, Section};
@@ -113,36 +113,45 @@ pub fn prefill(
         v_cache,
         ctrl: &s.ctrl,
     };
-    Ok(vec![
-        attn_section(
-            gemm(
-                k,
-                "qkv_proj",
-                qkv,
-                tokens,
-                &p.h,
-                &p.qkv,
-                qkv.rows,
-                GemmOutput::Store,
-                &s.ctrl,
-            )?
-            .per_token(1, TILE.1, 1),
-        ),
-        kv_store(k, "kv_store", ac, Some(tokens), &bufs)?,
-        attention_prefill(k, "attention", ac, tokens, &bufs, &p.attn)?,
-        attn_section(
-            gemm(
-                k,
-                "o_proj+residual",
-                o,
-                tokens,
-                &p.attn,
-                &p.resid,
-                b.c.d_model,
-                GemmOutput::Add,
-                &s.ctrl,
-            )?
-            .per_token(1, TILE.1, 1),
-        ),
-    ])
+    let mut d: Vec<Dispatch> = projection(
+        k,
+        "qkv_proj",
+        qkv,
+        tokens,
+        &p.h,
+        &p.part,
+        &p.qkv,
+        qkv.rows,
+        GemmOutput::Store,
+        &s.ctrl,
+    )?
+    .into_iter()
+    .map(attn_section)
+    .collect();
+    d.push(kv_store(k, "kv_store", ac, Some(tokens), &bufs)?);
+    d.push(attention_prefill(
+        k,
+        "attention",
+        ac,
+        tokens,
+        &bufs,
+        &p.attn,
+    )?);
+    d.extend(
+        projection(
+            k,
+            "o_proj+residual",
+            o,
+            tokens,
+            &p.attn,
+            &p.part,
+            &p.resid,
+            b.c.d_model,
+            GemmOutput::Add,
+            &s.ctrl,
+        )?
+        .into_iter()
+        .map(attn_section),
+    );
+    Ok(d)
 }

@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::gpu::device_weights::ParamLayout;
 use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
-use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm, gemm_split};
+use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
 use crate::gpu::kernels::prefill_conv::ConvBuffers;
 use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
@@ -220,37 +220,19 @@ pub fn prefill(
     let t = cc.max_tokens;
     let lay = b.layout;
     let mc = mixer_consts(c, lay);
-    // A block of at most one token tile (the short-block graph) splits the projections'
-    // K loops over more workgroups (`gemm_split`).
-    let short = t <= TILE.1;
-    let mut d = if short {
-        gemm_split(
-            k,
-            "in_proj",
-            l.in_proj,
-            &p.h,
-            &p.part,
-            &p.mix,
-            c.d_in_proj(),
-            GemmOutput::Store,
-            &s.ctrl,
-        )?
-    } else {
-        vec![
-            gemm(
-                k,
-                "in_proj",
-                l.in_proj,
-                t,
-                &p.h,
-                &p.mix,
-                c.d_in_proj(),
-                GemmOutput::Store,
-                &s.ctrl,
-            )?
-            .per_token(1, TILE.1, 1),
-        ]
-    };
+    // In the short-block graph the projections split their K loops (`gemm_split`).
+    let mut d = projection(
+        k,
+        "in_proj",
+        l.in_proj,
+        t,
+        &p.h,
+        &p.part,
+        &p.mix,
+        c.d_in_proj(),
+        GemmOutput::Store,
+        &s.ctrl,
+    )?;
     let conv = ConvBuffers {
         mix: &p.mix,
         params: l.params,
@@ -339,33 +321,17 @@ pub fn prefill(
         )?
         .per_token(1, 1, 1),
     );
-    if short {
-        d.extend(gemm_split(
-            k,
-            "out_proj+residual",
-            l.out_proj,
-            &p.v,
-            &p.part,
-            &p.resid,
-            c.d_model,
-            GemmOutput::Add,
-            &s.ctrl,
-        )?);
-    } else {
-        d.push(
-            gemm(
-                k,
-                "out_proj+residual",
-                l.out_proj,
-                t,
-                &p.v,
-                &p.resid,
-                c.d_model,
-                GemmOutput::Add,
-                &s.ctrl,
-            )?
-            .per_token(1, TILE.1, 1),
-        );
-    }
+    d.extend(projection(
+        k,
+        "out_proj+residual",
+        l.out_proj,
+        t,
+        &p.v,
+        &p.part,
+        &p.resid,
+        c.d_model,
+        GemmOutput::Add,
+        &s.ctrl,
+    )?);
     Ok(d)
 }

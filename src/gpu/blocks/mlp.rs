@@ -6,7 +6,7 @@
 use super::BlockCtx;
 use crate::config::MlpConfig;
 use crate::error::{Error, Result};
-use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act};
 use crate::gpu::kernels::{Dispatch, Section};
@@ -83,21 +83,22 @@ pub fn prefill(
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    Ok(vec![
-        mlp_section(
-            gemm(
-                k,
-                "up_proj",
-                up,
-                tokens,
-                &p.h,
-                &p.mlp_up,
-                up.rows,
-                GemmOutput::Store,
-                &s.ctrl,
-            )?
-            .per_token(1, TILE.1, 1),
-        ),
+    let mut d: Vec<Dispatch> = projection(
+        k,
+        "up_proj",
+        up,
+        tokens,
+        &p.h,
+        &p.part,
+        &p.mlp_up,
+        up.rows,
+        GemmOutput::Store,
+        &s.ctrl,
+    )?
+    .into_iter()
+    .map(mlp_section)
+    .collect();
+    d.push(
         mlp_act(
             k,
             "act",
@@ -113,19 +114,22 @@ pub fn prefill(
             bias,
         )?
         .per_token(1, 1, 1),
-        mlp_section(
-            gemm(
-                k,
-                "down_proj+residual",
-                down,
-                tokens,
-                &p.mlp,
-                &p.resid,
-                b.c.d_model,
-                GemmOutput::Add,
-                &s.ctrl,
-            )?
-            .per_token(1, TILE.1, 1),
-        ),
-    ])
+    );
+    d.extend(
+        projection(
+            k,
+            "down_proj+residual",
+            down,
+            tokens,
+            &p.mlp,
+            &p.part,
+            &p.resid,
+            b.c.d_model,
+            GemmOutput::Add,
+            &s.ctrl,
+        )?
+        .into_iter()
+        .map(mlp_section),
+    );
+    Ok(d)
 }

@@ -161,6 +161,29 @@ pub fn gemm_split(
     Ok(vec![split, reduce])
 }
 
+/// A block's dense projection: `gemm_split` in the short-block graph (`max_tokens` ≤ one
+/// token tile), else the plain GEMM over the block's token tiles.
+#[allow(clippy::too_many_arguments)]
+pub fn projection(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    max_tokens: usize,
+    x: &wgpu::Buffer,
+    part: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    ys: usize,
+    output: GemmOutput,
+    ctrl: &wgpu::Buffer,
+) -> Result<Vec<Dispatch>> {
+    if max_tokens <= TILE.1 {
+        return gemm_split(k, name, w, x, part, y, ys, output, ctrl);
+    }
+    Ok(vec![
+        gemm(k, name, w, max_tokens, x, y, ys, output, ctrl)?.per_token(1, TILE.1, 1),
+    ])
+}
+
 /// The rows of a prefill block's MoE, sorted by expert (`moe_sort`): `rows` of them in tiles
 /// of `TILE.1`, each tile one expert's (`tile_expert`), and with `gather`, the (token,
 /// choice) pair of each row and the choices per token (up projections read the token's
