@@ -76,6 +76,34 @@ def byte_tokens(n):
     return [chr(c) for c in cs][:n]
 
 
+# llama.cpp's names of a Mamba2 layer's tensors after `blk.N.`, from HF's after `layers.N.`.
+MAMBA_NAMES = {
+    "norm.weight": "attn_norm.weight",
+    "mixer.in_proj.weight": "ssm_in.weight",
+    "mixer.conv1d.weight": "ssm_conv1d.weight",
+    "mixer.conv1d.bias": "ssm_conv1d.bias",
+    "mixer.dt_bias": "ssm_dt.bias",
+    "mixer.A_log": "ssm_a",
+    "mixer.D": "ssm_d",
+    "mixer.norm.weight": "ssm_norm.weight",
+    "mixer.out_proj.weight": "ssm_out.weight",
+}
+
+
+def mamba_layout(part, t, groups, d_inner):
+    """HF tensor `part` of a Mamba2 layer as llama.cpp's converter stores it: the conv
+    squeezed to [C, K], A = -exp(A_log) and D as [H, 1], the gated norm as [G, d_inner/G]."""
+    if part == "mixer.conv1d.weight":
+        return t.squeeze()
+    if part == "mixer.A_log":
+        return (-np.exp(t)).reshape(-1, 1)
+    if part == "mixer.D":
+        return t.reshape(-1, 1)
+    if part == "mixer.norm.weight":
+        return t.reshape(groups, d_inner // groups)
+    return t
+
+
 def write_gguf(out, cfg, tensors):
     d = cfg["hidden_size"]
     d_inner = int(cfg.get("expand", 2) * d)
@@ -120,26 +148,8 @@ def write_gguf(out, cfg, tensors):
             new = "output.weight"
         else:
             _, i, part = rest.split(".", 2)
-            new = {
-                "norm.weight": "attn_norm.weight",
-                "mixer.in_proj.weight": "ssm_in.weight",
-                "mixer.conv1d.weight": "ssm_conv1d.weight",
-                "mixer.conv1d.bias": "ssm_conv1d.bias",
-                "mixer.dt_bias": "ssm_dt.bias",
-                "mixer.A_log": "ssm_a",
-                "mixer.D": "ssm_d",
-                "mixer.norm.weight": "ssm_norm.weight",
-                "mixer.out_proj.weight": "ssm_out.weight",
-            }[part]
-            new = f"blk.{i}.{new}"
-            if part == "mixer.conv1d.weight":
-                t = t.squeeze()
-            elif part == "mixer.A_log":
-                t = (-np.exp(t)).reshape(-1, 1)
-            elif part == "mixer.D":
-                t = t.reshape(-1, 1)
-            elif part == "mixer.norm.weight":
-                t = t.reshape(groups, d_inner // groups)
+            new = f"blk.{i}.{MAMBA_NAMES[part]}"
+            t = mamba_layout(part, t, groups, d_inner)
         w.add_tensor(new, np.ascontiguousarray(t, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import gguf
 
-from make_gguf_fixtures import byte_tokens, read_safetensors
+from make_gguf_fixtures import MAMBA_NAMES, byte_tokens, mamba_layout, read_safetensors
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "nemotron_h_hybrid"
 
@@ -86,15 +86,7 @@ def write(out, cfg, tensors, q8):
     w.add_eos_token_id(0)
     w.add_add_bos_token(True)
     names = {
-        "norm.weight": "attn_norm.weight",
-        "mixer.in_proj.weight": "ssm_in.weight",
-        "mixer.conv1d.weight": "ssm_conv1d.weight",
-        "mixer.conv1d.bias": "ssm_conv1d.bias",
-        "mixer.dt_bias": "ssm_dt.bias",
-        "mixer.A_log": "ssm_a",
-        "mixer.D": "ssm_d",
-        "mixer.norm.weight": "ssm_norm.weight",
-        "mixer.out_proj.weight": "ssm_out.weight",
+        **MAMBA_NAMES,
         "mixer.q_proj.weight": "attn_q.weight",
         "mixer.k_proj.weight": "attn_k.weight",
         "mixer.v_proj.weight": "attn_v.weight",
@@ -113,15 +105,8 @@ def write(out, cfg, tensors, q8):
         else:
             _, i, part = rest.split(".", 2)
             new = f"blk.{i}.{names[part]}"
-            if part == "mixer.conv1d.weight":
-                t = t.squeeze()
-            elif part == "mixer.A_log":
-                t = (-np.exp(t)).reshape(-1, 1)
-            elif part == "mixer.D":
-                t = t.reshape(-1, 1)
-            elif part == "mixer.norm.weight":
-                t = t.reshape(G, d_inner // G)
-            elif part == "mixer.q_proj.weight":
+            t = mamba_layout(part, t, G, d_inner)
+            if part == "mixer.q_proj.weight":
                 t = permute(t, heads)
             elif part == "mixer.k_proj.weight":
                 t = permute(t, kv)

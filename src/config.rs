@@ -155,6 +155,20 @@ pub struct AttentionConfig {
 }
 
 impl AttentionConfig {
+    /// Nemotron-H's attention (HF and GGUF): no biases (transformers' NemotronH builds
+    /// q/k/v/o without them whatever `attention_bias` says, and llama.cpp likewise), no
+    /// positional encoding, softmax scale 1/√head_dim.
+    pub fn nemotron_h(heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        AttentionConfig {
+            heads,
+            kv_heads,
+            head_dim,
+            bias: false,
+            rope_theta: None,
+            scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
+        }
+    }
+
     pub fn dims(&self) -> crate::reference::attention::AttnDims {
         crate::reference::attention::AttnDims {
             heads: self.heads,
@@ -1253,16 +1267,7 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
             f.get("sliding_window").is_some(),
             "sliding-window attention",
         )?;
-        Some(AttentionConfig {
-            heads,
-            kv_heads,
-            head_dim,
-            // transformers' NemotronH builds q/k/v/o without biases whatever
-            // `attention_bias` says: follow the implementation the checkpoints come from.
-            bias: false,
-            rope_theta: None,
-            scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
-        })
+        Some(AttentionConfig::nemotron_h(heads, kv_heads, head_dim))
     } else {
         None
     };

@@ -61,6 +61,17 @@ enum Tier {
     Disk,
 }
 
+impl Tier {
+    /// 0 device, 1 host, 2 disk (the order of `CacheStats`' arrays).
+    fn index(&self) -> usize {
+        match self {
+            Tier::Device(_) => 0,
+            Tier::Host(_) => 1,
+            Tier::Disk => 2,
+        }
+    }
+}
+
 struct Entry {
     tokens: Vec<u32>,
     tier: Tier,
@@ -252,11 +263,7 @@ impl PrefixCache {
         s.entries = [0; 3];
         s.bytes = [0; 3];
         for e in self.entries.values() {
-            let t = match e.tier {
-                Tier::Device(_) => 0,
-                Tier::Host(_) => 1,
-                Tier::Disk => 2,
-            };
+            let t = e.tier.index();
             s.entries[t] += 1;
             s.bytes[t] += e.bytes;
             if let (Some((_, len)), false) = (&e.file, t == 2) {
@@ -314,11 +321,11 @@ impl PrefixCache {
                 }
                 backend.restore(&saved.state)?;
                 // Back to host memory: the next hit needs no file read.
-                let bytes = host_bytes(&saved.state, self.cfg.dtype);
+                let bytes = host_bytes(&saved.state);
                 if bytes <= self.cfg.host_bytes {
                     e.tier = Tier::Host(saved.state);
                     e.bytes = bytes;
-                    self.evict_host(backend);
+                    self.evict_host();
                 }
                 Ok(())
             }
@@ -349,7 +356,7 @@ impl PrefixCache {
             (Tier::Device(backend.snapshot()?), device)
         } else {
             let state = self.rounded(backend.state()?);
-            let bytes = host_bytes(&state, self.cfg.dtype);
+            let bytes = host_bytes(&state);
             (Tier::Host(state), bytes)
         };
         let id = self.new_id();
@@ -367,7 +374,7 @@ impl PrefixCache {
             },
         );
         self.evict_device(backend)?;
-        self.evict_host(backend);
+        self.evict_host();
         Ok(())
     }
 
@@ -393,11 +400,7 @@ impl PrefixCache {
     fn used(&self, tier: usize) -> u64 {
         self.entries
             .values()
-            .filter(|e| match e.tier {
-                Tier::Device(_) => tier == 0,
-                Tier::Host(_) => tier == 1,
-                Tier::Disk => tier == 2,
-            })
+            .filter(|e| e.tier.index() == tier)
             .map(|e| e.bytes)
             .sum::<u64>()
             + if tier == 2 {
@@ -414,11 +417,7 @@ impl PrefixCache {
     fn lru(&self, tier: usize) -> Option<u64> {
         self.entries
             .iter()
-            .filter(|(_, e)| match e.tier {
-                Tier::Device(_) => tier == 0,
-                Tier::Host(_) => tier == 1,
-                Tier::Disk => tier == 2,
-            })
+            .filter(|(_, e)| e.tier.index() == tier)
             .min_by_key(|(_, e)| e.last_used)
             .map(|(id, _)| *id)
     }
@@ -427,22 +426,28 @@ impl PrefixCache {
     fn evict_device(&mut self, backend: &mut dyn Backend) -> Result<()> {
         while self.used(0) > self.cfg.device_bytes {
             let id = self.lru(0).expect("a device entry");
-            let e = self.entries.get(&id).expect("entry");
-            let Tier::Device(snap) = &e.tier else {
-                unreachable!()
-            };
-            let state = backend.snapshot_state(snap.as_ref())?;
-            let state = self.rounded(state);
-            let e = self.entries.get_mut(&id).expect("entry");
-            e.bytes = host_bytes(&state, self.cfg.dtype);
-            e.tier = Tier::Host(state);
+            self.move_to_host(id, backend)?;
         }
+        Ok(())
+    }
+
+    /// Reads a device entry's snapshot into host memory (rounded to the cache's dtype);
+    /// other entries are left as they are.
+    fn move_to_host(&mut self, id: u64, backend: &mut dyn Backend) -> Result<()> {
+        let e = self.entries.get(&id).expect("entry");
+        let Tier::Device(snap) = &e.tier else {
+            return Ok(());
+        };
+        let state = self.rounded(backend.snapshot_state(snap.as_ref())?);
+        let e = self.entries.get_mut(&id).expect("entry");
+        e.bytes = host_bytes(&state);
+        e.tier = Tier::Host(state);
         Ok(())
     }
 
     /// Moves host entries to files (or drops them without a directory) until the host
     /// budget holds.
-    fn evict_host(&mut self, _backend: &mut dyn Backend) {
+    fn evict_host(&mut self) {
         while self.used(1) > self.cfg.host_bytes {
             let id = self.lru(1).expect("a host entry");
             if let Err(err) = self.spill(id) {
@@ -510,14 +515,7 @@ impl PrefixCache {
             .map(|(id, _)| *id)
             .collect();
         for &id in &ids {
-            let e = self.entries.get(&id).expect("entry");
-            if let Tier::Device(snap) = &e.tier {
-                let state = backend.snapshot_state(snap.as_ref())?;
-                let state = self.rounded(state);
-                let e = self.entries.get_mut(&id).expect("entry");
-                e.bytes = host_bytes(&state, self.cfg.dtype);
-                e.tier = Tier::Host(state);
-            }
+            self.move_to_host(id, backend)?;
             self.spill(id)?;
         }
         self.evict_disk();
@@ -525,10 +523,9 @@ impl PrefixCache {
     }
 }
 
-/// Bytes of a host entry.
-fn host_bytes(s: &State<f32>, dtype: StateDtype) -> u64 {
-    // Held as f32 in memory whatever the dtype (the values are rounded, not packed).
-    let _ = dtype;
+/// Bytes of a host entry: held as f32 whatever the cache's dtype (f16 entries are rounded,
+/// not packed).
+fn host_bytes(s: &State<f32>) -> u64 {
     s.bytes(4) as u64
 }
 

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -431,14 +430,13 @@ impl Running {
     fn stop(mut self) {
         self.server.take().unwrap().stop().unwrap();
     }
+    /// POSTs `body` as JSON (with the server's API key, if it has one).
     async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let mut req = self.client.post(format!("{}{path}", self.base)).json(&body);
+        if let Some(k) = &self.key {
+            req = req.bearer_auth(k);
+        }
+        let r = req.send().await.unwrap();
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(Value::Null))
     }
@@ -495,6 +493,19 @@ async fn sse(r: reqwest::Response) -> Vec<String> {
     let text = r.text().await.unwrap();
     text.lines()
         .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+/// The text of a streamed completion: its chunks' `choices[0].text`, which must end with
+/// `[DONE]`.
+fn streamed_text(events: &[String]) -> String {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
         .collect()
 }
 
@@ -587,16 +598,7 @@ async fn http_replies_equal_solo_generate_streamed_or_not_and_concurrently() {
             .unwrap()
             .starts_with("text/event-stream")
     );
-    let events = sse(r).await;
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let text: String = events[..events.len() - 1]
-        .iter()
-        .map(|e| {
-            let v: Value = serde_json::from_str(e).unwrap();
-            v["choices"][0]["text"].as_str().unwrap().to_string()
-        })
-        .collect();
-    assert_eq!(text, want[1]);
+    assert_eq!(streamed_text(&sse(r).await), want[1]);
     // 32 at once, streamed and not, on 4 slots (28 wait in the queue).
     let mut tasks = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
@@ -607,14 +609,7 @@ async fn http_replies_equal_solo_generate_streamed_or_not_and_concurrently() {
             let r = client.post(url).json(&body).send().await.unwrap();
             assert_eq!(r.status(), 200);
             if body["stream"] == true {
-                let ev = sse(r).await;
-                ev[..ev.len() - 1]
-                    .iter()
-                    .map(|e| {
-                        let v: Value = serde_json::from_str(e).unwrap();
-                        v["choices"][0]["text"].as_str().unwrap().to_string()
-                    })
-                    .collect::<String>()
+                streamed_text(&sse(r).await)
             } else {
                 let v: Value = r.json().await.unwrap();
                 v["choices"][0]["text"].as_str().unwrap().to_string()
@@ -799,20 +794,14 @@ async fn http_api_key_and_cached_prefix_in_usage_across_a_restart() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200, "health needs no key");
-    let ask = |text: &str| {
-        srv.client
-            .post(format!("{}/v1/chat/completions", srv.base))
-            .bearer_auth("sekrit")
-            .json(&json!({"messages": [{"role": "user", "content": text}],
-                          "max_tokens": 6, "temperature": 0}))
-            .send()
-    };
-    let first: Value = ask("Tell me a fortune")
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (status, first) = srv
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Tell me a fortune"}],
+                   "max_tokens": 6, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{first}");
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let reply = first["choices"][0]["message"]["content"]
         .as_str()
@@ -824,17 +813,7 @@ async fn http_api_key_and_cached_prefix_in_usage_across_a_restart() {
         {"role": "assistant", "content": reply},
         {"role": "user", "content": "Another"}],
         "max_tokens": 6, "temperature": 0});
-    let second: Value = srv
-        .client
-        .post(format!("{}/v1/chat/completions", srv.base))
-        .bearer_auth("sekrit")
-        .json(&follow)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, second) = srv.post("/v1/chat/completions", follow.clone()).await;
     let prompt1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
     let cached2 = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -847,22 +826,11 @@ async fn http_api_key_and_cached_prefix_in_usage_across_a_restart() {
     tokio::task::block_in_place(|| srv.stop());
     // Restarted on the same directory: the hit survives.
     let srv = start(&model, &tok, config, Some(cache)).unwrap();
-    let again: Value = srv
-        .client
-        .post(format!("{}/v1/chat/completions", srv.base))
-        .bearer_auth("sekrit")
-        .json(&follow)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, again) = srv.post("/v1/chat/completions", follow).await;
     assert_eq!(
         again["usage"]["prompt_tokens_details"]["cached_tokens"], cached2,
         "{again}"
     );
     assert_eq!(again["choices"], second["choices"]);
     tokio::task::block_in_place(|| srv.stop());
-    let _ = Path::new(&dir);
 }

@@ -174,14 +174,7 @@ fn nemotron_h_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig
                 format!("{v} differs from the key length {head_dim}"),
             ));
         }
-        Some(AttentionConfig {
-            heads,
-            kv_heads,
-            head_dim,
-            bias: false,
-            rope_theta: None,
-            scale: 1.0 / (head_dim.max(1) as f64).sqrt(),
-        })
+        Some(AttentionConfig::nemotron_h(heads, kv_heads, head_dim))
     } else {
         None
     };

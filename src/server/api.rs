@@ -105,25 +105,15 @@ pub async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) 
         Ok(r) => r,
         Err(e) => return bad(&app, e),
     };
-    let tok = app.tokenizer.clone();
-    let messages = req.messages.clone();
-    let prompt = match tokio::task::spawn_blocking(move || {
-        crate::chat::conversation_tokens(&tok, &messages)
+    let messages = req.messages;
+    match tokenize(&app, Kind::Chat, move |tok| {
+        crate::chat::conversation_tokens(tok, &messages)
     })
     .await
     {
-        Ok(Ok(ids)) => ids,
-        Ok(Err(e)) => return bad(&app, BadRequest::new("messages", e.to_string())),
-        Err(e) => {
-            return error(
-                &app,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                &e.to_string(),
-                None,
-            );
-        }
-    };
-    run(app, Kind::Chat, prompt, req.common).await
+        Ok(prompt) => run(app, Kind::Chat, prompt, req.common).await,
+        Err(r) => *r,
+    }
 }
 
 pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -134,29 +124,47 @@ pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: 
         Ok(r) => r,
         Err(e) => return bad(&app, e),
     };
+    let text = req.prompt;
+    match tokenize(&app, Kind::Completion, move |tok| tok.encode(&text)).await {
+        Ok(prompt) => run(app, Kind::Completion, prompt, req.common).await,
+        Err(r) => *r,
+    }
+}
+
+/// The request's field that holds its prompt.
+fn prompt_param(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Chat => "messages",
+        Kind::Completion => "prompt",
+    }
+}
+
+/// Runs `encode` on a blocking thread (a long prompt or a template takes a while): the
+/// token ids, or the error response (400 naming the prompt's field).
+async fn tokenize(
+    app: &Arc<App>,
+    kind: Kind,
+    encode: impl FnOnce(&crate::tokenizer::Tokenizer) -> crate::Result<Vec<u32>> + Send + 'static,
+) -> Result<Vec<u32>, Box<Response>> {
     let tok = app.tokenizer.clone();
-    let text = req.prompt.clone();
-    let prompt = match tokio::task::spawn_blocking(move || tok.encode(&text)).await {
-        Ok(Ok(ids)) => ids,
-        Ok(Err(e)) => return bad(&app, BadRequest::new("prompt", e.to_string())),
-        Err(e) => {
-            return error(
-                &app,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                &e.to_string(),
-                None,
-            );
-        }
-    };
-    run(app, Kind::Completion, prompt, req.common).await
+    match tokio::task::spawn_blocking(move || encode(&tok)).await {
+        Ok(Ok(ids)) => Ok(ids),
+        Ok(Err(e)) => Err(Box::new(bad(
+            app,
+            BadRequest::new(prompt_param(kind), e.to_string()),
+        ))),
+        Err(e) => Err(Box::new(error(
+            app,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &e.to_string(),
+            None,
+        ))),
+    }
 }
 
 /// Checks the prompt, takes a place in the queue and answers.
 async fn run(app: Arc<App>, kind: Kind, prompt: Vec<u32>, c: Common) -> Response {
-    let param = match kind {
-        Kind::Chat => "messages",
-        Kind::Completion => "prompt",
-    };
+    let param = prompt_param(kind);
     if prompt.is_empty() {
         return bad(&app, BadRequest::new(param, "the prompt has no tokens"));
     }

@@ -148,7 +148,7 @@ impl Engine {
             while active.len() < self.slots.max(1)
                 && let Some(job) = waiting.pop_front()
             {
-                active.push(Seq::new(job, &self.tokenizer));
+                active.push(Seq::new(job));
             }
             self.metrics.queued.store(waiting.len(), Ordering::Relaxed);
             self.metrics.active.store(active.len(), Ordering::Relaxed);
@@ -311,7 +311,7 @@ impl Engine {
             let backend = self.backend.as_mut();
             let mut on_token = |t: u32| {
                 sampled.push(t);
-                ended = self_emit(seq, t, &self.tokenizer, &self.metrics);
+                ended = handle_token(seq, t, &self.tokenizer, &self.metrics);
                 !ended
             };
             backend.decode(first, next_pos, want, &sampling, &job_stop, &mut on_token)?
@@ -341,7 +341,7 @@ impl Engine {
 
     /// Handles a sampled token; true when the reply is over (the `Done` event sent).
     fn emit(&mut self, seq: &mut Seq, t: u32) -> bool {
-        let ended = self_emit(seq, t, &self.tokenizer, &self.metrics);
+        let ended = handle_token(seq, t, &self.tokenizer, &self.metrics);
         if ended {
             let _ = self.cache.insert(&seq.fed, self.backend.as_mut());
             return true;
@@ -354,15 +354,7 @@ impl Engine {
     }
 
     fn finish(&mut self, seq: &mut Seq, why: FinishReason) -> Result<bool> {
-        let tail = seq.stop.flush();
-        if !tail.is_empty() {
-            let _ = seq.job.events.send(Event::Text(tail));
-        }
-        let _ = seq.job.events.send(Event::Done {
-            finish: why,
-            usage: seq.usage(),
-        });
-        self.metrics.completed.fetch_add(1, Ordering::Relaxed);
+        seq.end(why, &self.metrics);
         self.cache.insert(&seq.fed, self.backend.as_mut())?;
         Ok(true)
     }
@@ -370,20 +362,12 @@ impl Engine {
 
 /// Handles sampled token `t` of `seq`: a stop id, a stop string or a closed client ends
 /// the reply (sending `Done` where the client still listens); else its text goes out.
-fn self_emit(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool {
+fn handle_token(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool {
     if seq.job.events.is_closed() {
         return true;
     }
     if seq.job.stop_ids.contains(&t) {
-        let tail = seq.stop.flush();
-        if !tail.is_empty() {
-            let _ = seq.job.events.send(Event::Text(tail));
-        }
-        let _ = seq.job.events.send(Event::Done {
-            finish: FinishReason::Stop,
-            usage: seq.usage(),
-        });
-        metrics.completed.fetch_add(1, Ordering::Relaxed);
+        seq.end(FinishReason::Stop, metrics);
         return true;
     }
     seq.completion += 1;
@@ -401,18 +385,14 @@ fn self_emit(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool 
         let _ = seq.job.events.send(Event::Text(out));
     }
     if hit {
-        let _ = seq.job.events.send(Event::Done {
-            finish: FinishReason::Stop,
-            usage: seq.usage(),
-        });
-        metrics.completed.fetch_add(1, Ordering::Relaxed);
+        seq.end(FinishReason::Stop, metrics);
         return true;
     }
     false
 }
 
 impl Seq {
-    fn new(job: Job, _tok: &Tokenizer) -> Self {
+    fn new(job: Job) -> Self {
         let stop = StopText::new(job.stop_text.clone());
         Seq {
             job,
@@ -425,6 +405,20 @@ impl Seq {
             decoder: StreamDecoder::default(),
             stop,
         }
+    }
+
+    /// Ends the reply: the text still held back for the stop strings (none after a stop
+    /// string was found), then `Done`.
+    fn end(&mut self, why: FinishReason, metrics: &Metrics) {
+        let tail = self.stop.flush();
+        if !tail.is_empty() {
+            let _ = self.job.events.send(Event::Text(tail));
+        }
+        let _ = self.job.events.send(Event::Done {
+            finish: why,
+            usage: self.usage(),
+        });
+        metrics.completed.fetch_add(1, Ordering::Relaxed);
     }
 
     fn usage(&self) -> Usage {

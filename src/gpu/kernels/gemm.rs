@@ -23,6 +23,16 @@ pub enum GemmOutput {
     Add,
 }
 
+/// gemm.wgsl's shape constants for `w`, X rows of `xs` and Y rows of `ys` values.
+fn shape_consts(w: &DeviceMatrix, xs: usize, ys: usize) -> Vec<(&'static str, Const)> {
+    vec![
+        ("M", Const::U32(w.rows as u32)),
+        ("KP", Const::U32(w.kp as u32)),
+        ("XS", Const::U32(xs as u32)),
+        ("YS", Const::U32(ys as u32)),
+    ]
+}
+
 /// The GEMM of a block of up to `max_tokens` tokens; `y` has rows of `ys` values.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
@@ -49,12 +59,7 @@ pub fn gemm(
     } else {
         ("gemm", SOURCES, TILE)
     };
-    let consts = [
-        ("M", Const::U32(w.rows as u32)),
-        ("KP", Const::U32(w.kp as u32)),
-        ("XS", Const::U32(xs as u32)),
-        ("YS", Const::U32(ys as u32)),
-    ];
+    let consts = shape_consts(w, xs, ys);
     let out = match output {
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
@@ -126,13 +131,8 @@ pub fn gemm_split(
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, t * xs)?;
     check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
-    let consts = [
-        ("M", Const::U32(w.rows as u32)),
-        ("KP", Const::U32(w.kp as u32)),
-        ("XS", Const::U32(xs as u32)),
-        ("YS", Const::U32(ys as u32)),
-        ("KS", Const::U32(slices as u32)),
-    ];
+    let mut consts = shape_consts(w, xs, ys);
+    consts.push(("KS", Const::U32(slices as u32)));
     let mut flags = w.flags();
     flags.extend(["SPLIT", "O_PART"]);
     let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
