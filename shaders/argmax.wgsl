@@ -1,9 +1,10 @@
 // Greedy sampling on the device: ctrl.token = argmax(logits) (lowest id on ties; NaN never
 // wins), unless a stop token was already sampled; a NaN or ±Inf logit sets ctrl.nonfinite.
-// One workgroup of WG threads, each keeping four independent loads in flight per step.
+// One workgroup of WG threads per lane (workgroup x; `logits [lane][V]`, `ctrl[lane]`), each
+// keeping four independent loads in flight per step.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
-@group(0) @binding(1) var<storage, read_write> ctrl: Ctrl;
+@group(0) @binding(1) var<storage, read_write> ctrl: array<Ctrl>;
 
 var<workgroup> best_v: array<f32, WG>;
 var<workgroup> best_i: array<u32, WG>;
@@ -14,8 +15,18 @@ fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
     return v > bv || (v == bv && i < bi);
 }
 
+var<workgroup> skip_lane: u32;
+
 @compute @workgroup_size(WG)
-fn main(@builtin(local_invocation_index) lid: u32) {
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    ln = wid.x;
+    lo = ln * V;
+    if (lid == 0u) {
+        skip_lane = select(1u, 0u, mine());
+    }
+    if (workgroupUniformLoad(&skip_lane) != 0u) {
+        return;
+    }
     if (lid == 0u) {
         atomicStore(&any_bad, 0u);
     }
@@ -29,7 +40,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
             let k = base + j * WG + lid;
             v[j] = -3.4e38;
             if (k < V) {
-                v[j] = logits[k];
+                v[j] = logits[lo + k];
                 bad = bad || is_nonfinite(v[j]);
             }
         }

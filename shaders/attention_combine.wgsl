@@ -3,10 +3,11 @@
 // H·HD) and, with Q8, the q8 blocks `xq [OS/4]`, `xd [OS/32]` of o for the o_proj GEMV.
 // Workgroup b writes element block b (32 values); lane e of split k folds segments
 // k, k + NSPLIT, … of its element with the running-max rescale, and the NSPLIT splits
-// meet in workgroup memory. Only the segments that hold rows are read.
+// meet in workgroup memory. Only the segments that hold rows are read. Lanes (batched
+// decode, workgroup z = lane l): partials from l·PART_LS, o and its q8 blocks from l·O_LS.
 
 @group(0) @binding(0) var<storage, read> part: array<f32>;
-@group(0) @binding(1) var<storage, read> ctrl: Ctrl;
+@group(0) @binding(1) var<storage, read> ctrl: array<Ctrl>;
 @group(0) @binding(2) var<storage, read_write> o: array<f32>;
 #if Q8
 @group(0) @binding(3) var<storage, read_write> xq: array<u32>;
@@ -28,10 +29,11 @@ fn main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let blk = wid.x;
+    let lane = wid.z;
     let e = lid % 32u;
     let split = lid / 32u;
     let ge = blk * 32u + e;
-    let len = min(ctrl.kv_len + 1u, CTX);
+    let len = min(ctrl[lane].kv_len + 1u, CTX);
     // The segments attention_decode cut the rows into (its seg_len).
     let seg = SEGK * max(1u, (len + SEGK * NSEG - 1u) / (SEGK * NSEG));
     let live = (len + seg - 1u) / seg;
@@ -42,7 +44,7 @@ fn main(
         let h = ge / HD;
         let d = ge % HD;
         for (var s = split; s < live; s += NSPLIT) {
-            let at = (h * NSEG + s) * PS;
+            let at = lane * PART_LS + (h * NSEG + s) * PS;
             let ms = part[at + HD];
             let mn = max(m, ms);
             let x = exp(m - mn);
@@ -70,7 +72,7 @@ fn main(
         if (ge < H * HD) {
             v = a / l;
         }
-        o[ge] = v;
+        o[lane * O_LS + ge] = v;
         qv[e] = v;
     }
 #if Q8
@@ -87,12 +89,12 @@ fn main(
             inv = 1.0 / d;
         }
         qinv = inv;
-        xd[blk] = d;
+        xd[lane * (O_LS / 32u) + blk] = d;
     }
     workgroupBarrier();
     if (lid < 8u) {
         let f = vec4<f32>(qv[4u * lid], qv[4u * lid + 1u], qv[4u * lid + 2u], qv[4u * lid + 3u]) * qinv;
-        xq[blk * 8u + lid] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
+        xq[lane * (O_LS / 4u) + blk * 8u + lid] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
     }
 #endif
 }

@@ -8,7 +8,7 @@
 // writes m = −∞ (finite), l = 0 and leaves. attention_combine merges the partials.
 
 @group(0) @binding(0) var<storage, read> qkv: array<f32>;
-@group(0) @binding(3) var<storage, read> ctrl: Ctrl;
+@group(0) @binding(3) var<storage, read> ctrl: array<Ctrl>;
 @group(0) @binding(4) var<storage, read_write> part: array<f32>;
 
 const PS: u32 = HD + 2u;
@@ -24,14 +24,16 @@ fn main(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let s = wid.x;
+    let l = wid.z;
+    kv_slot = l;
     let kvh = wid.y / NGC;
     let g0 = (wid.y % NGC) * GB;
-    let len = min(ctrl.kv_len + 1u, CTX);
+    let len = min(ctrl[l].kv_len + 1u, CTX);
     let seg = seg_len(len);
     let k0 = s * seg;
     if (k0 >= len) {
         if (lid < GB && g0 + lid < G) {
-            let at = ((kvh * G + g0 + lid) * NSEG + s) * PS;
+            let at = l * PART_LS + ((kvh * G + g0 + lid) * NSEG + s) * PS;
             part[at + HD] = NEG;
             part[at + HD + 1u] = 0.0;
         }
@@ -44,7 +46,7 @@ fn main(
         let d = i % HD;
         var x = 0.0;
         if (g0 + r < G) {
-            x = qkv[(kvh * G + g0 + r) * HD + d] * SCALE;
+            x = qkv[l * QKV_LS + (kvh * G + g0 + r) * HD + d] * SCALE;
         }
         put_q(r, d, x);
     }
@@ -57,11 +59,11 @@ fn main(
         let i = out_index(lid, o);
         let r = i / HD;
         if (i < R * HD && g0 + r < G) {
-            part[((kvh * G + g0 + r) * NSEG + s) * PS + i % HD] = acc[o];
+            part[l * PART_LS + ((kvh * G + g0 + r) * NSEG + s) * PS + i % HD] = acc[o];
         }
     }
     if (lid < R && g0 + lid < G) {
-        let at = ((kvh * G + g0 + lid) * NSEG + s) * PS;
+        let at = l * PART_LS + ((kvh * G + g0 + lid) * NSEG + s) * PS;
         part[at + HD] = row_m[lid];
         part[at + HD + 1u] = row_l[lid];
     }

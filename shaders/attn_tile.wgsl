@@ -93,6 +93,8 @@ var<workgroup> row_m: array<f32, R>;
 var<workgroup> row_l: array<f32, R>;
 var<workgroup> row_a: array<f32, R>;
 var<workgroup> row_lim: array<u32, R>;
+// The sequence slot whose caches are read (batched decode; rows CTX apart per slot).
+var<private> kv_slot: u32;
 
 // Keys (or values) [j0, j0 + KT) of kv head `kvh` into kvs as f32, zero from `end` on.
 fn load_tile(is_k: bool, kvh: u32, j0: u32, end: u32, lid: u32) {
@@ -102,7 +104,7 @@ fn load_tile(is_k: bool, kvh: u32, j0: u32, end: u32, lid: u32) {
         let d = i % HD;
         var x = 0.0;
         if (j0 + j < end) {
-            let at = ((j0 + j) * HKV + kvh) * HD + d;
+            let at = ((kv_slot * CTX + j0 + j) * HKV + kvh) * HD + d;
             if (is_k) {
                 x = k_cache[at];
             } else {
@@ -119,7 +121,7 @@ fn load_tile(is_k: bool, kvh: u32, j0: u32, end: u32, lid: u32) {
         let c = i % hv;
         var w = vec4<u32>(0u);
         if (j0 + j < end) {
-            let at = ((j0 + j) * HKV + kvh) * hv + c;
+            let at = ((kv_slot * CTX + j0 + j) * HKV + kvh) * hv + c;
             if (is_k) {
                 w = k_cache[at];
             } else {
@@ -137,7 +139,7 @@ fn load_tile(is_k: bool, kvh: u32, j0: u32, end: u32, lid: u32) {
         let c = i % hw;
         var x = vec2<f32>(0.0);
         if (j0 + j < end) {
-            let at = ((j0 + j) * HKV + kvh) * hw + c;
+            let at = ((kv_slot * CTX + j0 + j) * HKV + kvh) * hw + c;
             var w = 0u;
             if (is_k) {
                 w = k_cache[at];

@@ -1,23 +1,41 @@
 // Writes the chosen token into the control block (argmax and sample share it): the next
 // embed reads it, the position advances, and a stop token stops later state updates.
-// `bad`: some logit was NaN or ±Inf — flagged in `ctrl.nonfinite` for the host, which
+// `bad`: some logit was NaN or ±Inf — flagged in `ctrl[ln].nonfinite` for the host, which
 // reads it with the token and reports an error (the token itself stays in the vocabulary).
-// Needs `ctrl` bound read_write.
+// Needs `ctrl` (an array, one per lane) bound read_write; `ln` is the workgroup's lane
+// (workgroup x), `lo` its first logit (ln·V). With ONLY_GREEDY / ONLY_SAMPLED (a batch of
+// lanes with both kinds) a lane the other kernel serves is skipped: `mine` says whether
+// this one serves it (temperature ≤ 0 is greedy, as Sampling::is_greedy says).
+
+var<private> ln: u32;
+var<private> lo: u32;
+
+fn mine() -> bool {
+#if ONLY_GREEDY
+    return ctrl[ln].temperature <= 0.0;
+#else
+#if ONLY_SAMPLED
+    return !(ctrl[ln].temperature <= 0.0);
+#else
+    return true;
+#endif
+#endif
+}
 
 fn emit_token(t: u32, bad: bool) {
-    if (ctrl.stopped != 0u) {
+    if (ctrl[ln].stopped != 0u) {
         return;
     }
     if (bad) {
-        ctrl.nonfinite = 1u;
+        ctrl[ln].nonfinite = 1u;
     }
     // The token just fed is in the KV caches now (a stopped step stored nothing).
-    ctrl.kv_len += 1u;
-    ctrl.token = t;
-    ctrl.pos += 1u;
-    for (var i = 0u; i < min(ctrl.n_stop, 4u); i++) {
-        if (ctrl.stop_ids[i] == t) {
-            ctrl.stopped = 1u;
+    ctrl[ln].kv_len += 1u;
+    ctrl[ln].token = t;
+    ctrl[ln].pos += 1u;
+    for (var i = 0u; i < min(ctrl[ln].n_stop, 4u); i++) {
+        if (ctrl[ln].stop_ids[i] == t) {
+            ctrl[ln].stopped = 1u;
         }
     }
 }

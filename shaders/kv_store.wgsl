@@ -3,7 +3,8 @@
 // two per u32 or f32 with KV_F32). T = 1, or ctrl.prompt_len with PREFILL (grid row y =
 // token). With ROPE, q is rotated in place and k before it is stored (HF rotate_half:
 // pair (i, i + HD/2) turns by pos·THETA^(−2i/HD), pos = kv_len + t). A stopped step
-// (ctrl.stopped != 0) and rows ≥ CTX store nothing. Invocation i of a token: the q pairs
+// (ctrl.stopped != 0) and rows ≥ CTX store nothing. Lanes (batched decode, grid z = lane
+// l): rows of `qkv` from l·QKV_LS, the slot's cache rows from l·CTX, ctrl[l]. Invocation i of a token: the q pairs
 // first (ROPE only: H·HD/2), then the k and the v words (HKV·HD/2 each: elements 2c, 2c+1).
 
 @group(0) @binding(0) var<storage, read_write> qkv: array<f32>;
@@ -14,7 +15,7 @@
 @group(0) @binding(1) var<storage, read_write> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read_write> v_cache: array<u32>;
 #endif
-@group(0) @binding(3) var<storage, read> ctrl: Ctrl;
+@group(0) @binding(3) var<storage, read> ctrl: array<Ctrl>;
 
 const HALF: u32 = HD / 2u;
 const NKV: u32 = HKV * HALF;
@@ -50,16 +51,17 @@ fn rotated(at: u32, e: u32, pos: u32) -> f32 {
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let t = gid.y;
+    let l = gid.z;
 #if PREFILL
-    let tokens = ctrl.prompt_len;
+    let tokens = ctrl[0].prompt_len;
 #else
     let tokens = 1u;
 #endif
-    let pos = ctrl.kv_len + t;
-    if (ctrl.stopped != 0u || t >= tokens || pos >= CTX) {
+    let pos = ctrl[l].kv_len + t;
+    if (ctrl[l].stopped != 0u || t >= tokens || pos >= CTX) {
         return;
     }
-    let row = t * QS;
+    let row = l * QKV_LS + t * QS;
     let i = gid.x;
 #if ROPE
     if (i < NQ) {
@@ -92,7 +94,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         x = vec2<f32>(rotated(head, 2u * c, pos), rotated(head, 2u * c + 1u, pos));
     }
 #endif
-    let dst = pos * HKV + kvh;
+    let dst = (l * CTX + pos) * HKV + kvh;
 #if KV_F32
     if (is_v) {
         v_cache[dst * HD + 2u * c] = x.x;

@@ -1,8 +1,8 @@
 // The MLP activation between its two projections, for T tokens (workgroup row y = token y):
 // GATED 0: a = relu(u)², u the up projection's rows of I values;
 // GATED 1: a = silu(g)·u from rows [g (I) | u (I)] of the fused gate+up projection.
-// Rows of `src` have SS values; `dst` rows have KP (= I rounded up to 32) values, zero past
-// I — what the down projection's GEMV/GEMM reads — and with Q8_OUT the q8 blocks of them.
+// Rows of `src` have SS values; `dst` rows start DS apart and have KP (= I rounded up to
+// 32) values, zero past I — what the down projection's GEMV/GEMM reads — and with Q8_OUT the q8 blocks of them.
 
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> dst: array<f32>;
@@ -35,7 +35,7 @@ fn main(
 ) {
     let t = wid.y;
     let sbase = t * SS;
-    let dbase = t * KP;
+    let dbase = t * DS;
 #if BIAS
     if (wid.x == 0u) {
         for (var j = lid; j < D; j += WG) {

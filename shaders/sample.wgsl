@@ -3,10 +3,11 @@
 // the total); draw u = uniform(seed, pos) and walk the kept mass in index order. The
 // thresholds are found exactly by bisection on the bits of p (non-negative floats order
 // like their bit patterns). A NaN or ±Inf logit sets ctrl.nonfinite (the host reports it).
-// One workgroup; `probs [V]` is scratch.
+// One workgroup per lane (workgroup x; `logits`, `probs [lane][V]`, `ctrl[lane]`); `probs`
+// is scratch.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
-@group(0) @binding(1) var<storage, read_write> ctrl: Ctrl;
+@group(0) @binding(1) var<storage, read_write> ctrl: array<Ctrl>;
 @group(0) @binding(2) var<storage, read_write> probs: array<f32>;
 
 var<workgroup> red: array<f32, WG>;
@@ -51,9 +52,9 @@ fn wg_max(v: f32, lid: u32) -> f32 {
 fn above(t: u32, floor_bits: u32, count: bool, lid: u32) -> f32 {
     var s = 0.0;
     for (var k = lid; k < V; k += WG) {
-        let b = bitcast<u32>(probs[k]);
+        let b = bitcast<u32>(probs[lo + k]);
         if (b >= t && b >= floor_bits) {
-            s += select(probs[k], 1.0, count);
+            s += select(probs[lo + k], 1.0, count);
         }
     }
     return wg_total(s, lid);
@@ -77,17 +78,27 @@ fn threshold(goal: f32, floor_bits: u32, count: bool, lid: u32) -> u32 {
     return lo;
 }
 
+var<workgroup> skip_lane: u32;
+
 @compute @workgroup_size(WG)
-fn main(@builtin(local_invocation_index) lid: u32) {
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    ln = wid.x;
+    lo = ln * V;
+    if (lid == 0u) {
+        skip_lane = select(1u, 0u, mine());
+    }
+    if (workgroupUniformLoad(&skip_lane) != 0u) {
+        return;
+    }
     if (lid == 0u) {
         atomicStore(&any_bad, 0u);
     }
     workgroupBarrier();
-    let temp = ctrl.temperature;
+    let temp = ctrl[ln].temperature;
     var m = -3.4e38;
     var bad = false;
     for (var k = lid; k < V; k += WG) {
-        let l = logits[k];
+        let l = logits[lo + k];
         m = max(m, l);
         bad = bad || is_nonfinite(l);
     }
@@ -96,12 +107,12 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     }
     m = wg_max(m, lid);
     for (var k = lid; k < V; k += WG) {
-        let l = logits[k];
-        probs[k] = select(0.0, exp((l - m) / temp), l == l);
+        let l = logits[lo + k];
+        probs[lo + k] = select(0.0, exp((l - m) / temp), l == l);
     }
     if (lid == 0u) {
-        opt_k = ctrl.top_k;
-        opt_p = ctrl.top_p;
+        opt_k = ctrl[ln].top_k;
+        opt_p = ctrl[ln].top_p;
     }
     storageBarrier();
     let top_k = workgroupUniformLoad(&opt_k);
@@ -120,8 +131,8 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     let end = min(start + chunk, V);
     var s = 0.0;
     for (var k = start; k < end; k++) {
-        if (bitcast<u32>(probs[k]) >= floor_bits) {
-            s += probs[k];
+        if (bitcast<u32>(probs[lo + k]) >= floor_bits) {
+            s += probs[lo + k];
         }
     }
     scan[lid] = s;
@@ -139,11 +150,11 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         red[0] = acc;
     }
     workgroupBarrier();
-    let goal = uniform01(ctrl.seed_key, ctrl.pos) * red[0];
+    let goal = uniform01(ctrl[ln].seed_key, ctrl[ln].pos) * red[0];
     var cum = scan[lid];
     var last = 0xffffffffu;
     for (var k = start; k < end; k++) {
-        let p = probs[k];
+        let p = probs[lo + k];
         if (bitcast<u32>(p) >= floor_bits && p > 0.0) {
             cum += p;
             last = k;
@@ -159,7 +170,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         if (t == 0xffffffffu) {
             // Rounding left the goal past the end: the last kept token.
             for (var k = V; k > 0u; k--) {
-                if (bitcast<u32>(probs[k - 1u]) >= floor_bits && probs[k - 1u] > 0.0) {
+                if (bitcast<u32>(probs[lo + k - 1u]) >= floor_bits && probs[lo + k - 1u] > 0.0) {
                     t = k - 1u;
                     break;
                 }

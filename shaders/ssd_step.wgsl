@@ -6,6 +6,8 @@
 // GATED (fused graph): writes u = y·silu(z)·w_norm for the out_proj GEMV and the block's
 // Σ(y·silu(z))² (`part`), from which out_proj applies each group's 1/rms; with Q8_OUT
 // also the block's q8 activation (CB = 32).
+// Lanes (batched decode): workgroup row y is lane l, whose vectors start at l·MIX_LS,
+// l·Y_LS, l·PART_LS, l·XQ_LS, l·XD_LS and whose slot's state at l·STATE_LS.
 
 @group(0) @binding(0) var<storage, read> mix: array<f32>;
 @group(0) @binding(1) var<storage, read> params: array<f32>;
@@ -20,7 +22,7 @@
 var<workgroup> vals: array<f32, CB>;
 var<workgroup> sq: array<f32, CB>;
 #endif
-@group(0) @binding(5) var<storage, read> ctrl: Ctrl;
+@group(0) @binding(5) var<storage, read> ctrl: array<Ctrl>;
 #if Q8_OUT
 @group(0) @binding(6) var<storage, read_write> xq: array<u32>;
 @group(0) @binding(7) var<storage, read_write> xd: array<f32>;
@@ -30,22 +32,24 @@ var<workgroup> sq: array<f32, CB>;
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = lid / TEAM;
     let lane = lid % TEAM;
+    let l = wid.y;
+    let mo = l * MIX_LS;
     let c = wid.x * CB + r;
     let h = c / P;
     let g = h / (H / G);
-    let delta = mix[DI + CD + h];
+    let delta = mix[mo + DI + CD + h];
     let alpha = exp(delta * params[A_OFF + h]);
-    let xv = mix[DI + c];
+    let xv = mix[mo + DI + c];
     let dx = delta * xv;
-    let live = ctrl.stopped == 0u;
-    let bbase = DI + DI + g * N;
-    let cbase = DI + DI + G * N + g * N;
+    let live = ctrl[l].stopped == 0u;
+    let bbase = mo + DI + DI + g * N;
+    let cbase = mo + DI + DI + G * N + g * N;
     var acc = 0.0;
 #if VEC4
     // Four consecutive state columns per lane and step: one 16-byte load and store.
     for (var n4 = lane; n4 < N / 4u; n4 += TEAM) {
         let n = 4u * n4;
-        let idx = c * (N / 4u) + n4;
+        let idx = l * (STATE_LS / 4u) + c * (N / 4u) + n4;
         let bv = vec4<f32>(mix[bbase + n], mix[bbase + n + 1u], mix[bbase + n + 2u], mix[bbase + n + 3u]);
         let cv = vec4<f32>(mix[cbase + n], mix[cbase + n + 1u], mix[cbase + n + 2u], mix[cbase + n + 3u]);
         let s = alpha * state[idx] + dx * bv;
@@ -56,7 +60,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
 #else
     for (var n = lane; n < N; n += TEAM) {
-        let idx = c * N + n;
+        let idx = l * STATE_LS + c * N + n;
         let s = alpha * state[idx] + dx * mix[bbase + n];
         if (live) {
             state[idx] = s;
@@ -66,9 +70,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endif
     let out = team_sum(acc, lid) + params[D_OFF + h] * xv;
 #if GATED
-    let v = out * silu(mix[c]);
+    let v = out * silu(mix[mo + c]);
     if (lane == 0u) {
-        y[c] = v * params[NW_OFF + c];
+        y[l * Y_LS + c] = v * params[NW_OFF + c];
         vals[r] = v * params[NW_OFF + c];
         sq[r] = v * v;
     }
@@ -78,7 +82,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         for (var i = 0u; i < CB; i++) {
             s += sq[i];
         }
-        part[wid.x] = s;
+        part[l * PART_LS + wid.x] = s;
     }
 #if Q8_OUT
     // The block's q8 activation: 8 invocations pack 4 values each.
@@ -93,15 +97,15 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             inv = 1.0 / d;
         }
         let f = vec4<f32>(vals[4u * lid], vals[4u * lid + 1u], vals[4u * lid + 2u], vals[4u * lid + 3u]) * inv;
-        xq[wid.x * 8u + lid] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
+        xq[l * XQ_LS + wid.x * 8u + lid] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
         if (lid == 0u) {
-            xd[wid.x] = d;
+            xd[l * XD_LS + wid.x] = d;
         }
     }
 #endif
 #else
     if (lane == 0u) {
-        y[c] = out;
+        y[l * Y_LS + c] = out;
     }
 #endif
 }

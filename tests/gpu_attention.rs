@@ -19,7 +19,7 @@ use mamba2_wgpu::gpu::kernels::attention_decode::{
 use mamba2_wgpu::gpu::kernels::attention_prefill::attention_prefill;
 use mamba2_wgpu::gpu::kernels::attn::{AttnBuffers, AttnConsts, KvFormat};
 use mamba2_wgpu::gpu::kernels::kv_store::kv_store;
-use mamba2_wgpu::gpu::kernels::{Dispatch, Kernels};
+use mamba2_wgpu::gpu::kernels::{Dispatch, Kernels, Lanes};
 use mamba2_wgpu::model::quant::quantize_activation_block;
 use mamba2_wgpu::reference::attention::{AttnDims, attend, rope};
 use mamba2_wgpu::sampling::uniform;
@@ -208,6 +208,7 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
         k_cache: &kb,
         v_cache: &vb,
         ctrl: &ctrl_buf,
+        lanes: Lanes::ONE,
     };
     // NaN in o: every value must be written.
     let o = g.buf(bytemuck::cast_slice(&vec![f32::NAN; t_cap * os]));
@@ -218,9 +219,17 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
             let part = g.zeros(decode_partials_len(&ac));
             let store = kv_store(&g.k, "kv_store", ac, None, &b).unwrap();
             let attn = attention_decode(&g.k, "attn", ac, &b, &part).unwrap();
-            let comb =
-                attention_combine(&g.k, "combine", ac, &part, &ctrl_buf, &o, Some((&xq, &xd)))
-                    .unwrap();
+            let comb = attention_combine(
+                &g.k,
+                "combine",
+                ac,
+                Lanes::ONE,
+                &part,
+                &ctrl_buf,
+                &o,
+                Some((&xq, &xd)),
+            )
+            .unwrap();
             g.run(&[&store, &attn, &comb]);
         }
         Prefill => {
@@ -351,6 +360,7 @@ fn kv_store_rows_rope_and_stop() {
                     k_cache: &kb,
                     v_cache: &vb,
                     ctrl: &ctrl_buf,
+                    lanes: Lanes::ONE,
                 };
                 g.run(&[&kv_store(&g.k, "kv_store", ac, block, &b).unwrap()]);
                 let what = format!("{format:?} rope {rope_theta:?} kv_len {kv_len} T {t}");

@@ -14,7 +14,7 @@ use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, MixerC
 use mamba2_wgpu::gpu::kernels::rmsnorm::NormBuffers;
 use mamba2_wgpu::gpu::kernels::ssd_step::{SsdBuffers, SsdConsts, ssd_step};
 use mamba2_wgpu::gpu::kernels::{
-    Dispatch, Kernels, argmax, conv_step, embed, gated_norm, residual_add, rmsnorm, sample,
+    Dispatch, Kernels, Lanes, argmax, conv_step, embed, gated_norm, residual_add, rmsnorm, sample,
 };
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::quant::{
@@ -506,6 +506,7 @@ fn ssd_step_plain_and_gated() {
                 part: gated.then_some(&part),
                 q8,
                 ctrl: &ctrl,
+                lanes: Lanes::ONE,
             };
             g.run(&ssd_step(&g.k, "t", c, b).unwrap());
             assert_nmse("ssd state", &g.read(&st, state0.len()), &state_want, 1e-7);
@@ -607,7 +608,7 @@ fn gated_norm_residual_and_embedding() {
             }),
             g.zeros(dm),
         );
-        g.run(&embed::embed(&g.k, &m, 1.0, &ctrl, &resid).unwrap());
+        g.run(&embed::embed(&g.k, &m, 1.0, Lanes::ONE, &ctrl, &resid).unwrap());
         assert_eq!(
             g.read(&resid, dm),
             deq[11 * dm..12 * dm].to_vec(),
@@ -631,7 +632,7 @@ fn argmax_and_sampling_follow_the_host_rule() {
         stop_ids: [123, 0, 0, 0],
         ..Default::default()
     });
-    g.run(&argmax::argmax(&g.k, vocab, &lb, &ctrl).unwrap());
+    g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, &lb, &ctrl).unwrap());
     let c = g.read_ctrl(&ctrl);
     assert_eq!((c.token, c.pos, c.stopped), (ref_argmax(&logits), 6, 1));
     assert_eq!(c.token, 123);
@@ -658,7 +659,7 @@ fn argmax_and_sampling_follow_the_host_rule() {
             top_p: s.top_p,
             ..Default::default()
         });
-        g.run(&sample::sample(&g.k, vocab, &lb, &ctrl, &probs).unwrap());
+        g.run(&sample::sample(&g.k, vocab, Lanes::ONE, false, &lb, &ctrl, &probs).unwrap());
         let got = g.read_ctrl(&ctrl).token;
         let want = ref_sample(&logits, &s, pos as u64);
         if s.top_k == 1 {
@@ -678,11 +679,11 @@ fn argmax_and_sampling_follow_the_host_rule() {
             top_p: 0.9,
             ..Default::default()
         });
-        g.run(&sample::sample(&g.k, vocab, &lb, &ctrl, &probs).unwrap());
+        g.run(&sample::sample(&g.k, vocab, Lanes::ONE, false, &lb, &ctrl, &probs).unwrap());
         let t = g.read_ctrl(&ctrl).token;
         assert!((t as usize) < vocab, "sampled id {t} from {bad} logits");
         let ctrl = g.ctrl(&Ctrl::default());
-        g.run(&argmax::argmax(&g.k, vocab, &lb, &ctrl).unwrap());
+        g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, &lb, &ctrl).unwrap());
         let t = g.read_ctrl(&ctrl).token;
         assert!((t as usize) < vocab, "argmax id {t} from {bad} logits");
     }

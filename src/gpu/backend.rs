@@ -36,6 +36,8 @@ pub struct GpuBackend {
     profiler: Option<Profiler>,
     /// Profiles of the decoded tokens while profiling is on (most recent last).
     pub profiles: Vec<TokenProfile>,
+    /// The batched-decode store, when sequences decode together (`enable_batch`).
+    pub batch: Option<crate::gpu::batch::Batch>,
 }
 
 impl GpuBackend {
@@ -56,7 +58,16 @@ impl GpuBackend {
             prefill: None,
             profiler: None,
             profiles: Vec::new(),
+            batch: None,
         })
+    }
+
+    /// Makes a batch of `slots` sequences (replacing any), or says why this model cannot
+    /// decode in batches.
+    pub fn enable_batch(&mut self, slots: usize) -> Result<()> {
+        self.batch = None;
+        self.batch = Some(crate::gpu::batch::Batch::new(&self.engine, slots)?);
+        Ok(())
     }
 
     /// Turns per-kernel GPU timing on or off (off costs nothing). Returns false when the

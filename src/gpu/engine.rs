@@ -275,6 +275,7 @@ impl Engine {
             layout: &self.layout,
             s: &self.scratch,
             state: &self.state,
+            lanes: crate::gpu::kernels::Lanes::ONE,
         }
     }
 

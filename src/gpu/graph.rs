@@ -49,6 +49,9 @@ pub enum Tail {
     Feed,
     /// lm_head, then the next prompt token (logits of every position).
     FeedLogits,
+    /// A batch whose lanes both pick greedily and sample: argmax serves the lanes with
+    /// temperature ≤ 0, the sampling kernel the others.
+    Mixed,
 }
 
 impl Tail {

@@ -2,6 +2,7 @@
 //! `Backend` the session drives.
 
 pub mod backend;
+pub mod batch;
 pub mod blocks;
 pub mod context;
 pub mod device_weights;

@@ -12,6 +12,11 @@ pub const PROMPT_WINDOW: usize = 256;
 
 /// Activation scratch and control buffers.
 pub struct Scratch {
+    /// Decode lanes the per-token buffers hold side by side (1 for an engine's own
+    /// scratch; a batch's sequence slots). With more than one, every GEMV input (and its
+    /// q8 blocks) takes `lane_width` values per lane.
+    pub lanes: usize,
+    pub lane_width: usize,
     pub resid: wgpu::Buffer,
     /// `[z | xBC → u | dt → δ]`, d_in_proj values.
     pub mix: wgpu::Buffer,
@@ -101,14 +106,42 @@ impl Scratch {
         ssd_blocks: usize,
         attn_part: usize,
     ) -> Result<Self> {
-        let f32s = |n: usize| 4 * n.max(1) as u64;
+        Self::with_lanes(ctx, c, ssd_blocks, attn_part, 1)
+    }
+
+    /// Scratch for `lanes` decode lanes side by side (the MoE, prompt and expert-count
+    /// buffers stay single: a batch runs no MoE layer). One lane is an engine's scratch.
+    pub fn with_lanes(
+        ctx: &GpuContext,
+        c: &ModelConfig,
+        ssd_blocks: usize,
+        attn_part: usize,
+        lanes: usize,
+    ) -> Result<Self> {
+        let lanes = lanes.max(1);
         let widest = widest_input(c);
-        let pad = |n: usize| n.next_multiple_of(32);
+        // A lane's GEMV input row: a whole number of 256-value k-quant superblocks, so no
+        // GEMV reads past its lane.
+        let lane_width = if lanes > 1 {
+            widest.next_multiple_of(256)
+        } else {
+            widest
+        };
+        let f32s = |n: usize| 4 * (lanes * n).max(1) as u64;
+        let single = |n: usize| 4 * n.max(1) as u64;
+        let input = |n: usize| if lanes > 1 { lane_width } else { n };
+        let pad = |n: usize| input(n.next_multiple_of(32));
         let qkv = c.attention.as_ref().map_or(0, |a| a.qkv_rows());
         let attn = c.attention.as_ref().map_or(0, |a| pad(a.q_width()));
+        let y = pad(c.d_inner);
         let (up, mlp) = mlp_widths(c);
         let (experts, top_k, expert_up, expert_mid) = c.moe.as_ref().map_or((0, 0, 0, 0), |m| {
-            (m.experts, m.slots(), m.up_rows(), pad(m.intermediate))
+            (
+                m.experts,
+                m.slots(),
+                m.up_rows(),
+                m.intermediate.next_multiple_of(32),
+            )
         });
         let moe_layers = c.count(crate::config::BlockKind::Moe);
         let latent = c
@@ -117,34 +150,36 @@ impl Scratch {
             .and_then(|m| m.latent)
             .map_or(0, |l| l.next_multiple_of(32));
         Ok(Scratch {
+            lanes,
+            lane_width,
             resid: ctx.storage_zeroed("resid", f32s(c.d_model))?,
             mix: ctx.storage_zeroed("mix", f32s(c.d_in_proj()))?,
-            y: ctx.storage_zeroed("y", f32s(pad(c.d_inner)))?,
+            y: ctx.storage_zeroed("y", f32s(y))?,
             part: ctx.storage_zeroed("part", f32s(ssd_blocks))?,
             h: ctx.storage_zeroed("h", f32s(pad(c.d_model)))?,
             v: ctx.storage_zeroed("v", f32s(pad(c.d_inner)))?,
-            xq: ctx.storage_zeroed("xq", f32s(widest / 4))?,
-            xd: ctx.storage_zeroed("xd", f32s(widest / 32))?,
+            xq: ctx.storage_zeroed("xq", f32s(lane_width / 4))?,
+            xd: ctx.storage_zeroed("xd", f32s(lane_width / 32))?,
             out: ctx.storage_zeroed("out", f32s(c.d_model))?,
             qkv: ctx.storage_zeroed("qkv", f32s(qkv))?,
             attn: ctx.storage_zeroed("attn", f32s(attn))?,
             attn_part: ctx.storage_zeroed("attn partials", f32s(attn_part))?,
             mlp_up: ctx.storage_zeroed("mlp up", f32s(up))?,
-            mlp: ctx.storage_zeroed("mlp", f32s(mlp))?,
-            router_logits: ctx.storage_zeroed("router logits", f32s(experts))?,
-            moe_ids: ctx.storage_zeroed("moe ids", f32s(top_k))?,
-            moe_weights: ctx.storage_zeroed("moe weights", f32s(top_k))?,
-            moe_up: ctx.storage_zeroed("moe up", f32s(top_k * expert_up))?,
-            moe_mid: ctx.storage_zeroed("moe mid", f32s(top_k * expert_mid))?,
-            moe_xq: ctx.storage_zeroed("moe xq", f32s(top_k * expert_mid / 4))?,
-            moe_xd: ctx.storage_zeroed("moe xd", f32s(top_k * expert_mid / 32))?,
-            expert_counts: ctx.storage_zeroed("expert counts", f32s(moe_layers * experts))?,
-            latent: ctx.storage_zeroed("moe latent", f32s(latent))?,
-            latent_sum: ctx.storage_zeroed("moe latent sum", f32s(latent))?,
+            mlp: ctx.storage_zeroed("mlp", f32s(if mlp > 0 { input(mlp) } else { 0 }))?,
+            router_logits: ctx.storage_zeroed("router logits", single(experts))?,
+            moe_ids: ctx.storage_zeroed("moe ids", single(top_k))?,
+            moe_weights: ctx.storage_zeroed("moe weights", single(top_k))?,
+            moe_up: ctx.storage_zeroed("moe up", single(top_k * expert_up))?,
+            moe_mid: ctx.storage_zeroed("moe mid", single(top_k * expert_mid))?,
+            moe_xq: ctx.storage_zeroed("moe xq", single(top_k * expert_mid / 4))?,
+            moe_xd: ctx.storage_zeroed("moe xd", single(top_k * expert_mid / 32))?,
+            expert_counts: ctx.storage_zeroed("expert counts", single(moe_layers * experts))?,
+            latent: ctx.storage_zeroed("moe latent", single(latent))?,
+            latent_sum: ctx.storage_zeroed("moe latent sum", single(latent))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
             probs: ctx.storage_zeroed("probs", f32s(c.vocab_size))?,
-            ctrl: ctx.storage_zeroed("ctrl", std::mem::size_of::<Ctrl>() as u64)?,
-            prompt: ctx.storage_zeroed("prompt", f32s(PROMPT_WINDOW))?,
+            ctrl: ctx.storage_zeroed("ctrl", (lanes * std::mem::size_of::<Ctrl>()) as u64)?,
+            prompt: ctx.storage_zeroed("prompt", single(PROMPT_WINDOW))?,
         })
     }
 

@@ -2,8 +2,9 @@
 //! SSM `[H][P][N]` state (f32), an attention layer's K and V caches `[ctx][Hkv][hd]`
 //! (f16 by default, f32 on request) sized at load for `ctx` tokens. It reads and writes
 //! itself as `state::State` (the CPU reference's form), and snapshots on the device copy the
-//! fixed part plus the KV prefix in use. One sequence today; the layout is per sequence so
-//! slots can sit side by side.
+//! fixed part plus the KV prefix in use. An engine's store holds one sequence; a batch's
+//! holds `slots` side by side in the same buffers (slot s at s times one sequence's size),
+//! which the batched decode kernels index by lane.
 
 use crate::config::{BlockKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -65,6 +66,8 @@ pub struct DeviceState {
     pub kv: KvFormat,
     /// Values of one cached row, `Hkv·hd`.
     kv_width: usize,
+    /// Sequences held side by side in every buffer (1 but in a batch's store).
+    pub slots: usize,
 }
 
 /// A copy of a sequence's state kept on the device: the buffers in use, and the length.
@@ -76,23 +79,60 @@ pub struct DeviceSnapshot {
 impl DeviceState {
     /// Zeroed state for `c` with KV caches of `ctx` rows.
     pub fn new(gpu: &GpuContext, c: &ModelConfig, ctx: usize, kv: KvFormat) -> Result<Self> {
-        let f32s = |n: usize| 4 * n as u64;
+        Self::with_slots(gpu, c, ctx, kv, 1)
+    }
+
+    /// Zeroed state of `slots` sequences side by side (slot s's part of each buffer starts
+    /// at s times one sequence's size): the store a batch decodes from. Fails, naming the
+    /// sizes, when a buffer would exceed what the adapter binds.
+    pub fn with_slots(
+        gpu: &GpuContext,
+        c: &ModelConfig,
+        ctx: usize,
+        kv: KvFormat,
+        slots: usize,
+    ) -> Result<Self> {
+        let slots = slots.max(1);
+        let max = gpu.limits.max_storage_buffer_binding_size;
+        let f32s = |n: usize| -> Result<u64> {
+            let b = (4 * n as u64)
+                .checked_mul(slots as u64)
+                .filter(|&b| slots == 1 || b <= max)
+                .ok_or_else(|| {
+                    Error::InvalidInput(format!(
+                        "{slots} sequence slots of {} MiB state per layer exceed the {} MiB \
+                         the adapter binds per buffer: use fewer slots",
+                        (4 * n) >> 20,
+                        max >> 20
+                    ))
+                })?;
+            Ok(b)
+        };
         let kv_width = c.attention.as_ref().map_or(0, |a| a.kv_width());
         let kv_bytes = (ctx as u64)
             .checked_mul((kv_width * kv.bytes()) as u64)
             .ok_or_else(|| Error::InvalidInput(format!("a {ctx}-token KV cache overflows")))?
             .next_multiple_of(4);
+        if slots > 1 && kv_bytes.saturating_mul(slots as u64) > max {
+            return Err(Error::InvalidInput(format!(
+                "{slots} sequence slots of a {ctx}-token KV cache ({} MiB each) exceed the {} \
+                         MiB the adapter binds per buffer: use fewer slots or a smaller --ctx",
+                kv_bytes >> 20,
+                max >> 20
+            )));
+        }
+        let kv_bytes = kv_bytes * slots as u64;
         let mut layers = Vec::with_capacity(c.n_layer);
         for (i, kind) in c.blocks.iter().enumerate() {
             layers.push(match kind {
                 BlockKind::Mamba2 => DeviceLayerState::Mamba2 {
                     conv: gpu.storage_zeroed(
                         &format!("layers.{i}.conv_state"),
-                        f32s(c.conv_state_len()),
+                        f32s(c.conv_state_len())?,
                     )?,
                     ssm: gpu.storage_zeroed(
                         &format!("layers.{i}.ssm_state"),
-                        f32s(c.ssm_state_len()),
+                        f32s(c.ssm_state_len())?,
                     )?,
                 },
                 BlockKind::Attention => DeviceLayerState::Attention {
@@ -107,6 +147,7 @@ impl DeviceState {
             ctx,
             kv,
             kv_width,
+            slots,
         })
     }
 
@@ -323,6 +364,65 @@ impl DeviceState {
         gpu.queue.submit([enc.finish()]);
         gpu.check()?;
         Ok(DeviceSnapshot { buffers, len })
+    }
+
+    /// Bytes of one slot's part of a layer's pair (the whole of a Mamba2 layer's, the
+    /// full KV capacity).
+    fn slot_bytes(&self, layer: &DeviceLayerState) -> (u64, u64) {
+        match layer {
+            DeviceLayerState::Mamba2 { conv, ssm } => (
+                conv.size() / self.slots as u64,
+                ssm.size() / self.slots as u64,
+            ),
+            DeviceLayerState::Attention { k, .. } => {
+                let b = k.size() / self.slots as u64;
+                (b, b)
+            }
+            DeviceLayerState::Stateless => (0, 0),
+        }
+    }
+
+    /// Records copies of a `len`-token sequence between `one` (a one-sequence store of the
+    /// same model and context) and slot `slot` of this store: into the slot with `into`,
+    /// out of it otherwise. Copies the fixed part and the KV rows in use.
+    pub fn copy_slot(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        one: &DeviceState,
+        slot: usize,
+        len: usize,
+        into: bool,
+    ) -> Result<()> {
+        if slot >= self.slots
+            || one.slots != 1
+            || one.layers.len() != self.layers.len()
+            || one.ctx != self.ctx
+            || one.kv != self.kv
+        {
+            return Err(Error::Gpu(format!(
+                "slot {slot} of {}: the stores do not match",
+                self.slots
+            )));
+        }
+        for (mine, theirs) in self.layers.iter().zip(&one.layers) {
+            let (Some((a, b)), Some((oa, ob))) = (pair(mine), pair(theirs)) else {
+                continue;
+            };
+            let (sa, sb) = self.slot_bytes(mine);
+            let (ua, ub) = one.in_use(theirs, len);
+            for (buf, other, stride, used) in [(a, oa, sa, ua), (b, ob, sb, ub)] {
+                if used == 0 {
+                    continue;
+                }
+                let at = slot as u64 * stride;
+                if into {
+                    enc.copy_buffer_to_buffer(other, 0, buf, at, Some(used));
+                } else {
+                    enc.copy_buffer_to_buffer(buf, at, other, 0, Some(used));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Puts a snapshot of this state back.

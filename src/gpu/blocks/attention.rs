@@ -65,12 +65,16 @@ pub fn decode(
     let (k, s) = (b.k, b.s);
     let ac = layer_consts(b)?;
     let q8 = b.q8();
-    let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
+    let gemv_in = |src, dst| GemvBuffers {
+        lanes: b.lanes,
+        ..GemvBuffers::plain(src, q8, dst)
+    };
     let bufs = AttnBuffers {
         qkv: &s.qkv,
         k_cache,
         v_cache,
         ctrl: &s.ctrl,
+        lanes: b.lanes,
     };
     Ok(vec![
         attn_section(gemv::gemv(
@@ -83,7 +87,16 @@ pub fn decode(
         )?),
         kv_store(k, "kv_store", ac, None, &bufs)?,
         attention_decode(k, "attention", ac, &bufs, &s.attn_part)?,
-        attention_combine(k, "combine", ac, &s.attn_part, &s.ctrl, &s.attn, q8)?,
+        attention_combine(
+            k,
+            "combine",
+            ac,
+            b.lanes,
+            &s.attn_part,
+            &s.ctrl,
+            &s.attn,
+            q8,
+        )?,
         attn_section(gemv::gemv(
             k,
             "o_proj+residual",
@@ -112,6 +125,7 @@ pub fn prefill(
         k_cache,
         v_cache,
         ctrl: &s.ctrl,
+        lanes: crate::gpu::kernels::Lanes::ONE,
     };
     let mut d: Vec<Dispatch> = projection(
         k,

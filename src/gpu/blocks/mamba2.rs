@@ -93,7 +93,10 @@ pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>
     let eps = c.norm_eps;
     let ssd = ssd_consts(c, b.layout);
     let q8 = b.q8();
-    let gemv_in = |src| GemvBuffers::plain(src, q8, &s.mix);
+    let gemv_in = |src| GemvBuffers {
+        lanes: b.lanes,
+        ..GemvBuffers::plain(src, q8, &s.mix)
+    };
     let mut d = Vec::new();
     if fused {
         d.push(gemv::gemv(
@@ -121,6 +124,7 @@ pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>
                 part: Some(&s.part),
                 q8,
                 ctrl: &s.ctrl,
+                lanes: b.lanes,
             },
         )?);
         d.push(gemv::gemv(
@@ -171,6 +175,7 @@ pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>
             part: None,
             q8: None,
             ctrl: &s.ctrl,
+            lanes: b.lanes,
         },
     )?);
     d.push(gated_norm::gated_norm(

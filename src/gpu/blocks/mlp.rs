@@ -8,7 +8,7 @@ use crate::config::MlpConfig;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
-use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act};
+use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act, mlp_act_rows};
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
 use crate::gpu::weights::DeviceMatrix;
@@ -37,7 +37,16 @@ pub fn decode(
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let q8 = b.q8();
-    let gemv_in = |src, dst| GemvBuffers::plain(src, q8, dst);
+    let gemv_in = |src, dst| GemvBuffers {
+        lanes: b.lanes,
+        ..GemvBuffers::plain(src, q8, dst)
+    };
+    // A batch's lanes: one activation row per lane, rows one GEMV input apart.
+    let rows = if b.lanes.cap > 1 {
+        b.s.lane_width
+    } else {
+        m.intermediate.next_multiple_of(32)
+    };
     Ok(vec![
         mlp_section(gemv::gemv(
             k,
@@ -47,13 +56,14 @@ pub fn decode(
             GemvOutput::Store,
             gemv_in(&s.h, &s.mlp_up),
         )?),
-        mlp_act(
+        mlp_act_rows(
             k,
             "act",
             m.act,
             m.intermediate,
             up.rows,
-            1,
+            b.lanes.n,
+            rows,
             ActBuffers {
                 src: &s.mlp_up,
                 dst: &s.mlp,

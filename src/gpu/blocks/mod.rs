@@ -18,7 +18,7 @@ use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::MlpBias;
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
-use crate::gpu::kernels::{Dispatch, Kernels, advance, argmax, embed, sample};
+use crate::gpu::kernels::{Dispatch, Kernels, Lanes, advance, argmax, embed, sample};
 use crate::gpu::prefill::Prefill;
 use crate::gpu::scratch::Scratch;
 use crate::gpu::state_store::{DeviceLayerState, DeviceState};
@@ -33,6 +33,8 @@ pub struct BlockCtx<'a> {
     pub layout: &'a ParamLayout,
     pub s: &'a Scratch,
     pub state: &'a DeviceState,
+    /// Decode lanes (a batch's; `Lanes::ONE` for an engine's graphs and prefill).
+    pub lanes: Lanes,
 }
 
 impl BlockCtx<'_> {
@@ -44,11 +46,23 @@ impl BlockCtx<'_> {
 }
 
 /// The decode graph of one token: `fused` picks the Mamba2 recipe (shapes the fused
-/// kernels cannot take run the unfused one), `tail` what ends it.
+/// kernels cannot take run the unfused one), `tail` what ends it. Over several lanes (a
+/// batch): fused Mamba2, attention and MLP blocks only, and the sampler tails.
 pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) -> Result<Graph> {
     let (k, c, s) = (b.k, b.c, b.s);
+    let batch = b.lanes.cap > 1;
+    if batch && !matches!(tail, Tail::Greedy | Tail::Sample | Tail::Mixed) {
+        return Err(crate::Error::Gpu(format!("a batch has no {tail:?} tail")));
+    }
     let scale = c.scales.embedding as f32;
-    let mut d = vec![embed::embed(k, &w.embedding, scale, &s.ctrl, &s.resid)?];
+    let mut d = vec![embed::embed(
+        k,
+        &w.embedding,
+        scale,
+        b.lanes,
+        &s.ctrl,
+        &s.resid,
+    )?];
     let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
         let mut ds = vec![pre_norm(
@@ -60,7 +74,17 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
                 let l = mamba2::MambaLayer::new(in_proj, out_proj, &layer.params, conv, ssm);
-                mamba2::decode(b, &l, fused && mamba2::fusable(c, b.format))?
+                let fuse = fused && mamba2::fusable(c, b.format);
+                if batch && !fuse {
+                    return Err(crate::Error::Gpu(format!(
+                        "batched decode needs the fused Mamba2 graph: groups of {} channels \
+                         do not split into the {} the {} GEMV scales at once",
+                        c.group_size(),
+                        gemv::group_unit(b.format),
+                        b.format.name()
+                    )));
+                }
+                mamba2::decode(b, &l, fuse)?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
                 attention::decode(b, qkv, o, kc, vc)?
@@ -72,6 +96,11 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 down,
                 mlp_bias(b, &layer.params, *bias, &b.s.resid),
             )?,
+            (DeviceMixer::Moe(_), DeviceLayerState::Stateless) if batch => {
+                return Err(crate::Error::Gpu(
+                    "batched decode does not run mixture-of-experts layers yet".into(),
+                ));
+            }
             (DeviceMixer::Moe(m), DeviceLayerState::Stateless) => {
                 moe_index += 1;
                 moe::decode(b, m, &layer.params, moe_index - 1)?
@@ -81,13 +110,13 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
         d.extend(ds.into_iter().map(|x| x.at(i, layer.kind)));
     }
     if tail != Tail::Feed {
-        d.push(rmsnorm::rmsnorm(
+        d.push(rmsnorm::rmsnorm_lanes(
             k,
             "final_norm",
             c.d_model,
             c.norm_eps,
             0,
-            1,
+            b.lanes,
             NormBuffers {
                 src: &s.resid,
                 params: &w.final_params,
@@ -101,14 +130,25 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
             w.head(),
             GemvInput::Plain,
             GemvOutput::Store,
-            GemvBuffers::plain(&s.h, b.q8(), &s.logits),
+            GemvBuffers {
+                lanes: b.lanes,
+                ..GemvBuffers::plain(&s.h, b.q8(), &s.logits)
+            },
         )?);
     }
-    d.push(match tail {
-        Tail::Greedy => argmax::argmax(k, c.vocab_size, &s.logits, &s.ctrl)?,
-        Tail::Sample => sample::sample(k, c.vocab_size, &s.logits, &s.ctrl, &s.probs)?,
-        Tail::Feed | Tail::FeedLogits => advance::advance(k, &s.prompt, &s.ctrl)?,
-    });
+    let v = c.vocab_size;
+    let mixed = tail == Tail::Mixed;
+    if matches!(tail, Tail::Greedy | Tail::Mixed) {
+        d.push(argmax::argmax(k, v, b.lanes, mixed, &s.logits, &s.ctrl)?);
+    }
+    if matches!(tail, Tail::Sample | Tail::Mixed) {
+        d.push(sample::sample(
+            k, v, b.lanes, mixed, &s.logits, &s.ctrl, &s.probs,
+        )?);
+    }
+    if matches!(tail, Tail::Feed | Tail::FeedLogits) {
+        d.push(advance::advance(k, &s.prompt, &s.ctrl)?);
+    }
     Ok(Graph { dispatches: d })
 }
 
@@ -226,13 +266,13 @@ fn pre_norm(
 ) -> Result<Dispatch> {
     let c = b.c;
     Ok(match prefill {
-        None => rmsnorm::rmsnorm(
+        None => rmsnorm::rmsnorm_lanes(
             b.k,
             "norm",
             c.d_model,
             c.norm_eps,
             offset,
-            1,
+            b.lanes,
             NormBuffers {
                 src: &b.s.resid,
                 params,

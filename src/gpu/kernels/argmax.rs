@@ -10,20 +10,26 @@ const SOURCES: super::Sources = &[
     include_str!("../../../shaders/argmax.wgsl"),
 ];
 
+/// Greedy choice for `lanes` lanes (`logits [lanes][V]`, one control block each); with
+/// `mixed`, only the lanes whose temperature is ≤ 0 (`sample` serves the others).
 pub fn argmax(
     k: &Kernels,
     vocab: usize,
+    lanes: super::Lanes,
+    mixed: bool,
     logits: &wgpu::Buffer,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    check_len("argmax: logits", logits, vocab)?;
+    check_len("argmax: logits", logits, lanes.cap * vocab)?;
+    check_len("argmax: ctrl", ctrl, lanes.cap * super::CTRL_WORDS)?;
     let wg = k.max_workgroup();
     let consts = [("WG", Const::U32(wg)), ("V", Const::U32(vocab as u32))];
-    let pipeline = k.pipeline("argmax", SOURCES, &consts, &[], false)?;
+    let flags: &[&str] = if mixed { &["ONLY_GREEDY"] } else { &[] };
+    let pipeline = k.pipeline("argmax", SOURCES, &consts, flags, false)?;
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, "argmax", &[(0, logits), (1, ctrl)]),
         pipeline,
-        workgroups: (1, 1, 1),
+        workgroups: (lanes.n as u32, 1, 1),
         name: "argmax".into(),
         per_token: None,
         section: Section::Other,

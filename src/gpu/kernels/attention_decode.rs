@@ -57,10 +57,19 @@ pub fn attention_decode(
 ) -> Result<Dispatch> {
     c.check(name)?;
     c.check_buffers(name, b, 1, c.dims.q_len())?;
-    check_len(&format!("{name}: partials"), part, decode_partials_len(&c))?;
+    let lanes = b.lanes;
+    check_len(
+        &format!("{name}: partials"),
+        part,
+        lanes.cap * decode_partials_len(&c),
+    )?;
     let tile = c.tile(false);
     let mut consts = c.tile_consts(name, tile)?;
     consts.extend(segment_consts(&c));
+    consts.extend([
+        AttnConsts::lane_consts(b),
+        ("PART_LS", Const::U32(super::lane_stride(part, lanes))),
+    ]);
     let nseg = decode_segments(&c);
     if nseg > 65535 {
         return Err(Error::Gpu(format!("{name}: {nseg} segments")));
@@ -69,7 +78,11 @@ pub fn attention_decode(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &b.tile_entries(part)),
         pipeline,
-        workgroups: (nseg as u32, (c.dims.kv_heads * tile.chunks) as u32, 1),
+        workgroups: (
+            nseg as u32,
+            (c.dims.kv_heads * tile.chunks) as u32,
+            lanes.n as u32,
+        ),
         name: name.to_string(),
         per_token: None,
         section: Section::Attn,

@@ -44,6 +44,9 @@ pub struct AttnBuffers<'a> {
     pub k_cache: &'a wgpu::Buffer,
     pub v_cache: &'a wgpu::Buffer,
     pub ctrl: &'a wgpu::Buffer,
+    /// Decode lanes side by side (1: one sequence): `qkv` rows per lane, a cache slot of
+    /// `ctx` rows and a control block each.
+    pub lanes: super::Lanes,
 }
 
 impl<'a> AttnBuffers<'a> {
@@ -130,14 +133,30 @@ impl AttnConsts {
         tokens: usize,
         row: usize,
     ) -> Result<()> {
+        let cap = b.lanes.cap;
         check_len(
             &format!("{name}: qkv"),
             b.qkv,
-            (tokens - 1) * self.qkv_stride + row,
+            (cap - 1) * super::lane_stride(b.qkv, b.lanes) as usize
+                + (tokens - 1) * self.qkv_stride
+                + row,
         )?;
-        check_len(&format!("{name}: k cache"), b.k_cache, self.cache_words())?;
-        check_len(&format!("{name}: v cache"), b.v_cache, self.cache_words())?;
-        check_len(&format!("{name}: ctrl"), b.ctrl, 16)
+        check_len(
+            &format!("{name}: k cache"),
+            b.k_cache,
+            cap * self.cache_words(),
+        )?;
+        check_len(
+            &format!("{name}: v cache"),
+            b.v_cache,
+            cap * self.cache_words(),
+        )?;
+        check_len(&format!("{name}: ctrl"), b.ctrl, cap * super::CTRL_WORDS)
+    }
+
+    /// The lane stride of `qkv` (a constant of the decode kernels).
+    pub(super) fn lane_consts(b: &AttnBuffers) -> (&'static str, Const) {
+        ("QKV_LS", Const::U32(super::lane_stride(b.qkv, b.lanes)))
     }
 
     /// The tiling of `attn_tile.wgsl`: `prefill` gives a workgroup several tokens, decode one.

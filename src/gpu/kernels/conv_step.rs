@@ -30,6 +30,7 @@ pub fn conv_step(
     let wg = 64u32;
     let mut consts = vec![("WG", Const::U32(wg))];
     consts.extend(mc.consts());
+    consts.extend([("MIX_LS", Const::U32(0)), ("CONV_LS", Const::U32(0))]);
     let pipeline = k.pipeline("conv_step", SOURCES, &consts, &["MIXER_ROW"], false)?;
     Ok(Dispatch {
         bind_group: k.bind(

@@ -1,4 +1,5 @@
-//! `embed.wgsl`: `resid [D] = embedding [V, D] row ctrl.token` (decode), or for a prefill
+//! `embed.wgsl`: `resid [L][D]` = the embedding [V, D] rows of each lane's `ctrl[l].token`
+//! (decode over L lanes), or for a prefill
 //! block `resid [T][D]` = the rows of `prompt [T]`; any weight format; times a scale.
 
 use super::{Dispatch, Kernels, Label, Section, check_len};
@@ -18,6 +19,7 @@ fn dispatch(
     scale: f32,
     name: &str,
     tokens: usize,
+    lanes: usize,
     entries: &[(u32, &wgpu::Buffer)],
 ) -> Result<Dispatch> {
     let consts = [
@@ -37,7 +39,11 @@ fn dispatch(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &all),
         pipeline,
-        workgroups: ((table.cols as u32).div_ceil(WG), tokens as u32, 1),
+        workgroups: (
+            (table.cols as u32).div_ceil(WG),
+            tokens as u32,
+            lanes as u32,
+        ),
         name: name.into(),
         per_token: None,
         section: Section::Other,
@@ -45,16 +51,26 @@ fn dispatch(
     })
 }
 
-/// The decode embed: the row of `ctrl.token`, times `scale`.
+/// The decode embed of `lanes` lanes: lane l's row of `ctrl[l].token`, times `scale`.
 pub fn embed(
     k: &Kernels,
     table: &DeviceMatrix,
     scale: f32,
+    lanes: super::Lanes,
     ctrl: &wgpu::Buffer,
     resid: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    check_len("embed: resid", resid, table.cols)?;
-    dispatch(k, table, scale, "embed", 1, &[(2, ctrl), (3, resid)])
+    check_len("embed: resid", resid, lanes.cap * table.cols)?;
+    check_len("embed: ctrl", ctrl, lanes.cap * super::CTRL_WORDS)?;
+    dispatch(
+        k,
+        table,
+        scale,
+        "embed",
+        1,
+        lanes.n,
+        &[(2, ctrl), (3, resid)],
+    )
 }
 
 /// The prefill embed of a block of up to `max_tokens` tokens (`ctrl.prompt_len` of them).
@@ -76,6 +92,7 @@ pub fn embed_prompt(
         scale,
         "prefill_embed",
         max_tokens.max(2),
+        1,
         &[(2, ctrl), (3, resid), (4, prompt)],
     )?
     .per_token(1, 1, 1))

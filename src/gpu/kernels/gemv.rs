@@ -3,7 +3,10 @@
 //! (residual add, conv + dt). Shapes: f32 input `src [KP]` (zero past K) for f32/f16/bf16
 //! weights, q8 blocks `xq [KP/4]`, `xd [KP/32]` for the quantized formats (q8_0, q4_0,
 //! q4_k, q5_k, q6_k: integer dot products of their quants with the q8 values); `dst [M]`;
-//! `part [G·blocks_per_group]` per-block Σv².
+//! `part [G·blocks_per_group]` per-block Σv². Over `lanes` lanes (batched decode) each
+//! buffer holds the lanes' rows side by side (strides from the buffer sizes; the inputs'
+//! a multiple of 256 values) and one dispatch reads each weight once for up to
+//! `MAX_LANES` of them.
 
 use super::{Dispatch, Kernels, Label, Section, check_len, finite, grid};
 use crate::error::{Error, Result};
@@ -19,6 +22,16 @@ const SOURCES: super::Sources = &[
 
 /// Threads per workgroup.
 pub const WG: u32 = 256;
+
+/// The most lanes one workgroup sums at once (more lanes take more workgroup rows of z,
+/// each reading the weights again).
+pub const MAX_LANES: usize = 16;
+
+/// The lanes one workgroup sums for `lanes` lanes and `groups` norm groups (their rstd of
+/// every lane sits in workgroup memory: at most 2048 values).
+pub fn lanes_per_group(lanes: usize, groups: usize) -> usize {
+    lanes.clamp(1, MAX_LANES).min((2048 / groups.max(1)).max(1))
+}
 
 /// What the GEMV's input vector is.
 #[derive(Clone, Copy, Debug)]
@@ -87,6 +100,8 @@ pub struct GemvBuffers<'a> {
     pub params: Option<&'a wgpu::Buffer>,
     pub conv_state: Option<&'a wgpu::Buffer>,
     pub ctrl: Option<&'a wgpu::Buffer>,
+    /// Lanes side by side in every buffer (`Lanes::ONE`: one token).
+    pub lanes: super::Lanes,
 }
 
 impl<'a> GemvBuffers<'a> {
@@ -104,6 +119,7 @@ impl<'a> GemvBuffers<'a> {
             params: None,
             conv_state: None,
             ctrl: None,
+            lanes: super::Lanes::ONE,
         }
     }
 }
@@ -153,7 +169,25 @@ pub fn gemv(
 ) -> Result<Dispatch> {
     let missing = |what: &str| Error::Gpu(format!("{name}: no {what} buffer given"));
     let m = w.rows;
-    check_len(&format!("{name}: dst"), b.dst, m)?;
+    let lanes = b.lanes;
+    let (n, cap) = (lanes.n, lanes.cap);
+    check_len(&format!("{name}: dst"), b.dst, cap * m)?;
+    let groups = match input {
+        GemvInput::Group { groups, .. } => groups,
+        GemvInput::Plain => 1,
+    };
+    let nl = lanes_per_group(n, groups);
+    // A lane's input row: the whole of a one-lane buffer, a multiple of 256 values else.
+    let x_ls = match (w.format.reads_q8(), b.q8) {
+        (true, Some((_, xd))) => 32 * super::lane_stride(xd, lanes),
+        _ => super::lane_stride(b.src, lanes),
+    };
+    if cap > 1 && ((x_ls as usize) < w.kp || !x_ls.is_multiple_of(256)) {
+        return Err(Error::Gpu(format!(
+            "{name}: lane input stride {x_ls} is not a multiple of 256 values of at least {}",
+            w.kp
+        )));
+    }
     let team = team_size(m, w.kp / vector_width(w.format));
     let rows_per_wg = WG / team;
     let u = |v: usize| Const::U32(v as u32);
@@ -163,6 +197,10 @@ pub fn gemv(
         ("R", Const::U32(rows_per_wg)),
         ("M", u(m)),
         ("KP", u(w.kp)),
+        ("NL", u(nl)),
+        ("LANES", u(n)),
+        ("X_LS", Const::U32(x_ls)),
+        ("DST_LS", Const::U32(super::lane_stride(b.dst, lanes))),
     ];
     consts.extend(team_consts);
     let mut flags = w.flags();
@@ -170,12 +208,24 @@ pub fn gemv(
     let mut entries = w.bindings();
     if w.format.reads_q8() {
         let (q, d) = b.q8.ok_or_else(|| missing("q8 activation"))?;
-        check_len(&format!("{name}: xq"), q, w.kp / 4)?;
-        check_len(&format!("{name}: xd"), d, w.kp / 32)?;
+        check_len(
+            &format!("{name}: xq"),
+            q,
+            (cap - 1) * x_ls as usize / 4 + w.kp / 4,
+        )?;
+        check_len(
+            &format!("{name}: xd"),
+            d,
+            (cap - 1) * x_ls as usize / 32 + w.kp / 32,
+        )?;
         entries.extend([(3, q), (4, d)]);
         flags.push("X_Q8");
     } else {
-        check_len(&format!("{name}: src"), b.src, w.kp)?;
+        check_len(
+            &format!("{name}: src"),
+            b.src,
+            (cap - 1) * x_ls as usize + w.kp,
+        )?;
         entries.push((2, b.src));
     }
     if let GemvInput::Group {
@@ -192,7 +242,11 @@ pub fn gemv(
             )));
         }
         let part = b.part.ok_or_else(|| missing("part"))?;
-        check_len(&format!("{name}: part"), part, groups * blocks_per_group)?;
+        check_len(
+            &format!("{name}: part"),
+            part,
+            cap * groups * blocks_per_group,
+        )?;
         if groups == 0 || groups > WG as usize {
             return Err(Error::Gpu(format!(
                 "{name}: {groups} groups (1…{WG} fit a workgroup's norm prologue)"
@@ -214,6 +268,7 @@ pub fn gemv(
             ("GS", u(group_size)),
             ("BPG", u(blocks_per_group)),
             ("EPS", Const::F32(eps as f32)),
+            ("PART_LS", Const::U32(super::lane_stride(part, lanes))),
         ]);
         entries.push((9, part));
     }
@@ -224,8 +279,15 @@ pub fn gemv(
         GemvOutput::Mixer(mc) => {
             flags.extend(["O_MIXER", "MIXER_ROW"]);
             consts.extend(mc.consts());
-            entries.push((6, b.conv_state.ok_or_else(|| missing("conv state"))?));
-            entries.push((7, b.ctrl.ok_or_else(|| missing("ctrl"))?));
+            let conv = b.conv_state.ok_or_else(|| missing("conv state"))?;
+            let ctrl = b.ctrl.ok_or_else(|| missing("ctrl"))?;
+            check_len(&format!("{name}: ctrl"), ctrl, cap * super::CTRL_WORDS)?;
+            consts.extend([
+                ("MIX_LS", Const::U32(super::lane_stride(b.dst, lanes))),
+                ("CONV_LS", Const::U32(super::lane_stride(conv, lanes))),
+            ]);
+            entries.push((6, conv));
+            entries.push((7, ctrl));
             entries.push((8, b.params.ok_or_else(|| missing("params"))?));
         }
     }
@@ -234,7 +296,10 @@ pub fn gemv(
     Ok(Dispatch {
         pipeline,
         bind_group,
-        workgroups: grid((m as u32).div_ceil(rows_per_wg)),
+        workgroups: {
+            let (x, y, _) = grid((m as u32).div_ceil(rows_per_wg));
+            (x, y, n.div_ceil(nl) as u32)
+        },
         name: name.to_string(),
         per_token: None,
         section: Section::Matmul,

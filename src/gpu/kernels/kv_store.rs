@@ -23,6 +23,7 @@ pub fn kv_store(
     let d = c.dims;
     c.check_buffers(name, b, tokens, (d.heads + 2 * d.kv_heads) * d.head_dim)?;
     let mut consts = c.consts();
+    consts.push(AttnConsts::lane_consts(b));
     let mut flags = c.flags();
     let mut items = d.kv_len(); // k and v words: Hkv·hd/2 each
     if let Some(theta) = c.rope {
@@ -41,7 +42,7 @@ pub fn kv_store(
             &[(0, b.qkv), (1, b.k_cache), (2, b.v_cache), (3, b.ctrl)],
         ),
         pipeline,
-        workgroups: (items.div_ceil(64) as u32, tokens as u32, 1),
+        workgroups: (items.div_ceil(64) as u32, tokens as u32, b.lanes.n as u32),
         name: name.to_string(),
         per_token: None,
         section: Section::Attn,

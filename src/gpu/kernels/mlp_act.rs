@@ -32,6 +32,7 @@ pub struct MlpBias<'a> {
 
 /// The activation of `tokens` rows of width `intermediate`.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)]
 pub fn mlp_act(
     k: &Kernels,
     name: &str,
@@ -43,6 +44,29 @@ pub fn mlp_act(
     bias: Option<MlpBias>,
 ) -> Result<Dispatch> {
     let kp = intermediate.next_multiple_of(32);
+    mlp_act_rows(k, name, act, intermediate, src_stride, tokens, kp, b, bias)
+}
+
+/// `mlp_act` with `dst` rows (and their q8 blocks) `dst_stride` values apart: a batch of
+/// decode lanes, whose GEMV inputs share one stride.
+#[allow(clippy::too_many_arguments)]
+pub fn mlp_act_rows(
+    k: &Kernels,
+    name: &str,
+    act: MlpAct,
+    intermediate: usize,
+    src_stride: usize,
+    tokens: usize,
+    dst_stride: usize,
+    b: ActBuffers,
+    bias: Option<MlpBias>,
+) -> Result<Dispatch> {
+    let kp = intermediate.next_multiple_of(32);
+    if dst_stride < kp || !dst_stride.is_multiple_of(32) {
+        return Err(Error::Gpu(format!(
+            "{name}: dst rows {dst_stride} apart cannot hold {kp} values in q8 blocks"
+        )));
+    }
     let need = match act {
         MlpAct::Relu2 => intermediate,
         MlpAct::SiluGated => 2 * intermediate,
@@ -57,11 +81,16 @@ pub fn mlp_act(
         b.src,
         (tokens - 1) * src_stride + need,
     )?;
-    check_len(&format!("{name}: dst"), b.dst, tokens * kp)?;
+    check_len(
+        &format!("{name}: dst"),
+        b.dst,
+        (tokens - 1) * dst_stride + kp,
+    )?;
     let mut consts = vec![
         ("WG", Const::U32(CHUNK as u32)),
         ("NB", Const::U32(kp as u32 / 32)),
         ("KP", Const::U32(kp as u32)),
+        ("DS", Const::U32(dst_stride as u32)),
         ("RV", Const::U32(1)),
         ("I", Const::U32(intermediate as u32)),
         ("SS", Const::U32(src_stride as u32)),

@@ -287,3 +287,38 @@ pub fn pow2_clamp(n: usize, lo: u32, hi: u32) -> u32 {
 pub fn finite(x: f64) -> Const {
     Const::F32(x.clamp(-3.4e38, 3.4e38) as f32)
 }
+
+/// 32-bit words of one lane's control block (`Ctrl`).
+pub const CTRL_WORDS: usize = std::mem::size_of::<crate::gpu::graph::Ctrl>() / 4;
+
+/// Decode lanes: `n` dispatched (lanes 0…n−1) over buffers that hold `cap` lanes' rows
+/// side by side (the batch's sequence slots).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lanes {
+    pub n: usize,
+    pub cap: usize,
+}
+
+impl Lanes {
+    /// One sequence.
+    pub const ONE: Lanes = Lanes { n: 1, cap: 1 };
+
+    /// `n` of `cap` lanes (n at least 1, at most cap).
+    pub fn new(n: usize, cap: usize) -> Lanes {
+        let cap = cap.max(1);
+        Lanes {
+            n: n.clamp(1, cap),
+            cap,
+        }
+    }
+}
+
+/// The per-lane stride, in 32-bit words, of a buffer holding `lanes.cap` equal lane rows
+/// side by side (0 for one lane: lane 0 starts at 0 whatever the buffer's size).
+pub fn lane_stride(buffer: &wgpu::Buffer, lanes: Lanes) -> u32 {
+    if lanes.cap <= 1 {
+        0
+    } else {
+        (buffer.size() / 4 / lanes.cap as u64) as u32
+    }
+}

@@ -28,7 +28,47 @@ pub fn rmsnorm(
     tokens: usize,
     b: NormBuffers,
 ) -> Result<Dispatch> {
-    let kp = d.next_multiple_of(32);
+    rows(k, name, d, eps, nw_off, tokens, d.next_multiple_of(32), b)
+}
+
+/// The decode norm of `lanes` lanes: `src [L][D]`, `dst [L][W]` and the q8 blocks
+/// `xq [L][W/4]`, `xd [L][W/32]` with W the lane stride of `dst` (the one every GEMV input
+/// of a batch shares).
+pub fn rmsnorm_lanes(
+    k: &Kernels,
+    name: &str,
+    d: usize,
+    eps: f64,
+    nw_off: usize,
+    lanes: super::Lanes,
+    b: NormBuffers,
+) -> Result<Dispatch> {
+    if lanes.cap <= 1 {
+        return rmsnorm(k, name, d, eps, nw_off, 1, b);
+    }
+    let w = super::lane_stride(b.dst, lanes) as usize;
+    if let Some((q, s)) = b.q8
+        && (4 * super::lane_stride(q, lanes) as usize != w
+            || 32 * super::lane_stride(s, lanes) as usize != w)
+    {
+        return Err(crate::error::Error::Gpu(format!(
+            "{name}: the q8 blocks' lane strides do not match the output's {w} values"
+        )));
+    }
+    rows(k, name, d, eps, nw_off, lanes.n, w, b)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rows(
+    k: &Kernels,
+    name: &str,
+    d: usize,
+    eps: f64,
+    nw_off: usize,
+    tokens: usize,
+    kp: usize,
+    b: NormBuffers,
+) -> Result<Dispatch> {
     check_len(&format!("{name}: src"), b.src, tokens * d)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d)?;
     check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d)?;

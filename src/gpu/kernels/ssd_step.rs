@@ -1,6 +1,8 @@
 //! `ssd_step.wgsl`: one token's selective state update and output, over blocks of CB
 //! consecutive channels. Shapes: `mix [d_in_proj]` = [z | x B C | δ], `state [H][P][N]`,
 //! `y [H·P]`; gated: `part [d_inner/CB]`, and with q8 `xq [d_inner/4]`, `xd [d_inner/32]`.
+//! Over `lanes` lanes every buffer holds the lanes' rows side by side (strides from the
+//! buffer sizes; the state one slot per lane) and workgroup row y is the lane.
 
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
@@ -49,20 +51,26 @@ pub struct SsdBuffers<'a> {
     pub part: Option<&'a wgpu::Buffer>,
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub ctrl: &'a wgpu::Buffer,
+    /// Lanes side by side (`Lanes::ONE`: one token).
+    pub lanes: super::Lanes,
 }
 
 pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<Dispatch> {
+    let lanes = b.lanes;
+    let cap = lanes.cap;
+    let ls = |buf: &wgpu::Buffer| Const::U32(super::lane_stride(buf, lanes));
     check_len(
         &format!("{name}: mix"),
         b.mix,
-        c.d_inner + c.conv_dim + c.heads,
+        cap * (c.d_inner + c.conv_dim + c.heads),
     )?;
     check_len(
         &format!("{name}: state"),
         b.state,
-        c.heads * c.head_dim * c.d_state,
+        cap * c.heads * c.head_dim * c.d_state,
     )?;
-    check_len(&format!("{name}: y"), b.y, c.d_inner)?;
+    check_len(&format!("{name}: y"), b.y, cap * c.d_inner)?;
+    check_len(&format!("{name}: ctrl"), b.ctrl, cap * super::CTRL_WORDS)?;
     let cb = c.block();
     // A row's team: up to 32 lanes (a warp reads a whole row of N = 128 contiguously, four
     // columns per lane when N is a multiple of 4), no more than the state columns (or
@@ -88,6 +96,12 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         ("D_OFF", u(c.d_off)),
         ("NW_OFF", u(c.nw_off)),
         ("NB", u(c.d_inner / 32)),
+        ("MIX_LS", ls(b.mix)),
+        ("STATE_LS", ls(b.state)),
+        ("Y_LS", ls(b.y)),
+        ("PART_LS", b.part.map_or(Const::U32(0), ls)),
+        ("XQ_LS", b.q8.map_or(Const::U32(0), |q| ls(q.0))),
+        ("XD_LS", b.q8.map_or(Const::U32(0), |q| ls(q.1))),
     ];
     consts.extend(team_consts);
     let mut flags = team_flags;
@@ -102,7 +116,7 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         (5, b.ctrl),
     ];
     if let Some(part) = b.part {
-        check_len(&format!("{name}: part"), part, c.blocks())?;
+        check_len(&format!("{name}: part"), part, cap * c.blocks())?;
         flags.push("GATED");
         entries.push((4, part));
         if let Some((q, d)) = b.q8 {
@@ -111,8 +125,8 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
                     "{name}: q8 output needs 32-channel blocks, the groups allow {cb}"
                 )));
             }
-            check_len(&format!("{name}: xq"), q, c.d_inner / 4)?;
-            check_len(&format!("{name}: xd"), d, c.d_inner / 32)?;
+            check_len(&format!("{name}: xq"), q, cap * c.d_inner / 4)?;
+            check_len(&format!("{name}: xd"), d, cap * c.d_inner / 32)?;
             flags.push("Q8_OUT");
             entries.extend([(6, q), (7, d)]);
         }
@@ -121,7 +135,7 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        workgroups: (c.blocks() as u32, 1, 1),
+        workgroups: (c.blocks() as u32, lanes.n as u32, 1),
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
