@@ -849,3 +849,127 @@ impl CachedPrefixReport {
         )
     }
 }
+
+/// Batched decode: `batch` sequences (each from its own one-token prompt, greedy) advanced
+/// together, aggregate tokens per second; batch 1 is the one-sequence decode. `exact` says
+/// whether every lane's tokens equal the same sequence decoded alone.
+#[derive(Clone, Debug, Serialize)]
+pub struct BatchReport {
+    pub config: String,
+    pub format: String,
+    pub device: String,
+    pub batch: usize,
+    /// Steps timed (each lane samples one token per step).
+    pub steps: usize,
+    /// Wall ms per step (all lanes), median over the timed runs of `steps` steps.
+    pub ms_per_step: f64,
+    /// Tokens per second over all lanes.
+    pub tokens_per_s: f64,
+    /// Every lane's tokens equal its sequence decoded alone.
+    pub exact: bool,
+}
+
+impl BatchReport {
+    pub fn text(&self) -> String {
+        format!(
+            "{} {} on {}: batch {:>3}: {:.3} ms/step, {:.1} tok/s aggregate ({}) \n",
+            self.config,
+            self.format,
+            self.device,
+            self.batch,
+            self.ms_per_step,
+            self.tokens_per_s,
+            if self.exact {
+                "every lane equals its run alone"
+            } else {
+                "LANES DIFFER FROM THEIR RUNS ALONE"
+            }
+        )
+    }
+}
+
+/// Times batched decode at `batch` lanes: `steps` steps after `warmup`, `runs` times.
+pub fn batch(
+    backend: &mut GpuBackend,
+    preset_name: &str,
+    batch: usize,
+    steps: usize,
+    warmup: usize,
+    runs: usize,
+) -> Result<BatchReport> {
+    if batch == 0 || steps == 0 || runs == 0 {
+        return Err(Error::InvalidInput(
+            "batch, steps and runs must each be at least 1".into(),
+        ));
+    }
+    let vocab = backend.engine.config.vocab_size as f32;
+    let greedy = Sampling::greedy();
+    let prompt = |lane: usize| (crate::sampling::uniform(77, lane as u64) * vocab) as u32;
+    // Each lane's tokens alone (and batch 1's timing).
+    let mut alone: Vec<Vec<u32>> = Vec::new();
+    let mut solo_ms = Vec::new();
+    for lane in 0..batch {
+        backend.reset()?;
+        let first = backend.prefill_sample(&[prompt(lane)], &greedy, 1)?;
+        let mut toks = vec![first];
+        let mut last = first;
+        let t0 = Instant::now();
+        let mut mark = t0;
+        for run in 0..=runs {
+            let n = if run == 0 { warmup.max(1) } else { steps };
+            backend.decode(last, toks.len() as u64 + 1, n, &greedy, &[], &mut |t| {
+                toks.push(t);
+                true
+            })?;
+            last = *toks.last().unwrap_or(&first);
+            if run > 0 && batch == 1 {
+                solo_ms.push(mark.elapsed().as_secs_f64() * 1e3 / steps as f64);
+            }
+            mark = Instant::now();
+        }
+        alone.push(toks);
+        if batch > 1 && lane >= 3 {
+            // Enough lanes checked against their runs alone; the rest share the graph.
+            break;
+        }
+    }
+    let (ms, exact) = if batch == 1 {
+        (median(&mut solo_ms), true)
+    } else {
+        backend.enable_batch(batch)?;
+        for lane in 0..batch {
+            backend.reset()?;
+            let first = backend.prefill_sample(&[prompt(lane)], &greedy, 1)?;
+            let b = backend.batch.as_mut().expect("batch enabled above");
+            b.join(&backend.engine, lane, first, 2, &greedy, &[])?;
+        }
+        let mut got: Vec<Vec<u32>> = alone.iter().map(|a| a[..1].to_vec()).collect();
+        got.resize(batch, Vec::new());
+        let mut times = Vec::new();
+        for run in 0..=runs {
+            let n = if run == 0 { warmup.max(1) } else { steps };
+            let t0 = Instant::now();
+            let b = backend.batch.as_mut().expect("batch enabled above");
+            b.step(&backend.engine, n, &mut |lane, c| {
+                got[lane].push(c.token);
+                true
+            })?;
+            if run > 0 {
+                times.push(t0.elapsed().as_secs_f64() * 1e3 / steps as f64);
+            }
+        }
+        let exact = alone.iter().zip(&got).all(|(a, g)| a == g);
+        backend.batch = None;
+        (median(&mut times), exact)
+    };
+    Ok(BatchReport {
+        config: preset_name.to_string(),
+        format: backend.engine.format.name().to_string(),
+        device: backend.engine.ctx().describe(),
+        batch,
+        steps,
+        ms_per_step: ms,
+        tokens_per_s: batch as f64 * 1e3 / ms,
+        exact,
+    })
+}

@@ -103,9 +103,7 @@ fn backend(model: &Model, format: WeightFormat) -> Option<GpuBackend> {
 /// A request alone: its tokens and the logits of every decode step.
 fn solo(be: &mut GpuBackend, p: &[u32], req: &Req) -> (Vec<u32>, Vec<Vec<f32>>) {
     be.reset().unwrap();
-    let mut t = be
-        .prefill_sample(p, &req.sampling, p.len() as u64)
-        .unwrap();
+    let mut t = be.prefill_sample(p, &req.sampling, p.len() as u64).unwrap();
     let (mut tokens, mut logits) = (vec![t], Vec::new());
     for i in 0..req.new {
         let pos = (p.len() + 1 + i) as u64;
@@ -157,14 +155,21 @@ fn batched_decode_equals_each_sequence_alone() {
                 got[next].push(first);
                 let batch = be.batch.as_mut().unwrap();
                 batch
-                    .join(&be.engine, slot, first, p.len() as u64 + 1, &r.sampling, &[])
+                    .join(
+                        &be.engine,
+                        slot,
+                        first,
+                        p.len() as u64 + 1,
+                        &r.sampling,
+                        &[],
+                    )
                     .unwrap();
                 slots[slot] = Some((next, 0));
                 next += 1;
             }
             let lanes = slots.iter().filter(|s| s.is_some()).count();
             let batch = be.batch.as_mut().unwrap();
-            let mut seen = vec![None; 4];
+            let mut seen = [None; 4];
             batch
                 .step(&be.engine, 1, &mut |slot, c| {
                     assert_eq!(c.nonfinite, 0, "{}: non-finite logits", case.name);
@@ -220,7 +225,14 @@ fn pipelined_steps_and_a_lane_stopped_early_hand_back_the_exact_state() {
         firsts.push(first);
         let batch = be.batch.as_mut().unwrap();
         batch
-            .join(&be.engine, slot, first, p.len() as u64 + 1, &r.sampling, &[])
+            .join(
+                &be.engine,
+                slot,
+                first,
+                p.len() as u64 + 1,
+                &r.sampling,
+                &[],
+            )
             .unwrap();
     }
     // Lane 1 is stopped by the host after 2 tokens; the steps in flight still feed it.

@@ -185,7 +185,8 @@ fn specs(vocab: u32, eos: Option<u32>) -> Vec<Spec> {
 }
 
 /// Interleaved == solo, for a model and a tokenizer: every slot count from 1 (one after
-/// another) to 8 (all at once, switching state every step).
+/// another) to 8 (all at once: replies decoded together in the GPU batch, prompts read in
+/// chunks between its steps).
 fn interleaved_equals_solo(model: &Model, tok: &Tokenizer, eos: Option<u32>) {
     let Some(b) = gpu_backend(model) else { return };
     let mut solo_session = Session::new(b);

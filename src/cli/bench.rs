@@ -65,6 +65,10 @@ pub struct BenchArgs {
     /// New tokens after the cached prefix (with --cached-prefix).
     #[arg(long, default_value_t = 32)]
     new_tokens: usize,
+    /// Also time batched decode: this many sequences advanced together, e.g. 1,4,16,64
+    /// (aggregate tokens/s; each lane checked against its run alone).
+    #[arg(long, value_delimiter = ',', value_name = "B")]
+    batch: Vec<usize>,
     /// Print JSON lines instead of text.
     #[arg(long)]
     json: bool,
@@ -92,13 +96,20 @@ impl BenchArgs {
         if !self.prefill.is_empty() {
             check_at_least("--prefill-runs", self.prefill_runs, 1)?;
         }
-        if self.no_decode && self.prefill.is_empty() && self.cached_prefix.is_empty() {
+        if self.no_decode
+            && self.prefill.is_empty()
+            && self.cached_prefix.is_empty()
+            && self.batch.is_empty()
+        {
             bail!("--no-decode: nothing left to time (add --prefill 512,4096)");
         }
         if let Some(0) = self.cached_prefix.iter().copied().min() {
             bail!("--cached-prefix: a prefix must be at least 1 token, found 0");
         }
         check_at_least("--new-tokens", self.new_tokens, 1)?;
+        if let Some(&b) = self.batch.iter().find(|&&b| !(1..=256).contains(&b)) {
+            bail!("--batch: a batch holds 1…256 sequences, found {b}");
+        }
         check_chunk_size(self.chunk_size)?;
         if self.device == DeviceChoice::Cpu {
             self.check_cpu_flags()?;
@@ -113,6 +124,7 @@ impl BenchArgs {
         let unused = [
             ("--prefill", !self.prefill.is_empty()),
             ("--cached-prefix", !self.cached_prefix.is_empty()),
+            ("--batch", !self.batch.is_empty()),
             ("--no-decode", self.no_decode),
             ("--ctx", self.ctx.iter().any(|&c| c > 0)),
             ("--dtype", self.dtype != [WeightFormat::F16]),
@@ -186,7 +198,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     + args.tokens
                     + args.profile_tokens
                     + 8;
+                let batched = if args.batch.is_empty() {
+                    0
+                } else {
+                    args.warmup + args.tokens * args.prefill_runs + 8
+                };
                 let longest = longest
+                    .max(batched)
                     .max(args.prefill.iter().max().copied().unwrap_or(0))
                     .max(
                         args.cached_prefix
@@ -226,6 +244,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         name,
                         prefix,
                         args.new_tokens,
+                        args.prefill_runs,
+                    )?;
+                    if args.json {
+                        println!("{}", serde_json::to_string(&report)?);
+                    } else {
+                        print!("{}", report.text());
+                    }
+                }
+                for &b in &args.batch {
+                    let report = mamba2_wgpu::bench::batch(
+                        &mut backend,
+                        name,
+                        b,
+                        args.tokens,
+                        args.warmup,
                         args.prefill_runs,
                     )?;
                     if args.json {

@@ -209,6 +209,13 @@ impl Batch {
         self.lanes.get(slot).map_or(0, |s| s.len as usize)
     }
 
+    /// Stops slot `slot` before the next step (it stays taken until `leave`).
+    pub fn stop(&mut self, engine: &Engine, slot: usize) {
+        if self.lanes.get(slot).is_some_and(|s| s.live && !s.ended) {
+            self.stop_lane(engine.ctx(), slot);
+        }
+    }
+
     /// Sets a lane's `stopped` word (applied before the next submit's work).
     fn stop_lane(&mut self, ctx: &crate::gpu::context::GpuContext, slot: usize) {
         let at = slot * std::mem::size_of::<Ctrl>() + std::mem::offset_of!(Ctrl, stopped);

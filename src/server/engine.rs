@@ -7,6 +7,12 @@
 //!
 //! Every prompt first looks up the prefix cache; the state at the end of each prompt and
 //! of each reply (and every `CacheConfig::every` tokens of long prompts) is cached.
+//!
+//! On a GPU with more than one slot the replies decode together: a sequence whose prompt
+//! is read joins a slot of the backend's batch (`gpu::batch`), and each step gives every
+//! joined sequence `DECODE_QUANTUM` tokens in one pass over the weights per token, between
+//! the prompt chunks of the sequences still reading theirs. Models the batch cannot run
+//! (MoE) fall back to taking turns.
 
 use std::any::Any;
 use std::collections::VecDeque;
@@ -93,6 +99,10 @@ struct Seq {
     cached: usize,
     decoder: StreamDecoder,
     stop: StopText,
+    /// Its batch slot once it decodes in the batch.
+    slot: Option<usize>,
+    /// The reply is over (what the batch still feeds it only goes into `fed`).
+    over: bool,
 }
 
 /// What the engine thread owns.
@@ -108,6 +118,280 @@ pub struct Engine {
 impl Engine {
     /// Runs until `jobs` closes, then writes the prefix cache to its directory.
     pub fn run(mut self, jobs: Receiver<Job>) {
+        if self.slots > 1
+            && let Some(gpu) = self.backend.gpu()
+        {
+            match gpu.enable_batch(self.slots) {
+                Ok(()) => {
+                    tracing::info!("batched decode: {} slots", self.slots);
+                    return self.run_batched(jobs);
+                }
+                Err(e) => tracing::info!("batched decode off ({e}): sequences take turns"),
+            }
+        }
+        self.run_turns(jobs)
+    }
+
+    /// Takes whatever `jobs` has into `waiting` (blocking a while when `idle`); false once
+    /// the channel is closed.
+    fn intake(jobs: &Receiver<Job>, waiting: &mut VecDeque<Job>, open: &mut bool, idle: bool) {
+        loop {
+            let job = if idle && waiting.is_empty() && *open {
+                match jobs.recv_timeout(Duration::from_millis(200)) {
+                    Ok(j) => Some(j),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        *open = false;
+                        None
+                    }
+                }
+            } else if *open {
+                match jobs.try_recv() {
+                    Ok(j) => Some(j),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        *open = false;
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            match job {
+                Some(j) => waiting.push_back(j),
+                None => break,
+            }
+        }
+    }
+
+    /// The batched loop: each round, one prompt chunk of a sequence still reading its
+    /// prompt (in the backend's own store), then `DECODE_QUANTUM` steps of the batch.
+    fn run_batched(mut self, jobs: Receiver<Job>) {
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut active: Vec<Seq> = Vec::new();
+        let mut loaded: Option<usize> = None;
+        let mut open = true;
+        let mut turn = 0usize;
+        loop {
+            Self::intake(&jobs, &mut waiting, &mut open, active.is_empty());
+            waiting.retain(|j| !j.events.is_closed());
+            while active.len() < self.slots
+                && let Some(job) = waiting.pop_front()
+            {
+                active.push(Seq::new(job));
+            }
+            self.metrics.queued.store(waiting.len(), Ordering::Relaxed);
+            self.metrics.active.store(active.len(), Ordering::Relaxed);
+            if active.is_empty() {
+                if !open {
+                    break;
+                }
+                continue;
+            }
+            // A prompt chunk for one sequence not yet in the batch.
+            let reading: Vec<usize> = (0..active.len())
+                .filter(|&i| active[i].slot.is_none() && !active[i].over)
+                .collect();
+            if !reading.is_empty() {
+                turn %= reading.len();
+                let i = reading[turn];
+                turn += 1;
+                let r = self
+                    .switch_to(&mut active, &mut loaded, i)
+                    .and_then(|()| self.step(&mut active[i], 0));
+                match r {
+                    Ok(true) => active[i].over = true,
+                    Ok(false) if active[i].pending.is_some() => {
+                        if let Err(e) = self.join(&mut active[i]) {
+                            self.fail(&mut active[i], e);
+                        }
+                        loaded = None;
+                    }
+                    Ok(false) => {}
+                    Err(e) => self.fail(&mut active[i], e),
+                }
+            }
+            self.decode_batch(&mut active);
+            // Replies that are over leave (their state cached) and free their slot.
+            let mut i = 0;
+            while i < active.len() {
+                if !active[i].over {
+                    i += 1;
+                    continue;
+                }
+                let seq = active.remove(i);
+                if let Some(l) = loaded {
+                    loaded = match l.cmp(&i) {
+                        std::cmp::Ordering::Equal => None,
+                        std::cmp::Ordering::Greater => Some(l - 1),
+                        std::cmp::Ordering::Less => Some(l),
+                    };
+                }
+                if let Some(slot) = seq.slot {
+                    self.leave(&mut active, &mut loaded, slot, &seq);
+                }
+                if let Ok(mut c) = self.metrics.cache.lock() {
+                    *c = self.cache.stats();
+                }
+            }
+            self.metrics.active.store(active.len(), Ordering::Relaxed);
+        }
+        self.metrics.queued.store(0, Ordering::Relaxed);
+        self.metrics.active.store(0, Ordering::Relaxed);
+        match self.cache.persist(self.backend.as_mut()) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("prefix cache: {n} entries written to disk"),
+            Err(e) => tracing::warn!("prefix cache: {e}"),
+        }
+    }
+
+    /// Sends `e` to a sequence and ends it.
+    fn fail(&mut self, seq: &mut Seq, e: crate::Error) {
+        let _ = seq.job.events.send(Event::Error(e.to_string()));
+        self.metrics.failed.fetch_add(1, Ordering::Relaxed);
+        seq.over = true;
+    }
+
+    /// Moves a sequence whose prompt was just read (its state the backend's own) into a
+    /// free batch slot.
+    fn join(&mut self, seq: &mut Seq) -> Result<()> {
+        let Some(first) = seq.pending else {
+            return Ok(());
+        };
+        let pos = seq.fed.len() as u64 + 1;
+        let gpu = self.backend.gpu().ok_or_else(no_batch)?;
+        let batch = gpu.batch.as_mut().ok_or_else(no_batch)?;
+        let slot = batch.free_slot().ok_or_else(no_batch)?;
+        batch.join(
+            &gpu.engine,
+            slot,
+            first,
+            pos,
+            &seq.job.sampling,
+            &seq.job.stop_ids,
+        )?;
+        seq.slot = Some(slot);
+        Ok(())
+    }
+
+    /// Frees `seq`'s slot; its state goes back to the backend's own store (whoever held
+    /// that is parked first) and into the prefix cache.
+    fn leave(&mut self, active: &mut [Seq], loaded: &mut Option<usize>, slot: usize, seq: &Seq) {
+        if let Some(l) = loaded.take()
+            && l < active.len()
+        {
+            match self.backend.snapshot() {
+                Ok(s) => active[l].parked = Some(s),
+                Err(e) => self.fail(&mut active[l], e),
+            }
+        }
+        let r = (|| {
+            let gpu = self.backend.gpu().ok_or_else(no_batch)?;
+            let batch = gpu.batch.as_mut().ok_or_else(no_batch)?;
+            batch.leave(&mut gpu.engine, slot, true)?;
+            self.cache.insert(&seq.fed, self.backend.as_mut())
+        })();
+        if let Err(e) = r {
+            tracing::warn!("batch slot {slot}: {e}");
+        }
+    }
+
+    /// Up to `DECODE_QUANTUM` steps of every sequence in the batch.
+    fn decode_batch(&mut self, active: &mut [Seq]) {
+        let ctx = self.backend.context();
+        // Sequences that cannot go on end before the step: a closed client, a full context.
+        let mut steps = DECODE_QUANTUM;
+        for seq in active.iter_mut().filter(|s| s.slot.is_some() && !s.over) {
+            if seq.job.events.is_closed() {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                seq.over = true;
+                continue;
+            }
+            if let Some(ctx) = ctx {
+                let room = ctx.saturating_sub(seq.fed.len());
+                if room == 0 {
+                    seq.end(FinishReason::Length, &self.metrics);
+                    seq.over = true;
+                    continue;
+                }
+                steps = steps.min(room);
+            }
+        }
+        // Lanes of replies already over are stopped: the step feeds them nothing.
+        let mut by_slot: Vec<Option<usize>> = vec![None; self.slots];
+        {
+            let Some(gpu) = self.backend.gpu() else {
+                return;
+            };
+            let Some(batch) = gpu.batch.as_mut() else {
+                return;
+            };
+            for (i, s) in active.iter().enumerate() {
+                match s.slot {
+                    Some(slot) if s.over => batch.stop(&gpu.engine, slot),
+                    Some(slot) => by_slot[slot] = Some(i),
+                    None => {}
+                }
+            }
+        }
+        if by_slot.iter().all(Option::is_none) {
+            return;
+        }
+        let t0 = Instant::now();
+        let (tok, metrics) = (self.tokenizer.clone(), self.metrics.clone());
+        let r = {
+            let Some(gpu) = self.backend.gpu() else {
+                return;
+            };
+            let Some(batch) = gpu.batch.as_mut() else {
+                return;
+            };
+            batch.step(&gpu.engine, steps, &mut |slot, c| {
+                let Some(i) = by_slot.get(slot).copied().flatten() else {
+                    return false;
+                };
+                let seq = &mut active[i];
+                if let Some(p) = seq.pending.replace(c.token) {
+                    seq.fed.push(p);
+                }
+                if seq.over {
+                    return false;
+                }
+                if c.nonfinite != 0 {
+                    let _ = seq.job.events.send(Event::Error(format!(
+                        "the logits at position {} hold a NaN or an infinity",
+                        c.kv_len
+                    )));
+                    metrics.failed.fetch_add(1, Ordering::Relaxed);
+                    seq.over = true;
+                    return false;
+                }
+                if handle_token(seq, c.token, &tok, &metrics) {
+                    seq.over = true;
+                    return false;
+                }
+                if seq.completion >= seq.job.max_new {
+                    seq.end(FinishReason::Length, &metrics);
+                    seq.over = true;
+                    return false;
+                }
+                true
+            })
+        };
+        self.metrics
+            .decode_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if let Err(e) = r {
+            for seq in active.iter_mut().filter(|s| s.slot.is_some() && !s.over) {
+                let _ = seq.job.events.send(Event::Error(e.to_string()));
+                self.metrics.failed.fetch_add(1, Ordering::Relaxed);
+                seq.over = true;
+            }
+        }
+    }
+
+    /// The loop of sequences taking turns with the backend's one state.
+    fn run_turns(mut self, jobs: Receiver<Job>) {
         let mut waiting: VecDeque<Job> = VecDeque::new();
         let mut active: Vec<Seq> = Vec::new();
         // Which sequence's state the backend holds (an index into `active`).
@@ -115,34 +399,7 @@ impl Engine {
         let mut open = true;
         let mut turn = 0usize;
         loop {
-            // Take new requests: block only when there is nothing to do.
-            loop {
-                let job = if active.is_empty() && waiting.is_empty() && open {
-                    match jobs.recv_timeout(Duration::from_millis(200)) {
-                        Ok(j) => Some(j),
-                        Err(RecvTimeoutError::Timeout) => continue,
-                        Err(RecvTimeoutError::Disconnected) => {
-                            open = false;
-                            None
-                        }
-                    }
-                } else if open {
-                    match jobs.try_recv() {
-                        Ok(j) => Some(j),
-                        Err(std::sync::mpsc::TryRecvError::Empty) => None,
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                            open = false;
-                            None
-                        }
-                    }
-                } else {
-                    None
-                };
-                match job {
-                    Some(j) => waiting.push_back(j),
-                    None => break,
-                }
-            }
+            Self::intake(&jobs, &mut waiting, &mut open, active.is_empty());
             // A client that left before its turn frees its place.
             waiting.retain(|j| !j.events.is_closed());
             while active.len() < self.slots.max(1)
@@ -360,6 +617,10 @@ impl Engine {
     }
 }
 
+fn no_batch() -> crate::Error {
+    crate::Error::Gpu("the batch is gone".into())
+}
+
 /// Handles sampled token `t` of `seq`: a stop id, a stop string or a closed client ends
 /// the reply (sending `Done` where the client still listens); else its text goes out.
 fn handle_token(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool {
@@ -404,6 +665,8 @@ impl Seq {
             cached: 0,
             decoder: StreamDecoder::default(),
             stop,
+            slot: None,
+            over: false,
         }
     }
 

@@ -32,7 +32,6 @@ pub struct MlpBias<'a> {
 
 /// The activation of `tokens` rows of width `intermediate`.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 pub fn mlp_act(
     k: &Kernels,
     name: &str,
