@@ -1,4 +1,5 @@
-// y = W·x for one token: W [M, K] in f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k (rows zero-padded
+// y = W·x for one token (gemv_lanes.wgsl: for several, each weight read once): W [M, K]
+// in f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k (rows zero-padded
 // to KP columns; the 4/5/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
 // loads; R = WG/TEAM rows per workgroup; one team reduction per row. The input is ready:
@@ -7,11 +8,6 @@
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
 // (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
 // 6-bit ones as 4·(q−32).
-// Lanes (batched decode): workgroup z takes lanes z·NL … z·NL + NL − 1 (those below LANES)
-// and reads each weight once for all of them; lane l's input starts at l·X_LS (f32) or
-// l·X_LS/16 (xq vectors), l·X_LS/32 (q8 block scales), its output at l·DST_LS, its norm partials at l·PART_LS.
-// Each lane's sum runs in exactly the order of a one-lane GEMV (the same team, stride and
-// expressions), so a lane's result is bitwise the one it gets alone.
 // Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
 
@@ -51,16 +47,16 @@ const VW: u32 = 64u;
 #endif
 #if X_GROUP
 @group(0) @binding(9) var<storage, read> part: array<f32>;
-var<workgroup> grp_rstd: array<f32, G * NL>;
+var<workgroup> grp_rstd: array<f32, G>;
 var<workgroup> grp_red: array<f32, WG>;
 #endif
 
 const NV: u32 = KP / VW;
 
-// The group-norm factor of input column k for lane slot j (1 without X_GROUP).
-fn col_scale(j: u32, k: u32) -> f32 {
+// The group-norm factor of input column k (1 without X_GROUP).
+fn col_scale(k: u32) -> f32 {
 #if X_GROUP
-    return grp_rstd[j * G + k / GS];
+    return grp_rstd[k / GS];
 #else
     return 1.0;
 #endif
@@ -71,16 +67,85 @@ fn dot16(q: vec4<u32>, x: vec4<u32>) -> i32 {
     return dot4I8Packed(q.x, x.x) + dot4I8Packed(q.y, x.y) + dot4I8Packed(q.z, x.z) + dot4I8Packed(q.w, x.w);
 }
 
-// A lane's first q8 input word and block scale, and its first f32 input vector.
-fn xq_at(l: u32) -> u32 {
-    return l * (X_LS / 16u);
+#if W_Q4_0
+// Block v of the row: nibbles q ^ 8 are q − 8 in 4-bit two's complement; shifted to the
+// top of each byte they read as 16·(q − 8).
+fn q4_0_unit(row: u32, v: u32) -> f32 {
+    let s = w[row * (KP / 32u) + v] ^ vec4<u32>(0x88888888u);
+    let lo = (s << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
+    let hi = s & vec4<u32>(0xF0F0F0F0u);
+    let idot = dot16(lo, xq[2u * v]) + dot16(hi, xq[2u * v + 1u]);
+    let si = row * (KP / 32u) + v;
+    let d = unpack2x16float(ws[si / 2u])[si % 2u];
+    return f32(idot) * (d * 0.0625 * xd[v] * col_scale(v * 32u));
 }
-fn xd_at(l: u32) -> u32 {
-    return l * (X_LS / 32u);
+#endif
+
+#if W_K4
+// 16 quant bytes of a superblock: low nibbles are 16 values of sub-block 2j, high nibbles
+// 16 of sub-block 2j+1 (j = c/2, the half h = c%2 of their 32). W_Q5_K adds each value's
+// fifth bit from the superblock's qh bytes 16h…16h+16 (bit 2j for sub-block 2j, 2j+1 for
+// 2j+1): levels 0…31 are still positive int8.
+fn k4_unit(row: u32, v: u32) -> f32 {
+    let sb = row * (KP / 256u) + v / 8u;
+    let c = v % 8u;
+    let j = c / 2u;
+    let h = c % 2u;
+    let q = w[sb * K4_DV + c];
+    let ones = vec4<u32>(0x01010101u);
+    var lo = q & vec4<u32>(0x0F0F0F0Fu);
+    var hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
+#if W_Q5_K
+    let qh = w[sb * K4_DV + 8u + h];
+    lo |= ((qh >> vec4<u32>(2u * j)) & ones) << vec4<u32>(4u);
+    hi |= ((qh >> vec4<u32>(2u * j + 1u)) & ones) << vec4<u32>(4u);
+#endif
+    let b0 = (v / 8u) * 8u + 2u * j;
+    let x0 = xq[2u * b0 + h];
+    let x1 = xq[2u * b0 + 2u + h];
+    let sv = ws[sb];
+    let dm = unpack2x16float(sv.x);
+    let s0 = k4_scale_min(sv, 2u * j);
+    let s1 = k4_scale_min(sv, 2u * j + 1u);
+    let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
+    let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
+    return p0 * (xd[b0] * col_scale(b0 * 32u)) + p1 * (xd[b0 + 1u] * col_scale(b0 * 32u + 32u));
 }
-fn src_at(l: u32) -> u32 {
-    return l * (X_LS / 4u);
+#endif
+
+#if W_Q6_K
+// 64 values of a superblock: half n, l = 16h…16h+16 of each of its four quarters t (ql
+// nibbles of two 16-byte runs, two bits each of one qh run); (q ^ 32) << 2 is 4·(q − 32).
+fn q6_k_unit(row: u32, v: u32) -> f32 {
+    let sbr = v / 4u;
+    let sb = row * (KP / 256u) + sbr;
+    let n = (v % 4u) / 2u;
+    let h = v % 2u;
+    let base = sb * 12u;
+    let qa = w[base + 4u * n + h];
+    let qb = w[base + 4u * n + 2u + h];
+    let qh = w[base + 8u + 2u * n + h];
+    let m4 = vec4<u32>(0x0F0F0F0Fu);
+    let m2 = vec4<u32>(0x03030303u);
+    let d = unpack2x16float(ws[sb * 5u + 4u]).x * 0.25;
+    // The i8 scales 8n + 2t + h of the four quarters: bytes h and h+2 of words 2n, 2n+1.
+    let sw = vec2<u32>(ws[sb * 5u + 2u * n], ws[sb * 5u + 2u * n + 1u]);
+    var acc = 0.0;
+    for (var t = 0u; t < 4u; t++) {
+        var nib = qa;
+        if (t % 2u == 1u) {
+            nib = qb;
+        }
+        let q = ((nib >> vec4<u32>(4u * (t / 2u))) & m4) | (((qh >> vec4<u32>(2u * t)) & m2) << vec4<u32>(4u));
+        let s = ((q ^ vec4<u32>(0x20202020u)) << vec4<u32>(2u)) & vec4<u32>(0xFCFCFCFCu);
+        let b = sbr * 8u + 4u * n + t;
+        let sbyte = (sw[t / 2u] >> (8u * (h + 2u * (t % 2u)))) & 0xFFu;
+        let sc = f32(bitcast<i32>(sbyte << 24u) >> 24u);
+        acc += f32(dot16(s, xq[2u * b + h])) * (sc * xd[b] * col_scale(b * 32u));
+    }
+    return acc * d;
 }
+#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -88,172 +153,75 @@ fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
-    // The lanes of this workgroup; slots past LANES repeat the last lane and write nothing.
-    var lanes: array<u32, NL>;
-    for (var j = 0u; j < NL; j++) {
-        lanes[j] = min(wid.z * NL + j, LANES - 1u);
-    }
 #if X_GROUP
     // rstd per group from the per-block sums of squares of v (BPG blocks per group): GSUB
     // lanes per group sum strided shares, then a tree in workgroup memory (one lane summing
     // a group's BPG partials alone cost 2.7b's out_proj more than its weights).
-    for (var j = 0u; j < NL; j++) {
-        var s = 0.0;
-        if (lid < G * GSUB) {
-            let g = lid / GSUB;
-            for (var i = lid % GSUB; i < BPG; i += GSUB) {
-                s += part[lanes[j] * PART_LS + g * BPG + i];
-            }
+    var s = 0.0;
+    if (lid < G * GSUB) {
+        let g = lid / GSUB;
+        for (var i = lid % GSUB; i < BPG; i += GSUB) {
+            s += part[g * BPG + i];
         }
-        grp_red[lid] = s;
-        workgroupBarrier();
-        for (var st = GSUB / 2u; st > 0u; st /= 2u) {
-            if (lid % GSUB < st) {
-                grp_red[lid] += grp_red[lid + st];
-            }
-            workgroupBarrier();
-        }
-        if (lid < G) {
-            grp_rstd[j * G + lid] = inverseSqrt(grp_red[lid * GSUB] / f32(GS) + EPS);
+    }
+    grp_red[lid] = s;
+    workgroupBarrier();
+    for (var st = GSUB / 2u; st > 0u; st /= 2u) {
+        if (lid % GSUB < st) {
+            grp_red[lid] += grp_red[lid + st];
         }
         workgroupBarrier();
     }
+    if (lid < G) {
+        grp_rstd[lid] = inverseSqrt(grp_red[lid * GSUB] / f32(GS) + EPS);
+    }
+    workgroupBarrier();
 #endif
     let lane = lid % TEAM;
     let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
     let row = min(row_raw, M - 1u);
     let base = row * NV;
-    var acc: array<f32, NL>;
+    var acc = 0.0;
     for (var v = lane; v < NV; v += TEAM) {
 #if W_Q4_0
-        // Nibbles q ^ 8 are q − 8 in 4-bit two's complement; shifted to the top of each
-        // byte they read as 16·(q − 8).
-        let sw = w[row * (KP / 32u) + v] ^ vec4<u32>(0x88888888u);
-        let lo = (sw << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
-        let hi = sw & vec4<u32>(0xF0F0F0F0u);
-        let si = row * (KP / 32u) + v;
-        let d = unpack2x16float(ws[si / 2u])[si % 2u];
-        for (var j = 0u; j < NL; j++) {
-            let xo = xq_at(lanes[j]);
-            let idot = dot16(lo, xq[xo + 2u * v]) + dot16(hi, xq[xo + 2u * v + 1u]);
-            acc[j] += f32(idot) * (d * 0.0625 * xd[xd_at(lanes[j]) + v] * col_scale(j, v * 32u));
-        }
+        acc += q4_0_unit(row, v);
 #endif
 #if W_K4
-        // 16 quant bytes of a superblock: low nibbles are 16 values of sub-block 2i, high
-        // nibbles 16 of sub-block 2i+1 (i = c/2, the half h = c%2 of their 32). W_Q5_K adds
-        // each value's fifth bit from the superblock's qh bytes 16h…16h+16 (bit 2i for
-        // sub-block 2i, 2i+1 for 2i+1): levels 0…31 are still positive int8.
-        let sb = row * (KP / 256u) + v / 8u;
-        let c = v % 8u;
-        let i = c / 2u;
-        let h = c % 2u;
-        let q = w[sb * K4_DV + c];
-        let ones = vec4<u32>(0x01010101u);
-        var lo = q & vec4<u32>(0x0F0F0F0Fu);
-        var hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
-#if W_Q5_K
-        let qh = w[sb * K4_DV + 8u + h];
-        lo |= ((qh >> vec4<u32>(2u * i)) & ones) << vec4<u32>(4u);
-        hi |= ((qh >> vec4<u32>(2u * i + 1u)) & ones) << vec4<u32>(4u);
-#endif
-        let b0 = (v / 8u) * 8u + 2u * i;
-        let sv = ws[sb];
-        let dm = unpack2x16float(sv.x);
-        let s0 = k4_scale_min(sv, 2u * i);
-        let s1 = k4_scale_min(sv, 2u * i + 1u);
-        for (var j = 0u; j < NL; j++) {
-            let xo = xq_at(lanes[j]);
-            let x0 = xq[xo + 2u * b0 + h];
-            let x1 = xq[xo + 2u * b0 + 2u + h];
-            let xdo = xd_at(lanes[j]);
-            let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
-            let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
-            acc[j] += p0 * (xd[xdo + b0] * col_scale(j, b0 * 32u)) + p1 * (xd[xdo + b0 + 1u] * col_scale(j, b0 * 32u + 32u));
-        }
+        acc += k4_unit(row, v);
 #endif
 #if W_Q6_K
-        // 64 values of a superblock: half n, l = 16h…16h+16 of each of its four quarters t
-        // (ql nibbles of two 16-byte runs, two bits each of one qh run); (q ^ 32) << 2 is
-        // 4·(q − 32).
-        let sbr = v / 4u;
-        let sb = row * (KP / 256u) + sbr;
-        let n = (v % 4u) / 2u;
-        let h = v % 2u;
-        let wbase = sb * 12u;
-        let qa = w[wbase + 4u * n + h];
-        let qb = w[wbase + 4u * n + 2u + h];
-        let qh = w[wbase + 8u + 2u * n + h];
-        let m4 = vec4<u32>(0x0F0F0F0Fu);
-        let m2 = vec4<u32>(0x03030303u);
-        let d = unpack2x16float(ws[sb * 5u + 4u]).x * 0.25;
-        // The i8 scales 8n + 2t + h of the four quarters: bytes h and h+2 of words 2n, 2n+1.
-        let scw = vec2<u32>(ws[sb * 5u + 2u * n], ws[sb * 5u + 2u * n + 1u]);
-        var qs: array<vec4<u32>, 4>;
-        var sc: array<f32, 4>;
-        for (var t = 0u; t < 4u; t++) {
-            var nib = qa;
-            if (t % 2u == 1u) {
-                nib = qb;
-            }
-            let qv = ((nib >> vec4<u32>(4u * (t / 2u))) & m4) | (((qh >> vec4<u32>(2u * t)) & m2) << vec4<u32>(4u));
-            qs[t] = ((qv ^ vec4<u32>(0x20202020u)) << vec4<u32>(2u)) & vec4<u32>(0xFCFCFCFCu);
-            let sbyte = (scw[t / 2u] >> (8u * (h + 2u * (t % 2u)))) & 0xFFu;
-            sc[t] = f32(bitcast<i32>(sbyte << 24u) >> 24u);
-        }
-        for (var j = 0u; j < NL; j++) {
-            let xo = xq_at(lanes[j]);
-            let xdo = xd_at(lanes[j]);
-            var part6 = 0.0;
-            for (var t = 0u; t < 4u; t++) {
-                let b = sbr * 8u + 4u * n + t;
-                part6 += f32(dot16(qs[t], xq[xo + 2u * b + h])) * (sc[t] * xd[xdo + b] * col_scale(j, b * 32u));
-            }
-            acc[j] += part6 * d;
-        }
+        acc += q6_k_unit(row, v);
 #endif
 #if W_Q8
         let wv = w[base + v];
+        let a = xq[v];
+        let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
         let blk = v / 2u;
         let si = row * (KP / 32u) + blk;
-        let d = unpack2x16float(ws[si / 2u])[si % 2u];
-        for (var j = 0u; j < NL; j++) {
-            let a = xq[xq_at(lanes[j]) + v];
-            let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
-            acc[j] += f32(idot) * (d * xd[xd_at(lanes[j]) + blk] * col_scale(j, blk * 32u));
-        }
+        acc += f32(idot) * (unpack2x16float(ws[si / 2u])[si % 2u] * xd[blk] * col_scale(blk * 32u));
 #endif
 #if W_HALF
         let wv = w[base + v];
-        let wa = vec4<f32>(half2(wv.x), half2(wv.y));
-        let wb = vec4<f32>(half2(wv.z), half2(wv.w));
-        for (var j = 0u; j < NL; j++) {
-            let so = src_at(lanes[j]);
-            let xa = src[so + 2u * v] * col_scale(j, v * 8u);
-            let xb = src[so + 2u * v + 1u] * col_scale(j, v * 8u + 4u);
-            acc[j] += dot(wa, xa) + dot(wb, xb);
-        }
+        let xa = src[2u * v] * col_scale(v * 8u);
+        let xb = src[2u * v + 1u] * col_scale(v * 8u + 4u);
+        acc += dot(vec4<f32>(half2(wv.x), half2(wv.y)), xa)
+            + dot(vec4<f32>(half2(wv.z), half2(wv.w)), xb);
 #endif
 #if W_F32
         let wv = w[base + v];
-        for (var j = 0u; j < NL; j++) {
-            acc[j] += dot(wv, src[src_at(lanes[j]) + v] * col_scale(j, v * 4u));
-        }
+        acc += dot(wv, src[v] * col_scale(v * 4u));
 #endif
     }
-    for (var j = 0u; j < NL; j++) {
-        let total = team_sum(acc[j], lid);
-        let l = lanes[j];
-        if (lane == 0u && row_raw < M && wid.z * NL + j < LANES) {
+    let total = team_sum(acc, lid);
+    if (lane == 0u && row_raw < M) {
 #if O_STORE
-            dst[l * DST_LS + row] = total;
+        dst[row] = total;
 #endif
 #if O_ADD
-            dst[l * DST_LS + row] += total;
+        dst[row] += total;
 #endif
 #if O_MIXER
-            mixer_row(l, row, total);
+        mixer_row(0u, row, total);
 #endif
-        }
     }
 }
