@@ -568,7 +568,10 @@ impl Engine {
             let backend = self.backend.as_mut();
             let mut on_token = |t: u32| {
                 sampled.push(t);
-                ended = handle_token(seq, t, &self.tokenizer, &self.metrics);
+                // Tokens still in flight after the reply ended are fed, not sent.
+                if !ended {
+                    ended = handle_token(seq, t, &self.tokenizer, &self.metrics);
+                }
                 !ended
             };
             backend.decode(first, next_pos, want, &sampling, &job_stop, &mut on_token)?
