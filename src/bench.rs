@@ -867,6 +867,9 @@ pub struct BatchReport {
     pub tokens_per_s: f64,
     /// Every lane's tokens equal its sequence decoded alone.
     pub exact: bool,
+    /// GPU ms per kernel kind (summed over layers) of one profiled step, slowest first
+    /// (empty without timestamp queries, and for batch 1: see the decode report).
+    pub kernels_ms: Vec<(String, f64)>,
 }
 
 impl BatchReport {
@@ -884,7 +887,15 @@ impl BatchReport {
             } else {
                 "LANES DIFFER FROM THEIR RUNS ALONE"
             }
-        )
+        ) + &if self.kernels_ms.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "  GPU {:.3} ms/step; kernels:{}\n",
+                self.kernels_ms.iter().map(|k| k.1).sum::<f64>(),
+                join_ms(&self.kernels_ms, 3, ";")
+            )
+        }
     }
 }
 
@@ -933,8 +944,8 @@ pub fn batch(
             break;
         }
     }
-    let (ms, exact) = if batch == 1 {
-        (median(&mut solo_ms), true)
+    let (ms, exact, kernels) = if batch == 1 {
+        (median(&mut solo_ms), true, Vec::new())
     } else {
         backend.enable_batch(batch)?;
         for lane in 0..batch {
@@ -959,9 +970,20 @@ pub fn batch(
             }
         }
         let exact = alone.iter().zip(&got).all(|(a, g)| a == g);
+        let b = backend.batch.as_mut().expect("batch enabled above");
+        let kernels = b.profile_step(&backend.engine)?.unwrap_or_default();
         backend.batch = None;
-        (median(&mut times), exact)
+        (median(&mut times), exact, kernels)
     };
+    let mut kernels_ms: Vec<(String, f64)> = Vec::new();
+    for k in &kernels {
+        let kind = k.kind();
+        match kernels_ms.iter_mut().find(|(n, _)| *n == kind) {
+            Some(e) => e.1 += k.ns / 1e6,
+            None => kernels_ms.push((kind, k.ns / 1e6)),
+        }
+    }
+    kernels_ms.sort_by(|a, b| b.1.total_cmp(&a.1));
     Ok(BatchReport {
         config: preset_name.to_string(),
         format: backend.engine.format.name().to_string(),
@@ -971,5 +993,6 @@ pub fn batch(
         ms_per_step: ms,
         tokens_per_s: batch as f64 * 1e3 / ms,
         exact,
+        kernels_ms,
     })
 }

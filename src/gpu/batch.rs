@@ -335,6 +335,43 @@ impl Batch {
         ctx.check()
     }
 
+    /// One step of the live lanes with kernel timestamps (the step counts like any other:
+    /// its tokens are sampled and fed but not reported). None without timestamp queries.
+    pub fn profile_step(
+        &mut self,
+        engine: &Engine,
+    ) -> Result<Option<Vec<crate::gpu::profiler::KernelTime>>> {
+        let running: Vec<usize> = (0..self.slots)
+            .filter(|&i| self.lanes[i].live && !self.lanes[i].ended)
+            .collect();
+        let Some(&last) = running.last() else {
+            return Ok(None);
+        };
+        let greedy = running.iter().all(|&i| self.lanes[i].greedy);
+        let tail = if greedy { Tail::Greedy } else { Tail::Mixed };
+        let ctx = engine.ctx().clone();
+        let graph = self.graph(engine, last + 1, tail)?.clone();
+        let Some(profiler) = crate::gpu::profiler::Profiler::new(&ctx, graph.len())? else {
+            return Ok(None);
+        };
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        profiler.record(&mut enc, &graph, None)?;
+        ctx.queue.submit([enc.finish()]);
+        let times = profiler.read(&ctx, &graph)?;
+        // The lanes moved on by one token: their lengths as the device has them.
+        let ctrls = ctx.read(
+            &self.scratch.ctrl,
+            (self.slots * std::mem::size_of::<Ctrl>()) as u64,
+        )?;
+        for (i, c) in ctrls.chunks_exact(std::mem::size_of::<Ctrl>()).enumerate() {
+            let c: Ctrl = bytemuck::pod_read_unaligned(c);
+            if self.lanes[i].live {
+                self.lanes[i].len = c.kv_len;
+            }
+        }
+        Ok(Some(times))
+    }
+
     /// Lane `slot`'s logits from the last step (a blocking read, for tests).
     pub fn logits(&self, engine: &Engine, slot: usize) -> Result<Vec<f32>> {
         let v = engine.config.vocab_size;
