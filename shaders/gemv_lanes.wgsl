@@ -2,7 +2,8 @@
 // W [M, K] in f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k (rows zero-padded
 // to KP columns; the 4/5/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
-// loads; R = WG/TEAM rows per workgroup; one team reduction per row. The input is ready:
+// loads; R = WG/TEAM teams per workgroup, each owning RT consecutive rows (the lanes'
+// inputs loaded once for the RT rows); one team reduction per row and lane. The input is ready:
 // f32 `src [KP]` (zero past K) for f32/f16 weights, q8 blocks `xq`/`xd` (X_Q8) for the
 // quantized ones (made once per token by the producer kernel, so no workgroup repeats that
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
@@ -72,6 +73,11 @@ fn dot16(q: vec4<u32>, x: vec4<u32>) -> i32 {
     return dot4I8Packed(q.x, x.x) + dot4I8Packed(q.y, x.y) + dot4I8Packed(q.z, x.z) + dot4I8Packed(q.w, x.w);
 }
 
+// Lane slot j's lane: the workgroup's z-th group of NL, the last lane repeated past LANES.
+fn lane_of(z: u32, j: u32) -> u32 {
+    return min(z * NL + j, LANES - 1u);
+}
+
 // A lane's first q8 input word and block scale, and its first f32 input vector.
 fn xq_at(l: u32) -> u32 {
     return l * (X_LS / 16u);
@@ -89,21 +95,21 @@ fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
-    // The lanes of this workgroup; slots past LANES repeat the last lane and write nothing.
-    var lanes: array<u32, NL>;
-    for (var j = 0u; j < NL; j++) {
-        lanes[j] = min(wid.z * NL + j, LANES - 1u);
-    }
+    // Slots past LANES repeat the last lane and write nothing.
+#for j NL
+    let ln_{j} = lane_of(wid.z, {j}u);
+#endfor
 #if X_GROUP
-    // rstd per group from the per-block sums of squares of v (BPG blocks per group): GSUB
-    // lanes per group sum strided shares, then a tree in workgroup memory (one lane summing
-    // a group's BPG partials alone cost 2.7b's out_proj more than its weights).
+    // rstd per group from the per-block sums of squares of v (BPG blocks per group), for
+    // each lane exactly as gemv.wgsl's prologue: GSUB lanes per group sum strided shares,
+    // then a tree in workgroup memory.
     for (var j = 0u; j < NL; j++) {
+        let l = lane_of(wid.z, j);
         var s = 0.0;
         if (lid < G * GSUB) {
             let g = lid / GSUB;
             for (var i = lid % GSUB; i < BPG; i += GSUB) {
-                s += part[lanes[j] * PART_LS + g * BPG + i];
+                s += part[l * PART_LS + g * BPG + i];
             }
         }
         grp_red[lid] = s;
@@ -121,140 +127,183 @@ fn main(
     }
 #endif
     let lane = lid % TEAM;
-    let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
-    let row = min(row_raw, M - 1u);
-    let base = row * NV;
-    var acc: array<f32, NL>;
+    // This team's RT consecutive rows (each reduced exactly as the one-token kernel reduces
+    // a row: the same team size, stride and order); each lane's input is loaded once for
+    // all RT rows. Straight-line code (#for): every accumulator is its own variable.
+    let first = ((wid.x + wid.y * nwg.x) * R + lid / TEAM) * RT;
+#for r RT
+    let row_{r} = min(first + {r}u, M - 1u);
+#for j NL
+    var acc_{r}_{j} = 0.0;
+#endfor
+#endfor
     for (var v = lane; v < NV; v += TEAM) {
 #if W_Q4_0
-        // Nibbles q ^ 8 are q − 8 in 4-bit two's complement; shifted to the top of each
-        // byte they read as 16·(q − 8).
-        let sw = w[row * (KP / 32u) + v] ^ vec4<u32>(0x88888888u);
-        let lo = (sw << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
-        let hi = sw & vec4<u32>(0xF0F0F0F0u);
-        let si = row * (KP / 32u) + v;
-        let d = unpack2x16float(ws[si / 2u])[si % 2u];
-        for (var j = 0u; j < NL; j++) {
-            let xo = xq_at(lanes[j]);
-            let idot = dot16(lo, xq[xo + 2u * v]) + dot16(hi, xq[xo + 2u * v + 1u]);
-            acc[j] += f32(idot) * (d * 0.0625 * xd[xd_at(lanes[j]) + v] * col_scale(j, v * 32u));
+#for r RT
+        {
+            // Nibbles q ^ 8 are q − 8 in 4-bit two's complement; shifted to the top of
+            // each byte they read as 16·(q − 8).
+            let sw = w[row_{r} * (KP / 32u) + v] ^ vec4<u32>(0x88888888u);
+            let lo = (sw << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
+            let hi = sw & vec4<u32>(0xF0F0F0F0u);
+            let si = row_{r} * (KP / 32u) + v;
+            let d = unpack2x16float(ws[si / 2u])[si % 2u];
+#for j NL
+            {
+                let xo = xq_at(ln_{j});
+                let idot = dot16(lo, xq[xo + 2u * v]) + dot16(hi, xq[xo + 2u * v + 1u]);
+                acc_{r}_{j} += f32(idot) * (d * 0.0625 * xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
+            }
+#endfor
         }
+#endfor
 #endif
 #if W_K4
-        // 16 quant bytes of a superblock: low nibbles are 16 values of sub-block 2i, high
-        // nibbles 16 of sub-block 2i+1 (i = c/2, the half h = c%2 of their 32). W_Q5_K adds
-        // each value's fifth bit from the superblock's qh bytes 16h…16h+16 (bit 2i for
-        // sub-block 2i, 2i+1 for 2i+1): levels 0…31 are still positive int8.
-        let sb = row * (KP / 256u) + v / 8u;
-        let c = v % 8u;
-        let i = c / 2u;
-        let h = c % 2u;
-        let q = w[sb * K4_DV + c];
-        let ones = vec4<u32>(0x01010101u);
-        var lo = q & vec4<u32>(0x0F0F0F0Fu);
-        var hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
+#for r RT
+        {
+            // 16 quant bytes of a superblock: low nibbles are 16 values of sub-block 2i,
+            // high nibbles 16 of sub-block 2i+1 (i = c/2, the half h = c%2 of their 32).
+            // W_Q5_K adds each value's fifth bit from the superblock's qh bytes 16h…16h+16
+            // (bit 2i for sub-block 2i, 2i+1 for 2i+1): levels 0…31 are still positive int8.
+            let sb = row_{r} * (KP / 256u) + v / 8u;
+            let c = v % 8u;
+            let i = c / 2u;
+            let h = c % 2u;
+            let q = w[sb * K4_DV + c];
+            let ones = vec4<u32>(0x01010101u);
+            var lo = q & vec4<u32>(0x0F0F0F0Fu);
+            var hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
 #if W_Q5_K
-        let qh = w[sb * K4_DV + 8u + h];
-        lo |= ((qh >> vec4<u32>(2u * i)) & ones) << vec4<u32>(4u);
-        hi |= ((qh >> vec4<u32>(2u * i + 1u)) & ones) << vec4<u32>(4u);
+            let qh = w[sb * K4_DV + 8u + h];
+            lo |= ((qh >> vec4<u32>(2u * i)) & ones) << vec4<u32>(4u);
+            hi |= ((qh >> vec4<u32>(2u * i + 1u)) & ones) << vec4<u32>(4u);
 #endif
-        let b0 = (v / 8u) * 8u + 2u * i;
-        let sv = ws[sb];
-        let dm = unpack2x16float(sv.x);
-        let s0 = k4_scale_min(sv, 2u * i);
-        let s1 = k4_scale_min(sv, 2u * i + 1u);
-        for (var j = 0u; j < NL; j++) {
-            let xo = xq_at(lanes[j]);
-            let x0 = xq[xo + 2u * b0 + h];
-            let x1 = xq[xo + 2u * b0 + 2u + h];
-            let xdo = xd_at(lanes[j]);
-            let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
-            let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
-            acc[j] += p0 * (xd[xdo + b0] * col_scale(j, b0 * 32u)) + p1 * (xd[xdo + b0 + 1u] * col_scale(j, b0 * 32u + 32u));
+            let b0 = (v / 8u) * 8u + 2u * i;
+            let sv = ws[sb];
+            let dm = unpack2x16float(sv.x);
+            let s0 = k4_scale_min(sv, 2u * i);
+            let s1 = k4_scale_min(sv, 2u * i + 1u);
+#for j NL
+            {
+                let xo = xq_at(ln_{j});
+                let x0 = xq[xo + 2u * b0 + h];
+                let x1 = xq[xo + 2u * b0 + 2u + h];
+                let xdo = xd_at(ln_{j});
+                let p0 = dm.x * s0.x * f32(dot16(lo, x0)) - dm.y * s0.y * f32(dot16(ones, x0));
+                let p1 = dm.x * s1.x * f32(dot16(hi, x1)) - dm.y * s1.y * f32(dot16(ones, x1));
+                acc_{r}_{j} += p0 * (xd[xdo + b0] * col_scale({j}u, b0 * 32u)) + p1 * (xd[xdo + b0 + 1u] * col_scale({j}u, b0 * 32u + 32u));
+            }
+#endfor
         }
+#endfor
 #endif
 #if W_Q6_K
-        // 64 values of a superblock: half n, l = 16h…16h+16 of each of its four quarters t
-        // (ql nibbles of two 16-byte runs, two bits each of one qh run); (q ^ 32) << 2 is
-        // 4·(q − 32).
-        let sbr = v / 4u;
-        let sb = row * (KP / 256u) + sbr;
-        let n = (v % 4u) / 2u;
-        let h = v % 2u;
-        let wbase = sb * 12u;
-        let qa = w[wbase + 4u * n + h];
-        let qb = w[wbase + 4u * n + 2u + h];
-        let qh = w[wbase + 8u + 2u * n + h];
-        let m4 = vec4<u32>(0x0F0F0F0Fu);
-        let m2 = vec4<u32>(0x03030303u);
-        let d = unpack2x16float(ws[sb * 5u + 4u]).x * 0.25;
-        // The i8 scales 8n + 2t + h of the four quarters: bytes h and h+2 of words 2n, 2n+1.
-        let scw = vec2<u32>(ws[sb * 5u + 2u * n], ws[sb * 5u + 2u * n + 1u]);
-        var qs: array<vec4<u32>, 4>;
-        var sc: array<f32, 4>;
-        for (var t = 0u; t < 4u; t++) {
-            var nib = qa;
-            if (t % 2u == 1u) {
-                nib = qb;
+#for r RT
+        {
+            // 64 values of a superblock: half n, l = 16h…16h+16 of each of its four
+            // quarters t (ql nibbles of two 16-byte runs, two bits each of one qh run);
+            // (q ^ 32) << 2 is 4·(q − 32).
+            let sbr = v / 4u;
+            let sb = row_{r} * (KP / 256u) + sbr;
+            let n = (v % 4u) / 2u;
+            let h = v % 2u;
+            let wbase = sb * 12u;
+            let qa = w[wbase + 4u * n + h];
+            let qb = w[wbase + 4u * n + 2u + h];
+            let qh = w[wbase + 8u + 2u * n + h];
+            let m4 = vec4<u32>(0x0F0F0F0Fu);
+            let m2 = vec4<u32>(0x03030303u);
+            let d = unpack2x16float(ws[sb * 5u + 4u]).x * 0.25;
+            // The i8 scales 8n + 2t + h of the quarters: bytes h and h+2 of words 2n, 2n+1.
+            let scw = vec2<u32>(ws[sb * 5u + 2u * n], ws[sb * 5u + 2u * n + 1u]);
+#for t 4
+            let qv_{t} = ((select(qa, qb, {t}u % 2u == 1u) >> vec4<u32>(4u * ({t}u / 2u))) & m4) | (((qh >> vec4<u32>(2u * {t}u)) & m2) << vec4<u32>(4u));
+            let qs_{t} = ((qv_{t} ^ vec4<u32>(0x20202020u)) << vec4<u32>(2u)) & vec4<u32>(0xFCFCFCFCu);
+            let sc_{t} = f32(bitcast<i32>(((scw[{t}u / 2u] >> (8u * (h + 2u * ({t}u % 2u)))) & 0xFFu) << 24u) >> 24u);
+#endfor
+#for j NL
+            {
+                let xo = xq_at(ln_{j});
+                let xdo = xd_at(ln_{j});
+                var part6 = 0.0;
+#for t 4
+                {
+                    let b = sbr * 8u + 4u * n + {t}u;
+                    part6 += f32(dot16(qs_{t}, xq[xo + 2u * b + h])) * (sc_{t} * xd[xdo + b] * col_scale({j}u, b * 32u));
+                }
+#endfor
+                acc_{r}_{j} += part6 * d;
             }
-            let qv = ((nib >> vec4<u32>(4u * (t / 2u))) & m4) | (((qh >> vec4<u32>(2u * t)) & m2) << vec4<u32>(4u));
-            qs[t] = ((qv ^ vec4<u32>(0x20202020u)) << vec4<u32>(2u)) & vec4<u32>(0xFCFCFCFCu);
-            let sbyte = (scw[t / 2u] >> (8u * (h + 2u * (t % 2u)))) & 0xFFu;
-            sc[t] = f32(bitcast<i32>(sbyte << 24u) >> 24u);
+#endfor
         }
-        for (var j = 0u; j < NL; j++) {
-            let xo = xq_at(lanes[j]);
-            let xdo = xd_at(lanes[j]);
-            var part6 = 0.0;
-            for (var t = 0u; t < 4u; t++) {
-                let b = sbr * 8u + 4u * n + t;
-                part6 += f32(dot16(qs[t], xq[xo + 2u * b + h])) * (sc[t] * xd[xdo + b] * col_scale(j, b * 32u));
-            }
-            acc[j] += part6 * d;
-        }
+#endfor
 #endif
 #if W_Q8
-        let wv = w[base + v];
+        // Each row's weights and scale once; each lane's input once for all RT rows.
         let blk = v / 2u;
-        let si = row * (KP / 32u) + blk;
-        let d = unpack2x16float(ws[si / 2u])[si % 2u];
-        for (var j = 0u; j < NL; j++) {
-            let a = xq[xq_at(lanes[j]) + v];
-            let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
-            acc[j] += f32(idot) * (d * xd[xd_at(lanes[j]) + blk] * col_scale(j, blk * 32u));
+#for r RT
+        let w_{r} = w[row_{r} * NV + v];
+        let si_{r} = row_{r} * (KP / 32u) + blk;
+        let d_{r} = unpack2x16float(ws[si_{r} / 2u])[si_{r} % 2u];
+#endfor
+#for j NL
+        {
+            let a = xq[xq_at(ln_{j}) + v];
+            let xs = xd[xd_at(ln_{j}) + blk];
+            let cs = col_scale({j}u, blk * 32u);
+#for r RT
+            acc_{r}_{j} += f32(dot4I8Packed(w_{r}.x, a.x) + dot4I8Packed(w_{r}.y, a.y) + dot4I8Packed(w_{r}.z, a.z) + dot4I8Packed(w_{r}.w, a.w)) * (d_{r} * xs * cs);
+#endfor
         }
+#endfor
 #endif
 #if W_HALF
-        let wv = w[base + v];
-        let wa = vec4<f32>(half2(wv.x), half2(wv.y));
-        let wb = vec4<f32>(half2(wv.z), half2(wv.w));
-        for (var j = 0u; j < NL; j++) {
-            let so = src_at(lanes[j]);
-            let xa = src[so + 2u * v] * col_scale(j, v * 8u);
-            let xb = src[so + 2u * v + 1u] * col_scale(j, v * 8u + 4u);
-            acc[j] += dot(wa, xa) + dot(wb, xb);
+#for r RT
+        let wq_{r} = w[row_{r} * NV + v];
+        let wa_{r} = vec4<f32>(half2(wq_{r}.x), half2(wq_{r}.y));
+        let wb_{r} = vec4<f32>(half2(wq_{r}.z), half2(wq_{r}.w));
+#endfor
+#for j NL
+        {
+            let so = src_at(ln_{j});
+            let xa = src[so + 2u * v] * col_scale({j}u, v * 8u);
+            let xb = src[so + 2u * v + 1u] * col_scale({j}u, v * 8u + 4u);
+#for r RT
+            acc_{r}_{j} += dot(wa_{r}, xa) + dot(wb_{r}, xb);
+#endfor
         }
+#endfor
 #endif
 #if W_F32
-        let wv = w[base + v];
-        for (var j = 0u; j < NL; j++) {
-            acc[j] += dot(wv, src[src_at(lanes[j]) + v] * col_scale(j, v * 4u));
+#for r RT
+        let wf_{r} = w[row_{r} * NV + v];
+#endfor
+#for j NL
+        {
+            let x = src[src_at(ln_{j}) + v] * col_scale({j}u, v * 4u);
+#for r RT
+            acc_{r}_{j} += dot(wf_{r}, x);
+#endfor
         }
+#endfor
 #endif
     }
-    for (var j = 0u; j < NL; j++) {
-        let total = team_sum(acc[j], lid);
-        let l = lanes[j];
-        if (lane == 0u && row_raw < M && wid.z * NL + j < LANES) {
+#for r RT
+#for j NL
+    {
+        let total = team_sum(acc_{r}_{j}, lid);
+        if (lane == 0u && first + {r}u < M && wid.z * NL + {j}u < LANES) {
 #if O_STORE
-            dst[l * DST_LS + row] = total;
+            dst[ln_{j} * DST_LS + row_{r}] = total;
 #endif
 #if O_ADD
-            dst[l * DST_LS + row] += total;
+            dst[ln_{j} * DST_LS + row_{r}] += total;
 #endif
 #if O_MIXER
-            mixer_row(l, row, total);
+            mixer_row(ln_{j}, row_{r}, total);
 #endif
         }
     }
+#endfor
+#endfor
 }

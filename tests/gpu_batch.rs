@@ -1,7 +1,8 @@
 //! Batched decode (lavapipe in CI): sequences in the slots of one batch, joining and
 //! leaving mid-way, greedy and seeded sampling side by side, must give every sequence the
 //! logits and tokens it gets alone — bitwise, at every step and lane count — on the pure
-//! Mamba2 and the hybrid fixtures, in f32 and q8_0 weights. A sequence that leaves hands
+//! Mamba2 fixture in every weight format and the hybrid in f32 and q8_0, and with more lanes
+//! than one workgroup sums (two rows of workgroups). A sequence that leaves hands
 //! back exactly the state of the same tokens fed alone.
 
 mod common;
@@ -32,6 +33,36 @@ const CASES: &[Case] = &[
         name: "mamba2 q8_0",
         model: || Model::synthetic(tiny_config(2, 16), 3),
         format: WeightFormat::Q8_0,
+    },
+    Case {
+        name: "mamba2 f16",
+        model: || Model::synthetic(tiny_config(2, 16), 4),
+        format: WeightFormat::F16,
+    },
+    Case {
+        name: "mamba2 bf16",
+        model: || Model::synthetic(tiny_config(2, 16), 5),
+        format: WeightFormat::BF16,
+    },
+    Case {
+        name: "mamba2 q4_0",
+        model: || Model::synthetic(tiny_config(2, 16), 6),
+        format: WeightFormat::Q4_0,
+    },
+    Case {
+        name: "mamba2 q4_k",
+        model: || Model::synthetic(tiny_config(2, 16), 7),
+        format: WeightFormat::Q4_K,
+    },
+    Case {
+        name: "mamba2 q5_k",
+        model: || Model::synthetic(tiny_config(2, 16), 8),
+        format: WeightFormat::Q5_K,
+    },
+    Case {
+        name: "mamba2 q6_k",
+        model: || Model::synthetic(tiny_config(2, 16), 9),
+        format: WeightFormat::Q6_K,
     },
     Case {
         name: "hybrid f32",
@@ -269,6 +300,56 @@ fn pipelined_steps_and_a_lane_stopped_early_hand_back_the_exact_state() {
             state == solo_state,
             "lane {slot}'s state handed back differs from the same tokens fed alone"
         );
+    }
+}
+
+#[test]
+fn more_lanes_than_a_workgroup_sums_stay_exact() {
+    let model = Model::synthetic(tiny_config(2, 16), 12);
+    let vocab = model.config.vocab_size;
+    let Some(mut be) = backend(&model, WeightFormat::Q8_0) else {
+        return;
+    };
+    let lanes = 19;
+    let greedy = Sampling::greedy();
+    let mut alone = Vec::new();
+    for lane in 0..lanes {
+        let p = prompt(1 + lane % 5, 300 + lane as u64, vocab);
+        let req = Req {
+            prompt: p.len(),
+            new: 3,
+            sampling: greedy,
+            joins: 0,
+        };
+        alone.push((p.clone(), solo(&mut be, &p, &req)));
+    }
+    be.enable_batch(lanes).unwrap();
+    let mut got: Vec<Vec<u32>> = Vec::new();
+    for (lane, (p, _)) in alone.iter().enumerate() {
+        be.reset().unwrap();
+        let first = be.prefill_sample(p, &greedy, p.len() as u64).unwrap();
+        got.push(vec![first]);
+        let batch = be.batch.as_mut().unwrap();
+        batch
+            .join(&be.engine, lane, first, p.len() as u64 + 1, &greedy, &[])
+            .unwrap();
+    }
+    let batch = be.batch.as_mut().unwrap();
+    for step in 0..3 {
+        batch
+            .step(&be.engine, 1, &mut |lane, c| {
+                got[lane].push(c.token);
+                true
+            })
+            .unwrap();
+        for (lane, (_, (_, logits))) in alone.iter().enumerate() {
+            let l = batch.logits(&be.engine, lane).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&l) == bits(&logits[step]), "lane {lane} step {step}");
+        }
+    }
+    for (lane, (_, (tokens, _))) in alone.iter().enumerate() {
+        assert_eq!(&got[lane], tokens, "lane {lane}");
     }
 }
 

@@ -1,7 +1,11 @@
 //! WGSL assembly: a kernel's source is `common.wgsl` + its own file, specialized by
 //! constants (prepended as `const NAME = value;`) and by `#if FLAG` / `#else` / `#endif`
 //! lines (for code that must not even be compiled without a feature, like subgroup
-//! built-ins). Pipelines are built once per specialization at load.
+//! built-ins), and `#for VAR COUNT` / `#endfor` blocks repeated COUNT times (a constant's
+//! name or a number) with `{VAR}` replaced by 0, 1, …: straight-line code over scalar
+//! variables where a loop over a local array would leave the array in memory (NVIDIA's
+//! compiler did, for the batch GEMV's accumulators). Pipelines are built once per
+//! specialization at load.
 
 use crate::error::{Error, Result};
 
@@ -36,13 +40,15 @@ pub fn assemble(
             Const::F32(x) => out.push_str(&format!("const {k}: f32 = {x:e};\n")),
         }
     }
-    // (active, seen_else) per open #if
-    let mut stack: Vec<(bool, bool)> = Vec::new();
-    for (n, line) in std::iter::once(COMMON)
+    let lines: Vec<String> = std::iter::once(COMMON)
         .chain(sources.iter().copied())
         .flat_map(str::lines)
-        .enumerate()
-    {
+        .map(str::to_string)
+        .collect();
+    let lines = unroll(name, &lines, consts)?;
+    // (active, seen_else) per open #if
+    let mut stack: Vec<(bool, bool)> = Vec::new();
+    for (n, line) in lines.iter().enumerate() {
         let t = line.trim_start();
         let active = stack.iter().all(|(a, _)| *a);
         if let Some(cond) = t.strip_prefix("#if ") {
@@ -71,6 +77,64 @@ pub fn assemble(
     }
     if !stack.is_empty() {
         return Err(Error::Gpu(format!("{name}.wgsl: unterminated #if")));
+    }
+    Ok(out)
+}
+
+/// Expands the `#for VAR COUNT` … `#endfor` blocks of `lines` (nested ones too).
+fn unroll(name: &str, lines: &[String], consts: &[(&str, Const)]) -> Result<Vec<String>> {
+    let mut out = Vec::with_capacity(lines.len());
+    let mut i = 0;
+    while i < lines.len() {
+        let Some(head) = lines[i].trim_start().strip_prefix("#for ") else {
+            if lines[i].trim_start().starts_with("#endfor") {
+                return Err(Error::Gpu(format!("{name}.wgsl: stray #endfor")));
+            }
+            out.push(lines[i].clone());
+            i += 1;
+            continue;
+        };
+        let mut words = head.split_whitespace();
+        let (Some(var), Some(count), None) = (words.next(), words.next(), words.next()) else {
+            return Err(Error::Gpu(format!(
+                "{name}.wgsl: `#for {head}`: want #for VAR COUNT"
+            )));
+        };
+        let count = match count.parse::<u32>() {
+            Ok(n) => n,
+            Err(_) => match consts.iter().find(|(k, _)| *k == count) {
+                Some((_, Const::U32(n))) => *n,
+                _ => {
+                    return Err(Error::Gpu(format!(
+                        "{name}.wgsl: `#for {head}`: {count} is no u32 constant"
+                    )));
+                }
+            },
+        };
+        // The matching #endfor.
+        let mut depth = 1;
+        let mut end = i + 1;
+        while end < lines.len() {
+            let t = lines[end].trim_start();
+            if t.starts_with("#for ") {
+                depth += 1;
+            } else if t.starts_with("#endfor") {
+                depth -= 1;
+                if depth == 0 {
+                    break;
+                }
+            }
+            end += 1;
+        }
+        if depth != 0 {
+            return Err(Error::Gpu(format!("{name}.wgsl: unterminated #for {var}")));
+        }
+        let body = unroll(name, &lines[i + 1..end], consts)?;
+        let key = format!("{{{var}}}");
+        for k in 0..count {
+            out.extend(body.iter().map(|l| l.replace(&key, &k.to_string())));
+        }
+        i = end + 1;
     }
     Ok(out)
 }
@@ -127,6 +191,20 @@ mod tests {
         assert_eq!(body(&[]), "aef");
         assert!(assemble("t", &["#if X\n"], &[], &[]).is_err());
         assert!(assemble("t", &["#endif\n"], &[], &[]).is_err());
+    }
+
+    #[test]
+    fn for_blocks_repeat_with_the_index() {
+        let src = "#for r R\n#for j 2\n@{r}{j}\n#endfor\n@{r}\n#endfor\n@end";
+        let s = assemble("t", &[src], &[("R", Const::U32(3))], &[]).unwrap();
+        let body: Vec<&str> = s.lines().filter_map(|l| l.strip_prefix('@')).collect();
+        assert_eq!(
+            body,
+            ["00", "01", "0", "10", "11", "1", "20", "21", "2", "end"]
+        );
+        assert!(assemble("t", &["#for j 2\n"], &[], &[]).is_err());
+        assert!(assemble("t", &["#endfor\n"], &[], &[]).is_err());
+        assert!(assemble("t", &["#for j NOPE\n#endfor\n"], &[], &[]).is_err());
     }
 }
 
