@@ -164,8 +164,9 @@ impl Engine {
         }
     }
 
-    /// The batched loop: each round, one prompt chunk of a sequence still reading its
-    /// prompt (in the backend's own store), then `DECODE_QUANTUM` steps of the batch.
+    /// The batched loop: each round, prompt chunks (up to `PREFILL_CHUNK` tokens) of the
+    /// sequences still reading their prompts (in the backend's own store), then
+    /// `DECODE_QUANTUM` steps of the batch.
     fn run_batched(mut self, jobs: Receiver<Job>) {
         let mut waiting: VecDeque<Job> = VecDeque::new();
         let mut active: Vec<Seq> = Vec::new();
@@ -188,17 +189,27 @@ impl Engine {
                 }
                 continue;
             }
-            // A prompt chunk for one sequence not yet in the batch.
-            let reading: Vec<usize> = (0..active.len())
-                .filter(|&i| active[i].slot.is_none() && !active[i].over)
-                .collect();
-            if !reading.is_empty() {
+            // Prompt chunks of the sequences not yet in the batch, in turn, up to
+            // PREFILL_CHUNK prompt tokens per round (at least one chunk): short prompts
+            // join together instead of one per round, long ones do not stall the batch.
+            let mut budget = PREFILL_CHUNK;
+            let mut tried = 0;
+            loop {
+                let reading: Vec<usize> = (0..active.len())
+                    .filter(|&i| active[i].slot.is_none() && !active[i].over)
+                    .collect();
+                if reading.is_empty() || tried >= reading.len() || budget == 0 {
+                    break;
+                }
+                tried += 1;
                 turn %= reading.len();
                 let i = reading[turn];
                 turn += 1;
+                let before = active[i].fed.len();
                 let r = self
                     .switch_to(&mut active, &mut loaded, i)
                     .and_then(|()| self.step(&mut active[i], 0));
+                budget = budget.saturating_sub((active[i].fed.len() - before).max(1));
                 match r {
                     Ok(true) => active[i].over = true,
                     Ok(false) if active[i].pending.is_some() => {
