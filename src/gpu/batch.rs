@@ -6,8 +6,9 @@
 //! the same sequence decoded alone (`tests/gpu_batch.rs` checks it).
 //!
 //! A sequence enters a slot from the engine's own store (where its prompt was prefilled)
-//! and leaves back into it (for the prefix cache). Slots between live ones are stopped
-//! lanes: their steps change nothing. Steps are pipelined like the one-sequence decode:
+//! and leaves back into it (for the prefix cache). Slots between live ones (and up to the
+//! next power of two, which bounds the graphs built) are stopped lanes: their steps change
+//! nothing. Steps are pipelined like the one-sequence decode:
 //! up to `RING` in flight, each lane's control block read back asynchronously.
 
 use std::collections::{HashMap, VecDeque};
@@ -49,6 +50,13 @@ pub struct Batch {
     graphs: HashMap<(usize, Tail), Graph>,
     ring: Vec<wgpu::Buffer>,
     lanes: Vec<Slot>,
+}
+
+/// The lanes a step dispatches when slot `live - 1` is the highest live one: a power of
+/// two (at most the slots), so a batch builds at most log2(slots) + 1 graphs per tail (each
+/// lane count is its own set of pipelines); the free slots in between are stopped lanes.
+fn lanes_for(live: usize, slots: usize) -> usize {
+    live.next_power_of_two().min(slots)
 }
 
 /// Why a model cannot decode in batches (MoE layers, or group sizes the fused graph
@@ -95,6 +103,14 @@ impl Batch {
                 )
             })
             .collect::<Result<_>>()?;
+        // Every slot starts stopped: a step that spans a free slot changes nothing there.
+        let stopped = Ctrl {
+            stopped: 1,
+            ..Default::default()
+        };
+        let all: Vec<Ctrl> = vec![stopped; slots];
+        ctx.queue
+            .write_buffer(&scratch.ctrl, 0, bytemuck::cast_slice(&all));
         ctx.check()?;
         Ok(Batch {
             slots,
@@ -264,7 +280,7 @@ impl Batch {
                 .filter(|&i| self.lanes[i].live && !self.lanes[i].ended)
                 .collect();
             if submitted < steps && !running.is_empty() && inflight.len() < RING {
-                let n = running.last().map_or(1, |&i| i + 1);
+                let n = lanes_for(running.last().map_or(1, |&i| i + 1), self.slots);
                 let greedy = running.iter().filter(|&&i| self.lanes[i].greedy).count();
                 let tail = match greedy {
                     g if g == running.len() => Tail::Greedy,
@@ -350,7 +366,9 @@ impl Batch {
         let greedy = running.iter().all(|&i| self.lanes[i].greedy);
         let tail = if greedy { Tail::Greedy } else { Tail::Mixed };
         let ctx = engine.ctx().clone();
-        let graph = self.graph(engine, last + 1, tail)?.clone();
+        let graph = self
+            .graph(engine, lanes_for(last + 1, self.slots), tail)?
+            .clone();
         let Some(profiler) = crate::gpu::profiler::Profiler::new(&ctx, graph.len())? else {
             return Ok(None);
         };
