@@ -240,6 +240,22 @@ impl Batch {
         self.lanes[slot].ended = true;
     }
 
+    /// Builds every graph a step may take (each power-of-two lane count, greedy, sampled
+    /// and mixed), so no request waits for their pipelines to compile: a server calls it
+    /// at start.
+    pub fn prepare(&mut self, engine: &Engine) -> Result<()> {
+        let mut n = 1;
+        loop {
+            for tail in [Tail::Greedy, Tail::Sample, Tail::Mixed] {
+                self.graph(engine, n, tail)?;
+            }
+            if n >= self.slots {
+                return Ok(());
+            }
+            n = lanes_for(n + 1, self.slots);
+        }
+    }
+
     /// The graph of `n` lanes with `tail`, built on first use.
     fn graph(&mut self, engine: &Engine, n: usize, tail: Tail) -> Result<&Graph> {
         if !self.graphs.contains_key(&(n, tail)) {

@@ -121,12 +121,22 @@ impl Engine {
         if self.slots > 1
             && let Some(gpu) = self.backend.gpu()
         {
-            match gpu.enable_batch(self.slots) {
+            let ready = gpu.enable_batch(self.slots).and_then(|()| {
+                let t0 = Instant::now();
+                let batch = gpu.batch.as_mut().ok_or_else(no_batch)?;
+                batch.prepare(&gpu.engine)?;
+                tracing::info!("batch graphs built in {:.1} s", t0.elapsed().as_secs_f64());
+                Ok(())
+            });
+            match ready {
                 Ok(()) => {
                     tracing::info!("batched decode: {} slots", self.slots);
                     return self.run_batched(jobs);
                 }
-                Err(e) => tracing::info!("batched decode off ({e}): sequences take turns"),
+                Err(e) => {
+                    gpu.batch = None;
+                    tracing::info!("batched decode off ({e}): sequences take turns");
+                }
             }
         }
         self.run_turns(jobs)
