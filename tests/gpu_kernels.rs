@@ -246,6 +246,123 @@ fn gemv_every_format_and_shape() {
     }
 }
 
+/// The batch GEMV (`gemv_lanes.wgsl`) against the one-token kernel, bitwise, lane by lane:
+/// every weight format, plain and group-normed inputs (whose teams own several rows), row
+/// counts no tiling divides, 3 of 5 lanes dispatched.
+#[test]
+fn gemv_lanes_equal_the_one_token_kernel_bitwise() {
+    let Some(g) = Gpu::new() else { return };
+    let (n, cap) = (3, 5);
+    let lanes = Lanes::new(n, cap);
+    let formats = [
+        WeightFormat::F32,
+        WeightFormat::F16,
+        WeightFormat::BF16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_K,
+        WeightFormat::Q5_K,
+        WeightFormat::Q6_K,
+    ];
+    for (rows, cols, grouped) in [(37, 256, true), (2051, 256, true), (129, 1000, false)] {
+        let w = rand(3, rows * cols, -1.0, 1.0);
+        let (groups, bpg) = (2, 4);
+        for format in formats {
+            let p = pack(format, &w, rows, cols);
+            let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
+            // Each lane's input: f32 rows and q8 blocks, lanes W values apart.
+            let width = p.kp.next_multiple_of(256);
+            let (mut src, mut xq, mut xd) = (
+                vec![0f32; cap * width],
+                vec![0u32; cap * width / 4],
+                vec![0f32; cap * width / 32],
+            );
+            let mut one = Vec::new();
+            for l in 0..cap {
+                let mut x = rand(10 + l as u64, cols, -2.0, 2.0);
+                x.resize(p.kp, 0.0);
+                let (q, d) = q8_blocks(&x);
+                src[l * width..l * width + p.kp].copy_from_slice(&x);
+                xq[l * width / 4..l * width / 4 + q.len()].copy_from_slice(&q);
+                xd[l * width / 32..l * width / 32 + d.len()].copy_from_slice(&d);
+                one.push((x, q, d));
+            }
+            let part = rand(7, cap * groups * bpg, 0.5, 2.0);
+            let input = if grouped {
+                GemvInput::Group {
+                    groups,
+                    group_size: cols / groups,
+                    blocks_per_group: bpg,
+                    eps: 1e-5,
+                }
+            } else {
+                GemvInput::Plain
+            };
+            let quantized = format.reads_q8();
+            let (sb, qb, db, pb) = (
+                g.buf(&src),
+                g.ctx()
+                    .storage_with("xq", bytemuck::cast_slice(&xq))
+                    .unwrap(),
+                g.buf(&xd),
+                g.buf(&part),
+            );
+            let dst = g.zeros(cap * rows);
+            g.run(
+                &gemv(
+                    &g.k,
+                    "lanes",
+                    &m,
+                    input,
+                    GemvOutput::Store,
+                    GemvBuffers {
+                        part: Some(&pb),
+                        lanes,
+                        ..gemv_buffers(&sb, quantized.then_some((&qb, &db)), &dst)
+                    },
+                )
+                .unwrap(),
+            );
+            let got = g.read(&dst, cap * rows);
+            for (l, (x, q, d)) in one.iter().enumerate().take(n) {
+                let (s1, q1, d1, p1) = (
+                    g.buf(x),
+                    g.ctx().storage_with("xq", bytemuck::cast_slice(q)).unwrap(),
+                    g.buf(d),
+                    g.buf(&part[l * groups * bpg..(l + 1) * groups * bpg]),
+                );
+                let d1st = g.zeros(rows);
+                g.run(
+                    &gemv(
+                        &g.k,
+                        "one",
+                        &m,
+                        input,
+                        GemvOutput::Store,
+                        GemvBuffers {
+                            part: Some(&p1),
+                            ..gemv_buffers(&s1, quantized.then_some((&q1, &d1)), &d1st)
+                        },
+                    )
+                    .unwrap(),
+                );
+                let want = g.read(&d1st, rows);
+                let lane = &got[l * rows..(l + 1) * rows];
+                for r in 0..rows {
+                    assert_eq!(
+                        lane[r].to_bits(),
+                        want[r].to_bits(),
+                        "{} [{rows},{cols}] grouped {grouped}: lane {l} row {r}: {} vs {}",
+                        format.name(),
+                        lane[r],
+                        want[r]
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn rmsnorm_writes_f32_and_q8_inputs() {
     let Some(g) = Gpu::new() else { return };
