@@ -15,16 +15,9 @@ fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
     return v > bv || (v == bv && i < bi);
 }
 
-var<workgroup> skip_lane: u32;
-
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    ln = wid.x;
-    lo = ln * V;
-    if (lid == 0u) {
-        skip_lane = select(1u, 0u, mine());
-    }
-    if (workgroupUniformLoad(&skip_lane) != 0u) {
+    if (enter_lane(wid.x, lid)) {
         return;
     }
     if (lid == 0u) {

@@ -22,6 +22,19 @@ fn mine() -> bool {
 #endif
 }
 
+var<workgroup> skip_lane: u32;
+
+// Sets the workgroup's lane (`ln`, `lo`) and says whether the other sampling kernel serves
+// it (the whole workgroup then returns). Call first, in uniform control flow.
+fn enter_lane(lane: u32, lid: u32) -> bool {
+    ln = lane;
+    lo = lane * V;
+    if (lid == 0u) {
+        skip_lane = select(1u, 0u, mine());
+    }
+    return workgroupUniformLoad(&skip_lane) != 0u;
+}
+
 fn emit_token(t: u32, bad: bool) {
     if (ctrl[ln].stopped != 0u) {
         return;

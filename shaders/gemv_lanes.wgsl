@@ -17,48 +17,6 @@
 // Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
 
-#if W_F32
-@group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
-const VW: u32 = 4u;
-#endif
-#if W_HALF
-@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
-const VW: u32 = 8u;
-#endif
-#if W_Q8
-@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
-@group(0) @binding(1) var<storage, read> ws: array<u32>;
-const VW: u32 = 16u;
-#endif
-#if W_Q4_0
-const VW: u32 = 32u;
-#endif
-#if W_K4
-const VW: u32 = 32u;
-#endif
-#if W_Q6_K
-const VW: u32 = 64u;
-#endif
-#if X_Q8
-@group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
-@group(0) @binding(4) var<storage, read> xd: array<f32>;
-#else
-@group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
-#endif
-@group(0) @binding(5) var<storage, read_write> dst: array<f32>;
-#if O_MIXER
-@group(0) @binding(6) var<storage, read_write> conv_state: array<f32>;
-@group(0) @binding(7) var<storage, read> ctrl: array<Ctrl>;
-@group(0) @binding(8) var<storage, read> params: array<f32>;
-#endif
-#if X_GROUP
-@group(0) @binding(9) var<storage, read> part: array<f32>;
-var<workgroup> grp_rstd: array<f32, G * NL>;
-var<workgroup> grp_red: array<f32, WG>;
-#endif
-
-const NV: u32 = KP / VW;
-
 // The group-norm factor of input column k for lane slot j (1 without X_GROUP).
 fn col_scale(j: u32, k: u32) -> f32 {
 #if X_GROUP
@@ -66,11 +24,6 @@ fn col_scale(j: u32, k: u32) -> f32 {
 #else
     return 1.0;
 #endif
-}
-
-// Σ over 16 q8 values of q_w·q_x: four dot4I8Packed of weight bytes `q` and input `x`.
-fn dot16(q: vec4<u32>, x: vec4<u32>) -> i32 {
-    return dot4I8Packed(q.x, x.x) + dot4I8Packed(q.y, x.y) + dot4I8Packed(q.z, x.z) + dot4I8Packed(q.w, x.w);
 }
 
 // Lane slot j's lane: the workgroup's z-th group of NL, the last lane repeated past LANES.

@@ -78,16 +78,9 @@ fn threshold(goal: f32, floor_bits: u32, count: bool, lid: u32) -> u32 {
     return lo;
 }
 
-var<workgroup> skip_lane: u32;
-
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    ln = wid.x;
-    lo = ln * V;
-    if (lid == 0u) {
-        skip_lane = select(1u, 0u, mine());
-    }
-    if (workgroupUniformLoad(&skip_lane) != 0u) {
+    if (enter_lane(wid.x, lid)) {
         return;
     }
     if (lid == 0u) {

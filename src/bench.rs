@@ -951,7 +951,7 @@ pub fn batch(
         for lane in 0..batch {
             backend.reset()?;
             let first = backend.prefill_sample(&[prompt(lane)], &greedy, 1)?;
-            let b = backend.batch.as_mut().expect("batch enabled above");
+            let b = backend.batch.as_mut().ok_or_else(no_batch)?;
             b.join(&backend.engine, lane, first, 2, &greedy, &[])?;
         }
         let mut got: Vec<Vec<u32>> = alone.iter().map(|a| a[..1].to_vec()).collect();
@@ -960,7 +960,7 @@ pub fn batch(
         for run in 0..=runs {
             let n = if run == 0 { warmup.max(1) } else { steps };
             let t0 = Instant::now();
-            let b = backend.batch.as_mut().expect("batch enabled above");
+            let b = backend.batch.as_mut().ok_or_else(no_batch)?;
             b.step(&backend.engine, n, &mut |lane, c| {
                 got[lane].push(c.token);
                 true
@@ -970,7 +970,7 @@ pub fn batch(
             }
         }
         let exact = alone.iter().zip(&got).all(|(a, g)| a == g);
-        let b = backend.batch.as_mut().expect("batch enabled above");
+        let b = backend.batch.as_mut().ok_or_else(no_batch)?;
         let kernels = b.profile_step(&backend.engine)?.unwrap_or_default();
         backend.batch = None;
         (median(&mut times), exact, kernels)
@@ -995,4 +995,8 @@ pub fn batch(
         exact,
         kernels_ms,
     })
+}
+
+fn no_batch() -> Error {
+    Error::Gpu("the batch made for this benchmark is gone".into())
 }

@@ -231,11 +231,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                             args.profile_tokens,
                             cached,
                         )?;
-                        if args.json {
-                            println!("{}", serde_json::to_string(&report)?);
-                        } else {
-                            print!("{}", report.text());
-                        }
+                        show(args.json, &report, report.text())?;
                     }
                 }
                 for &prefix in &args.cached_prefix {
@@ -246,11 +242,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         args.new_tokens,
                         args.prefill_runs,
                     )?;
-                    if args.json {
-                        println!("{}", serde_json::to_string(&report)?);
-                    } else {
-                        print!("{}", report.text());
-                    }
+                    show(args.json, &report, report.text())?;
                 }
                 for &b in &args.batch {
                     let report = mamba2_wgpu::bench::batch(
@@ -261,23 +253,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         args.warmup,
                         args.prefill_runs,
                     )?;
-                    if args.json {
-                        println!("{}", serde_json::to_string(&report)?);
-                    } else {
-                        print!("{}", report.text());
-                    }
+                    show(args.json, &report, report.text())?;
                 }
                 for &len in &args.prefill {
                     let report =
                         mamba2_wgpu::bench::prefill(&mut backend, name, len, args.prefill_runs)?;
-                    if args.json {
-                        println!("{}", serde_json::to_string(&report)?);
-                    } else {
-                        print!("{}", report.text());
-                    }
+                    show(args.json, &report, report.text())?;
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Prints a report: one JSON line with `--json`, else its text.
+fn show(json: bool, report: &impl serde::Serialize, text: String) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        print!("{text}");
     }
     Ok(())
 }

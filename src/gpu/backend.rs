@@ -16,7 +16,7 @@ use crate::gpu::graph::{Ctrl, Tail};
 use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill, SHORT_BLOCK};
 use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
 use crate::gpu::state_store::{DeviceSnapshot, KvFormat};
-use crate::sampling::{Sampling, seed_key};
+use crate::sampling::Sampling;
 use crate::session::{Backend, nonfinite_row};
 use crate::state::LayerState;
 
@@ -87,30 +87,7 @@ impl GpuBackend {
     }
 
     fn ctrl(&self, token: u32, pos: u64, sampling: &Sampling, stop: &[u32]) -> Result<Ctrl> {
-        if stop.len() > 4 {
-            return Err(Error::InvalidInput(format!(
-                "at most 4 stop tokens on the GPU, got {}",
-                stop.len()
-            )));
-        }
-        let mut stop_ids = [0u32; 4];
-        stop_ids[..stop.len()].copy_from_slice(stop);
-        Ok(Ctrl {
-            token,
-            pos: pos as u32,
-            stopped: 0,
-            n_stop: stop.len() as u32,
-            stop_ids,
-            seed_key: seed_key(sampling.seed),
-            temperature: sampling.temperature,
-            // More than u32::MAX candidates means "all of them", as does any k ≥ vocab.
-            top_k: sampling.top_k.min(u32::MAX as usize) as u32,
-            top_p: sampling.top_p,
-            cursor: 0,
-            prompt_len: 0,
-            kv_len: self.engine.len as u32,
-            nonfinite: 0,
-        })
+        Ctrl::sequence(token, pos, self.engine.len, sampling, stop)
     }
 
     /// The error for non-finite logits at position `pos`, naming the layer at fault from

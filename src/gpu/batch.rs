@@ -21,7 +21,7 @@ use crate::gpu::graph::{Ctrl, Graph, Tail};
 use crate::gpu::kernels::Lanes;
 use crate::gpu::scratch::Scratch;
 use crate::gpu::state_store::DeviceState;
-use crate::sampling::{Sampling, seed_key};
+use crate::sampling::Sampling;
 
 /// Steps in flight.
 const RING: usize = 3;
@@ -158,29 +158,7 @@ impl Batch {
                 engine.config.vocab_size
             )));
         }
-        if stop.len() > 4 {
-            return Err(Error::InvalidInput(format!(
-                "at most 4 stop tokens on the GPU, got {}",
-                stop.len()
-            )));
-        }
-        let mut stop_ids = [0u32; 4];
-        stop_ids[..stop.len()].copy_from_slice(stop);
-        let ctrl = Ctrl {
-            token: first,
-            pos: pos as u32,
-            stopped: 0,
-            n_stop: stop.len() as u32,
-            stop_ids,
-            seed_key: seed_key(sampling.seed),
-            temperature: sampling.temperature,
-            top_k: sampling.top_k.min(u32::MAX as usize) as u32,
-            top_p: sampling.top_p,
-            cursor: 0,
-            prompt_len: 0,
-            kv_len: engine.len as u32,
-            nonfinite: 0,
-        };
+        let ctrl = Ctrl::sequence(first, pos, engine.len, sampling, stop)?;
         let ctx = engine.ctx();
         let mut enc = ctx.device.create_command_encoder(&Default::default());
         self.state

@@ -38,6 +38,44 @@ pub struct Ctrl {
     pub nonfinite: u32,
 }
 
+impl Ctrl {
+    /// The control block of a sequence that feeds `token` with `kv_len` tokens already in
+    /// its state and samples at position `pos` by `sampling`; a sampled id in `stop` (at
+    /// most 4) stops it.
+    pub fn sequence(
+        token: u32,
+        pos: u64,
+        kv_len: usize,
+        sampling: &crate::sampling::Sampling,
+        stop: &[u32],
+    ) -> crate::error::Result<Ctrl> {
+        if stop.len() > 4 {
+            return Err(crate::error::Error::InvalidInput(format!(
+                "at most 4 stop tokens on the GPU, got {}",
+                stop.len()
+            )));
+        }
+        let mut stop_ids = [0u32; 4];
+        stop_ids[..stop.len()].copy_from_slice(stop);
+        Ok(Ctrl {
+            token,
+            pos: pos as u32,
+            stopped: 0,
+            n_stop: stop.len() as u32,
+            stop_ids,
+            seed_key: crate::sampling::seed_key(sampling.seed),
+            temperature: sampling.temperature,
+            // More than u32::MAX candidates means "all of them", as does any k ≥ vocab.
+            top_k: sampling.top_k.min(u32::MAX as usize) as u32,
+            top_p: sampling.top_p,
+            cursor: 0,
+            prompt_len: 0,
+            kv_len: kv_len as u32,
+            nonfinite: 0,
+        })
+    }
+}
+
 /// What ends a token's dispatch list.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tail {

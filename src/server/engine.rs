@@ -174,6 +174,53 @@ impl Engine {
         }
     }
 
+    /// Takes new requests and admits waiting ones up to the slots (a client that left
+    /// before its turn frees its place); false when nothing is active.
+    fn admit(
+        &self,
+        jobs: &Receiver<Job>,
+        waiting: &mut VecDeque<Job>,
+        active: &mut Vec<Seq>,
+        open: &mut bool,
+    ) -> bool {
+        Self::intake(jobs, waiting, open, active.is_empty());
+        waiting.retain(|j| !j.events.is_closed());
+        while active.len() < self.slots.max(1)
+            && let Some(job) = waiting.pop_front()
+        {
+            active.push(Seq::new(job));
+        }
+        self.metrics.queued.store(waiting.len(), Ordering::Relaxed);
+        self.metrics.active.store(active.len(), Ordering::Relaxed);
+        !active.is_empty()
+    }
+
+    /// Removes finished sequence `i`, keeping `loaded` pointing at the same sequence (None
+    /// if it was `i`), and refreshes the cache metrics.
+    fn remove(&self, active: &mut Vec<Seq>, loaded: &mut Option<usize>, i: usize) -> Seq {
+        let seq = active.remove(i);
+        *loaded = match *loaded {
+            Some(l) if l == i => None,
+            Some(l) if l > i => Some(l - 1),
+            other => other,
+        };
+        if let Ok(mut c) = self.metrics.cache.lock() {
+            *c = self.cache.stats();
+        }
+        seq
+    }
+
+    /// After the last request: metrics to zero, the prefix cache written to its directory.
+    fn shut_down(&mut self) {
+        self.metrics.queued.store(0, Ordering::Relaxed);
+        self.metrics.active.store(0, Ordering::Relaxed);
+        match self.cache.persist(self.backend.as_mut()) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("prefix cache: {n} entries written to disk"),
+            Err(e) => tracing::warn!("prefix cache: {e}"),
+        }
+    }
+
     /// The batched loop: each round, prompt chunks (up to `PREFILL_CHUNK` tokens) of the
     /// sequences still reading their prompts (in the backend's own store), then
     /// `DECODE_QUANTUM` steps of the batch.
@@ -184,16 +231,7 @@ impl Engine {
         let mut open = true;
         let mut turn = 0usize;
         loop {
-            Self::intake(&jobs, &mut waiting, &mut open, active.is_empty());
-            waiting.retain(|j| !j.events.is_closed());
-            while active.len() < self.slots
-                && let Some(job) = waiting.pop_front()
-            {
-                active.push(Seq::new(job));
-            }
-            self.metrics.queued.store(waiting.len(), Ordering::Relaxed);
-            self.metrics.active.store(active.len(), Ordering::Relaxed);
-            if active.is_empty() {
+            if !self.admit(&jobs, &mut waiting, &mut active, &mut open) {
                 if !open {
                     break;
                 }
@@ -224,12 +262,12 @@ impl Engine {
                     Ok(true) => active[i].over = true,
                     Ok(false) if active[i].pending.is_some() => {
                         if let Err(e) = self.join(&mut active[i]) {
-                            self.fail(&mut active[i], e);
+                            self.fail(&mut active[i], &e);
                         }
                         loaded = None;
                     }
                     Ok(false) => {}
-                    Err(e) => self.fail(&mut active[i], e),
+                    Err(e) => self.fail(&mut active[i], &e),
                 }
             }
             self.decode_batch(&mut active);
@@ -240,34 +278,18 @@ impl Engine {
                     i += 1;
                     continue;
                 }
-                let seq = active.remove(i);
-                if let Some(l) = loaded {
-                    loaded = match l.cmp(&i) {
-                        std::cmp::Ordering::Equal => None,
-                        std::cmp::Ordering::Greater => Some(l - 1),
-                        std::cmp::Ordering::Less => Some(l),
-                    };
-                }
+                let seq = self.remove(&mut active, &mut loaded, i);
                 if let Some(slot) = seq.slot {
                     self.leave(&mut active, &mut loaded, slot, &seq);
-                }
-                if let Ok(mut c) = self.metrics.cache.lock() {
-                    *c = self.cache.stats();
                 }
             }
             self.metrics.active.store(active.len(), Ordering::Relaxed);
         }
-        self.metrics.queued.store(0, Ordering::Relaxed);
-        self.metrics.active.store(0, Ordering::Relaxed);
-        match self.cache.persist(self.backend.as_mut()) {
-            Ok(0) => {}
-            Ok(n) => tracing::info!("prefix cache: {n} entries written to disk"),
-            Err(e) => tracing::warn!("prefix cache: {e}"),
-        }
+        self.shut_down();
     }
 
     /// Sends `e` to a sequence and ends it.
-    fn fail(&mut self, seq: &mut Seq, e: crate::Error) {
+    fn fail(&self, seq: &mut Seq, e: &crate::Error) {
         let _ = seq.job.events.send(Event::Error(e.to_string()));
         self.metrics.failed.fetch_add(1, Ordering::Relaxed);
         seq.over = true;
@@ -303,7 +325,7 @@ impl Engine {
         {
             match self.backend.snapshot() {
                 Ok(s) => active[l].parked = Some(s),
-                Err(e) => self.fail(&mut active[l], e),
+                Err(e) => self.fail(&mut active[l], &e),
             }
         }
         let r = (|| {
@@ -404,9 +426,7 @@ impl Engine {
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if let Err(e) = r {
             for seq in active.iter_mut().filter(|s| s.slot.is_some() && !s.over) {
-                let _ = seq.job.events.send(Event::Error(e.to_string()));
-                self.metrics.failed.fetch_add(1, Ordering::Relaxed);
-                seq.over = true;
+                self.fail(seq, &e);
             }
         }
     }
@@ -420,17 +440,7 @@ impl Engine {
         let mut open = true;
         let mut turn = 0usize;
         loop {
-            Self::intake(&jobs, &mut waiting, &mut open, active.is_empty());
-            // A client that left before its turn frees its place.
-            waiting.retain(|j| !j.events.is_closed());
-            while active.len() < self.slots.max(1)
-                && let Some(job) = waiting.pop_front()
-            {
-                active.push(Seq::new(job));
-            }
-            self.metrics.queued.store(waiting.len(), Ordering::Relaxed);
-            self.metrics.active.store(active.len(), Ordering::Relaxed);
-            if active.is_empty() {
+            if !self.admit(&jobs, &mut waiting, &mut active, &mut open) {
                 if !open {
                     break;
                 }
@@ -457,27 +467,13 @@ impl Engine {
                 }
             };
             if finished {
-                active.remove(turn);
-                if let Ok(mut c) = self.metrics.cache.lock() {
-                    *c = self.cache.stats();
-                }
+                self.remove(&mut active, &mut loaded, turn);
                 self.metrics.active.store(active.len(), Ordering::Relaxed);
-                loaded = match loaded {
-                    Some(l) if l == turn => None,
-                    Some(l) if l > turn => Some(l - 1),
-                    other => other,
-                };
             } else {
                 turn += 1;
             }
         }
-        self.metrics.queued.store(0, Ordering::Relaxed);
-        self.metrics.active.store(0, Ordering::Relaxed);
-        match self.cache.persist(self.backend.as_mut()) {
-            Ok(0) => {}
-            Ok(n) => tracing::info!("prefix cache: {n} entries written to disk"),
-            Err(e) => tracing::warn!("prefix cache: {e}"),
-        }
+        self.shut_down();
     }
 
     /// Makes the backend hold sequence `i`'s state: parks the one it holds, then restores

@@ -13,7 +13,7 @@ use crate::gpu::kernels::attention_decode::{attention_decode, decode_partials_le
 use crate::gpu::kernels::attention_prefill::attention_prefill;
 use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
-use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::gemv::{self, GemvInput, GemvOutput};
 use crate::gpu::kernels::kv_store::kv_store;
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
@@ -65,10 +65,6 @@ pub fn decode(
     let (k, s) = (b.k, b.s);
     let ac = layer_consts(b)?;
     let q8 = b.q8();
-    let gemv_in = |src, dst| GemvBuffers {
-        lanes: b.lanes,
-        ..GemvBuffers::plain(src, q8, dst)
-    };
     let bufs = AttnBuffers {
         qkv: &s.qkv,
         k_cache,
@@ -83,7 +79,7 @@ pub fn decode(
             qkv,
             GemvInput::Plain,
             GemvOutput::Store,
-            gemv_in(&s.h, &s.qkv),
+            b.gemv_in(&s.h, &s.qkv),
         )?),
         kv_store(k, "kv_store", ac, None, &bufs)?,
         attention_decode(k, "attention", ac, &bufs, &s.attn_part)?,
@@ -103,7 +99,7 @@ pub fn decode(
             o,
             GemvInput::Plain,
             GemvOutput::Add,
-            gemv_in(&s.attn, &s.resid),
+            b.gemv_in(&s.attn, &s.resid),
         )?),
     ])
 }

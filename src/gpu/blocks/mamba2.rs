@@ -93,10 +93,7 @@ pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>
     let eps = c.norm_eps;
     let ssd = ssd_consts(c, b.layout);
     let q8 = b.q8();
-    let gemv_in = |src| GemvBuffers {
-        lanes: b.lanes,
-        ..GemvBuffers::plain(src, q8, &s.mix)
-    };
+    let gemv_in = |src| b.gemv_in(src, &s.mix);
     let mut d = Vec::new();
     if fused {
         d.push(gemv::gemv(

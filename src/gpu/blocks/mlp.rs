@@ -7,7 +7,7 @@ use super::BlockCtx;
 use crate::config::MlpConfig;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
-use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::gemv::{self, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act, mlp_act_rows};
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
@@ -37,10 +37,6 @@ pub fn decode(
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let q8 = b.q8();
-    let gemv_in = |src, dst| GemvBuffers {
-        lanes: b.lanes,
-        ..GemvBuffers::plain(src, q8, dst)
-    };
     // A batch's lanes: one activation row per lane, rows one GEMV input apart.
     let rows = if b.lanes.cap > 1 {
         b.s.lane_width
@@ -54,7 +50,7 @@ pub fn decode(
             up,
             GemvInput::Plain,
             GemvOutput::Store,
-            gemv_in(&s.h, &s.mlp_up),
+            b.gemv_in(&s.h, &s.mlp_up),
         )?),
         mlp_act_rows(
             k,
@@ -77,7 +73,7 @@ pub fn decode(
             down,
             GemvInput::Plain,
             GemvOutput::Add,
-            gemv_in(&s.mlp, &s.resid),
+            b.gemv_in(&s.mlp, &s.resid),
         )?),
     ])
 }

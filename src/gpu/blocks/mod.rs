@@ -43,6 +43,15 @@ impl BlockCtx<'_> {
     pub fn q8(&self) -> Option<(&wgpu::Buffer, &wgpu::Buffer)> {
         self.format.reads_q8().then_some((&self.s.xq, &self.s.xd))
     }
+
+    /// A decode GEMV's buffers: `dst = W·src` (or the q8 blocks of src) over this
+    /// context's lanes, no epilogue buffers.
+    pub fn gemv_in<'b>(&'b self, src: &'b wgpu::Buffer, dst: &'b wgpu::Buffer) -> GemvBuffers<'b> {
+        GemvBuffers {
+            lanes: self.lanes,
+            ..GemvBuffers::plain(src, self.q8(), dst)
+        }
+    }
 }
 
 /// The decode graph of one token: `fused` picks the Mamba2 recipe (shapes the fused
@@ -130,10 +139,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
             w.head(),
             GemvInput::Plain,
             GemvOutput::Store,
-            GemvBuffers {
-                lanes: b.lanes,
-                ..GemvBuffers::plain(&s.h, b.q8(), &s.logits)
-            },
+            b.gemv_in(&s.h, &s.logits),
         )?);
     }
     let v = c.vocab_size;

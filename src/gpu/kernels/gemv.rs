@@ -17,6 +17,7 @@ use crate::model::quant::WeightFormat;
 const SOURCES: super::Sources = &[
     include_str!("../../../shaders/mixer_row.wgsl"),
     include_str!("../../../shaders/block_quant.wgsl"),
+    include_str!("../../../shaders/gemv_bindings.wgsl"),
     include_str!("../../../shaders/gemv.wgsl"),
 ];
 
@@ -27,6 +28,7 @@ const SOURCES: super::Sources = &[
 const LANE_SOURCES: super::Sources = &[
     include_str!("../../../shaders/mixer_row.wgsl"),
     include_str!("../../../shaders/block_quant.wgsl"),
+    include_str!("../../../shaders/gemv_bindings.wgsl"),
     include_str!("../../../shaders/gemv_lanes.wgsl"),
 ];
 
