@@ -1,130 +1,262 @@
-// The prefill projections on cooperative matrices (tensor cores where the device has them;
-// experimental in wgpu, opt-in with MAMBA2_COOPMAT=1): Y[t, m] (=|+=) Σ_k X[t, k]·W[m, k]
-// for the T = ctrl.prompt_len tokens of a block, W [M, KP] in f16 or q8_0, X [T, XS] f32.
-// A workgroup of eight 32-wide subgroups computes 64 tokens × 128 rows: each k-step stages
-// a 64 × 32 slice of X in workgroup memory as f16; f16 weights are read as B tiles straight
-// from the weight buffer when every tile lies inside it (DIRECT: M a multiple of 128, KP
-// of 32), other weights are converted into workgroup memory first. Subgroup s multiplies
-// tokens 16·(s%4).. by rows 64·(s/4).. into four f32 accumulators (16×16×16 tiles).
+// The prefill projections on cooperative matrices (tensor cores where the device has them):
+// Y[t, m] (=|+=) Σ_k X[t, k]·W[m, k] for the T = ctrl.prompt_len tokens of a block,
+// W [M, KP] in f16 or q8_0 (KP a multiple of 32), X [T, XS] f32, multiplied as f16 into f32
+// accumulators on 16×16×16 tiles.
+//
+// A workgroup of WT × WR subgroups of 32 computes BT tokens × BM rows; subgroup s owns
+// tokens (s % WT)·FT·16.. and rows (s / WT)·FM·16.. of it, FT × FM accumulator tiles. The K
+// loop takes steps of BK = 32 through two stages of workgroup memory: while the tiles
+// multiply one stage, every invocation already holds the next step's slices in registers
+// (16-byte loads, X converted to f16, q8_0 dequantized to f16), stored into the other stage
+// before the step's one barrier. Workgroup memory holds vec2<f16> pairs (half the store
+// instructions of f16 elements; the cooperative loads count their stride in pairs; an
+// array of u32 pairs instead made NVIDIA's compiler fail). Rows are LD = 40 halves (80
+// bytes) apart, so the eight 16-byte rows a tile load reads fall in distinct banks.
+//
+// Without COOP (lavapipe, the tests) four stand-ins replace the cooperative ops and the
+// rest of the kernel is the same: a fragment is its offset in workgroup memory (in
+// halves), and invocation `lane` of a subgroup's 32 holds row lane/2, columns
+// (lane%2)·8.. of each accumulator tile.
+//
+// Constants: M, KP, XS, YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
+// XV = BT·8/NT X slices (vec4) and WV = BM·PW/NT W slices (16 bytes) per invocation, PW
+// slices per row and step (4 for f16, 2 for q8_0) of VP values each (8, 16).
 
 enable f16;
-enable wgpu_cooperative_matrix;
 
-#if W_F16
-@group(0) @binding(0) var<storage, read> w: array<f16>;
-#endif
-#if W_Q8
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+#if W_Q8
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
 #endif
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<storage, read> ctrl: Ctrl;
 
-const BT: u32 = 64u;
-const BM: u32 = 128u;
 const BK: u32 = 32u;
-const LDX: u32 = 40u;
-const LDY: u32 = 128u;
+const LD: u32 = 40u;
+const LD2: u32 = LD / 2u;
+// One stage, in pairs.
+const XTILE: u32 = BT * LD2;
+const WTILE: u32 = BM * LD2;
 
-var<workgroup> xs: array<f16, 2560>;
-var<workgroup> ys: array<f32, 8192>;
-#if !DIRECT
-const LDW: u32 = 40u;
-var<workgroup> wsh: array<f16, 5120>;
+var<workgroup> xs: array<vec2<f16>, 2u * XTILE>;
+var<workgroup> wsh: array<vec2<f16>, 2u * WTILE>;
+// One 16×16 f32 tile per subgroup on its way out.
+var<workgroup> outs: array<f32, WT * WR * 256u>;
+
+// X slice `e` of the step at column k: token t0 + e/8, columns k + (e%8)·4 .. +4.
+fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> vec4<f32> {
+    let t = t0 + e / 8u;
+    if (t < tokens) {
+        return x[(t * XS + k) / 4u + e % 8u];
+    }
+    return vec4<f32>(0.0);
+}
+
+// W slice `e` of the step at column k: row m0 + e/PW, columns k + (e%PW)·VP .. +VP.
+fn w_slice(m0: u32, k: u32, e: u32) -> vec4<u32> {
+    let m = m0 + e / PW;
+    if (m < M) {
+        return w[(m * KP + k) / VP + e % PW];
+    }
+    return vec4<u32>(0u);
+}
+
+// The q8_0 scale of W slice `e` (its 32-value block).
+fn w_scale(m0: u32, k: u32, e: u32) -> f32 {
+#if W_Q8
+    let m = m0 + e / PW;
+    if (m < M) {
+        let si = m * (KP / 32u) + k / 32u;
+        return unpack2x16float(ws[si / 2u])[si % 2u];
+    }
+#endif
+    return 0.0;
+}
+
+fn put_x(stage: u32, e: u32, v: vec4<f32>) {
+    let o = stage * XTILE + (e / 8u) * LD2 + (e % 8u) * 2u;
+    xs[o] = vec2<f16>(v.xy);
+    xs[o + 1u] = vec2<f16>(v.zw);
+}
+
+fn put_w(stage: u32, e: u32, q: vec4<u32>, d: f32) {
+    let o = stage * WTILE + (e / PW) * LD2 + (e % PW) * (VP / 2u);
+#if W_F16
+    wsh[o] = vec2<f16>(unpack2x16float(q.x));
+    wsh[o + 1u] = vec2<f16>(unpack2x16float(q.y));
+    wsh[o + 2u] = vec2<f16>(unpack2x16float(q.z));
+    wsh[o + 3u] = vec2<f16>(unpack2x16float(q.w));
+#endif
+#if W_Q8
+    for (var j = 0u; j < 4u; j++) {
+        let v = vec4<f32>(unpack4xI8(q[j])) * d;
+        wsh[o + 2u * j] = vec2<f16>(v.xy);
+        wsh[o + 2u * j + 1u] = vec2<f16>(v.zw);
+    }
+#endif
+}
+
+#if !COOP
+struct Acc {
+    lo: vec4<f32>,
+    hi: vec4<f32>,
+}
+
+fn xs_half(i: u32) -> f32 {
+    return f32(xs[i / 2u][i % 2u]);
+}
+
+fn wsh_half(i: u32) -> f32 {
+    return f32(wsh[i / 2u][i % 2u]);
+}
+
+// c + A·B for the A tile at half a of xs (16 tokens × 16 columns, rows LD halves apart)
+// and the B tile at half b of wsh (16 rows of W × 16 columns): this invocation's eight
+// entries.
+fn emu_mma(a: u32, b: u32, c: Acc, lane: u32) -> Acc {
+    let r = lane / 2u;
+    let c0 = b + (lane % 2u) * 8u * LD;
+    var lo = c.lo;
+    var hi = c.hi;
+    for (var k = 0u; k < 16u; k++) {
+        let av = xs_half(a + r * LD + k);
+        lo += av * vec4<f32>(
+            wsh_half(c0 + k),
+            wsh_half(c0 + LD + k),
+            wsh_half(c0 + 2u * LD + k),
+            wsh_half(c0 + 3u * LD + k),
+        );
+        hi += av * vec4<f32>(
+            wsh_half(c0 + 4u * LD + k),
+            wsh_half(c0 + 5u * LD + k),
+            wsh_half(c0 + 6u * LD + k),
+            wsh_half(c0 + 7u * LD + k),
+        );
+    }
+    return Acc(lo, hi);
+}
+
+fn emu_store(c: Acc, ob: u32, lane: u32) {
+    let o = ob + (lane / 2u) * 16u + (lane % 2u) * 8u;
+    for (var i = 0u; i < 4u; i++) {
+        outs[o + i] = c.lo[i];
+        outs[o + 4u + i] = c.hi[i];
+    }
+}
 #endif
 
-@compute @workgroup_size(256)
+// Writes (or adds) the 16×16 tile at outs[ob] to tokens tb.., rows mb.. of Y.
+fn emit(ob: u32, lane: u32, tb: u32, mb: u32, tokens: u32) {
+    let col = lane % 16u;
+    let m = mb + col;
+    for (var r = lane / 16u; r < 16u; r += 2u) {
+        let t = tb + r;
+        if (t < tokens && m < M) {
+#if O_STORE
+            y[t * YS + m] = outs[ob + r * 16u + col];
+#endif
+#if O_ADD
+            y[t * YS + m] += outs[ob + r * 16u + col];
+#endif
+        }
+    }
+}
+
+@compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let tokens = ctrl.prompt_len;
     let m0 = wid.x * BM;
     let t0 = wid.y * BT;
     let sg = lid / 32u;
-    let tb = (sg % 4u) * 16u;
-    let rb = (sg / 4u) * 64u;
-    var c0: coop_mat16x16<f32, C>;
-    var c1: coop_mat16x16<f32, C>;
-    var c2: coop_mat16x16<f32, C>;
-    var c3: coop_mat16x16<f32, C>;
-    // X loader: token lid/4, columns (lid%4)·8 .. +8 of the k-step.
-    let xr = lid / 4u;
-    let xseg = (lid % 4u) * 8u;
-    for (var k = 0u; k < KP; k += BK) {
-        var lo = vec4<f32>(0.0);
-        var hi = vec4<f32>(0.0);
-        if (t0 + xr < tokens) {
-            let base = ((t0 + xr) * XS + k + xseg) / 4u;
-            lo = x[base];
-            hi = x[base + 1u];
-        }
-        for (var i = 0u; i < 4u; i++) {
-            xs[xr * LDX + xseg + i] = f16(lo[i]);
-            xs[xr * LDX + xseg + 4u + i] = f16(hi[i]);
-        }
-#if !DIRECT
-        // W loader: row lid/2, columns (lid%2)·16 .. +16 (zero past the matrix).
-        let wr = lid / 2u;
-        let wseg = (lid % 2u) * 16u;
-#if W_Q8
-        var q = vec4<u32>(0u);
-        var d = 0.0;
-        if (m0 + wr < M && k + wseg < KP) {
-            q = w[((m0 + wr) * KP + k + wseg) / 16u];
-            let si = (m0 + wr) * (KP / 32u) + (k + wseg) / 32u;
-            d = unpack2x16float(ws[si / 2u])[si % 2u];
-        }
-        for (var j = 0u; j < 4u; j++) {
-            let v = vec4<f32>(unpack4xI8(q[j])) * d;
-            for (var i = 0u; i < 4u; i++) {
-                wsh[wr * LDW + wseg + 4u * j + i] = f16(v[i]);
-            }
-        }
+    let lane = lid % 32u;
+    let tw = (sg % WT) * FT * 16u;
+    let rw = (sg / WT) * FM * 16u;
+#for i FT
+#for j FM
+#if COOP
+    var c{i}_{j}: coop_mat16x16<f32, C>;
 #else
-        for (var i = 0u; i < 16u; i++) {
-            var v = f16(0.0);
-            if (m0 + wr < M && k + wseg + i < KP) {
-                v = w[(m0 + wr) * KP + k + wseg + i];
-            }
-            wsh[wr * LDW + wseg + i] = v;
-        }
+    var c{i}_{j}: Acc;
 #endif
-#endif
-        workgroupBarrier();
-        for (var kk = 0u; kk < BK; kk += 16u) {
-            let a = coopLoadT<coop_mat16x16<f16, A>>(&xs[tb * LDX + kk], LDX);
-#if DIRECT
-            let wb = (m0 + rb) * KP + k + kk;
-            c0 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&w[wb], KP), c0);
-            c1 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&w[wb + 16u * KP], KP), c1);
-            c2 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&w[wb + 32u * KP], KP), c2);
-            c3 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&w[wb + 48u * KP], KP), c3);
-#endif
-#if !DIRECT
-            c0 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&wsh[rb * LDW + kk], LDW), c0);
-            c1 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&wsh[(rb + 16u) * LDW + kk], LDW), c1);
-            c2 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&wsh[(rb + 32u) * LDW + kk], LDW), c2);
-            c3 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&wsh[(rb + 48u) * LDW + kk], LDW), c3);
-#endif
-        }
-        workgroupBarrier();
-    }
-    coopStoreT(c0, &ys[tb * LDY + rb], LDY);
-    coopStoreT(c1, &ys[tb * LDY + rb + 16u], LDY);
-    coopStoreT(c2, &ys[tb * LDY + rb + 32u], LDY);
-    coopStoreT(c3, &ys[tb * LDY + rb + 48u], LDY);
+#endfor
+#endfor
+    // Step 0 into stage 0.
+#for v XV
+    var xr{v} = x_slice(t0, tokens, 0u, lid + {v}u * NT);
+    put_x(0u, lid + {v}u * NT, xr{v});
+#endfor
+#for v WV
+    var wr{v} = w_slice(m0, 0u, lid + {v}u * NT);
+    var wd{v} = w_scale(m0, 0u, lid + {v}u * NT);
+    put_w(0u, lid + {v}u * NT, wr{v}, wd{v});
+#endfor
     workgroupBarrier();
-    for (var e = lid; e < BT * BM; e += 256u) {
-        let r = e / BM;
-        let col = e % BM;
-        let t = t0 + r;
-        let m = m0 + col;
-        if (t < tokens && m < M) {
-#if O_STORE
-            y[t * YS + m] = ys[r * LDY + col];
-#endif
-#if O_ADD
-            y[t * YS + m] += ys[r * LDY + col];
-#endif
+    let steps = KP / BK;
+    for (var s = 0u; s < steps; s++) {
+        let more = s + 1u < steps;
+        if (more) {
+            let k = (s + 1u) * BK;
+#for v XV
+            xr{v} = x_slice(t0, tokens, k, lid + {v}u * NT);
+#endfor
+#for v WV
+            wr{v} = w_slice(m0, k, lid + {v}u * NT);
+            wd{v} = w_scale(m0, k, lid + {v}u * NT);
+#endfor
         }
+        // Tile offsets in halves.
+        let xb = (s % 2u) * 2u * XTILE + tw * LD;
+        let wb = (s % 2u) * 2u * WTILE + rw * LD;
+#for q 2
+#for i FT
+#if COOP
+        let a{i}_{q} = coopLoadT<coop_mat16x16<f16, A>>(&xs[(xb + {i}u * 16u * LD + {q}u * 16u) / 2u], LD2);
+#else
+        let a{i}_{q} = xb + {i}u * 16u * LD + {q}u * 16u;
+#endif
+#endfor
+#for j FM
+#if COOP
+        let b{j}_{q} = coopLoad<coop_mat16x16<f16, B>>(&wsh[(wb + {j}u * 16u * LD + {q}u * 16u) / 2u], LD2);
+#else
+        let b{j}_{q} = wb + {j}u * 16u * LD + {q}u * 16u;
+#endif
+#endfor
+#for i FT
+#for j FM
+#if COOP
+        c{i}_{j} = coopMultiplyAdd(a{i}_{q}, b{j}_{q}, c{i}_{j});
+#else
+        c{i}_{j} = emu_mma(a{i}_{q}, b{j}_{q}, c{i}_{j}, lane);
+#endif
+#endfor
+#endfor
+#endfor
+        if (more) {
+            let next = (s + 1u) % 2u;
+#for v XV
+            put_x(next, lid + {v}u * NT, xr{v});
+#endfor
+#for v WV
+            put_w(next, lid + {v}u * NT, wr{v}, wd{v});
+#endfor
+        }
+        workgroupBarrier();
     }
+    // Out through this subgroup's 16×16 tile of workgroup memory, one accumulator at a
+    // time (the barriers are uniform: every subgroup has FT × FM of them).
+    let ob = sg * 256u;
+#for i FT
+#for j FM
+#if COOP
+    coopStoreT(c{i}_{j}, &outs[ob], 16u);
+#else
+    emu_store(c{i}_{j}, ob, lane);
+#endif
+    workgroupBarrier();
+    emit(ob, lane, t0 + tw + {i}u * 16u, m0 + rw + {j}u * 16u, tokens);
+    workgroupBarrier();
+#endfor
+#endfor
 }

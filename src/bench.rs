@@ -561,7 +561,66 @@ pub struct PrefillReport {
     pub kernels_ms: Vec<(String, f64)>,
     /// FLOPs of the projections (2·T·params of in_proj, out_proj) and the rate achieved.
     pub gemm_tflops: f64,
+    /// Each GEMM kind and weight shape: GPU time summed over layers and blocks, and rate.
+    pub gemm_shapes: Vec<GemmRate>,
     pub anchors: Vec<(Anchor, f64)>,
+}
+
+/// One GEMM kind of a prefill profile (`mamba2/in_proj+conv` over `rows` × `cols` weights
+/// in every layer that has it): its GPU time for the prompt and TFLOP/s.
+#[derive(Clone, Debug, Serialize)]
+pub struct GemmRate {
+    pub kind: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub ms: f64,
+    pub tflops: f64,
+}
+
+/// The GEMMs of a profile of a `tokens`-token prompt, by kind and shape.
+fn gemm_rates(profile: &[crate::gpu::profiler::KernelTime], tokens: usize) -> Vec<GemmRate> {
+    // Every block records the same dispatches: the first one's count is the block count.
+    let blocks = match profile.first() {
+        Some(first) => profile.iter().filter(|k| k.name == first.name).count(),
+        None => return Vec::new(),
+    };
+    let mut out: Vec<GemmRate> = Vec::new();
+    // FLOPs summed alongside, then turned into rates.
+    let mut flops: Vec<f64> = Vec::new();
+    for k in profile {
+        let Some((rows, cols)) = k.label.gemm else {
+            continue;
+        };
+        let kind = k.kind();
+        let f = 2.0 * (tokens as f64 / blocks as f64) * rows as f64 * cols as f64;
+        match out
+            .iter()
+            .position(|g| g.kind == kind && (g.rows, g.cols) == (rows, cols))
+        {
+            Some(i) => {
+                out[i].ms += k.ns / 1e6;
+                flops[i] += f;
+            }
+            None => {
+                out.push(GemmRate {
+                    kind,
+                    rows,
+                    cols,
+                    ms: k.ns / 1e6,
+                    tflops: 0.0,
+                });
+                flops.push(f);
+            }
+        }
+    }
+    for (g, f) in out.iter_mut().zip(flops) {
+        g.tflops = if g.ms > 0.0 {
+            f / (g.ms * 1e-3) / 1e12
+        } else {
+            f64::NAN
+        };
+    }
+    out
 }
 
 /// Times prompts of `tokens` tokens: `runs` timed runs after one warm-up, then one
@@ -651,6 +710,7 @@ pub fn prefill(
         } else {
             f64::NAN
         },
+        gemm_shapes: gemm_rates(&profile, tokens),
         anchors,
     })
 }
@@ -671,6 +731,13 @@ impl PrefillReport {
         s += &join_ms(&self.sections_ms, 1, "");
         s += "\n  kernels:";
         s += &join_ms(&self.kernels_ms, 2, ";");
+        s += "\n  GEMM shapes:";
+        for g in &self.gemm_shapes {
+            s += &format!(
+                " {} {}×{} {:.1} ms {:.1} TFLOP/s;",
+                g.kind, g.rows, g.cols, g.ms, g.tflops
+            );
+        }
         s += "\n";
         for (a, ratio) in &self.anchors {
             s += &format!(

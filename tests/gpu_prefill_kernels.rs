@@ -26,13 +26,14 @@ use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::chunk::ChunkConsts;
 use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm, gemm_split, split_slices};
+use mamba2_wgpu::gpu::kernels::gemm_coop::{DEFAULT_TILE, Tile as CoopTile, gemm_coop, specialize};
 use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
 use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill_conv_state};
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use mamba2_wgpu::gpu::kernels::{
     Dispatch, Kernels, ssd_cb, ssd_chunk_state, ssd_cumsum, ssd_state_pass,
 };
-use mamba2_wgpu::gpu::shader::{Const, assemble};
+use mamba2_wgpu::gpu::shader::assemble;
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::quant::{WeightFormat, pack, unpack};
 use mamba2_wgpu::reference::math::{silu, softplus};
@@ -59,9 +60,13 @@ enum Kernel {
     /// `gemm_split`: the K loop split over workgroup slices, then `gemm_reduce` (blocks of at
     /// most one token tile).
     GemmSplit(WeightFormat, GemmOutput),
-    /// `gemm_coop.wgsl` for these weights and output, parsed, validated and translated to
-    /// SPIR-V by naga (no run: lavapipe has no cooperative matrices).
+    /// `gemm_coop.wgsl` for these weights and output on every tile of `COOP_TILES`, with the
+    /// cooperative ops and with their stand-ins: parsed, validated and translated to SPIR-V
+    /// by naga (lavapipe has no cooperative matrices to run them on).
     GemmCoopWgsl(WeightFormat, GemmOutput),
+    /// `gemm_coop` run with its portable stand-ins for the cooperative ops on tile
+    /// `EMULATED_TILES[i]`: the staging, indexing and output of the tensor-core kernel.
+    GemmCoopEmulated(WeightFormat, GemmOutput, usize),
     /// `prefill_conv` then `prefill_conv_state`, in one pass as the block graph records them.
     Conv,
     Cumsum,
@@ -78,6 +83,12 @@ impl Kernel {
             Kernel::Gemm(w, o) => format!("gemm {} {}", w.name(), out(o)),
             Kernel::GemmSplit(w, o) => format!("gemm split-K {} {}", w.name(), out(o)),
             Kernel::GemmCoopWgsl(w, o) => format!("gemm_coop wgsl {} {}", w.name(), out(o)),
+            Kernel::GemmCoopEmulated(w, o, t) => format!(
+                "gemm_coop emulated {} {} tile {}",
+                w.name(),
+                out(o),
+                EMULATED_TILES[t]
+            ),
             Kernel::Conv => "prefill_conv+state".into(),
             Kernel::Cumsum => "ssd_cumsum".into(),
             Kernel::Cb => "ssd_cb".into(),
@@ -140,6 +151,70 @@ struct SsdShape {
     cap: usize,
     blocks: &'static [usize],
 }
+
+/// Tiles the tensor-core GEMM is validated on: the default, and the others `bench` times.
+const COOP_TILES: &[CoopTile] = &[
+    DEFAULT_TILE,
+    CoopTile {
+        bt: 128,
+        bm: 128,
+        wt: 4,
+        wr: 2,
+    },
+    CoopTile {
+        bt: 64,
+        bm: 128,
+        wt: 2,
+        wr: 2,
+    },
+    CoopTile {
+        bt: 128,
+        bm: 64,
+        wt: 2,
+        wr: 2,
+    },
+    CoopTile {
+        bt: 64,
+        bm: 64,
+        wt: 2,
+        wr: 2,
+    },
+    CoopTile {
+        bt: 32,
+        bm: 32,
+        wt: 1,
+        wr: 1,
+    },
+];
+
+/// Tiles small enough for lavapipe's 32 KiB of workgroup memory, run with the stand-ins:
+/// one subgroup, subgroups along tokens only, along rows only, and both.
+const EMULATED_TILES: &[CoopTile] = &[
+    CoopTile {
+        bt: 32,
+        bm: 32,
+        wt: 1,
+        wr: 1,
+    },
+    CoopTile {
+        bt: 64,
+        bm: 32,
+        wt: 2,
+        wr: 1,
+    },
+    CoopTile {
+        bt: 32,
+        bm: 64,
+        wt: 1,
+        wr: 2,
+    },
+    CoopTile {
+        bt: 64,
+        bm: 64,
+        wt: 2,
+        wr: 2,
+    },
+];
 
 const GEMMS: &[GemmShape] = &[
     GemmShape {
@@ -357,12 +432,19 @@ fn cases() -> Vec<Case> {
                     tol: F32_TOL,
                 });
             }
-            // gemm_coop reads f16 and q8_0 (the other formats take gemm everywhere).
-            if matches!(w, F16 | Q8_0) {
+            // gemm_coop reads f16 and q8_0 rows padded to 32 (the rest take gemm everywhere).
+            if matches!(w, F16 | Q8_0) && w.padded_cols(s.k) % 32 == 0 {
                 v.push(Case {
                     kernel: Kernel::GemmCoopWgsl(w, s.out),
                     shape,
                     tol: 0.0,
+                });
+                // Each shape and format on one of the tiles, in turn.
+                let tile = (v.len() / 3) % EMULATED_TILES.len();
+                v.push(Case {
+                    kernel: Kernel::GemmCoopEmulated(w, s.out, tile),
+                    shape,
+                    tol: F32_TOL,
                 });
             }
         }
@@ -398,6 +480,11 @@ fn gemm_every_format() {
 #[test]
 fn gemm_split_k_every_format() {
     run_cases(|k| matches!(k, Kernel::GemmSplit(..)));
+}
+
+#[test]
+fn gemm_coop_emulated_every_format() {
+    run_cases(|k| matches!(k, Kernel::GemmCoopEmulated(..)));
 }
 
 #[test]
@@ -467,6 +554,9 @@ fn run_cases(pick: impl Fn(Kernel) -> bool) {
             (Kernel::Gemm(w, out), Shape::Gemm(s), Some(g)) => run_gemm(g, seed, w, out, s, false),
             (Kernel::GemmSplit(w, out), Shape::Gemm(s), Some(g)) => {
                 run_gemm(g, seed, w, out, s, true)
+            }
+            (Kernel::GemmCoopEmulated(w, out, t), Shape::Gemm(s), Some(g)) => {
+                run_gemm_coop_emulated(g, seed, w, out, s, EMULATED_TILES[t])
             }
             (kernel, Shape::Ssd(s), Some(g)) => run_ssd(g, seed, kernel, s),
             _ => Err("kernel and shape do not go together".into()),
@@ -648,6 +738,14 @@ fn compare(what: &str, got: &[f32], want: &[f32], region: impl Fn(usize) -> Regi
 // gemm
 // ---------------------------------------------------------------------------------------
 
+/// Which GEMM dispatch `run_gemm_with` builds.
+#[derive(Clone, Copy)]
+enum GemmPath {
+    Plain,
+    SplitK,
+    CoopEmulated(CoopTile),
+}
+
 fn run_gemm(
     g: &Gpu,
     seed: u64,
@@ -656,27 +754,83 @@ fn run_gemm(
     s: &GemmShape,
     split: bool,
 ) -> Res<Vec<Stat>> {
+    let path = if split {
+        GemmPath::SplitK
+    } else {
+        GemmPath::Plain
+    };
+    run_gemm_with(g, seed, w, out, s, path)
+}
+
+/// The tensor-core kernel with its stand-ins, held to the f32 bound against products of
+/// the operands as it multiplies them: X and the dequantized weights rounded to f16.
+fn run_gemm_coop_emulated(
+    g: &Gpu,
+    seed: u64,
+    w: WeightFormat,
+    out: GemmOutput,
+    s: &GemmShape,
+    tile: CoopTile,
+) -> Res<Vec<Stat>> {
+    run_gemm_with(g, seed, w, out, s, GemmPath::CoopEmulated(tile))
+}
+
+fn run_gemm_with(
+    g: &Gpu,
+    seed: u64,
+    w: WeightFormat,
+    out: GemmOutput,
+    s: &GemmShape,
+    path: GemmPath,
+) -> Res<Vec<Stat>> {
     let (m, k, ys) = (s.m, s.k, s.ys);
     // The split GEMM's buffers hold one token tile.
-    let cap = if split { TILE.1 } else { s.cap };
+    let cap = if matches!(path, GemmPath::SplitK) {
+        TILE.1
+    } else {
+        s.cap
+    };
     let xs = k.next_multiple_of(32);
     let p = pack(w, &rand(seed, m * k, -1.0, 1.0), m, k);
-    let deq = unpack(&p);
+    let f16_operands = matches!(path, GemmPath::CoopEmulated(_));
+    let to_f16 = |v: f32| {
+        if f16_operands {
+            half::f16::from_f32(v).to_f32()
+        } else {
+            v
+        }
+    };
+    let deq: Vec<f32> = unpack(&p).into_iter().map(to_f16).collect();
     let mat = DeviceMatrix::upload(g.ctx(), "w", &p).map_err(err)?;
     let mut xh = vec![f32::NAN; cap * xs];
     let mut yh = vec![f32::NAN; cap * ys];
     let (xb, yb, ctrl) = (g.buf(&xh)?, g.buf(&yh)?, g.buf(&[0.0; 16])?);
-    let ds = if split {
-        // (A K whose padded width has no whole slices runs the plain GEMM: checked too.)
-        let slices = split_slices(&mat);
-        let part = g.buf(&vec![f32::NAN; slices * TILE.1 * m])?;
-        gemm_split(&g.k, "gemm", &mat, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
-    } else {
-        vec![
-            gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl)
-                .map_err(err)?
-                .per_token(1, TILE.1, 1),
-        ]
+    let ds = match path {
+        GemmPath::SplitK => {
+            // (A K whose padded width has no whole slices runs the plain GEMM: checked too.)
+            let slices = split_slices(&mat);
+            let part = g.buf(&vec![f32::NAN; slices * TILE.1 * m])?;
+            gemm_split(&g.k, "gemm", &mat, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
+        }
+        GemmPath::Plain => {
+            vec![gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl).map_err(err)?]
+        }
+        GemmPath::CoopEmulated(tile) => vec![
+            gemm_coop(
+                &g.k,
+                "gemm_coop",
+                &mat,
+                cap,
+                &xb,
+                &yb,
+                ys,
+                out,
+                &ctrl,
+                tile,
+                true,
+            )
+            .map_err(err)?,
+        ],
     };
     let mut stats = Vec::new();
     for (b, &t) in s.blocks.iter().enumerate() {
@@ -699,8 +853,9 @@ fn run_gemm(
         g.run(&ds.iter().collect::<Vec<_>>(), t)?;
         let got = g.read(&yb, cap * ys)?;
         let mut want = yh.clone();
+        let xq: Vec<f32> = x.iter().map(|&v| to_f16(v)).collect();
         for r in 0..t {
-            let xr = &x[r * k..(r + 1) * k];
+            let xr = &xq[r * k..(r + 1) * k];
             for row in 0..m {
                 let dot: f64 = deq[row * k..(row + 1) * k]
                     .iter()
@@ -733,38 +888,34 @@ fn run_gemm(
     Ok(stats)
 }
 
-/// gemm_coop's WGSL as `gemm::gemm` would specialize it for this shape, in every variant
-/// (f16 weights with and without DIRECT), through naga like `shader::coop_tests`.
+/// gemm_coop's WGSL for this shape on every tile of `COOP_TILES`, with the cooperative ops
+/// and with their stand-ins, through naga's parser, validator and SPIR-V writer.
 fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> {
-    let src = include_str!("../shaders/gemm_coop.wgsl");
     let kp = w.padded_cols(s.k);
-    let consts = [
-        ("M", Const::U32(s.m as u32)),
-        ("KP", Const::U32(kp as u32)),
-        ("XS", Const::U32(s.k.next_multiple_of(32) as u32)),
-        ("YS", Const::U32(s.ys as u32)),
-    ];
-    let o = if out == Store { "O_STORE" } else { "O_ADD" };
-    let variants: Vec<Vec<&str>> = match w {
-        F16 => vec![vec!["W_F16", o], vec!["W_F16", o, "DIRECT"]],
-        Q8_0 => vec![vec!["W_Q8", o]],
-        _ => return Err(format!("gemm_coop has no {} variant", w.name())),
-    };
-    for flags in variants {
-        let text = assemble("gemm_coop", &[src], &consts, &flags).map_err(err)?;
-        let module = naga::front::wgsl::parse_str(&text)
-            .map_err(|e| format!("{flags:?}: {}", e.emit_to_string(&text)))?;
-        let info = naga::valid::Validator::new(
-            naga::valid::ValidationFlags::all(),
-            naga::valid::Capabilities::all(),
-        )
-        .validate(&module)
-        .map_err(|e| format!("{flags:?}: {e:?}"))?;
-        let spv =
-            naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
-                .map_err(|e| format!("{flags:?}: SPIR-V: {e}"))?;
-        if spv.len() <= 100 {
-            return Err(format!("{flags:?}: SPIR-V of {} words", spv.len()));
+    for &tile in COOP_TILES {
+        tile.check(w).map_err(err)?;
+        for emulate in [false, true] {
+            let (sources, consts, flags) = specialize(w, s.m, kp, s.k, s.ys, out, tile, emulate);
+            let what = format!("tile {tile}, {flags:?}");
+            let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
+            let module = naga::front::wgsl::parse_str(&text)
+                .map_err(|e| format!("{what}: {}", e.emit_to_string(&text)))?;
+            let info = naga::valid::Validator::new(
+                naga::valid::ValidationFlags::all(),
+                naga::valid::Capabilities::all(),
+            )
+            .validate(&module)
+            .map_err(|e| format!("{what}: {e:?}"))?;
+            let spv = naga::back::spv::write_vec(
+                &module,
+                &info,
+                &naga::back::spv::Options::default(),
+                None,
+            )
+            .map_err(|e| format!("{what}: SPIR-V: {e}"))?;
+            if spv.len() <= 100 {
+                return Err(format!("{what}: SPIR-V of {} words", spv.len()));
+            }
         }
     }
     Ok(Vec::new())

@@ -49,8 +49,37 @@ pub struct Caps {
     pub timestamps: bool,
     pub timestamps_in_passes: bool,
     /// Cooperative matrices (16×16×16, f16 inputs, f32 accumulators) for the prefill GEMMs:
-    /// experimental in wgpu, so only with MAMBA2_COOPMAT=1, and only on 32-wide subgroups.
+    /// on 32-wide subgroups, unless MAMBA2_NO_COOPMAT=1 or the load-time check failed.
     pub coop_matrix: bool,
+    /// Why the device's cooperative matrices are not used although it has them (the
+    /// load-time check failed), for `describe`.
+    pub coop_failed: Option<String>,
+}
+
+/// Workgroup memory the cooperative GEMM's tiles may use.
+const COOP_WORKGROUP_BYTES: u32 = crate::gpu::kernels::gemm_coop::MAX_WORKGROUP_BYTES as u32;
+
+/// Runs the cooperative GEMM's load-time check (`gemm_coop::self_check`) where the device
+/// has cooperative matrices; on a mismatch or error, logs one line and leaves them off.
+fn checked_coop(ctx: GpuContext) -> Result<GpuContext> {
+    if !ctx.caps.coop_matrix {
+        return Ok(ctx);
+    }
+    let ctx = Arc::new(ctx);
+    let verdict = {
+        let k = crate::gpu::kernels::Kernels::new(ctx.clone());
+        let run = crate::gpu::kernels::gemm_coop::self_check(&k);
+        // (Also drains what the device reported, so no error of the check outlives it.)
+        run.and(ctx.check())
+    };
+    let mut ctx = Arc::try_unwrap(ctx)
+        .map_err(|_| Error::Gpu("the cooperative-matrix check kept the device".into()))?;
+    if let Err(e) = verdict {
+        tracing::warn!("cooperative matrices off: {e}; the prefill GEMMs run on FMA tiles");
+        ctx.caps.coop_matrix = false;
+        ctx.caps.coop_failed = Some(e.to_string());
+    }
+    Ok(ctx)
 }
 
 /// What a model needs from the device (computed by the engine before creating it).
@@ -270,8 +299,9 @@ impl GpuContext {
             limits.max_compute_invocations_per_workgroup.max(inv);
         limits.max_compute_workgroup_size_x = limits.max_compute_workgroup_size_x.max(inv);
         limits.max_compute_workgroups_per_dimension = al.max_compute_workgroups_per_dimension;
-        // Experimental cooperative matrices, opt-in: f16 × f16 → f32 16×16×16 tiles.
-        let coop = std::env::var_os("MAMBA2_COOPMAT").is_some()
+        // Cooperative matrices (f16 × f16 → f32 16×16×16 tiles) for the prefill GEMMs, on
+        // 32-wide subgroups; MAMBA2_NO_COOPMAT=1 keeps the FMA tiles.
+        let coop = !off("MAMBA2_NO_COOPMAT")
             && have.contains(
                 wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16,
             )
@@ -281,12 +311,17 @@ impl GpuContext {
                 (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
                     && p.ab_type == wgpu::CooperativeScalarType::F16
                     && p.cr_type == wgpu::CooperativeScalarType::F32
-            });
+            })
+            && COOP_WORKGROUP_BYTES <= al.max_compute_workgroup_storage_size;
         let experimental = if coop {
             features |=
                 wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
-            // SAFETY: the user opted in (MAMBA2_COOPMAT=1) to wgpu's experimental cooperative
-            // matrices, whose implementation may still have bugs (wgpu's ExperimentalFeatures).
+            limits.max_compute_workgroup_storage_size = limits
+                .max_compute_workgroup_storage_size
+                .max(COOP_WORKGROUP_BYTES);
+            // SAFETY: wgpu calls its cooperative matrices experimental (their implementation
+            // may still have bugs); `checked_coop` runs a GEMM on them against the CPU before
+            // the engine uses them, and turns them off when it differs.
             unsafe { wgpu::ExperimentalFeatures::enabled() }
         } else {
             wgpu::ExperimentalFeatures::disabled()
@@ -322,8 +357,9 @@ impl GpuContext {
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             timestamps_in_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
             coop_matrix: coop,
+            coop_failed: None,
         };
-        Ok(GpuContext {
+        checked_coop(GpuContext {
             adapter,
             device,
             queue,
@@ -461,8 +497,13 @@ impl GpuContext {
 
     /// One line for logs: name, backend, type.
     pub fn describe(&self) -> String {
+        let gemms = match (&self.caps.coop_failed, self.caps.coop_matrix) {
+            (Some(why), _) => format!(", cooperative matrices off: {why}"),
+            (None, true) => ", tensor-core GEMMs".to_string(),
+            (None, false) => String::new(),
+        };
         format!(
-            "{} ({:?}, {:?})",
+            "{} ({:?}, {:?}{gemms})",
             self.info.name, self.info.backend, self.info.device_type
         )
     }

@@ -80,13 +80,30 @@ pub const SHORT_BLOCK: usize = crate::gpu::kernels::gemm::TILE.1;
 /// 130 stored experts: 2.4× the rows in tiles; 2048 tokens: 1.5×).
 pub const MAX_MOE_BLOCK: usize = 2048;
 
-/// The block capacity for a chunk length: 512 tokens (2048 with MoE blocks), fewer for
-/// short chunks.
-pub fn block_tokens(c: &ModelConfig, chunk: usize) -> usize {
+/// Largest prompt block where the GEMMs run on the tensor cores: their 128 × 128 tiles
+/// need more tokens to fill the GPU (Codestral's out_proj over 512 tokens: 128 workgroups).
+pub const MAX_COOP_BLOCK: usize = 2048;
+
+/// The block capacity for a chunk length: 512 tokens (2048 with MoE blocks or with the
+/// tensor-core GEMMs, `coop`), fewer for short chunks. MAMBA2_PREFILL_BLOCK overrides the
+/// largest size (for measurements).
+pub fn block_tokens(c: &ModelConfig, chunk: usize, coop: bool) -> usize {
     let max = if c.moe.is_some() {
         MAX_MOE_BLOCK
+    } else if coop {
+        MAX_COOP_BLOCK
     } else {
         MAX_BLOCK
+    };
+    let max = match std::env::var("MAMBA2_PREFILL_BLOCK") {
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if n >= 64 => n,
+            _ => {
+                tracing::warn!("MAMBA2_PREFILL_BLOCK={v} ignored: want a number of tokens ≥ 64");
+                max
+            }
+        },
+        Err(_) => max,
     };
     (32 * chunk).clamp(64, max)
 }
@@ -97,7 +114,7 @@ impl Prefill {
     pub fn new(e: &Engine, chunk: usize, with_logits: bool) -> Result<Self> {
         let c = &e.config;
         let ctx = e.ctx();
-        let t = block_tokens(c, chunk);
+        let t = block_tokens(c, chunk, ctx.caps.coop_matrix);
         let f32s = |n: usize| 4 * n.max(1) as u64;
         let cc = chunk_consts(c, chunk, t);
         let pad = |n: usize| n.next_multiple_of(32);

@@ -528,6 +528,7 @@ mod tests {
                     layer: layer.parse().ok(),
                     block: Some(BlockKind::Mamba2),
                     kernel: kernel.into(),
+                    gemm: None,
                 },
                 None => Label::default(),
             };

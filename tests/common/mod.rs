@@ -31,12 +31,13 @@ pub fn gpu(needs: &Needs) -> Option<Arc<GpuContext>> {
 }
 
 /// Kernels on a device that binds buffers of up to `largest` bytes, with the workgroup
-/// limits every kernel test needs (lavapipe's 16 KiB of workgroup memory).
+/// limits every kernel test needs (lavapipe allows 32 KiB of workgroup memory: the
+/// emulated tensor-core GEMM tiles take up to 24 KiB).
 pub fn kernels(largest: u64) -> Option<mamba2_wgpu::gpu::kernels::Kernels> {
     let needs = Needs {
         largest_buffer: ("test".into(), largest),
         storage_buffers_per_stage: 8,
-        workgroup_storage: 16384,
+        workgroup_storage: 32768,
         invocations_per_workgroup: 256,
     };
     gpu(&needs).map(mamba2_wgpu::gpu::kernels::Kernels::new)

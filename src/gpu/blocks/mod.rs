@@ -14,7 +14,7 @@ use crate::error::Result;
 use crate::gpu::device_weights::{DeviceMixer, DeviceWeights, ParamLayout};
 use crate::gpu::graph::{Graph, Tail};
 use crate::gpu::kernels::chunk::ChunkConsts;
-use crate::gpu::kernels::gemm::{GemmOutput, TILE, gemm};
+use crate::gpu::kernels::gemm::{GemmOutput, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::MlpBias;
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
@@ -229,20 +229,17 @@ pub fn prefill_graph(
             rmsnorm::rmsnorm(k, "final_norm", c.d_model, c.norm_eps, 0, t, norm)?
                 .per_token(1, 1, 1),
         );
-        d.push(
-            gemm(
-                k,
-                "lm_head",
-                w.head(),
-                t,
-                &p.h,
-                out,
-                c.vocab_size,
-                GemmOutput::Store,
-                &s.ctrl,
-            )?
-            .per_token(1, TILE.1, 1),
-        );
+        d.push(gemm(
+            k,
+            "lm_head",
+            w.head(),
+            t,
+            &p.h,
+            out,
+            c.vocab_size,
+            GemmOutput::Store,
+            &s.ctrl,
+        )?);
     }
     Ok(Graph { dispatches: d })
 }

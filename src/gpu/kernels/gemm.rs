@@ -33,7 +33,8 @@ fn shape_consts(w: &DeviceMatrix, xs: usize, ys: usize) -> Vec<(&'static str, Co
     ]
 }
 
-/// The GEMM of a block of up to `max_tokens` tokens; `y` has rows of `ys` values.
+/// The GEMM of a block of up to `max_tokens` tokens; `y` has rows of `ys` values. On the
+/// tensor cores (`gemm_coop`) where they serve `w`, else on FMA register tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     k: &Kernels,
@@ -46,19 +47,15 @@ pub fn gemm(
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
+    if super::gemm_coop::applies(k, w) {
+        let tile = super::gemm_coop::tile_for(w)?;
+        return super::gemm_coop::gemm_coop(
+            k, name, w, max_tokens, x, y, ys, output, ctrl, tile, false,
+        );
+    }
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
     check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
-    let coop = super::gemm_coop::applies(k, w);
-    let (shader, sources, tile) = if coop {
-        (
-            "gemm_coop",
-            super::gemm_coop::SOURCES,
-            super::gemm_coop::TILE,
-        )
-    } else {
-        ("gemm", SOURCES, TILE)
-    };
     let consts = shape_consts(w, xs, ys);
     let out = match output {
         GemmOutput::Store => "O_STORE",
@@ -66,25 +63,23 @@ pub fn gemm(
     };
     let mut flags = w.flags();
     flags.push(out);
-    if coop {
-        flags.extend(super::gemm_coop::extra_flag(w));
-    }
-    let pipeline = k.pipeline(shader, sources, &consts, &flags, false)?;
+    let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
     let mut entries = w.bindings();
     entries.extend([(2, x), (3, y), (4, ctrl)]);
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
         workgroups: (
-            w.rows.div_ceil(tile.0) as u32,
-            max_tokens.div_ceil(tile.1) as u32,
+            w.rows.div_ceil(TILE.0) as u32,
+            max_tokens.div_ceil(TILE.1) as u32,
             1,
         ),
         name: name.to_string(),
         per_token: None,
         section: Section::Matmul,
-        label: Label::default(),
-    })
+        label: Label::gemm(w),
+    }
+    .per_token(1, TILE.1, 1))
 }
 
 /// Workgroups a split-K GEMM aims for (a few per SM on the big GPUs).
@@ -107,8 +102,9 @@ pub fn split_slices(w: &DeviceMatrix) -> usize {
 /// The GEMM of a block of at most `TILE.1` tokens with its K loop split over
 /// `split_slices(w)` workgroup slices into `part` (`[KS][TILE.1][rows]`), then summed in
 /// order into `y` by `gemm_reduce`: for short blocks, where W's row tiles alone leave most of
-/// the GPU idle (Codestral's out_proj: 32 workgroups). One dispatch (the plain GEMM) when no
-/// split applies (the cooperative-matrix path, or a matrix with enough row tiles).
+/// the GPU idle (Codestral's out_proj: 32 workgroups). These FMA slices serve short blocks
+/// on devices with cooperative matrices too. One dispatch (the plain GEMM) when no split
+/// applies (a matrix with enough row tiles).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_split(
     k: &Kernels,
@@ -123,10 +119,8 @@ pub fn gemm_split(
 ) -> Result<Vec<Dispatch>> {
     let t = TILE.1;
     let slices = split_slices(w);
-    if slices == 1 || super::gemm_coop::applies(k, w) {
-        return Ok(vec![
-            gemm(k, name, w, t, x, y, ys, output, ctrl)?.per_token(1, TILE.1, 1),
-        ]);
+    if slices == 1 {
+        return Ok(vec![gemm(k, name, w, t, x, y, ys, output, ctrl)?]);
     }
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, t * xs)?;
@@ -145,7 +139,7 @@ pub fn gemm_split(
         name: format!("{name} (split-K)"),
         per_token: None,
         section: Section::Matmul,
-        label: Label::default(),
+        label: Label::gemm(w),
     };
     let reduce = super::gemm_reduce::gemm_reduce(
         k,
@@ -179,9 +173,7 @@ pub fn projection(
     if max_tokens <= TILE.1 {
         return gemm_split(k, name, w, x, part, y, ys, output, ctrl);
     }
-    Ok(vec![
-        gemm(k, name, w, max_tokens, x, y, ys, output, ctrl)?.per_token(1, TILE.1, 1),
-    ])
+    Ok(vec![gemm(k, name, w, max_tokens, x, y, ys, output, ctrl)?])
 }
 
 /// The rows of a prefill block's MoE, sorted by expert (`moe_sort`): `rows` of them in tiles

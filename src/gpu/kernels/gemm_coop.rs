@@ -1,25 +1,321 @@
 //! `gemm_coop.wgsl`: the prefill projections on cooperative matrices (f16 × f16 → f32
-//! 16×16×16 tiles), for f16 and q8_0 weights when the device has them and the user opted
-//! in (MAMBA2_COOPMAT=1). Same contract as `gemm`: `Y [T][ys] (=|+=) X [T][xs] · Wᵀ`;
-//! `gemm::gemm` builds the dispatch, this file says when and how it differs.
+//! 16×16×16 tiles: the tensor cores), for f16 and q8_0 weights whose padded width is a
+//! multiple of 32, on by default where the device has them (`Caps::coop_matrix`). Same
+//! contract as `gemm`: `Y [T][ys] (=|+=) X [T][xs] · Wᵀ`, X rows `xs = ceil32(K)` f32
+//! values (converted to f16 on the way into workgroup memory).
+//!
+//! Without the feature the same kernel runs with portable stand-ins for the four
+//! cooperative ops (`emulate`): how the tests check its staging, indexing and output on
+//! lavapipe.
 
-use super::Kernels;
+use super::gemm::GemmOutput;
+use super::{Dispatch, Kernels, Label, Section, check_len};
+use crate::error::{Error, Result};
+use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
 use crate::model::quant::WeightFormat;
 
-pub(super) const SOURCES: super::Sources = &[include_str!("../../../shaders/gemm_coop.wgsl")];
+const SOURCE: &str = include_str!("../../../shaders/gemm_coop.wgsl");
+/// The stand-ins' sources.
+const EMULATED: super::Sources = &[SOURCE];
+/// The real cooperative ops need their `enable` first (one under an `#if` would not do:
+/// the assembler hoists every `enable` line).
+const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", SOURCE];
 
-/// Output tile: rows of W × tokens.
-pub const TILE: (usize, usize) = (128, 64);
+/// Columns of W per K step (the kernel's BK) and halves per staged row (its LD).
+const BK: usize = 32;
+const LD: usize = 40;
+
+/// The most workgroup memory a tile may take (what NVIDIA's Vulkan driver allows; the
+/// device is created with it where it has cooperative matrices).
+pub const MAX_WORKGROUP_BYTES: usize = 48 * 1024;
+
+/// A workgroup's output tile: `bt` tokens × `bm` rows of W, over `wt` × `wr` subgroups of
+/// 32 invocations (each `bt/wt` tokens × `bm/wr` rows, in 16 × 16 accumulator tiles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tile {
+    pub bt: usize,
+    pub bm: usize,
+    pub wt: usize,
+    pub wr: usize,
+}
+
+/// The default tile (BENCHMARKS.md, "Prefill on tensor cores", has the runs that chose it).
+pub const DEFAULT_TILE: Tile = Tile {
+    bt: 128,
+    bm: 128,
+    wt: 4,
+    wr: 2,
+};
+
+impl Tile {
+    pub fn subgroups(&self) -> usize {
+        self.wt * self.wr
+    }
+
+    pub fn threads(&self) -> usize {
+        32 * self.subgroups()
+    }
+
+    /// Bytes of workgroup memory: two stages of both operands (f16) and one f32 tile per
+    /// subgroup.
+    pub fn workgroup_bytes(&self) -> usize {
+        2 * (self.bt + self.bm) * LD * 2 + self.subgroups() * 256 * 4
+    }
+
+    /// Whether the kernel can take this tile for weights of `format`: whole 16 × 16 tiles
+    /// per subgroup and whole 16-byte slices per invocation.
+    pub fn check(&self, format: WeightFormat) -> Result<()> {
+        let slices_per_row = if format == WeightFormat::Q8_0 { 2 } else { 4 };
+        let n = self.threads();
+        let ok = self.wt > 0
+            && self.wr > 0
+            && self.bt.is_multiple_of(16 * self.wt)
+            && self.bm.is_multiple_of(16 * self.wr)
+            && (self.bt * BK / 4).is_multiple_of(n)
+            && (self.bm * slices_per_row).is_multiple_of(n)
+            && n <= 1024
+            && self.workgroup_bytes() <= MAX_WORKGROUP_BYTES;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::InvalidInput(format!(
+                "cooperative GEMM tile {self}: want bt a multiple of 16·wt, bm of 16·wr, whole \
+                 16-byte slices of both operands for each of its {n} invocations and at most \
+                 {MAX_WORKGROUP_BYTES} bytes of workgroup memory ({} here)",
+                self.workgroup_bytes()
+            )))
+        }
+    }
+
+    /// Parses `BTxBM/WTxWR`, e.g. `128x128/2x2` (MAMBA2_COOP_TILE).
+    pub fn parse(s: &str) -> Option<Tile> {
+        let (tile, warps) = s.split_once('/')?;
+        let pair = |p: &str| -> Option<(usize, usize)> {
+            let (a, b) = p.split_once('x')?;
+            Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+        };
+        let ((bt, bm), (wt, wr)) = (pair(tile)?, pair(warps)?);
+        Some(Tile { bt, bm, wt, wr })
+    }
+}
+
+impl std::fmt::Display for Tile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}/{}x{}", self.bt, self.bm, self.wt, self.wr)
+    }
+}
 
 /// Whether the cooperative-matrix GEMM serves this matrix on this device.
 pub fn applies(k: &Kernels, w: &DeviceMatrix) -> bool {
-    k.ctx.caps.coop_matrix && matches!(w.format, WeightFormat::F16 | WeightFormat::Q8_0)
+    k.ctx.caps.coop_matrix && takes(w)
 }
 
-/// The f16 tiles come straight from the weight buffer when none can reach past its end.
-pub fn extra_flag(w: &DeviceMatrix) -> Option<&'static str> {
-    let direct =
-        w.format == WeightFormat::F16 && w.rows.is_multiple_of(TILE.0) && w.kp.is_multiple_of(32);
-    direct.then_some("DIRECT")
+/// Whether the kernel reads this matrix at all (formats and row widths).
+pub fn takes(w: &DeviceMatrix) -> bool {
+    matches!(w.format, WeightFormat::F16 | WeightFormat::Q8_0) && w.kp.is_multiple_of(BK)
+}
+
+/// The tile for `w`: MAMBA2_COOP_TILE when set (for tuning; a tile the kernel cannot take is
+/// an error), else `DEFAULT_TILE`.
+pub fn tile_for(w: &DeviceMatrix) -> Result<Tile> {
+    let tile = match std::env::var("MAMBA2_COOP_TILE") {
+        Ok(s) => Tile::parse(&s).ok_or_else(|| {
+            Error::InvalidInput(format!(
+                "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR, e.g. 128x128/2x2"
+            ))
+        })?,
+        Err(_) => DEFAULT_TILE,
+    };
+    tile.check(w.format)?;
+    Ok(tile)
+}
+
+/// The kernel's sources, constants and flags for `rows` × `cols` weights of `format`
+/// padded to `kp`, Y rows of `ys` values, on `tile` (checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub fn specialize(
+    format: WeightFormat,
+    rows: usize,
+    kp: usize,
+    cols: usize,
+    ys: usize,
+    output: GemmOutput,
+    tile: Tile,
+    emulate: bool,
+) -> (
+    super::Sources,
+    Vec<(&'static str, Const)>,
+    Vec<&'static str>,
+) {
+    let (pw, vp, flag) = if format == WeightFormat::Q8_0 {
+        (2, 16, "W_Q8")
+    } else {
+        (4, 8, "W_F16")
+    };
+    let n = tile.threads();
+    let u = |v: usize| Const::U32(v as u32);
+    let consts = vec![
+        ("M", u(rows)),
+        ("KP", u(kp)),
+        ("XS", u(cols.next_multiple_of(32))),
+        ("YS", u(ys)),
+        ("BT", u(tile.bt)),
+        ("BM", u(tile.bm)),
+        ("WT", u(tile.wt)),
+        ("WR", u(tile.wr)),
+        ("FT", u(tile.bt / 16 / tile.wt)),
+        ("FM", u(tile.bm / 16 / tile.wr)),
+        ("NT", u(n)),
+        ("XV", u(tile.bt * BK / 4 / n)),
+        ("WV", u(tile.bm * pw / n)),
+        ("PW", u(pw)),
+        ("VP", u(vp)),
+    ];
+    let mut flags = vec![
+        flag,
+        match output {
+            GemmOutput::Store => "O_STORE",
+            GemmOutput::Add => "O_ADD",
+        },
+    ];
+    let sources = if emulate {
+        EMULATED
+    } else {
+        flags.push("COOP");
+        COOP
+    };
+    (sources, consts, flags)
+}
+
+/// The GEMM of a block of up to `max_tokens` tokens on `tile`, with the real cooperative ops
+/// or (`emulate`) their portable stand-ins.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_coop(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    max_tokens: usize,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    ys: usize,
+    output: GemmOutput,
+    ctrl: &wgpu::Buffer,
+    tile: Tile,
+    emulate: bool,
+) -> Result<Dispatch> {
+    if !takes(w) {
+        return Err(Error::Gpu(format!(
+            "{name}: the cooperative GEMM takes f16 or q8_0 rows padded to a multiple of {BK}, \
+             not {} ({} of {} columns)",
+            w.format.name(),
+            w.kp,
+            w.cols
+        )));
+    }
+    if !emulate && !k.ctx.caps.coop_matrix {
+        return Err(Error::Gpu(format!(
+            "{name}: this device has no cooperative matrices"
+        )));
+    }
+    tile.check(w.format)?;
+    let xs = w.cols.next_multiple_of(32);
+    check_len(&format!("{name}: x"), x, max_tokens * xs)?;
+    check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
+    let (sources, consts, flags) =
+        specialize(w.format, w.rows, w.kp, w.cols, ys, output, tile, emulate);
+    let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
+    let mut entries = w.bindings();
+    entries.extend([(2, x), (3, y), (4, ctrl)]);
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &entries),
+        pipeline,
+        workgroups: (
+            w.rows.div_ceil(tile.bm) as u32,
+            max_tokens.div_ceil(tile.bt) as u32,
+            1,
+        ),
+        name: name.to_string(),
+        per_token: None,
+        section: Section::Matmul,
+        label: Label::gemm(w),
+    }
+    .per_token(1, tile.bt, 1))
+}
+
+/// The load-time check of the real cooperative ops on this device: one small random GEMM
+/// (f16 weights, row and token counts no tile divides, added onto a residual) against the
+/// CPU's sum of the same f16-rounded products. An error says what differed.
+pub fn self_check(k: &Kernels) -> Result<()> {
+    use crate::gpu::graph::Ctrl;
+    use half::f16;
+    let (m, kc, t) = (200, 96, 150);
+    let rnd = |seed: u64, n: usize| -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| 2.0 * crate::sampling::uniform(seed, i) - 1.0)
+            .collect()
+    };
+    let round =
+        |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|a| f16::from_f32(a).to_f32()).collect() };
+    let (wv, xv, rv) = (round(rnd(1, m * kc)), round(rnd(2, t * kc)), rnd(3, t * m));
+    let packed = crate::model::quant::pack(WeightFormat::F16, &wv, m, kc);
+    let ctx = &k.ctx;
+    let w = DeviceMatrix::upload(ctx, "coop check: w", &packed)?;
+    let x = ctx.storage_with("coop check: x", bytemuck::cast_slice(&xv))?;
+    let y = ctx.storage_with("coop check: y", bytemuck::cast_slice(&rv))?;
+    let c = Ctrl {
+        prompt_len: t as u32,
+        ..Default::default()
+    };
+    let ctrl = ctx.storage_with("coop check: ctrl", bytemuck::bytes_of(&c))?;
+    let tile = tile_for(&w)?;
+    let d = gemm_coop(
+        k,
+        "coop check",
+        &w,
+        t,
+        &x,
+        &y,
+        m,
+        GemmOutput::Add,
+        &ctrl,
+        tile,
+        false,
+    )?;
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        d.record_tokens(&mut pass, Some(t as u32));
+    }
+    ctx.queue.submit([enc.finish()]);
+    ctx.wait()?;
+    let got = ctx.read_f32(&y, t * m)?;
+    let mut worst = (0f64, 0usize);
+    let mut scale = 0f64;
+    for r in 0..t {
+        for row in 0..m {
+            let dot: f64 = (0..kc)
+                .map(|i| wv[row * kc + i] as f64 * xv[r * kc + i] as f64)
+                .sum();
+            let want = rv[r * m + row] as f64 + dot;
+            scale = scale.max(want.abs());
+            let e = (got[r * m + row] as f64 - want).abs();
+            // (A NaN counts as the worst.)
+            if e.is_nan() || e > worst.0 {
+                worst = (e, r * m + row);
+            }
+        }
+    }
+    // f16 products are exact in f32: only the order of the f32 sums differs.
+    if !worst.0.is_nan() && worst.0 <= 1e-4 * scale {
+        Ok(())
+    } else {
+        Err(Error::Gpu(format!(
+            "a {t}×{kc}·{kc}×{m} GEMM on tile {tile} is off by {:.3e} at token {}, row {} \
+             (largest value {scale:.3})",
+            worst.0,
+            worst.1 / m,
+            worst.1 % m
+        )))
+    }
 }

@@ -103,6 +103,9 @@ pub struct Label {
     pub layer: Option<usize>,
     pub block: Option<crate::config::BlockKind>,
     pub kernel: String,
+    /// A GEMM's weight matrix, rows × columns: 2·rows·columns FLOPs per token (bench's
+    /// TFLOP/s per shape).
+    pub gemm: Option<(usize, usize)>,
 }
 
 /// A grid axis sized by the number of tokens of a prefill block: `ceil(T / per) · mult`.
@@ -112,6 +115,16 @@ pub struct TokenAxis {
     pub axis: usize,
     pub per: u32,
     pub mult: u32,
+}
+
+impl Label {
+    /// The label of a GEMM over `w`, before it is placed in a layer.
+    pub fn gemm(w: &crate::gpu::weights::DeviceMatrix) -> Self {
+        Label {
+            gemm: Some((w.rows, w.cols)),
+            ..Label::default()
+        }
+    }
 }
 
 impl Dispatch {
@@ -137,6 +150,7 @@ impl Dispatch {
             layer: Some(layer),
             block: Some(block),
             kernel: std::mem::take(&mut self.name),
+            gemm: self.label.gemm,
         };
         self.name = format!("layers.{layer}.{}", self.label.kernel);
         self
