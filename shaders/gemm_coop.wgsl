@@ -5,10 +5,11 @@
 //
 // A workgroup of WT × WR subgroups of 32 computes BT tokens × BM rows; subgroup s owns
 // tokens (s % WT)·FT·16.. and rows (s / WT)·FM·16.. of it, FT × FM accumulator tiles. The K
-// loop takes steps of BK = 32 through two stages of workgroup memory: while the tiles
+// loop takes steps of BK = 32 through NS = 2 stages of workgroup memory: while the tiles
 // multiply one stage, every invocation already holds the next step's slices in registers
 // (16-byte loads, X converted to f16, q8_0 dequantized to f16), stored into the other stage
-// before the step's one barrier. Workgroup memory holds vec2<f16> pairs (half the store
+// before the step's one barrier. (NS = 1: larger tiles in the same memory, a second
+// barrier per step.) Workgroup memory holds vec2<f16> pairs (half the store
 // instructions of f16 elements; the cooperative loads count their stride in pairs; an
 // array of u32 pairs instead made NVIDIA's compiler fail). Rows are LD = 40 halves (80
 // bytes) apart, so the eight 16-byte rows a tile load reads fall in distinct banks.
@@ -39,8 +40,8 @@ const LD2: u32 = LD / 2u;
 const XTILE: u32 = BT * LD2;
 const WTILE: u32 = BM * LD2;
 
-var<workgroup> xs: array<vec2<f16>, 2u * XTILE>;
-var<workgroup> wsh: array<vec2<f16>, 2u * WTILE>;
+var<workgroup> xs: array<vec2<f16>, NS * XTILE>;
+var<workgroup> wsh: array<vec2<f16>, NS * WTILE>;
 // One 16×16 f32 tile per subgroup on its way out.
 var<workgroup> outs: array<f32, WT * WR * 256u>;
 
@@ -206,8 +207,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endfor
         }
         // Tile offsets in halves.
-        let xb = (s % 2u) * 2u * XTILE + tw * LD;
-        let wb = (s % 2u) * 2u * WTILE + rw * LD;
+        let xb = (s % NS) * 2u * XTILE + tw * LD;
+        let wb = (s % NS) * 2u * WTILE + rw * LD;
 #for q 2
 #for i FT
 #if COOP
@@ -233,8 +234,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endfor
 #endfor
 #endfor
+        if (NS == 1u) {
+            // One stage: everyone is done reading it before it is overwritten.
+            workgroupBarrier();
+        }
         if (more) {
-            let next = (s + 1u) % 2u;
+            let next = (s + 1u) % NS;
 #for v XV
             put_x(next, lid + {v}u * NT, xr{v});
 #endfor

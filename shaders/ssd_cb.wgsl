@@ -20,9 +20,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let cofs = DI + G * N + g * N;
     var acc: Tile;
     for (var n0 = 0u; n0 < N; n0 += 16u) {
+        // C and B rows are contiguous along n: 16 neighbours walk n.
         for (var e = lid; e < 1024u; e += 256u) {
-            let kk = e / 64u;
-            let r = e % 64u;
+            let kk = e % 16u;
+            let r = e / 16u;
             let ti = c * Q + ib * 64u + r;
             let tj = c * Q + jb * 64u + r;
             let n = n0 + kk;

@@ -32,9 +32,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     var acc: Tile;
     // Inter-chunk: C (positions × n) · S_cᵀ (n × channels).
     for (var n0 = 0u; n0 < N; n0 += 16u) {
+        // C rows and S rows are contiguous along n: 16 neighbours walk n.
         for (var e = lid; e < 1024u; e += 256u) {
-            let kk = e / 64u;
-            let r = e % 64u;
+            let kk = e % 16u;
+            let r = e / 16u;
             let n = n0 + kk;
             let i = ib * 64u + r;
             let p = pb * 64u + r;
@@ -56,22 +57,25 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     // Intra-chunk: M (positions × positions, causal) · X (positions × channels).
     let jend = min(ib * 64u + 64u, imax);
     for (var j0 = 0u; j0 < jend; j0 += 16u) {
+        // CB rows are contiguous along j (16 neighbours walk j), x rows along channels
+        // (64 neighbours walk p).
         for (var e = lid; e < 1024u; e += 256u) {
-            let kk = e / 64u;
-            let r = e % 64u;
+            let kk = e % 16u;
+            let i = ib * 64u + e / 16u;
             let j = j0 + kk;
-            let i = ib * 64u + r;
-            let p = pb * 64u + r;
             var mv = 0.0;
-            var xv = 0.0;
             if (j < imax && i < imax && j <= i) {
                 let dj = mix[(c * Q + j) * DIP + DI + CD + h];
                 mv = cb[((c * G + g) * Q + i) * Q + j] * exp(min(lam[lbase + i] - lam[lbase + j], 0.0)) * dj;
             }
-            if (j < imax && p < P) {
-                xv = u[(c * Q + j) * CD + h * P + p];
+            tile_put_a(kk, e / 16u, mv);
+            let jx = j0 + e / 64u;
+            let p = pb * 64u + e % 64u;
+            var xv = 0.0;
+            if (jx < imax && p < P) {
+                xv = u[(c * Q + jx) * CD + h * P + p];
             }
-            tile_put(kk, r, mv, xv);
+            tile_put_b(e / 64u, e % 64u, xv);
         }
         tile_step(&acc, lid);
     }

@@ -26,9 +26,21 @@ fn tile_fma(acc: ptr<function, Tile>, lid: u32) {
     }
 }
 
-// Stages a[k][row r] and b[k][column r] of the next 16-deep slice.
+// Stages a[k][row r] and b[k][column r] of the next 16-deep slice. Callers pick which of
+// k and r consecutive invocations walk to match their sources' layout: k fastest where
+// both sources are contiguous along k (16 neighbours read 64 bytes), r fastest where they
+// are contiguous along rows.
 fn tile_put(k: u32, r: u32, a: f32, b: f32) {
     ta[k][r / 4u][r % 4u] = a;
+    tb[k][r / 4u][r % 4u] = b;
+}
+
+// tile_put for one operand, where a and b are contiguous along different axes.
+fn tile_put_a(k: u32, r: u32, a: f32) {
+    ta[k][r / 4u][r % 4u] = a;
+}
+
+fn tile_put_b(k: u32, r: u32, b: f32) {
     tb[k][r / 4u][r % 4u] = b;
 }
 

@@ -31,22 +31,48 @@ const LD: usize = 40;
 pub const MAX_WORKGROUP_BYTES: usize = 48 * 1024;
 
 /// A workgroup's output tile: `bt` tokens × `bm` rows of W, over `wt` × `wr` subgroups of
-/// 32 invocations (each `bt/wt` tokens × `bm/wr` rows, in 16 × 16 accumulator tiles).
+/// 32 invocations (each `bt/wt` tokens × `bm/wr` rows, in 16 × 16 accumulator tiles),
+/// through `stages` (1 or 2) stages of workgroup memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tile {
     pub bt: usize,
     pub bm: usize,
     pub wt: usize,
     pub wr: usize,
+    pub stages: usize,
 }
 
-/// The default tile (BENCHMARKS.md, "Prefill on tensor cores", has the runs that chose it).
-pub const DEFAULT_TILE: Tile = Tile {
-    bt: 128,
-    bm: 128,
-    wt: 4,
-    wr: 2,
-};
+/// The tiles `tile_for` picks from, largest first (BENCHMARKS.md, "Prefill on tensor
+/// cores", has the H200 runs that chose them): 16 subgroups over 128 tokens × 256 rows in one
+/// stage (Codestral's projections at 134–145 TFLOP/s), 8 over 128 × 128 in two stages
+/// (102–107), 4 over 64 × 64.
+pub const TILES: [Tile; 3] = [
+    Tile {
+        bt: 128,
+        bm: 256,
+        wt: 4,
+        wr: 4,
+        stages: 1,
+    },
+    Tile {
+        bt: 128,
+        bm: 128,
+        wt: 4,
+        wr: 2,
+        stages: 2,
+    },
+    Tile {
+        bt: 64,
+        bm: 64,
+        wt: 2,
+        wr: 2,
+        stages: 2,
+    },
+];
+
+/// Workgroups a GEMM should have before a larger tile is worth it (two per SM of an H200;
+/// Mamba2-130m's out_proj over 512 tokens took 2.3 ms on 128 × 128 tiles, 1.6 ms on 64 × 64).
+const FILL_WORKGROUPS: usize = 256;
 
 impl Tile {
     pub fn subgroups(&self) -> usize {
@@ -57,10 +83,10 @@ impl Tile {
         32 * self.subgroups()
     }
 
-    /// Bytes of workgroup memory: two stages of both operands (f16) and one f32 tile per
+    /// Bytes of workgroup memory: the stages of both operands (f16) and one f32 tile per
     /// subgroup.
     pub fn workgroup_bytes(&self) -> usize {
-        2 * (self.bt + self.bm) * LD * 2 + self.subgroups() * 256 * 4
+        self.stages * (self.bt + self.bm) * LD * 2 + self.subgroups() * 256 * 4
     }
 
     /// Whether the kernel can take this tile for weights of `format`: whole 16 × 16 tiles
@@ -70,6 +96,7 @@ impl Tile {
         let n = self.threads();
         let ok = self.wt > 0
             && self.wr > 0
+            && (1..=2).contains(&self.stages)
             && self.bt.is_multiple_of(16 * self.wt)
             && self.bm.is_multiple_of(16 * self.wr)
             && (self.bt * BK / 4).is_multiple_of(n)
@@ -88,21 +115,40 @@ impl Tile {
         }
     }
 
-    /// Parses `BTxBM/WTxWR`, e.g. `128x128/2x2` (MAMBA2_COOP_TILE).
+    /// Parses `BTxBM/WTxWR[/STAGES]`, e.g. `128x128/4x2` (MAMBA2_COOP_TILE; 2 stages
+    /// unless given).
     pub fn parse(s: &str) -> Option<Tile> {
-        let (tile, warps) = s.split_once('/')?;
+        let mut parts = s.split('/');
         let pair = |p: &str| -> Option<(usize, usize)> {
             let (a, b) = p.split_once('x')?;
             Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
         };
-        let ((bt, bm), (wt, wr)) = (pair(tile)?, pair(warps)?);
-        Some(Tile { bt, bm, wt, wr })
+        let (bt, bm) = pair(parts.next()?)?;
+        let (wt, wr) = pair(parts.next()?)?;
+        let stages = match parts.next() {
+            Some(n) => n.trim().parse().ok()?,
+            None => 2,
+        };
+        if parts.next().is_some() {
+            return None;
+        }
+        Some(Tile {
+            bt,
+            bm,
+            wt,
+            wr,
+            stages,
+        })
     }
 }
 
 impl std::fmt::Display for Tile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}x{}/{}x{}", self.bt, self.bm, self.wt, self.wr)
+        write!(f, "{}x{}/{}x{}", self.bt, self.bm, self.wt, self.wr)?;
+        if self.stages != 2 {
+            write!(f, "/{}", self.stages)?;
+        }
+        Ok(())
     }
 }
 
@@ -116,16 +162,27 @@ pub fn takes(w: &DeviceMatrix) -> bool {
     matches!(w.format, WeightFormat::F16 | WeightFormat::Q8_0) && w.kp.is_multiple_of(BK)
 }
 
-/// The tile for `w`: MAMBA2_COOP_TILE when set (for tuning; a tile the kernel cannot take is
-/// an error), else `DEFAULT_TILE`.
-pub fn tile_for(w: &DeviceMatrix) -> Result<Tile> {
+/// The tile for `w` over blocks of `max_tokens`: MAMBA2_COOP_TILE when set (for tuning; a
+/// tile the kernel cannot take is an error), else the largest of `TILES` that still makes
+/// `FILL_WORKGROUPS` workgroups (the smallest when none does).
+pub fn tile_for(w: &DeviceMatrix, max_tokens: usize) -> Result<Tile> {
     let tile = match std::env::var("MAMBA2_COOP_TILE") {
         Ok(s) => Tile::parse(&s).ok_or_else(|| {
             Error::InvalidInput(format!(
-                "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR, e.g. 128x128/2x2"
+                "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR[/STAGES], e.g. 128x256/4x4/1"
             ))
         })?,
-        Err(_) => DEFAULT_TILE,
+        Err(_) => {
+            let fits = |t: &&Tile| t.check(w.format).is_ok();
+            let fills =
+                |t: &&Tile| w.rows.div_ceil(t.bm) * max_tokens.div_ceil(t.bt) >= FILL_WORKGROUPS;
+            *TILES
+                .iter()
+                .filter(fits)
+                .find(fills)
+                .or_else(|| TILES.iter().filter(fits).last())
+                .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?
+        }
     };
     tile.check(w.format)?;
     Ok(tile)
@@ -171,6 +228,7 @@ pub fn specialize(
         ("WV", u(tile.bm * pw / n)),
         ("PW", u(pw)),
         ("VP", u(vp)),
+        ("NS", u(tile.stages)),
     ];
     let mut flags = vec![
         flag,
@@ -268,7 +326,7 @@ pub fn self_check(k: &Kernels) -> Result<()> {
         ..Default::default()
     };
     let ctrl = ctx.storage_with("coop check: ctrl", bytemuck::bytes_of(&c))?;
-    let tile = tile_for(&w)?;
+    let tile = tile_for(&w, t)?;
     let d = gemm_coop(
         k,
         "coop check",
