@@ -29,7 +29,7 @@ pub fn ssd_cumsum(
             &[(0, mix), (1, params), (2, lam), (3, ctrl)],
         ),
         pipeline,
-        workgroups: (cc.heads.div_ceil(64) as u32, cc.chunks() as u32, 1),
+        workgroups: (cc.heads.div_ceil(32) as u32, cc.chunks() as u32, 1),
         name: name.to_string(),
         per_token: None,
         section: Section::Ssd,
