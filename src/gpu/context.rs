@@ -59,12 +59,10 @@ pub struct Caps {
 /// Workgroup memory the cooperative GEMM's tiles may use.
 const COOP_WORKGROUP_BYTES: u32 = crate::gpu::kernels::gemm_coop::MAX_WORKGROUP_BYTES as u32;
 
-/// Runs the cooperative GEMM's load-time check (`gemm_coop::self_check`) where the device
-/// has cooperative matrices; on a mismatch or error, logs one line and leaves them off.
-fn checked_coop(ctx: GpuContext) -> Result<GpuContext> {
-    if !ctx.caps.coop_matrix {
-        return Ok(ctx);
-    }
+/// Runs the cooperative GEMM's load-time check (`gemm_coop::self_check`) on a device that
+/// has cooperative matrices: the device back when it passes, else why not (the device is
+/// dropped: it may be lost).
+fn coop_verdict(ctx: GpuContext) -> std::result::Result<GpuContext, String> {
     let ctx = Arc::new(ctx);
     let verdict = {
         let k = crate::gpu::kernels::Kernels::new(ctx.clone());
@@ -72,14 +70,11 @@ fn checked_coop(ctx: GpuContext) -> Result<GpuContext> {
         // (Also drains what the device reported, so no error of the check outlives it.)
         run.and(ctx.check())
     };
-    let mut ctx = Arc::try_unwrap(ctx)
-        .map_err(|_| Error::Gpu("the cooperative-matrix check kept the device".into()))?;
-    if let Err(e) = verdict {
-        tracing::warn!("cooperative matrices off: {e}; the prefill GEMMs run on FMA tiles");
-        ctx.caps.coop_matrix = false;
-        ctx.caps.coop_failed = Some(e.to_string());
+    match verdict {
+        Ok(()) => Arc::try_unwrap(ctx)
+            .map_err(|_| "the cooperative-matrix check kept the device".to_string()),
+        Err(e) => Err(e.to_string()),
     }
-    Ok(ctx)
 }
 
 /// What a model needs from the device (computed by the engine before creating it).
@@ -219,8 +214,30 @@ pub fn pick_adapter(choice: &DeviceChoice) -> Result<Option<wgpu::Adapter>> {
 impl GpuContext {
     /// Creates the device, asking for the optional features the adapter has and for the
     /// limits `needs` names (never more than the adapter offers: a model that does not
-    /// fit is an error naming the buffer, its size and the limit).
+    /// fit is an error naming the buffer, its size and the limit). Cooperative matrices are
+    /// checked on the device first (`gemm_coop::self_check`); when the check fails, or loses
+    /// the device (a driver that cannot compile the kernel), a fresh device without them
+    /// takes its place and `caps.coop_failed` says why.
     pub fn new(adapter: wgpu::Adapter, needs: &Needs) -> Result<Self> {
+        let ctx = Self::create(adapter.clone(), needs, true)?;
+        if !ctx.caps.coop_matrix {
+            return Ok(ctx);
+        }
+        match coop_verdict(ctx) {
+            Ok(ctx) => Ok(ctx),
+            Err(why) => {
+                tracing::warn!(
+                    "cooperative matrices off: {why}; the prefill GEMMs run on FMA tiles"
+                );
+                let mut ctx = Self::create(adapter, needs, false)?;
+                ctx.caps.coop_failed = Some(why);
+                Ok(ctx)
+            }
+        }
+    }
+
+    /// `new` with cooperative matrices allowed or not.
+    fn create(adapter: wgpu::Adapter, needs: &Needs, allow_coop: bool) -> Result<Self> {
         let info = adapter.get_info();
         let have = adapter.features();
         let al = adapter.limits();
@@ -301,7 +318,8 @@ impl GpuContext {
         limits.max_compute_workgroups_per_dimension = al.max_compute_workgroups_per_dimension;
         // Cooperative matrices (f16 × f16 → f32 16×16×16 tiles) for the prefill GEMMs, on
         // 32-wide subgroups; MAMBA2_NO_COOPMAT=1 keeps the FMA tiles.
-        let coop = !off("MAMBA2_NO_COOPMAT")
+        let coop = allow_coop
+            && !off("MAMBA2_NO_COOPMAT")
             && have.contains(
                 wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16,
             )
@@ -359,7 +377,7 @@ impl GpuContext {
             coop_matrix: coop,
             coop_failed: None,
         };
-        checked_coop(GpuContext {
+        Ok(GpuContext {
             adapter,
             device,
             queue,

@@ -180,7 +180,7 @@ pub fn tile_for(w: &DeviceMatrix, max_tokens: usize) -> Result<Tile> {
                 .iter()
                 .filter(fits)
                 .find(fills)
-                .or_else(|| TILES.iter().filter(fits).last())
+                .or_else(|| TILES.iter().rev().find(fits))
                 .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?
         }
     };
@@ -302,8 +302,9 @@ pub fn gemm_coop(
 }
 
 /// The load-time check of the real cooperative ops on this device: one small random GEMM
-/// (f16 weights, row and token counts no tile divides, added onto a residual) against the
-/// CPU's sum of the same f16-rounded products. An error says what differed.
+/// (f16 weights, row and token counts no tile divides, added onto a residual) on every tile
+/// the engine may pick, against the CPU's sum of the same f16-rounded products. An error
+/// says what differed.
 pub fn self_check(k: &Kernels) -> Result<()> {
     use crate::gpu::graph::Ctrl;
     use half::f16;
@@ -326,41 +327,51 @@ pub fn self_check(k: &Kernels) -> Result<()> {
         ..Default::default()
     };
     let ctrl = ctx.storage_with("coop check: ctrl", bytemuck::bytes_of(&c))?;
-    let tile = tile_for(&w, t)?;
-    let d = gemm_coop(
-        k,
-        "coop check",
-        &w,
-        t,
-        &x,
-        &y,
-        m,
-        GemmOutput::Add,
-        &ctrl,
-        tile,
-        false,
-    )?;
-    let mut enc = ctx.device.create_command_encoder(&Default::default());
-    {
-        let mut pass = enc.begin_compute_pass(&Default::default());
-        d.record_tokens(&mut pass, Some(t as u32));
+    // Every tile the engine may pick (and the one MAMBA2_COOP_TILE names), in turn.
+    let mut tiles = TILES.to_vec();
+    let chosen = tile_for(&w, t)?;
+    if !tiles.contains(&chosen) {
+        tiles.push(chosen);
     }
-    ctx.queue.submit([enc.finish()]);
-    ctx.wait()?;
-    let got = ctx.read_f32(&y, t * m)?;
     let mut worst = (0f64, 0usize);
     let mut scale = 0f64;
-    for r in 0..t {
-        for row in 0..m {
-            let dot: f64 = (0..kc)
-                .map(|i| wv[row * kc + i] as f64 * xv[r * kc + i] as f64)
-                .sum();
-            let want = rv[r * m + row] as f64 + dot;
-            scale = scale.max(want.abs());
-            let e = (got[r * m + row] as f64 - want).abs();
-            // (A NaN counts as the worst.)
-            if e.is_nan() || e > worst.0 {
-                worst = (e, r * m + row);
+    let mut bad_tile = tiles[0];
+    for tile in tiles {
+        ctx.queue.write_buffer(&y, 0, bytemuck::cast_slice(&rv));
+        let d = gemm_coop(
+            k,
+            "coop check",
+            &w,
+            t,
+            &x,
+            &y,
+            m,
+            GemmOutput::Add,
+            &ctrl,
+            tile,
+            false,
+        )?;
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            d.record_tokens(&mut pass, Some(t as u32));
+        }
+        ctx.queue.submit([enc.finish()]);
+        ctx.wait()?;
+        let got = ctx.read_f32(&y, t * m)?;
+        for r in 0..t {
+            for row in 0..m {
+                let dot: f64 = (0..kc)
+                    .map(|i| wv[row * kc + i] as f64 * xv[r * kc + i] as f64)
+                    .sum();
+                let want = rv[r * m + row] as f64 + dot;
+                scale = scale.max(want.abs());
+                let e = (got[r * m + row] as f64 - want).abs();
+                // (A NaN counts as the worst.)
+                if e.is_nan() || e > worst.0 {
+                    worst = (e, r * m + row);
+                    bad_tile = tile;
+                }
             }
         }
     }
@@ -369,7 +380,7 @@ pub fn self_check(k: &Kernels) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Gpu(format!(
-            "a {t}×{kc}·{kc}×{m} GEMM on tile {tile} is off by {:.3e} at token {}, row {} \
+            "a {t}×{kc}·{kc}×{m} GEMM on tile {bad_tile} is off by {:.3e} at token {}, row {} \
              (largest value {scale:.3})",
             worst.0,
             worst.1 / m,
