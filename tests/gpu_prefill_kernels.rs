@@ -31,7 +31,7 @@ use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
 use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill_conv_state};
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use mamba2_wgpu::gpu::kernels::{
-    Dispatch, Kernels, ssd_cb, ssd_chunk_state, ssd_cumsum, ssd_state_pass,
+    Dispatch, Kernels, ssd_cb, ssd_chunk_state, ssd_chunk_state_coop, ssd_cumsum, ssd_state_pass,
 };
 use mamba2_wgpu::gpu::shader::assemble;
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
@@ -72,6 +72,9 @@ enum Kernel {
     Cumsum,
     Cb,
     ChunkState,
+    /// `ssd_chunk_state_coop` with its stand-ins for the cooperative ops, against the
+    /// reference of the f16-rounded operands it multiplies.
+    ChunkStateCoopEmulated,
     StatePass,
     ChunkScan,
 }
@@ -93,6 +96,7 @@ impl Kernel {
             Kernel::Cumsum => "ssd_cumsum".into(),
             Kernel::Cb => "ssd_cb".into(),
             Kernel::ChunkState => "ssd_chunk_state".into(),
+            Kernel::ChunkStateCoopEmulated => "ssd_chunk_state_coop emulated".into(),
             Kernel::StatePass => "ssd_state_pass".into(),
             Kernel::ChunkScan => "ssd_chunk_scan".into(),
         }
@@ -428,6 +432,13 @@ fn cases() -> Vec<Case> {
         Kernel::ChunkScan,
     ] {
         for s in SSDS {
+            if kernel == Kernel::ChunkState && coop_takes(s) {
+                v.push(Case {
+                    kernel: Kernel::ChunkStateCoopEmulated,
+                    shape: Shape::Ssd(s),
+                    tol: F32_TOL,
+                });
+            }
             v.push(Case {
                 kernel,
                 shape: Shape::Ssd(s),
@@ -480,6 +491,35 @@ fn ssd_cb_kernel() {
 #[test]
 fn ssd_chunk_state_kernel() {
     run_cases(|k| k == Kernel::ChunkState);
+}
+
+#[test]
+fn ssd_chunk_state_coop_emulated() {
+    run_cases(|k| k == Kernel::ChunkStateCoopEmulated);
+}
+
+/// The cooperative chunk state's WGSL with the cooperative ops, for every SSD shape it
+/// takes, through naga's parser, validator and SPIR-V writer.
+#[test]
+fn ssd_chunk_state_coop_wgsl_validates() {
+    let src = include_str!("../shaders/ssd_chunk_state_coop.wgsl");
+    let mut checked = 0;
+    for shape in SSDS.iter().filter(|s| coop_takes(s)) {
+        let cc = Sz::new(shape.mixer, shape.q, shape.cap).cc();
+        let sources = ["enable wgpu_cooperative_matrix;\n", src];
+        let text = assemble("ssd_chunk_state_coop", &sources, &cc.consts(), &["COOP"]).unwrap();
+        naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        checked += 1;
+    }
+    assert!(
+        checked > 0,
+        "no SSD shape the cooperative chunk state takes"
+    );
+}
+
+/// Whether `ssd_chunk_state_coop` takes this SSD shape.
+fn coop_takes(s: &SsdShape) -> bool {
+    ssd_chunk_state_coop::takes(&Sz::new(s.mixer, s.q, s.cap).cc())
 }
 
 #[test]
@@ -858,6 +898,25 @@ fn run_gemm_with(
     Ok(stats)
 }
 
+/// Parses, validates and translates a kernel's WGSL to SPIR-V with naga.
+fn naga_check(text: &str) -> Res<()> {
+    let module =
+        naga::front::wgsl::parse_str(text).map_err(|e| e.emit_to_string(text).to_string())?;
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .validate(&module)
+    .map_err(|e| format!("{e:?}"))?;
+    let spv =
+        naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
+            .map_err(|e| format!("SPIR-V: {e}"))?;
+    if spv.len() <= 100 {
+        return Err(format!("SPIR-V of {} words", spv.len()));
+    }
+    Ok(())
+}
+
 /// gemm_coop's WGSL for this shape on every tile of `COOP_TILES`, with the cooperative ops
 /// and with their stand-ins, through naga's parser, validator and SPIR-V writer.
 fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> {
@@ -872,24 +931,7 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
             let (sources, consts, flags) = specialize(w, s.m, kp, s.k, s.ys, out, tile, emulate);
             let what = format!("tile {tile}, {flags:?}");
             let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
-            let module = naga::front::wgsl::parse_str(&text)
-                .map_err(|e| format!("{what}: {}", e.emit_to_string(&text)))?;
-            let info = naga::valid::Validator::new(
-                naga::valid::ValidationFlags::all(),
-                naga::valid::Capabilities::all(),
-            )
-            .validate(&module)
-            .map_err(|e| format!("{what}: {e:?}"))?;
-            let spv = naga::back::spv::write_vec(
-                &module,
-                &info,
-                &naga::back::spv::Options::default(),
-                None,
-            )
-            .map_err(|e| format!("{what}: SPIR-V: {e}"))?;
-            if spv.len() <= 100 {
-                return Err(format!("{what}: SPIR-V of {} words", spv.len()));
-            }
+            naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
         }
     }
     Ok(Vec::new())
@@ -1095,7 +1137,16 @@ fn ref_cb(s: &Sz, u: &[f32], t: usize) -> Vec<f32> {
 }
 
 /// Step 3: `cst [NC_T][H][P][N]`, s_c = Σ_j exp(min(Λ_last − Λ_j, 0))·δ_j·x_j ⊗ B_j.
-fn ref_chunk_state(s: &Sz, mix: &[f32], u: &[f32], lam: &[f32], t: usize) -> Vec<f32> {
+/// With `f16`: of the operands the tensor cores multiply, w·x and B rounded to f16 (w·x
+/// formed in f32 first, as the kernel does).
+fn ref_chunk_state(s: &Sz, mix: &[f32], u: &[f32], lam: &[f32], t: usize, f16: bool) -> Vec<f32> {
+    let round = |v: f64| {
+        if f16 {
+            half::f16::from_f32(v as f32).to_f64()
+        } else {
+            v
+        }
+    };
     let (q, pn, nct) = (s.q, s.p * s.n, t.div_ceil(s.q));
     let mut cst = vec![0f32; nct * s.h * pn];
     let mut acc = vec![0f64; pn];
@@ -1109,9 +1160,14 @@ fn ref_chunk_state(s: &Sz, mix: &[f32], u: &[f32], lam: &[f32], t: usize) -> Vec
                 let tt = c * q + j;
                 let w = (last - lam[lb + j] as f64).min(0.0).exp() * s.delta(mix, tt, h);
                 for p in 0..s.p {
-                    let wx = w * s.x(u, tt, h, p);
+                    let wx = if f16 {
+                        // The kernel's f32 product of its f32 weight and x.
+                        round((w as f32 * s.x(u, tt, h, p) as f32) as f64)
+                    } else {
+                        w * s.x(u, tt, h, p)
+                    };
                     for n in 0..s.n {
-                        acc[p * s.n + n] += wx * s.b(u, tt, g, n);
+                        acc[p * s.n + n] += wx * round(s.b(u, tt, g, n));
                     }
                 }
             }
@@ -1307,6 +1363,21 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             .map_err(err)?
             .per_token(2, q, s.h),
         ],
+        Kernel::ChunkStateCoopEmulated => vec![
+            ssd_chunk_state_coop::ssd_chunk_state_coop(
+                &g.k,
+                "chunk_state_coop",
+                cc,
+                &mixb,
+                &ub,
+                &lamb,
+                &cstb,
+                &ctrl,
+                true,
+            )
+            .map_err(err)?
+            .per_token(2, q, s.h),
+        ],
         Kernel::StatePass => vec![
             ssd_state_pass::ssd_state_pass(&g.k, "state_pass", cc, &lamb, &cstb, &stateb, &ctrl)
                 .map_err(err)?,
@@ -1350,7 +1421,10 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         // The inputs later steps read, as the earlier steps would leave them.
         let lam_in = ref_cumsum(&s, &mix, a, t);
         match kernel {
-            Kernel::ChunkState | Kernel::StatePass | Kernel::ChunkScan => {
+            Kernel::ChunkState
+            | Kernel::ChunkStateCoopEmulated
+            | Kernel::StatePass
+            | Kernel::ChunkScan => {
                 lam = over(&lam, &lam_in);
                 g.write(&lamb, &lam);
             }
@@ -1416,8 +1490,9 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 stats.push(compare(&tag("CB"), &got, &want, region)?);
                 cb = got;
             }
-            Kernel::ChunkState => {
-                let want = over(&cst, &ref_chunk_state(&s, &mix, &u, &lam, t));
+            Kernel::ChunkState | Kernel::ChunkStateCoopEmulated => {
+                let f16 = kernel == Kernel::ChunkStateCoopEmulated;
+                let want = over(&cst, &ref_chunk_state(&s, &mix, &u, &lam, t, f16));
                 let got = g.read(&cstb, cst.len())?;
                 stats.push(compare(
                     &tag("chunk states"),
@@ -1480,7 +1555,7 @@ fn cpu_step_references_compose_to_scan_chunked() {
         let state0 = rand(seed + 2, s.hpn(), -1.0, 1.0);
         let lam = ref_cumsum(&s, &mix, a, t);
         let cb = ref_cb(&s, &u, t);
-        let cst = ref_chunk_state(&s, &mix, &u, &lam, t);
+        let cst = ref_chunk_state(&s, &mix, &u, &lam, t, false);
         let [enter, state] = ref_state_pass(&s, &lam, &cst, &state0, t);
         let y = ref_chunk_scan(&s, &mix, &u, dskip, &lam, &cb, &enter, t);
 

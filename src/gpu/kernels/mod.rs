@@ -30,6 +30,7 @@ pub mod sample;
 pub mod ssd_cb;
 pub mod ssd_chunk_scan;
 pub mod ssd_chunk_state;
+pub mod ssd_chunk_state_coop;
 pub mod ssd_cumsum;
 pub mod ssd_state_pass;
 pub mod ssd_step;

@@ -1,4 +1,5 @@
-//! `ssd_chunk_state.wgsl`: `cst [NC][H][P][N]`, the state each chunk adds.
+//! `ssd_chunk_state.wgsl`: `cst [NC][H][P][N]`, the state each chunk adds (on the tensor
+//! cores, `ssd_chunk_state_coop`, where they serve the shape).
 
 use super::chunk::ChunkConsts;
 use super::{Dispatch, Kernels, Label, Section, check_len};
@@ -20,6 +21,11 @@ pub fn ssd_chunk_state(
     cst: &wgpu::Buffer,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
+    if super::ssd_chunk_state_coop::applies(k, &cc) {
+        return super::ssd_chunk_state_coop::ssd_chunk_state_coop(
+            k, name, cc, mix, u, lam, cst, ctrl, false,
+        );
+    }
     check_len(
         &format!("{name}: cst"),
         cst,
