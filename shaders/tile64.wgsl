@@ -31,8 +31,8 @@ fn tile_fma(acc: ptr<function, Tile>, lid: u32) {
 // both sources are contiguous along k (16 neighbours read 64 bytes), r fastest where they
 // are contiguous along rows.
 fn tile_put(k: u32, r: u32, a: f32, b: f32) {
-    ta[k][r / 4u][r % 4u] = a;
-    tb[k][r / 4u][r % 4u] = b;
+    tile_put_a(k, r, a);
+    tile_put_b(k, r, b);
 }
 
 // tile_put for one operand, where a and b are contiguous along different axes.

@@ -254,20 +254,10 @@ fn gemv_lanes_equal_the_one_token_kernel_bitwise() {
     let Some(g) = Gpu::new() else { return };
     let (n, cap) = (3, 5);
     let lanes = Lanes::new(n, cap);
-    let formats = [
-        WeightFormat::F32,
-        WeightFormat::F16,
-        WeightFormat::BF16,
-        WeightFormat::Q8_0,
-        WeightFormat::Q4_0,
-        WeightFormat::Q4_K,
-        WeightFormat::Q5_K,
-        WeightFormat::Q6_K,
-    ];
     for (rows, cols, grouped) in [(37, 256, true), (2051, 256, true), (129, 1000, false)] {
         let w = rand(3, rows * cols, -1.0, 1.0);
         let (groups, bpg) = (2, 4);
-        for format in formats {
+        for format in WeightFormat::ALL {
             let p = pack(format, &w, rows, cols);
             let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
             // Each lane's input: f32 rows and q8 blocks, lanes W values apart.

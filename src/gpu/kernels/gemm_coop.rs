@@ -333,8 +333,18 @@ pub fn self_check(k: &Kernels) -> Result<()> {
     if !tiles.contains(&chosen) {
         tiles.push(chosen);
     }
+    // The CPU's result, once for all tiles.
+    let want: Vec<f64> = (0..t * m)
+        .map(|e| {
+            let (r, row) = (e / m, e % m);
+            let dot: f64 = (0..kc)
+                .map(|i| wv[row * kc + i] as f64 * xv[r * kc + i] as f64)
+                .sum();
+            rv[e] as f64 + dot
+        })
+        .collect();
+    let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));
     let mut worst = (0f64, 0usize);
-    let mut scale = 0f64;
     let mut bad_tile = tiles[0];
     for tile in tiles {
         ctx.queue.write_buffer(&y, 0, bytemuck::cast_slice(&rv));
@@ -359,19 +369,12 @@ pub fn self_check(k: &Kernels) -> Result<()> {
         ctx.queue.submit([enc.finish()]);
         ctx.wait()?;
         let got = ctx.read_f32(&y, t * m)?;
-        for r in 0..t {
-            for row in 0..m {
-                let dot: f64 = (0..kc)
-                    .map(|i| wv[row * kc + i] as f64 * xv[r * kc + i] as f64)
-                    .sum();
-                let want = rv[r * m + row] as f64 + dot;
-                scale = scale.max(want.abs());
-                let e = (got[r * m + row] as f64 - want).abs();
-                // (A NaN counts as the worst.)
-                if e.is_nan() || e > worst.0 {
-                    worst = (e, r * m + row);
-                    bad_tile = tile;
-                }
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let e = (g as f64 - w).abs();
+            // (A NaN counts as the worst.)
+            if e.is_nan() || e > worst.0 {
+                worst = (e, i);
+                bad_tile = tile;
             }
         }
     }
