@@ -17,11 +17,12 @@ use mamba2_wgpu::gpu::kernels::attention_decode::{
     attention_decode, decode_partials_len, decode_segment,
 };
 use mamba2_wgpu::gpu::kernels::attention_prefill::attention_prefill;
+use mamba2_wgpu::gpu::kernels::attention_prefill_coop::{self, attention_prefill_coop};
 use mamba2_wgpu::gpu::kernels::attn::{AttnBuffers, AttnConsts, KvFormat};
 use mamba2_wgpu::gpu::kernels::kv_store::kv_store;
 use mamba2_wgpu::gpu::kernels::{Dispatch, Kernels, Lanes};
 use mamba2_wgpu::model::quant::quantize_activation_block;
-use mamba2_wgpu::reference::attention::{AttnDims, attend, rope};
+use mamba2_wgpu::reference::attention::{AttnDims, attend, attend_rounding, rope};
 use mamba2_wgpu::sampling::uniform;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -30,6 +31,10 @@ enum Kernel {
     Decode,
     /// A block of `tokens` tokens: attention_prefill.
     Prefill,
+    /// The same block on attention_prefill_coop with the stand-ins of its cooperative ops
+    /// (the path the tensor cores take, on any device); the oracle rounds the scaled
+    /// queries, the keys, the values and the unnormalized weights to f16 as it does.
+    PrefillCoop,
 }
 use Kernel::*;
 use KvFormat::{F16, F32};
@@ -50,7 +55,7 @@ struct Case {
     format: KvFormat,
     /// RoPE θ.
     rope: Option<f64>,
-    /// Largest |o − oracle| allowed.
+    /// Largest |o − oracle| allowed (`COOP_TOL` wherever the cooperative kernel runs).
     tol: f64,
 }
 
@@ -74,7 +79,30 @@ const CASES: &[Case] = &[
     Case { name: "mqa, ragged head chunks: H 9, Hkv 1, hd 128, block 9 at pos0 50", kernel: Prefill, heads: 9, kv_heads: 1, head_dim: 128, ctx: 59, pos0: 50, tokens: 9, format: F16, rope: None, tol: 2e-6 },
     Case { name: "odd + rope: H 3, Hkv 1, hd 18, f32, block 33 at pos0 7", kernel: Prefill, heads: 3, kv_heads: 1, head_dim: 18, ctx: 45, pos0: 7, tokens: 33, format: F32, rope: Some(10000.0), tol: 1e-5 },
     Case { name: "small: H 6, Hkv 2, hd 16, block 1 at pos0 0", kernel: Prefill, heads: 6, kv_heads: 2, head_dim: 16, ctx: 8, pos0: 0, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "coop, nemotron-h-8b: block 40 at pos0 300", kernel: PrefillCoop, heads: 32, kv_heads: 8, head_dim: 128, ctx: 512, pos0: 300, tokens: 40, format: F16, rope: None, tol: COOP_TOL },
+    Case { name: "coop, granite-4.0-h-tiny: block 64 at pos0 0, f32 cache", kernel: PrefillCoop, heads: 12, kv_heads: 4, head_dim: 64, ctx: 100, pos0: 0, tokens: 64, format: F32, rope: None, tol: COOP_TOL },
+    Case { name: "coop, granite-4.0-h-tiny: block 37 ending at ctx 1000", kernel: PrefillCoop, heads: 12, kv_heads: 4, head_dim: 64, ctx: 1000, pos0: 963, tokens: 37, format: F16, rope: None, tol: COOP_TOL },
+    Case { name: "coop, mqa + rope: H 16, Hkv 1, hd 128, block 20 at pos0 5", kernel: PrefillCoop, heads: 16, kv_heads: 1, head_dim: 128, ctx: 64, pos0: 5, tokens: 20, format: F16, rope: Some(10000.0), tol: COOP_TOL },
+    Case { name: "coop, mqa, ragged head chunks: H 9, Hkv 1, hd 128, block 9 at pos0 50", kernel: PrefillCoop, heads: 9, kv_heads: 1, head_dim: 128, ctx: 59, pos0: 50, tokens: 9, format: F16, rope: None, tol: COOP_TOL },
+    Case { name: "coop, mha: H 4, Hkv 4, hd 32, block 100 at pos0 70 (many diagonal tiles)", kernel: PrefillCoop, heads: 4, kv_heads: 4, head_dim: 32, ctx: 200, pos0: 70, tokens: 100, format: F16, rope: None, tol: COOP_TOL },
+    Case { name: "coop, small: H 6, Hkv 2, hd 16, block 1 at pos0 0", kernel: PrefillCoop, heads: 6, kv_heads: 2, head_dim: 16, ctx: 8, pos0: 0, tokens: 1, format: F16, rope: None, tol: COOP_TOL },
 ];
+
+/// Largest |o − oracle| of the cooperative prefill kernel: its f32 scores differ from the
+/// oracle's f64 ones in the last bits, so now and then a weight rounds to the neighbouring
+/// f16 (2^-11 of a weight ≤ 1), which moves o by up to 2^-11·|v − o| over a row sum ≥ 1
+/// (lavapipe measured ≤ 1.1e-4; a wrong mask or tile is off by 1e-2 and more).
+const COOP_TOL: f64 = 5e-4;
+
+/// Whether the case runs on attention_prefill_coop: always for `PrefillCoop`, and for
+/// `Prefill` where `attention_prefill` picks it (a device with cooperative matrices).
+fn on_coop(g: &Gpu, c: &Case) -> bool {
+    match c.kernel {
+        Decode => false,
+        Prefill => attention_prefill_coop::applies(&g.k, &consts(c)),
+        PrefillCoop => true,
+    }
+}
 
 /// Extra values at the end of each qkv row (the stride is not the row length).
 const QKV_PAD: usize = 3;
@@ -179,7 +207,7 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
     let (qs, os) = (ac.qkv_stride, ac.o_stride());
     let t_cap = match c.kernel {
         Decode => 1,
-        Prefill => c.tokens + SPARE_TOKENS,
+        Prefill | PrefillCoop => c.tokens + SPARE_TOKENS,
     };
     let seed = c.name.len() as u64 * 1000 + c.pos0 as u64;
     // Queries large enough for peaked softmaxes (scores of several units).
@@ -237,6 +265,14 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
             let attn = attention_prefill(&g.k, "attn", ac, t_cap, &b, &o).unwrap();
             g.run(&[&store, &attn]);
         }
+        PrefillCoop => {
+            let store = kv_store(&g.k, "kv_store", ac, Some(t_cap), &b).unwrap();
+            // The real cooperative ops where the device has them, else their stand-ins.
+            let emulate = !g.k.ctx.caps.coop_matrix;
+            let attn =
+                attention_prefill_coop(&g.k, "attn coop", ac, t_cap, &b, &o, emulate).unwrap();
+            g.run(&[&store, &attn]);
+        }
     }
     // The oracle: host-rotated queries, the K/V the GPU holds.
     let len = c.pos0 + c.tokens;
@@ -253,7 +289,23 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
         }
         q.extend(qt);
     }
-    let want = attend(dims, &q, &k, &v, c.pos0, ac.scale);
+    let want = if on_coop(g, c) {
+        // The queries as the kernel read them (rotated in place by kv_store on the GPU),
+        // scaled in f32 and rounded to f16.
+        let h = |x: f64| f16::from_f64(x).to_f64();
+        let rows = g.read(&qkv_buf, c.tokens * qs);
+        let q: Vec<f64> = (0..c.tokens)
+            .flat_map(|t| rows[t * qs..][..dims.q_len()].to_vec())
+            .map(|x| f16::from_f32(x * ac.scale as f32).to_f64())
+            .collect();
+        let (k, v): (Vec<f64>, Vec<f64>) = (
+            k.iter().map(|&x| h(x)).collect(),
+            v.iter().map(|&x| h(x)).collect(),
+        );
+        attend_rounding(dims, &q, &k, &v, c.pos0, 1.0, h)
+    } else {
+        attend(dims, &q, &k, &v, c.pos0, ac.scale)
+    };
     let got = g.read(&o, c.tokens * os);
     let mut err = 0f64;
     for t in 0..c.tokens {
@@ -296,16 +348,17 @@ fn attention_matches_the_oracle() {
         let err = run_case(&g, c);
         let seg = match c.kernel {
             Decode => format!(", segment {}", decode_segment(&consts(c))),
-            Prefill => String::new(),
+            Prefill | PrefillCoop => String::new(),
         };
         eprintln!(
             "{:<72} max |err| {err:.2e} (tol {:.0e}){seg}, {:.2} s",
             c.name,
-            c.tol,
+            if on_coop(&g, c) { COOP_TOL } else { c.tol },
             start.elapsed().as_secs_f64()
         );
-        if err.is_nan() || err > c.tol {
-            failed.push(format!("{}: {err:e} > {:e}", c.name, c.tol));
+        let tol = if on_coop(&g, c) { COOP_TOL } else { c.tol };
+        if err.is_nan() || err > tol {
+            failed.push(format!("{}: {err:e} > {tol:e}", c.name));
         }
     }
     assert!(failed.is_empty(), "{failed:#?}");
@@ -412,4 +465,31 @@ fn kv_store_rows_rope_and_stop() {
             }
         }
     }
+}
+
+/// The cooperative prefill attention's WGSL with the real cooperative ops, for every
+/// shape of the table it takes and the H200's 48 KiB of workgroup memory (lavapipe runs
+/// the stand-ins), through naga's parser, validator and SPIR-V writer.
+#[test]
+fn attention_prefill_coop_wgsl_validates() {
+    let mut checked = 0;
+    for c in CASES {
+        let ac = consts(c);
+        if !attention_prefill_coop::takes(&ac) {
+            continue;
+        }
+        let text = attention_prefill_coop::coop_wgsl(&ac, 48 * 1024).unwrap();
+        let module = naga::front::wgsl::parse_str(&text)
+            .unwrap_or_else(|e| panic!("{}: {}", c.name, e.emit_to_string(&text)));
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}: {e:?}", c.name));
+        naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
+            .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", c.name));
+        checked += 1;
+    }
+    assert!(checked > 0, "no case the cooperative kernel takes");
 }

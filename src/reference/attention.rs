@@ -31,6 +31,20 @@ impl AttnDims {
 /// `o [T][H][hd]`: token `t` attends to cache rows `0 ..= pos0 + t` with weights
 /// `softmax(scale · q·k)`.
 pub fn attend<T: Real>(dims: AttnDims, q: &[T], k: &[T], v: &[T], pos0: usize, scale: T) -> Vec<T> {
+    attend_rounding(dims, q, k, v, pos0, scale, |p| p)
+}
+
+/// `attend` with each unnormalized weight `exp(s − max)` passed through `round` before it
+/// multiplies v and joins the row's sum (the tensor-core kernel rounds them to f16).
+pub fn attend_rounding<T: Real>(
+    dims: AttnDims,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    pos0: usize,
+    scale: T,
+    round: impl Fn(T) -> T,
+) -> Vec<T> {
     let AttnDims {
         heads,
         kv_heads,
@@ -62,7 +76,7 @@ pub fn attend<T: Real>(dims: AttnDims, q: &[T], k: &[T], v: &[T], pos0: usize, s
                 .fold(T::of(f64::NEG_INFINITY), T::max);
             let mut total = T::zero();
             for s in scores.iter_mut() {
-                *s = (*s - max).exp();
+                *s = round((*s - max).exp());
                 total = total + *s;
             }
             let o = &mut out[(t * heads + h) * hd..][..hd];

@@ -13,7 +13,8 @@ const SOURCES: super::Sources = &[
     include_str!("../../../shaders/attention_prefill.wgsl"),
 ];
 
-/// `max_tokens`: the block's capacity (the grid's size; `ctrl.prompt_len` ≤ it).
+/// `max_tokens`: the block's capacity (the grid's size; `ctrl.prompt_len` ≤ it). On the
+/// tensor cores (`attention_prefill_coop`) where the device has them and the head dim fits.
 pub fn attention_prefill(
     k: &Kernels,
     name: &str,
@@ -22,6 +23,11 @@ pub fn attention_prefill(
     b: &AttnBuffers,
     o: &wgpu::Buffer,
 ) -> Result<Dispatch> {
+    if super::attention_prefill_coop::applies(k, &c) {
+        return super::attention_prefill_coop::attention_prefill_coop(
+            k, name, c, max_tokens, b, o, false,
+        );
+    }
     c.check(name)?;
     let max_tokens = max_tokens.max(1);
     c.check_buffers(name, b, max_tokens, c.dims.q_len())?;

@@ -7,6 +7,7 @@ pub mod argmax;
 pub mod attention_combine;
 pub mod attention_decode;
 pub mod attention_prefill;
+pub mod attention_prefill_coop;
 pub mod attn;
 pub mod chunk;
 pub mod conv_step;
