@@ -5,14 +5,20 @@
 //
 // A workgroup of WT × WR subgroups of 32 computes BT tokens × BM rows; subgroup s owns
 // tokens (s % WT)·FT·16.. and rows (s / WT)·FM·16.. of it, FT × FM accumulator tiles. The K
-// loop takes steps of BK = 32 through NS = 2 stages of workgroup memory: while the tiles
+// loop takes steps of BK (16 or 32) through NS = 2 stages of workgroup memory: while the tiles
 // multiply one stage, every invocation already holds the next step's slices in registers
 // (16-byte loads, X converted to f16, q8_0 dequantized to f16), stored into the other stage
 // before the step's one barrier. (NS = 1: larger tiles in the same memory, a second
 // barrier per step.) Workgroup memory holds vec2<f16> pairs (half the store
 // instructions of f16 elements; the cooperative loads count their stride in pairs; an
-// array of u32 pairs instead made NVIDIA's compiler fail). Rows are LD = 40 halves (80
-// bytes) apart, so the eight 16-byte rows a tile load reads fall in distinct banks.
+// array of u32 pairs instead made NVIDIA's compiler fail). Rows are LD = BK + 8 halves (80
+// or 48 bytes) apart, so the eight 16-byte rows a tile load reads fall in distinct banks.
+//
+// DIRECT: the accumulators go straight to Y (coopStoreT; O_ADD starts them from Y), with no
+// f32 tile in workgroup memory: the caller guarantees M is a multiple of 16 and that Y has
+// rows up to the grid's last token tile plus 16 spare rows at SPARE, where the tiles past M
+// land (zero weights: their sums are never read). Rows past the block's tokens get sums of
+// zero inputs (O_STORE: 0; O_ADD: Y unchanged).
 //
 // Without COOP (lavapipe, the tests) four stand-ins replace the cooperative ops and the
 // rest of the kernel is the same: a fragment is its offset in workgroup memory (in
@@ -20,8 +26,9 @@
 // (lane%2)·8.. of each accumulator tile.
 //
 // Constants: M, KP, XS, YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
-// XV = BT·8/NT X slices (vec4) and WV = BM·PW/NT W slices (16 bytes) per invocation, PW
-// slices per row and step (4 for f16, 2 for q8_0) of VP values each (8, 16).
+// BK, KQ = BK/16, XPR = BK/4 X slices (vec4) per token and step; XV = BT·XPR/NT X slices
+// and WV = BM·PW/NT W slices (16 bytes) per invocation, PW slices per row and step (BK/8
+// for f16, BK/16 for q8_0) of VP values each (8, 16); SPARE (DIRECT).
 
 enable f16;
 
@@ -33,8 +40,7 @@ enable f16;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<storage, read> ctrl: Ctrl;
 
-const BK: u32 = 32u;
-const LD: u32 = 40u;
+const LD: u32 = BK + 8u;
 const LD2: u32 = LD / 2u;
 // One stage, in pairs.
 const XTILE: u32 = BT * LD2;
@@ -42,14 +48,16 @@ const WTILE: u32 = BM * LD2;
 
 var<workgroup> xs: array<vec2<f16>, NS * XTILE>;
 var<workgroup> wsh: array<vec2<f16>, NS * WTILE>;
+#if !DIRECT
 // One 16×16 f32 tile per subgroup on its way out.
 var<workgroup> outs: array<f32, WT * WR * 256u>;
+#endif
 
-// X slice `e` of the step at column k: token t0 + e/8, columns k + (e%8)·4 .. +4.
+// X slice `e` of the step at column k: token t0 + e/XPR, columns k + (e%XPR)·4 .. +4.
 fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> vec4<f32> {
-    let t = t0 + e / 8u;
+    let t = t0 + e / XPR;
     if (t < tokens) {
-        return x[(t * XS + k) / 4u + e % 8u];
+        return x[(t * XS + k) / 4u + e % XPR];
     }
     return vec4<f32>(0.0);
 }
@@ -76,7 +84,7 @@ fn w_scale(m0: u32, k: u32, e: u32) -> f32 {
 }
 
 fn put_x(stage: u32, e: u32, v: vec4<f32>) {
-    let o = stage * XTILE + (e / 8u) * LD2 + (e % 8u) * 2u;
+    let o = stage * XTILE + (e / XPR) * LD2 + (e % XPR) * 2u;
     xs[o] = vec2<f16>(v.xy);
     xs[o + 1u] = vec2<f16>(v.zw);
 }
@@ -138,6 +146,21 @@ fn emu_mma(a: u32, b: u32, c: Acc, lane: u32) -> Acc {
     return Acc(lo, hi);
 }
 
+#if DIRECT
+// The tile at y[at] (rows YS apart): this invocation's eight entries, loaded or stored.
+fn emu_load_y(at: u32, lane: u32) -> Acc {
+    let o = at + (lane / 2u) * YS + (lane % 2u) * 8u;
+    return Acc(vec4<f32>(y[o], y[o + 1u], y[o + 2u], y[o + 3u]), vec4<f32>(y[o + 4u], y[o + 5u], y[o + 6u], y[o + 7u]));
+}
+
+fn emu_store_y(c: Acc, at: u32, lane: u32) {
+    let o = at + (lane / 2u) * YS + (lane % 2u) * 8u;
+    for (var i = 0u; i < 4u; i++) {
+        y[o + i] = c.lo[i];
+        y[o + 4u + i] = c.hi[i];
+    }
+}
+#else
 fn emu_store(c: Acc, ob: u32, lane: u32) {
     let o = ob + (lane / 2u) * 16u + (lane % 2u) * 8u;
     for (var i = 0u; i < 4u; i++) {
@@ -146,7 +169,18 @@ fn emu_store(c: Acc, ob: u32, lane: u32) {
     }
 }
 #endif
+#endif
 
+#if DIRECT
+// Where the 16×16 tile of tokens tb.., rows mb.. lives in Y: its place, or the spare rows
+// for tiles past M.
+fn y_tile(tb: u32, mb: u32) -> u32 {
+    if (mb < M) {
+        return tb * YS + mb;
+    }
+    return SPARE * YS;
+}
+#else
 // Writes (or adds) the 16×16 tile at outs[ob] to tokens tb.., rows mb.. of Y.
 fn emit(ob: u32, lane: u32, tb: u32, mb: u32, tokens: u32) {
     let col = lane % 16u;
@@ -163,6 +197,7 @@ fn emit(ob: u32, lane: u32, tb: u32, mb: u32, tokens: u32) {
         }
     }
 }
+#endif
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
@@ -182,6 +217,20 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endif
 #endfor
 #endfor
+#if DIRECT
+#for i FT
+#for j FM
+    let at{i}_{j} = y_tile(t0 + tw + {i}u * 16u, m0 + rw + {j}u * 16u);
+#if O_ADD
+#if COOP
+    c{i}_{j} = coopLoadT<coop_mat16x16<f32, C>>(&y[at{i}_{j}], YS);
+#else
+    c{i}_{j} = emu_load_y(at{i}_{j}, lane);
+#endif
+#endif
+#endfor
+#endfor
+#endif
     // Step 0 into stage 0.
 #for v XV
     var xr{v} = x_slice(t0, tokens, 0u, lid + {v}u * NT);
@@ -209,7 +258,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         // Tile offsets in halves.
         let xb = (s % NS) * 2u * XTILE + tw * LD;
         let wb = (s % NS) * 2u * WTILE + rw * LD;
-#for q 2
+#for q KQ
 #for i FT
 #if COOP
         let a{i}_{q} = coopLoadT<coop_mat16x16<f16, A>>(&xs[(xb + {i}u * 16u * LD + {q}u * 16u) / 2u], LD2);
@@ -249,6 +298,17 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         }
         workgroupBarrier();
     }
+#if DIRECT
+#for i FT
+#for j FM
+#if COOP
+    coopStoreT(c{i}_{j}, &y[at{i}_{j}], YS);
+#else
+    emu_store_y(c{i}_{j}, at{i}_{j}, lane);
+#endif
+#endfor
+#endfor
+#else
     // Out through this subgroup's 16×16 tile of workgroup memory, one accumulator at a
     // time (the barriers are uniform: every subgroup has FT × FM of them).
     let ob = sg * 256u;
@@ -264,4 +324,5 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     workgroupBarrier();
 #endfor
 #endfor
+#endif
 }

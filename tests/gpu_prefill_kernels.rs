@@ -26,7 +26,7 @@ use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::chunk::ChunkConsts;
 use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm, gemm_split, split_slices};
-use mamba2_wgpu::gpu::kernels::gemm_coop::{TILES, Tile as CoopTile, gemm_coop, specialize};
+use mamba2_wgpu::gpu::kernels::gemm_coop::{self, TILES, Tile as CoopTile, gemm_coop, specialize};
 use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
 use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill_conv_state};
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
@@ -65,8 +65,9 @@ enum Kernel {
     /// by naga (lavapipe has no cooperative matrices to run them on).
     GemmCoopWgsl(WeightFormat, GemmOutput),
     /// `gemm_coop` run with its portable stand-ins for the cooperative ops on tile
-    /// `EMULATED_TILES[i]`: the staging, indexing and output of the tensor-core kernel.
-    GemmCoopEmulated(WeightFormat, GemmOutput, usize),
+    /// `EMULATED_TILES[i]`: the staging, indexing and output of the tensor-core kernel;
+    /// `true`: into a Y with the rows of the direct epilogue (M a multiple of 16).
+    GemmCoopEmulated(WeightFormat, GemmOutput, usize, bool),
     /// `prefill_conv` then `prefill_conv_state`, in one pass as the block graph records them.
     Conv,
     Cumsum,
@@ -86,11 +87,12 @@ impl Kernel {
             Kernel::Gemm(w, o) => format!("gemm {} {}", w.name(), out(o)),
             Kernel::GemmSplit(w, o) => format!("gemm split-K {} {}", w.name(), out(o)),
             Kernel::GemmCoopWgsl(w, o) => format!("gemm_coop wgsl {} {}", w.name(), out(o)),
-            Kernel::GemmCoopEmulated(w, o, t) => format!(
-                "gemm_coop emulated {} {} tile {}",
+            Kernel::GemmCoopEmulated(w, o, t, direct) => format!(
+                "gemm_coop emulated {} {} tile {}{}",
                 w.name(),
                 out(o),
-                EMULATED_TILES[t]
+                EMULATED_TILES[t],
+                if direct { ", direct" } else { "" }
             ),
             Kernel::Conv => "prefill_conv+state".into(),
             Kernel::Cumsum => "ssd_cumsum".into(),
@@ -157,12 +159,17 @@ struct SsdShape {
 }
 
 const fn tile(bt: usize, bm: usize, wt: usize, wr: usize, stages: usize) -> CoopTile {
+    tile_k(bt, bm, wt, wr, stages, 32)
+}
+
+const fn tile_k(bt: usize, bm: usize, wt: usize, wr: usize, stages: usize, bk: usize) -> CoopTile {
     CoopTile {
         bt,
         bm,
         wt,
         wr,
         stages,
+        bk,
     }
 }
 
@@ -172,6 +179,7 @@ const COOP_TILES: &[CoopTile] = &[
     TILES[0],
     TILES[1],
     TILES[2],
+    TILES[3],
     tile(128, 128, 2, 2, 2),
     tile(128, 128, 2, 4, 2),
     tile(128, 64, 4, 2, 2),
@@ -179,15 +187,19 @@ const COOP_TILES: &[CoopTile] = &[
     tile(32, 32, 1, 1, 2),
     tile(256, 128, 8, 2, 1),
     tile(128, 128, 4, 2, 1),
+    tile_k(128, 128, 4, 2, 2, 16),
 ];
 
 /// Tiles small enough for lavapipe's 32 KiB of workgroup memory, run with the stand-ins:
-/// one subgroup, subgroups along tokens only (one stage), along rows only, and both.
+/// one subgroup, subgroups along tokens only (one stage), along rows only, and both; K steps
+/// of 32 and 16.
 const EMULATED_TILES: &[CoopTile] = &[
     tile(32, 32, 1, 1, 2),
     tile(64, 32, 2, 1, 1),
     tile(32, 64, 1, 2, 2),
     tile(64, 64, 2, 2, 2),
+    tile_k(32, 32, 1, 1, 2, 16),
+    tile_k(64, 64, 2, 2, 2, 16),
 ];
 
 const GEMMS: &[GemmShape] = &[
@@ -270,6 +282,16 @@ const GEMMS: &[GemmShape] = &[
         formats: &[F32, F16, Q8_0, Q4_0],
         cap: 80,
         blocks: &[65, 64],
+    },
+    GemmShape {
+        name: "rows in whole 16s but not whole tiles: M 208, K 96, rows of 224",
+        m: 208,
+        k: 96,
+        ys: 224,
+        out: Store,
+        formats: &[F16, Q8_0],
+        cap: 70,
+        blocks: &[70, 33],
     },
 ];
 
@@ -413,13 +435,23 @@ fn cases() -> Vec<Case> {
                     shape,
                     tol: 0.0,
                 });
-                // Each shape and format on one of the tiles, in turn.
-                let tile = (v.len() / 3) % EMULATED_TILES.len();
-                v.push(Case {
-                    kernel: Kernel::GemmCoopEmulated(w, s.out, tile),
-                    shape,
-                    tol: F32_TOL,
-                });
+                // Each shape and format on the tiles that take its format, in turn, through
+                // workgroup memory and (M a multiple of 16) straight into Y.
+                for direct in [false, true] {
+                    if direct && s.m % 16 != 0 {
+                        continue;
+                    }
+                    let n = EMULATED_TILES.len();
+                    let tile = (0..n)
+                        .map(|i| (v.len() / 3 + i) % n)
+                        .find(|&i| EMULATED_TILES[i].check(w, direct).is_ok())
+                        .expect("an emulated tile for every format");
+                    v.push(Case {
+                        kernel: Kernel::GemmCoopEmulated(w, s.out, tile, direct),
+                        shape,
+                        tol: F32_TOL,
+                    });
+                }
             }
         }
     }
@@ -565,8 +597,8 @@ fn run_cases(pick: impl Fn(Kernel) -> bool) {
             (Kernel::GemmSplit(w, out), Shape::Gemm(s), Some(g)) => {
                 run_gemm(g, seed, w, out, s, true)
             }
-            (Kernel::GemmCoopEmulated(w, out, t), Shape::Gemm(s), Some(g)) => {
-                run_gemm_coop_emulated(g, seed, w, out, s, EMULATED_TILES[t])
+            (Kernel::GemmCoopEmulated(w, out, t, direct), Shape::Gemm(s), Some(g)) => {
+                run_gemm_coop_emulated(g, seed, w, out, s, EMULATED_TILES[t], direct)
             }
             (kernel, Shape::Ssd(s), Some(g)) => run_ssd(g, seed, kernel, s),
             _ => Err("kernel and shape do not go together".into()),
@@ -753,7 +785,7 @@ fn compare(what: &str, got: &[f32], want: &[f32], region: impl Fn(usize) -> Regi
 enum GemmPath {
     Plain,
     SplitK,
-    CoopEmulated(CoopTile),
+    CoopEmulated(CoopTile, bool),
 }
 
 fn run_gemm(
@@ -774,6 +806,8 @@ fn run_gemm(
 
 /// The tensor-core kernel with its stand-ins, held to the f32 bound against products of
 /// the operands as it multiplies them: X and the dequantized weights rounded to f16.
+/// `direct`: Y gets the rows of `gemm_coop::y_rows`, so where M is a multiple of 16 the
+/// accumulators go straight to it (and its rows past the block are scratch).
 fn run_gemm_coop_emulated(
     g: &Gpu,
     seed: u64,
@@ -781,8 +815,9 @@ fn run_gemm_coop_emulated(
     out: GemmOutput,
     s: &GemmShape,
     tile: CoopTile,
+    direct: bool,
 ) -> Res<Vec<Stat>> {
-    run_gemm_with(g, seed, w, out, s, GemmPath::CoopEmulated(tile))
+    run_gemm_with(g, seed, w, out, s, GemmPath::CoopEmulated(tile, direct))
 }
 
 fn run_gemm_with(
@@ -802,7 +837,14 @@ fn run_gemm_with(
     };
     let xs = k.next_multiple_of(32);
     let p = pack(w, &rand(seed, m * k, -1.0, 1.0), m, k);
-    let f16_operands = matches!(path, GemmPath::CoopEmulated(_));
+    let f16_operands = matches!(path, GemmPath::CoopEmulated(..));
+    // The direct epilogue's Y: rows up to the grid's end and the spare rows.
+    let direct = matches!(path, GemmPath::CoopEmulated(_, true));
+    let y_len = if direct {
+        gemm_coop::y_rows(cap) * ys
+    } else {
+        cap * ys
+    };
     let to_f16 = |v: f32| {
         if f16_operands {
             half::f16::from_f32(v).to_f32()
@@ -813,7 +855,7 @@ fn run_gemm_with(
     let deq: Vec<f32> = unpack(&p).into_iter().map(to_f16).collect();
     let mat = DeviceMatrix::upload(g.ctx(), "w", &p).map_err(err)?;
     let mut xh = vec![f32::NAN; cap * xs];
-    let mut yh = vec![f32::NAN; cap * ys];
+    let mut yh = vec![f32::NAN; y_len];
     let (xb, yb, ctrl) = (g.buf(&xh)?, g.buf(&yh)?, g.buf(&[0.0; 16])?);
     let ds = match path {
         GemmPath::SplitK => {
@@ -825,7 +867,7 @@ fn run_gemm_with(
         GemmPath::Plain => {
             vec![gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl).map_err(err)?]
         }
-        GemmPath::CoopEmulated(tile) => vec![
+        GemmPath::CoopEmulated(tile, _) => vec![
             gemm_coop(
                 &g.k,
                 "gemm_coop",
@@ -861,7 +903,7 @@ fn run_gemm_with(
         }
         g.set_tokens(&ctrl, t);
         g.run(&ds.iter().collect::<Vec<_>>(), t)?;
-        let got = g.read(&yb, cap * ys)?;
+        let got = g.read(&yb, y_len)?;
         let mut want = yh.clone();
         let xq: Vec<f32> = x.iter().map(|&v| to_f16(v)).collect();
         for r in 0..t {
@@ -880,9 +922,13 @@ fn run_gemm_with(
                 want[r * ys + row] = (base + dot) as f32;
             }
         }
+        let direct_taken = direct && m % 16 == 0;
         let region = |i: usize| {
             if i / ys < t && i % ys < m {
                 Region::Live
+            } else if direct_taken && i / ys >= t {
+                // The direct epilogue's scratch: rows past the block's tokens.
+                Region::Free
             } else {
                 Region::Kept
             }
@@ -921,17 +967,29 @@ fn naga_check(text: &str) -> Res<()> {
 /// and with their stand-ins, through naga's parser, validator and SPIR-V writer.
 fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> {
     let kp = w.padded_cols(s.k);
-    for t in TILES {
-        t.check(w).map_err(err)?;
+    // Every format has a tile without the direct epilogue (Y buffers without its rows).
+    if !TILES.iter().any(|t| t.check(w, false).is_ok()) {
+        return Err(format!(
+            "no tile of TILES takes {} without the direct epilogue",
+            w.name()
+        ));
     }
     // (Tiles that cannot take this format, such as q8_0's 32-byte rows over too many
-    // invocations, are refused by `check` and never built.)
-    for &tile in COOP_TILES.iter().filter(|t| t.check(w).is_ok()) {
-        for emulate in [false, true] {
-            let (sources, consts, flags) = specialize(w, s.m, kp, s.k, s.ys, out, tile, emulate);
-            let what = format!("tile {tile}, {flags:?}");
-            let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
-            naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
+    // invocations, are refused by `check` and never built; the direct epilogue only where M
+    // is a multiple of 16.)
+    for &tile in COOP_TILES {
+        for direct in [false, true] {
+            if tile.check(w, direct).is_err() || (direct && s.m % 16 != 0) {
+                continue;
+            }
+            let spare = direct.then_some(256);
+            for emulate in [false, true] {
+                let (sources, consts, flags) =
+                    specialize(w, s.m, kp, s.k, s.ys, out, tile, spare, emulate);
+                let what = format!("tile {tile}, {flags:?}");
+                let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
+                naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
+            }
         }
     }
     Ok(Vec::new())

@@ -143,14 +143,17 @@ impl Prefill {
             0
         };
         let mamba = c.count(BlockKind::Mamba2) > 0;
+        // Rows of the GEMMs' outputs: enough for the tensor-core GEMM to store its tiles
+        // straight into them (`gemm_coop::y_rows`).
+        let yt = crate::gpu::kernels::gemm_coop::y_rows(t);
         let m = |n: usize| if mamba { n } else { 1 };
         let mut p = Prefill {
             chunk,
             max_tokens: t,
             prompt: ctx.storage_zeroed("prefill prompt", f32s(t))?,
-            resid: ctx.storage_zeroed("prefill resid", f32s(t * c.d_model))?,
+            resid: ctx.storage_zeroed("prefill resid", f32s(yt * c.d_model))?,
             h: ctx.storage_zeroed("prefill h", f32s(t * pad(c.d_model)))?,
-            mix: ctx.storage_zeroed("prefill mix", f32s(m(t * c.d_in_proj())))?,
+            mix: ctx.storage_zeroed("prefill mix", f32s(m(yt * c.d_in_proj())))?,
             u: ctx.storage_zeroed("prefill u", f32s(m(t * c.conv_dim())))?,
             y: ctx.storage_zeroed("prefill y", f32s(m(t * c.d_inner)))?,
             v: ctx.storage_zeroed("prefill v", f32s(m(t * pad(c.d_inner))))?,
@@ -163,9 +166,9 @@ impl Prefill {
                 "prefill chunk states",
                 f32s(m(cc.chunks() * c.ssm_state_len())),
             )?,
-            qkv: ctx.storage_zeroed("prefill qkv", f32s(t * qkv))?,
+            qkv: ctx.storage_zeroed("prefill qkv", f32s(yt * qkv))?,
             attn: ctx.storage_zeroed("prefill attn", f32s(t * attn))?,
-            mlp_up: ctx.storage_zeroed("prefill mlp up", f32s(t * up))?,
+            mlp_up: ctx.storage_zeroed("prefill mlp up", f32s(yt * up))?,
             mlp: ctx.storage_zeroed("prefill mlp", f32s(t * mlp))?,
             router_logits: ctx.storage_zeroed("prefill router logits", f32s(t * experts))?,
             moe_ids: ctx.storage_zeroed("prefill moe ids", f32s(t * top_k))?,

@@ -48,7 +48,8 @@ pub fn gemm(
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     if super::gemm_coop::applies(k, w) {
-        let tile = super::gemm_coop::tile_for(w, max_tokens)?;
+        let direct = super::gemm_coop::direct_fits(w, max_tokens, y, ys);
+        let tile = super::gemm_coop::tile_for(w, max_tokens, direct)?;
         return super::gemm_coop::gemm_coop(
             k, name, w, max_tokens, x, y, ys, output, ctrl, tile, false,
         );

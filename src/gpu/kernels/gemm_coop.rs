@@ -22,9 +22,22 @@ const EMULATED: super::Sources = &[SOURCE];
 /// the assembler hoists every `enable` line).
 const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", SOURCE];
 
-/// Columns of W per K step (the kernel's BK) and halves per staged row (its LD).
+/// The widest K step (the kernel's BK; tiles take 16 or 32): padded widths must be
+/// multiples of it.
 const BK: usize = 32;
-const LD: usize = 40;
+
+/// Spare rows a Y buffer needs past the grid's last token tile for the direct epilogue.
+const SPARE_ROWS: usize = 16;
+/// The tallest token tile of `TILES`.
+const MAX_BT: usize = 128;
+
+/// Rows a Y buffer for blocks of `max_tokens` needs so that every tile `tile_for` picks
+/// can store its accumulators straight into it (the direct epilogue: the grid's last
+/// token tile plus spare rows where the tiles past M land). Callers that allocate this
+/// many get it; rows past the block's tokens are then scratch.
+pub fn y_rows(max_tokens: usize) -> usize {
+    max_tokens.next_multiple_of(MAX_BT) + SPARE_ROWS
+}
 
 /// The most workgroup memory a tile may take (what NVIDIA's Vulkan driver allows; the
 /// device is created with it where it has cooperative matrices).
@@ -32,7 +45,7 @@ pub const MAX_WORKGROUP_BYTES: usize = 48 * 1024;
 
 /// A workgroup's output tile: `bt` tokens × `bm` rows of W, over `wt` × `wr` subgroups of
 /// 32 invocations (each `bt/wt` tokens × `bm/wr` rows, in 16 × 16 accumulator tiles),
-/// through `stages` (1 or 2) stages of workgroup memory.
+/// through `stages` (1 or 2) stages of workgroup memory, `bk` (16 or 32) columns per step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tile {
     pub bt: usize,
@@ -40,19 +53,29 @@ pub struct Tile {
     pub wt: usize,
     pub wr: usize,
     pub stages: usize,
+    pub bk: usize,
 }
 
 /// The tiles `tile_for` picks from, largest first (BENCHMARKS.md, "Prefill on tensor
 /// cores", has the H200 runs that chose them): 16 subgroups over 128 tokens × 256 rows in one
 /// stage (Codestral's projections at 134–145 TFLOP/s), 8 over 128 × 128 in two stages
 /// (102–107), 4 over 64 × 64.
-pub const TILES: [Tile; 3] = [
+pub const TILES: [Tile; 4] = [
+    Tile {
+        bt: 128,
+        bm: 256,
+        wt: 4,
+        wr: 4,
+        stages: 2,
+        bk: 16,
+    },
     Tile {
         bt: 128,
         bm: 256,
         wt: 4,
         wr: 4,
         stages: 1,
+        bk: 32,
     },
     Tile {
         bt: 128,
@@ -60,6 +83,7 @@ pub const TILES: [Tile; 3] = [
         wt: 4,
         wr: 2,
         stages: 2,
+        bk: 32,
     },
     Tile {
         bt: 64,
@@ -67,6 +91,7 @@ pub const TILES: [Tile; 3] = [
         wt: 2,
         wr: 2,
         stages: 2,
+        bk: 32,
     },
 ];
 
@@ -83,40 +108,56 @@ impl Tile {
         32 * self.subgroups()
     }
 
-    /// Bytes of workgroup memory: the stages of both operands (f16) and one f32 tile per
-    /// subgroup.
-    pub fn workgroup_bytes(&self) -> usize {
-        self.stages * (self.bt + self.bm) * LD * 2 + self.subgroups() * 256 * 4
+    /// Bytes of workgroup memory: the stages of both operands (f16 rows of bk + 8) and,
+    /// unless the accumulators go straight to Y (`direct`), one f32 tile per subgroup.
+    pub fn workgroup_bytes(&self, direct: bool) -> usize {
+        let outs = if direct {
+            0
+        } else {
+            self.subgroups() * 256 * 4
+        };
+        self.stages * (self.bt + self.bm) * (self.bk + 8) * 2 + outs
+    }
+
+    /// 16-byte W slices per row and step: 8 f16 or 16 q8_0 values each.
+    fn w_slices(&self, format: WeightFormat) -> usize {
+        if format == WeightFormat::Q8_0 {
+            self.bk / 16
+        } else {
+            self.bk / 8
+        }
     }
 
     /// Whether the kernel can take this tile for weights of `format`: whole 16 × 16 tiles
     /// per subgroup and whole 16-byte slices per invocation.
-    pub fn check(&self, format: WeightFormat) -> Result<()> {
-        let slices_per_row = if format == WeightFormat::Q8_0 { 2 } else { 4 };
+    pub fn check(&self, format: WeightFormat, direct: bool) -> Result<()> {
         let n = self.threads();
         let ok = self.wt > 0
             && self.wr > 0
             && (1..=2).contains(&self.stages)
+            && (self.bk == 16 || self.bk == 32)
+            && self.bt <= MAX_BT
             && self.bt.is_multiple_of(16 * self.wt)
             && self.bm.is_multiple_of(16 * self.wr)
-            && (self.bt * BK / 4).is_multiple_of(n)
-            && (self.bm * slices_per_row).is_multiple_of(n)
+            && (self.bt * self.bk / 4).is_multiple_of(n)
+            && (self.bm * self.w_slices(format)).is_multiple_of(n)
             && n <= 1024
-            && self.workgroup_bytes() <= MAX_WORKGROUP_BYTES;
+            && self.workgroup_bytes(direct) <= MAX_WORKGROUP_BYTES;
         if ok {
             Ok(())
         } else {
             Err(Error::InvalidInput(format!(
-                "cooperative GEMM tile {self}: want bt a multiple of 16·wt, bm of 16·wr, whole \
-                 16-byte slices of both operands for each of its {n} invocations and at most \
-                 {MAX_WORKGROUP_BYTES} bytes of workgroup memory ({} here)",
-                self.workgroup_bytes()
+                "cooperative GEMM tile {self}: want bt ≤ {MAX_BT} a multiple of 16·wt, bm of \
+                 16·wr, bk 16 or 32, whole 16-byte slices of both operands for each of its {n} \
+                 invocations and at most {MAX_WORKGROUP_BYTES} bytes of workgroup memory ({} \
+                 here)",
+                self.workgroup_bytes(direct)
             )))
         }
     }
 
-    /// Parses `BTxBM/WTxWR[/STAGES]`, e.g. `128x128/4x2` (MAMBA2_COOP_TILE; 2 stages
-    /// unless given).
+    /// Parses `BTxBM/WTxWR[/STAGES[/BK]]`, e.g. `128x128/4x2` (MAMBA2_COOP_TILE; 2 stages
+    /// and BK 32 unless given).
     pub fn parse(s: &str) -> Option<Tile> {
         let mut parts = s.split('/');
         let pair = |p: &str| -> Option<(usize, usize)> {
@@ -129,6 +170,10 @@ impl Tile {
             Some(n) => n.trim().parse().ok()?,
             None => 2,
         };
+        let bk = match parts.next() {
+            Some(n) => n.trim().parse().ok()?,
+            None => 32,
+        };
         if parts.next().is_some() {
             return None;
         }
@@ -138,6 +183,7 @@ impl Tile {
             wt,
             wr,
             stages,
+            bk,
         })
     }
 }
@@ -145,8 +191,11 @@ impl Tile {
 impl std::fmt::Display for Tile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}x{}/{}x{}", self.bt, self.bm, self.wt, self.wr)?;
-        if self.stages != 2 {
+        if self.stages != 2 || self.bk != 32 {
             write!(f, "/{}", self.stages)?;
+        }
+        if self.bk != 32 {
+            write!(f, "/{}", self.bk)?;
         }
         Ok(())
     }
@@ -162,18 +211,28 @@ pub fn takes(w: &DeviceMatrix) -> bool {
     matches!(w.format, WeightFormat::F16 | WeightFormat::Q8_0) && w.kp.is_multiple_of(BK)
 }
 
-/// The tile for `w` over blocks of `max_tokens`: MAMBA2_COOP_TILE when set (for tuning; a
-/// tile the kernel cannot take is an error), else the largest of `TILES` that still makes
-/// `FILL_WORKGROUPS` workgroups (the smallest when none does).
-pub fn tile_for(w: &DeviceMatrix, max_tokens: usize) -> Result<Tile> {
+/// Whether a GEMM of `w` over blocks of `max_tokens` into `y` (rows of `ys`) can store its
+/// accumulators straight into Y: rows of W in whole 16-row tiles and Y with `y_rows`
+/// rows (MAMBA2_COOP_NO_DIRECT=1 turns it off, for comparison).
+pub fn direct_fits(w: &DeviceMatrix, max_tokens: usize, y: &wgpu::Buffer, ys: usize) -> bool {
+    w.rows.is_multiple_of(16)
+        && y.size() >= 4 * (y_rows(max_tokens) * ys) as u64
+        && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1")
+}
+
+/// The tile for `w` over blocks of `max_tokens` (`direct`: the accumulators may go straight
+/// to Y): MAMBA2_COOP_TILE when set (for tuning; a tile the kernel cannot take is an
+/// error), else the largest of `TILES` that still makes `FILL_WORKGROUPS` workgroups (the
+/// smallest when none does).
+pub fn tile_for(w: &DeviceMatrix, max_tokens: usize, direct: bool) -> Result<Tile> {
     let tile = match std::env::var("MAMBA2_COOP_TILE") {
         Ok(s) => Tile::parse(&s).ok_or_else(|| {
             Error::InvalidInput(format!(
-                "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR[/STAGES], e.g. 128x256/4x4/1"
+                "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR[/STAGES[/BK]], e.g. 128x256/4x4/1"
             ))
         })?,
         Err(_) => {
-            let fits = |t: &&Tile| t.check(w.format).is_ok();
+            let fits = |t: &&Tile| t.check(w.format, direct).is_ok();
             let fills =
                 |t: &&Tile| w.rows.div_ceil(t.bm) * max_tokens.div_ceil(t.bt) >= FILL_WORKGROUPS;
             *TILES
@@ -184,12 +243,13 @@ pub fn tile_for(w: &DeviceMatrix, max_tokens: usize) -> Result<Tile> {
                 .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?
         }
     };
-    tile.check(w.format)?;
+    tile.check(w.format, direct)?;
     Ok(tile)
 }
 
 /// The kernel's sources, constants and flags for `rows` × `cols` weights of `format`
-/// padded to `kp`, Y rows of `ys` values, on `tile` (checked by the caller).
+/// padded to `kp`, Y rows of `ys` values, on `tile` (checked by the caller); `spare`: the
+/// direct epilogue's first spare row of Y (None: through workgroup memory).
 #[allow(clippy::too_many_arguments)]
 pub fn specialize(
     format: WeightFormat,
@@ -199,20 +259,22 @@ pub fn specialize(
     ys: usize,
     output: GemmOutput,
     tile: Tile,
+    spare: Option<usize>,
     emulate: bool,
 ) -> (
     super::Sources,
     Vec<(&'static str, Const)>,
     Vec<&'static str>,
 ) {
-    let (pw, vp, flag) = if format == WeightFormat::Q8_0 {
-        (2, 16, "W_Q8")
+    let (vp, flag) = if format == WeightFormat::Q8_0 {
+        (16, "W_Q8")
     } else {
-        (4, 8, "W_F16")
+        (8, "W_F16")
     };
+    let pw = tile.w_slices(format);
     let n = tile.threads();
     let u = |v: usize| Const::U32(v as u32);
-    let consts = vec![
+    let mut consts = vec![
         ("M", u(rows)),
         ("KP", u(kp)),
         ("XS", u(cols.next_multiple_of(32))),
@@ -224,7 +286,10 @@ pub fn specialize(
         ("FT", u(tile.bt / 16 / tile.wt)),
         ("FM", u(tile.bm / 16 / tile.wr)),
         ("NT", u(n)),
-        ("XV", u(tile.bt * BK / 4 / n)),
+        ("BK", u(tile.bk)),
+        ("KQ", u(tile.bk / 16)),
+        ("XPR", u(tile.bk / 4)),
+        ("XV", u(tile.bt * tile.bk / 4 / n)),
         ("WV", u(tile.bm * pw / n)),
         ("PW", u(pw)),
         ("VP", u(vp)),
@@ -237,6 +302,10 @@ pub fn specialize(
             GemmOutput::Add => "O_ADD",
         },
     ];
+    if let Some(row) = spare {
+        consts.push(("SPARE", u(row)));
+        flags.push("DIRECT");
+    }
     let sources = if emulate {
         EMULATED
     } else {
@@ -247,7 +316,8 @@ pub fn specialize(
 }
 
 /// The GEMM of a block of up to `max_tokens` tokens on `tile`, with the real cooperative ops
-/// or (`emulate`) their portable stand-ins.
+/// or (`emulate`) their portable stand-ins; the accumulators go straight to Y where
+/// `direct_fits` (then Y's rows past the block's tokens are scratch).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_coop(
     k: &Kernels,
@@ -276,12 +346,15 @@ pub fn gemm_coop(
             "{name}: this device has no cooperative matrices"
         )));
     }
-    tile.check(w.format)?;
+    let direct = direct_fits(w, max_tokens, y, ys);
+    tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
     check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
-    let (sources, consts, flags) =
-        specialize(w.format, w.rows, w.kp, w.cols, ys, output, tile, emulate);
+    let spare = direct.then(|| max_tokens.next_multiple_of(tile.bt));
+    let (sources, consts, flags) = specialize(
+        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, emulate,
+    );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
     let mut entries = w.bindings();
     entries.extend([(2, x), (3, y), (4, ctrl)]);
@@ -303,12 +376,12 @@ pub fn gemm_coop(
 
 /// The load-time check of the real cooperative ops on this device: one small random GEMM
 /// (f16 weights, row and token counts no tile divides, added onto a residual) on every tile
-/// the engine may pick, against the CPU's sum of the same f16-rounded products. An error
-/// says what differed.
+/// the engine may pick, through workgroup memory and straight into Y, against the CPU's sum
+/// of the same f16-rounded products. An error says what differed.
 pub fn self_check(k: &Kernels) -> Result<()> {
     use crate::gpu::graph::Ctrl;
     use half::f16;
-    let (m, kc, t) = (200, 96, 150);
+    let (m, kc, t) = (208, 96, 150);
     let rnd = |seed: u64, n: usize| -> Vec<f32> {
         (0..n as u64)
             .map(|i| 2.0 * crate::sampling::uniform(seed, i) - 1.0)
@@ -321,7 +394,10 @@ pub fn self_check(k: &Kernels) -> Result<()> {
     let ctx = &k.ctx;
     let w = DeviceMatrix::upload(ctx, "coop check: w", &packed)?;
     let x = ctx.storage_with("coop check: x", bytemuck::cast_slice(&xv))?;
+    // Y exactly as long as the block (the epilogue through workgroup memory), and with the
+    // rows the direct epilogue needs.
     let y = ctx.storage_with("coop check: y", bytemuck::cast_slice(&rv))?;
+    let y_direct = ctx.storage_zeroed("coop check: y", 4 * (y_rows(t) * m) as u64)?;
     let c = Ctrl {
         prompt_len: t as u32,
         ..Default::default()
@@ -329,9 +405,22 @@ pub fn self_check(k: &Kernels) -> Result<()> {
     let ctrl = ctx.storage_with("coop check: ctrl", bytemuck::bytes_of(&c))?;
     // Every tile the engine may pick (and the one MAMBA2_COOP_TILE names), in turn.
     let mut tiles = TILES.to_vec();
-    let chosen = tile_for(&w, t)?;
-    if !tiles.contains(&chosen) {
-        tiles.push(chosen);
+    for direct in [false, true] {
+        let chosen = tile_for(&w, t, direct)?;
+        if !tiles.contains(&chosen) {
+            tiles.push(chosen);
+        }
+    }
+    let mut runs: Vec<(Tile, &wgpu::Buffer)> = Vec::new();
+    for &tile in &tiles {
+        for yb in [&y, &y_direct] {
+            if tile
+                .check(WeightFormat::F16, direct_fits(&w, t, yb, m))
+                .is_ok()
+            {
+                runs.push((tile, yb));
+            }
+        }
     }
     // The CPU's result, once for all tiles.
     let want: Vec<f64> = (0..t * m)
@@ -346,15 +435,15 @@ pub fn self_check(k: &Kernels) -> Result<()> {
     let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));
     let mut worst = (0f64, 0usize);
     let mut bad_tile = tiles[0];
-    for tile in tiles {
-        ctx.queue.write_buffer(&y, 0, bytemuck::cast_slice(&rv));
+    for (tile, y) in runs {
+        ctx.queue.write_buffer(y, 0, bytemuck::cast_slice(&rv));
         let d = gemm_coop(
             k,
             "coop check",
             &w,
             t,
             &x,
-            &y,
+            y,
             m,
             GemmOutput::Add,
             &ctrl,
@@ -368,7 +457,7 @@ pub fn self_check(k: &Kernels) -> Result<()> {
         }
         ctx.queue.submit([enc.finish()]);
         ctx.wait()?;
-        let got = ctx.read_f32(&y, t * m)?;
+        let got = ctx.read_f32(y, t * m)?;
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
             let e = (g as f64 - w).abs();
             // (A NaN counts as the worst.)
