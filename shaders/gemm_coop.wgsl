@@ -25,6 +25,12 @@
 // halves), and invocation `lane` of a subgroup's 32 holds row lane/2, columns
 // (lane%2)·8.. of each accumulator tile.
 //
+// GROUPED (the MoE experts of a prefill block, rows sorted by expert by moe_sort; BT = 64):
+// the T = TR rows come in tiles of 64 that each belong to one expert, `tile_expert[tile]`;
+// W is a bank of NE experts from E0, M rows each, and a workgroup whose expert lives in
+// another bank (or none: past the used rows) returns at once. With GATHER, row r reads X row
+// `pairs[r] / K` (padding rows, NONE, read zeros), else X row r.
+//
 // Constants: M, KP, XS, YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
 // BK, KQ = BK/16, XPR = BK/4 X slices (vec4) per token and step; XV = BT·XPR/NT X slices
 // and WV = BM·PW/NT W slices (16 bytes) per invocation, PW slices per row and step (BK/8
@@ -38,7 +44,15 @@ enable f16;
 #endif
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
+#if GROUPED
+@group(0) @binding(5) var<storage, read> tile_expert: array<u32>;
+#if GATHER
+@group(0) @binding(6) var<storage, read> pairs: array<u32>;
+#endif
+var<workgroup> tile_e: u32;
+#else
 @group(0) @binding(4) var<storage, read> ctrl: Ctrl;
+#endif
 
 const LD: u32 = BK + 8u;
 const LD2: u32 = LD / 2u;
@@ -56,27 +70,35 @@ var<workgroup> outs: array<f32, WT * WR * 256u>;
 // X slice `e` of the step at column k: token t0 + e/XPR, columns k + (e%XPR)·4 .. +4.
 fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> vec4<f32> {
     let t = t0 + e / XPR;
+#if GATHER
+    let pair = pairs[t];
+    if (pair != NONE) {
+        return x[((pair / K) * XS + k) / 4u + e % XPR];
+    }
+#else
     if (t < tokens) {
         return x[(t * XS + k) / 4u + e % XPR];
     }
+#endif
     return vec4<f32>(0.0);
 }
 
-// W slice `e` of the step at column k: row m0 + e/PW, columns k + (e%PW)·VP .. +VP.
-fn w_slice(m0: u32, k: u32, e: u32) -> vec4<u32> {
+// W slice `e` of the step at column k: row m0 + e/PW (of the matrix from row wrow),
+// columns k + (e%PW)·VP .. +VP.
+fn w_slice(wrow: u32, m0: u32, k: u32, e: u32) -> vec4<u32> {
     let m = m0 + e / PW;
     if (m < M) {
-        return w[(m * KP + k) / VP + e % PW];
+        return w[((wrow + m) * KP + k) / VP + e % PW];
     }
     return vec4<u32>(0u);
 }
 
 // The q8_0 scale of W slice `e` (its 32-value block).
-fn w_scale(m0: u32, k: u32, e: u32) -> f32 {
+fn w_scale(wrow: u32, m0: u32, k: u32, e: u32) -> f32 {
 #if W_Q8
     let m = m0 + e / PW;
     if (m < M) {
-        let si = m * (KP / 32u) + k / 32u;
+        let si = (wrow + m) * (KP / 32u) + k / 32u;
         return unpack2x16float(ws[si / 2u])[si % 2u];
     }
 #endif
@@ -201,7 +223,23 @@ fn emit(ob: u32, lane: u32, tb: u32, mb: u32, tokens: u32) {
 
 @compute @workgroup_size(NT)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+#if GROUPED
+    let tokens = TR;
+    if (lid == 0u) {
+        tile_e = tile_expert[wid.y];
+    }
+    let expert = workgroupUniformLoad(&tile_e);
+    // (`|`, not `||`: naga lowers a short circuit to a branch whose result it cannot
+    // prove uniform.)
+    if ((expert < E0) | (expert >= E0 + NE)) {
+        return;
+    }
+    // This expert's first row in the bank.
+    let wrow = (expert - E0) * M;
+#else
     let tokens = ctrl.prompt_len;
+    let wrow = 0u;
+#endif
     let m0 = wid.x * BM;
     let t0 = wid.y * BT;
     let sg = lid / 32u;
@@ -237,8 +275,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     put_x(0u, lid + {v}u * NT, xr{v});
 #endfor
 #for v WV
-    var wr{v} = w_slice(m0, 0u, lid + {v}u * NT);
-    var wd{v} = w_scale(m0, 0u, lid + {v}u * NT);
+    var wr{v} = w_slice(wrow, m0, 0u, lid + {v}u * NT);
+    var wd{v} = w_scale(wrow, m0, 0u, lid + {v}u * NT);
     put_w(0u, lid + {v}u * NT, wr{v}, wd{v});
 #endfor
     workgroupBarrier();
@@ -251,8 +289,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             xr{v} = x_slice(t0, tokens, k, lid + {v}u * NT);
 #endfor
 #for v WV
-            wr{v} = w_slice(m0, k, lid + {v}u * NT);
-            wd{v} = w_scale(m0, k, lid + {v}u * NT);
+            wr{v} = w_slice(wrow, m0, k, lid + {v}u * NT);
+            wd{v} = w_scale(wrow, m0, k, lid + {v}u * NT);
 #endfor
         }
         // Tile offsets in halves.

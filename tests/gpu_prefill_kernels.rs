@@ -438,7 +438,7 @@ fn cases() -> Vec<Case> {
                 // Each shape and format on the tiles that take its format, in turn, through
                 // workgroup memory and (M a multiple of 16) straight into Y.
                 for direct in [false, true] {
-                    if direct && s.m % 16 != 0 {
+                    if direct && !s.m.is_multiple_of(16) {
                         continue;
                     }
                     let n = EMULATED_TILES.len();
@@ -979,14 +979,47 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
     // is a multiple of 16.)
     for &tile in COOP_TILES {
         for direct in [false, true] {
-            if tile.check(w, direct).is_err() || (direct && s.m % 16 != 0) {
+            if tile.check(w, direct).is_err() || (direct && !s.m.is_multiple_of(16)) {
                 continue;
             }
             let spare = direct.then_some(256);
             for emulate in [false, true] {
                 let (sources, consts, flags) =
-                    specialize(w, s.m, kp, s.k, s.ys, out, tile, spare, emulate);
+                    specialize(w, s.m, kp, s.k, s.ys, out, tile, spare, None, emulate);
                 let what = format!("tile {tile}, {flags:?}");
+                let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
+                naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
+            }
+        }
+    }
+    // The MoE experts' grouped tiles, gathered and not, each way out.
+    for top_k in [Some(3), None] {
+        for direct in [false, true] {
+            if direct && !s.m.is_multiple_of(16) {
+                continue;
+            }
+            let grouped = gemm_coop::Grouped {
+                rows: 640,
+                first: 2,
+                count: 5,
+                top_k,
+            };
+            let spare = direct.then_some(640);
+            let tile = gemm_coop::GROUPED_TILE;
+            for emulate in [false, true] {
+                let (sources, consts, flags) = specialize(
+                    w,
+                    s.m,
+                    kp,
+                    s.k,
+                    s.ys,
+                    Store,
+                    tile,
+                    spare,
+                    Some(grouped),
+                    emulate,
+                );
+                let what = format!("grouped tile {tile}, {flags:?}");
                 let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
                 naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
             }

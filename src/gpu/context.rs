@@ -54,6 +54,18 @@ pub struct Caps {
     /// Why the device's cooperative matrices are not used although it has them (the
     /// load-time check failed), for `describe`.
     pub coop_failed: Option<String>,
+    /// Tests only: run the cooperative kernels with portable stand-ins for their
+    /// cooperative ops on a device without them (lavapipe), so the whole prefill graph takes
+    /// the tensor-core paths' staging, indexing and epilogues. Never set by the engine.
+    pub coop_emulated: bool,
+}
+
+impl Caps {
+    /// Whether the prefill takes the cooperative kernels: on the tensor cores, or (tests)
+    /// with their stand-ins. Their `emulate` argument is `!coop_matrix`.
+    pub fn coop_kernels(&self) -> bool {
+        self.coop_matrix || self.coop_emulated
+    }
 }
 
 /// Workgroup memory the cooperative GEMM's tiles may use.
@@ -375,6 +387,7 @@ impl GpuContext {
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             timestamps_in_passes: features.contains(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
             coop_matrix: coop,
+            coop_emulated: false,
             coop_failed: None,
         };
         Ok(GpuContext {

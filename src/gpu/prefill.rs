@@ -146,6 +146,7 @@ impl Prefill {
         // Rows of the GEMMs' outputs: enough for the tensor-core GEMM to store its tiles
         // straight into them (`gemm_coop::y_rows`).
         let yt = crate::gpu::kernels::gemm_coop::y_rows(t);
+        let y_sorted = crate::gpu::kernels::gemm_coop::y_rows(rows);
         let m = |n: usize| if mamba { n } else { 1 };
         let mut p = Prefill {
             chunk,
@@ -176,9 +177,9 @@ impl Prefill {
             moe_pairs: ctx.storage_zeroed("prefill moe pairs", f32s(rows))?,
             moe_pos: ctx.storage_zeroed("prefill moe pos", f32s(t * top_k))?,
             tile_expert: ctx.storage_zeroed("prefill moe tiles", f32s(rows / 64))?,
-            moe_up: ctx.storage_zeroed("prefill moe up", f32s(rows * expert_up))?,
+            moe_up: ctx.storage_zeroed("prefill moe up", f32s(y_sorted * expert_up))?,
             moe_mid: ctx.storage_zeroed("prefill moe mid", f32s(rows * expert_mid))?,
-            moe_down: ctx.storage_zeroed("prefill moe down", f32s(rows * c.d_model))?,
+            moe_down: ctx.storage_zeroed("prefill moe down", f32s(y_sorted * c.d_model))?,
             moe_latent: ctx.storage_zeroed("prefill moe latent", f32s(t * latent))?,
             moe_latent_sum: ctx.storage_zeroed("prefill moe latent sum", f32s(t * latent))?,
             logits: None,

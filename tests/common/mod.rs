@@ -30,6 +30,20 @@ pub fn gpu(needs: &Needs) -> Option<Arc<GpuContext>> {
     }
 }
 
+/// As `gpu`, with the cooperative kernels run on their stand-ins where the device has no
+/// cooperative matrices (`Caps::coop_emulated`): the tensor-core prefill paths on lavapipe.
+pub fn gpu_coop_emulated(needs: &Needs) -> Option<Arc<GpuContext>> {
+    // lavapipe's 32 KiB of workgroup memory: the tiles that fit it.
+    let needs = Needs {
+        workgroup_storage: needs.workgroup_storage.max(32768),
+        ..needs.clone()
+    };
+    let ctx = gpu(&needs)?;
+    let mut ctx = Arc::into_inner(ctx).expect("a fresh context");
+    ctx.caps.coop_emulated = true;
+    Some(Arc::new(ctx))
+}
+
 /// Kernels on a device that binds buffers of up to `largest` bytes, with the workgroup
 /// limits every kernel test needs (lavapipe allows 32 KiB of workgroup memory: the
 /// emulated tensor-core GEMM tiles take up to 24 KiB).

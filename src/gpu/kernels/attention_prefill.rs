@@ -24,8 +24,9 @@ pub fn attention_prefill(
     o: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     if super::attention_prefill_coop::applies(k, &c) {
+        let emulate = !k.ctx.caps.coop_matrix;
         return super::attention_prefill_coop::attention_prefill_coop(
-            k, name, c, max_tokens, b, o, false,
+            k, name, c, max_tokens, b, o, emulate,
         );
     }
     c.check(name)?;

@@ -38,7 +38,7 @@ pub fn takes(c: &AttnConsts) -> bool {
 
 /// Whether it serves this layer on this device.
 pub fn applies(k: &Kernels, c: &AttnConsts) -> bool {
-    k.ctx.caps.coop_matrix && takes(c)
+    k.ctx.caps.coop_kernels() && takes(c)
 }
 
 /// Bytes of workgroup memory for head dim `hd` over `subgroups` subgroups: the queries and

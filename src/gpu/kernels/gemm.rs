@@ -49,9 +49,10 @@ pub fn gemm(
 ) -> Result<Dispatch> {
     if super::gemm_coop::applies(k, w) {
         let direct = super::gemm_coop::direct_fits(w, max_tokens, y, ys);
-        let tile = super::gemm_coop::tile_for(w, max_tokens, direct)?;
+        let tile = super::gemm_coop::tile_for(k, w, max_tokens, direct)?;
+        let emulate = !k.ctx.caps.coop_matrix;
         return super::gemm_coop::gemm_coop(
-            k, name, w, max_tokens, x, y, ys, output, ctrl, tile, false,
+            k, name, w, max_tokens, x, y, ys, output, ctrl, tile, emulate,
         );
     }
     let xs = w.cols.next_multiple_of(32);
@@ -201,6 +202,10 @@ pub fn expert_gemm(
     y: &wgpu::Buffer,
     ys: usize,
 ) -> Result<Dispatch> {
+    if super::gemm_coop::applies(k, w) {
+        let emulate = !k.ctx.caps.coop_matrix;
+        return super::gemm_coop::expert_gemm_coop(k, name, w, bank, sorted, x, y, ys, emulate);
+    }
     let m = bank.rows_per_expert;
     let rows = sorted.rows;
     if bank.count * m != w.rows || !rows.is_multiple_of(TILE.1) || m > ys {

@@ -95,6 +95,28 @@ pub const TILES: [Tile; 4] = [
     },
 ];
 
+/// The tile of the MoE experts' grouped GEMM: 64 sorted rows (one expert's tile of
+/// `moe_sort`) × 128 rows of the expert's matrix over 8 subgroups.
+pub const GROUPED_TILE: Tile = Tile {
+    bt: 64,
+    bm: 128,
+    wt: 2,
+    wr: 4,
+    stages: 2,
+    bk: 32,
+};
+
+/// The MoE experts' grouped GEMM as `specialize` sees it: `rows` sorted rows in tiles of
+/// 64, each of one expert (`tile_expert`); a bank of `count` experts from `first`; X rows
+/// gathered through the sorted pairs of `top_k` choices per token, or read in order.
+#[derive(Clone, Copy, Debug)]
+pub struct Grouped {
+    pub rows: usize,
+    pub first: usize,
+    pub count: usize,
+    pub top_k: Option<usize>,
+}
+
 /// Workgroups a GEMM should have before a larger tile is worth it (two per SM of an H200;
 /// Mamba2-130m's out_proj over 512 tokens took 2.3 ms on 128 × 128 tiles, 1.6 ms on 64 × 64).
 const FILL_WORKGROUPS: usize = 256;
@@ -201,9 +223,10 @@ impl std::fmt::Display for Tile {
     }
 }
 
-/// Whether the cooperative-matrix GEMM serves this matrix on this device.
+/// Whether the cooperative-matrix GEMM serves this matrix on this device (on the tensor
+/// cores, or with the stand-ins where a test asks: `Caps::coop_kernels`).
 pub fn applies(k: &Kernels, w: &DeviceMatrix) -> bool {
-    k.ctx.caps.coop_matrix && takes(w)
+    k.ctx.caps.coop_kernels() && takes(w)
 }
 
 /// Whether the kernel reads this matrix at all (formats and row widths).
@@ -224,7 +247,8 @@ pub fn direct_fits(w: &DeviceMatrix, max_tokens: usize, y: &wgpu::Buffer, ys: us
 /// to Y): MAMBA2_COOP_TILE when set (for tuning; a tile the kernel cannot take is an
 /// error), else the largest of `TILES` that still makes `FILL_WORKGROUPS` workgroups (the
 /// smallest when none does).
-pub fn tile_for(w: &DeviceMatrix, max_tokens: usize, direct: bool) -> Result<Tile> {
+pub fn tile_for(k: &Kernels, w: &DeviceMatrix, max_tokens: usize, direct: bool) -> Result<Tile> {
+    let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
     let tile = match std::env::var("MAMBA2_COOP_TILE") {
         Ok(s) => Tile::parse(&s).ok_or_else(|| {
             Error::InvalidInput(format!(
@@ -232,7 +256,8 @@ pub fn tile_for(w: &DeviceMatrix, max_tokens: usize, direct: bool) -> Result<Til
             ))
         })?,
         Err(_) => {
-            let fits = |t: &&Tile| t.check(w.format, direct).is_ok();
+            let fits =
+                |t: &&Tile| t.check(w.format, direct).is_ok() && t.workgroup_bytes(direct) <= limit;
             let fills =
                 |t: &&Tile| w.rows.div_ceil(t.bm) * max_tokens.div_ceil(t.bt) >= FILL_WORKGROUPS;
             *TILES
@@ -260,6 +285,7 @@ pub fn specialize(
     output: GemmOutput,
     tile: Tile,
     spare: Option<usize>,
+    grouped: Option<Grouped>,
     emulate: bool,
 ) -> (
     super::Sources,
@@ -305,6 +331,19 @@ pub fn specialize(
     if let Some(row) = spare {
         consts.push(("SPARE", u(row)));
         flags.push("DIRECT");
+    }
+    if let Some(g) = grouped {
+        consts.extend([
+            ("TR", u(g.rows)),
+            ("E0", u(g.first)),
+            ("NE", u(g.count)),
+            ("NONE", Const::U32(u32::MAX)),
+        ]);
+        flags.push("GROUPED");
+        if let Some(k) = g.top_k {
+            consts.push(("K", u(k)));
+            flags.push("GATHER");
+        }
     }
     let sources = if emulate {
         EMULATED
@@ -353,7 +392,7 @@ pub fn gemm_coop(
     check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
     let spare = direct.then(|| max_tokens.next_multiple_of(tile.bt));
     let (sources, consts, flags) = specialize(
-        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, emulate,
+        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, None, emulate,
     );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
     let mut entries = w.bindings();
@@ -372,6 +411,98 @@ pub fn gemm_coop(
         label: Label::gemm(w),
     }
     .per_token(1, tile.bt, 1))
+}
+
+/// One bank's grouped GEMM over sorted rows on the tensor cores (or their stand-ins with
+/// `emulate`): `gemm::expert_gemm`'s contract on `GROUPED_TILE`, the accumulators straight
+/// into Y where `direct_fits` (Y's rows past the sorted ones are then scratch).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_gemm_coop(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    bank: super::expert_gemv::Bank,
+    sorted: super::gemm::SortedRows,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    ys: usize,
+    emulate: bool,
+) -> Result<Dispatch> {
+    let tile = GROUPED_TILE;
+    let m = bank.rows_per_expert;
+    let rows = sorted.rows;
+    if !takes(w) {
+        return Err(Error::Gpu(format!(
+            "{name}: the cooperative GEMM takes f16 or q8_0 rows padded to a multiple of {BK}, \
+             not {}",
+            w.format.name()
+        )));
+    }
+    if !emulate && !k.ctx.caps.coop_matrix {
+        return Err(Error::Gpu(format!(
+            "{name}: this device has no cooperative matrices"
+        )));
+    }
+    if bank.count * m != w.rows || !rows.is_multiple_of(tile.bt) || m > ys {
+        return Err(Error::Gpu(format!(
+            "{name}: {} experts × {m} rows, {rows} sorted rows and output rows of {ys} do not \
+             fit {} ({} rows) in tiles of {}",
+            bank.count, w.name, w.rows, tile.bt
+        )));
+    }
+    let direct = m.is_multiple_of(16)
+        && y.size() >= 4 * (y_rows(rows) * ys) as u64
+        && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1");
+    tile.check(w.format, direct)?;
+    let xs = w.cols.next_multiple_of(32);
+    check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
+    check_len(
+        &format!("{name}: tile experts"),
+        sorted.tile_expert,
+        rows / tile.bt,
+    )?;
+    let mut entries = w.bindings();
+    entries.extend([(2, x), (3, y), (5, sorted.tile_expert)]);
+    let top_k = match sorted.gather {
+        Some((pairs, top_k)) => {
+            check_len(&format!("{name}: pairs"), pairs, rows)?;
+            check_len(&format!("{name}: x"), x, xs)?;
+            entries.push((6, pairs));
+            Some(top_k)
+        }
+        None => {
+            check_len(&format!("{name}: x"), x, rows * xs)?;
+            None
+        }
+    };
+    let grouped = Grouped {
+        rows,
+        first: bank.first,
+        count: bank.count,
+        top_k,
+    };
+    let (sources, consts, flags) = specialize(
+        w.format,
+        m,
+        w.kp,
+        w.cols,
+        ys,
+        GemmOutput::Store,
+        tile,
+        direct.then_some(rows),
+        Some(grouped),
+        emulate,
+    );
+    let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &entries),
+        pipeline,
+        workgroups: (m.div_ceil(tile.bm) as u32, (rows / tile.bt) as u32, 1),
+        name: name.to_string(),
+        per_token: None,
+        section: Section::Moe,
+        label: Label::default(),
+    })
 }
 
 /// The load-time check of the real cooperative ops on this device: one small random GEMM
@@ -406,7 +537,7 @@ pub fn self_check(k: &Kernels) -> Result<()> {
     // Every tile the engine may pick (and the one MAMBA2_COOP_TILE names), in turn.
     let mut tiles = TILES.to_vec();
     for direct in [false, true] {
-        let chosen = tile_for(&w, t, direct)?;
+        let chosen = tile_for(k, &w, t, direct)?;
         if !tiles.contains(&chosen) {
             tiles.push(chosen);
         }

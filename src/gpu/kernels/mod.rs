@@ -196,6 +196,22 @@ impl Kernels {
         }
     }
 
+    /// The kernels built so far, by name (one entry per specialization, sorted): what a
+    /// graph runs on this device.
+    pub fn built(&self) -> Vec<String> {
+        let cache = self
+            .cache
+            .lock()
+            .map(|c| c.keys().cloned().collect::<Vec<_>>());
+        let mut names: Vec<String> = cache
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|k| k.split('|').next().map(str::to_string))
+            .collect();
+        names.sort();
+        names
+    }
+
     /// The pipeline of `name` specialized by `consts` and `flags` (SUBGROUP is added when
     /// the device has subgroups and `subgroups` is true).
     pub fn pipeline(

@@ -22,8 +22,9 @@ pub fn ssd_chunk_state(
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     if super::ssd_chunk_state_coop::applies(k, &cc) {
+        let emulate = !k.ctx.caps.coop_matrix;
         return super::ssd_chunk_state_coop::ssd_chunk_state_coop(
-            k, name, cc, mix, u, lam, cst, ctrl, false,
+            k, name, cc, mix, u, lam, cst, ctrl, emulate,
         );
     }
     check_len(

@@ -22,7 +22,7 @@ pub fn takes(cc: &ChunkConsts) -> bool {
 
 /// Whether it serves this mixer on this device.
 pub fn applies(k: &Kernels, cc: &ChunkConsts) -> bool {
-    k.ctx.caps.coop_matrix && takes(cc)
+    k.ctx.caps.coop_kernels() && takes(cc)
 }
 
 /// `cst [NC][H][P][N]` on the tensor cores (or their stand-ins with `emulate`). Same

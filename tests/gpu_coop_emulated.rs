@@ -1,0 +1,116 @@
+//! The prefill graph on the tensor-core kernels' paths, run on any device: a hybrid whose
+//! every shape the cooperative kernels take (Mamba2 head dim 64 and state 128 for the chunk
+//! state, attention head dim 32, MoE experts whose rows come in whole 16s, f16 and q8_0
+//! weights) prefilled with `Caps::coop_emulated` — the cooperative GEMM (direct epilogue
+//! into the prefill buffers, grouped and gathered expert tiles), chunk state and flash
+//! attention with the stand-ins of their cooperative ops — against the same model on the
+//! FMA kernels. The cooperative paths round their operands to f16, so the two agree to f16
+//! activation precision, not bit for bit.
+
+mod common;
+
+use mamba2_wgpu::config::ModelConfig;
+use mamba2_wgpu::gpu::GpuBackend;
+use mamba2_wgpu::gpu::engine::{Engine, EngineOptions, PrefillMode};
+use mamba2_wgpu::gpu::state_store::KvFormat;
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::model::quant::WeightFormat;
+use mamba2_wgpu::model::synthetic::tiny_moe;
+use mamba2_wgpu::sampling::uniform;
+use mamba2_wgpu::session::Backend;
+
+/// Logits and states of the two paths: f16 inputs of every product (relative rounding
+/// 2^-12, NMSE ~1e-8 per product) through six layers; a wrong tile, mask or row of experts
+/// is off by NMSE 1e-2 and more.
+const NMSE_TOL: f64 = 1e-5;
+
+/// Nemotron-H's pattern with MoE (`ME*E-M`) in the cooperative kernels' shapes.
+fn coop_config() -> ModelConfig {
+    let mut c = tiny_moe("ME*E-M", false);
+    c.n_groups = 2;
+    c.n_heads = 8;
+    c.head_dim = 64;
+    c.d_inner = 512;
+    c.d_model = 256;
+    c.d_state = 128;
+    if let Some(a) = c.attention.as_mut() {
+        a.head_dim = 32;
+        a.scale = 1.0 / 32f64.sqrt();
+    }
+    if let Some(m) = c.mlp.as_mut() {
+        m.intermediate = 48;
+    }
+    if let Some(m) = c.moe.as_mut() {
+        m.intermediate = 32;
+        if let Some(s) = m.shared.as_mut() {
+            s.intermediate = 48;
+        }
+    }
+    c
+}
+
+fn backend(model: &Model, format: WeightFormat, emulated: bool) -> Option<GpuBackend> {
+    let needs = Engine::needs(&model.config, format);
+    let ctx = if emulated {
+        common::gpu_coop_emulated(&needs)?
+    } else {
+        common::gpu(&needs)?
+    };
+    let opts = EngineOptions {
+        format,
+        fused: true,
+        chunk_size: Some(16),
+        prefill: PrefillMode::Chunked,
+        context: Some(512),
+        kv: KvFormat::F16,
+        expert_bank_bytes: None,
+    };
+    Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
+}
+
+#[test]
+fn prefill_on_the_cooperative_paths_matches_the_fma_kernels() {
+    let model = Model::synthetic(coop_config(), 17);
+    let vocab = model.config.vocab_size;
+    for format in [WeightFormat::F16, WeightFormat::Q8_0] {
+        let (Some(mut fma), Some(mut coop)) = (
+            backend(&model, format, false),
+            backend(&model, format, true),
+        ) else {
+            return;
+        };
+        if fma.engine.kernels.ctx.caps.coop_matrix {
+            eprintln!("(this device has cooperative matrices: both paths run on them)");
+        }
+        // A first block, then one continuing from its state and cache.
+        for (i, len) in [150usize, 37].into_iter().enumerate() {
+            let toks: Vec<u32> = (0..len as u64)
+                .map(|j| (uniform(i as u64 + 3, j) * vocab as f32) as u32)
+                .collect();
+            let want = fma.prefill_logits(&toks).unwrap();
+            let got = coop.prefill_logits(&toks).unwrap();
+            let e = common::nmse(&got.concat(), &want.concat());
+            let s = common::nmse(
+                &coop.state().unwrap().values(),
+                &fma.state().unwrap().values(),
+            );
+            eprintln!(
+                "{format:?} block {i} ({len} tokens): logits NMSE {e:.2e}, state NMSE {s:.2e}"
+            );
+            assert!(e <= NMSE_TOL, "{format:?} block {i}: logits NMSE {e:e}");
+            assert!(s <= NMSE_TOL, "{format:?} block {i}: state NMSE {s:e}");
+        }
+        // The cooperative kernels did the work.
+        let built = coop.engine.kernels.built();
+        for name in [
+            "gemm_coop",
+            "attention_prefill_coop",
+            "ssd_chunk_state_coop",
+        ] {
+            assert!(
+                built.iter().any(|b| b == name),
+                "{format:?}: {name} never built ({built:?})"
+            );
+        }
+    }
+}
