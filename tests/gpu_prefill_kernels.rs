@@ -179,7 +179,7 @@ const COOP_TILES: &[CoopTile] = &[
     TILES[0],
     TILES[1],
     TILES[2],
-    TILES[3],
+    tile_k(128, 256, 4, 4, 2, 16),
     tile(128, 128, 2, 2, 2),
     tile(128, 128, 2, 4, 2),
     tile(128, 64, 4, 2, 2),

@@ -158,6 +158,19 @@ impl EngineOptions {
     }
 }
 
+/// The SSD chunk length prefill takes by default on a device with tensor cores: the
+/// config's, at most 128. The chunked SSD is exact at any chunk length; with the GEMMs on the
+/// tensor cores, Codestral's 256 leaves the intra-chunk scan the largest SSD cost (4096
+/// tokens on the H200: 558.8 ms at 256, 536.8 at 128, 535.7 at 64, where the state passes
+/// start to grow; BENCHMARKS.md).
+fn coop_chunk(config_chunk: usize, coop: bool) -> usize {
+    if coop {
+        config_chunk.min(128)
+    } else {
+        config_chunk
+    }
+}
+
 impl Engine {
     /// What a model needs of a device in `format`, for `GpuContext::new` (the KV caches are
     /// sized later, to what the device binds).
@@ -238,6 +251,7 @@ impl Engine {
         let attn_part = blocks::attention::partials_len(c, context);
         let scratch = Scratch::new(&ctx, c, blocks, attn_part)?;
         let fusable = mamba2::fusable(c, format);
+        let ctx_coop = ctx.caps.coop_matrix;
         let mut engine = Engine {
             kernels: Kernels::new(ctx),
             config: c.clone(),
@@ -248,7 +262,10 @@ impl Engine {
             scratch,
             graphs: HashMap::new(),
             fused: opts.fused && fusable,
-            chunk: opts.chunk_for(c)?,
+            chunk: match opts.chunk_size {
+                Some(_) => opts.chunk_for(c)?,
+                None => coop_chunk(opts.chunk_for(c)?, ctx_coop),
+            },
             prefill_mode: opts.prefill,
             len: 0,
         };

@@ -36,9 +36,11 @@ pub fn takes(c: &AttnConsts) -> bool {
     hd.is_multiple_of(16) && (16..=128).contains(&hd)
 }
 
-/// Whether it serves this layer on this device.
+/// Whether it serves this layer on this device: f16 caches only (their K and V are f16
+/// already, so the kernel adds only the f16 rounding of the scaled queries and of the
+/// weights; f32 caches ask for f32 attention, which the FMA tiles give).
 pub fn applies(k: &Kernels, c: &AttnConsts) -> bool {
-    k.ctx.caps.coop_kernels() && takes(c)
+    k.ctx.caps.coop_kernels() && takes(c) && c.format == KvFormat::F16
 }
 
 /// Bytes of workgroup memory for head dim `hd` over `subgroups` subgroups: the queries and
