@@ -20,7 +20,11 @@ pub struct ConvBuffers<'a> {
     pub ctrl: &'a wgpu::Buffer,
 }
 
-/// The conv for every (column, token) of a block; grid rows are tokens.
+/// Tokens one invocation of `prefill_conv` takes, in order (its inputs read once each).
+const TOKENS_PER_INVOCATION: usize = 8;
+
+/// The conv for every (column, token) of a block; grid rows are runs of
+/// `TOKENS_PER_INVOCATION` tokens.
 pub fn prefill_conv(
     k: &Kernels,
     name: &str,
@@ -35,9 +39,14 @@ pub fn prefill_conv(
         mc.conv_dim * (mc.kernel - 1),
     )?;
     check_len(&format!("{name}: u"), b.u, cc.max_tokens * mc.conv_dim)?;
-    let mut consts = vec![("DIP", Const::U32(cc.d_in_proj as u32))];
+    let mut consts = vec![
+        ("DIP", Const::U32(cc.d_in_proj as u32)),
+        ("TPI", Const::U32(TOKENS_PER_INVOCATION as u32)),
+    ];
     consts.extend(mc.consts());
-    let pipeline = k.pipeline("prefill_conv", SOURCES, &consts, &[], false)?;
+    // Kernels of up to 4 taps (every Mamba2 model's) slide their inputs through a vec4.
+    let flags: &[&str] = if mc.kernel <= 4 { &["WIN4"] } else { &[] };
+    let pipeline = k.pipeline("prefill_conv", SOURCES, &consts, flags, false)?;
     Ok(Dispatch {
         bind_group: k.bind(
             &pipeline,
@@ -53,7 +62,7 @@ pub fn prefill_conv(
         pipeline,
         workgroups: (
             (mc.conv_dim + mc.heads).div_ceil(64) as u32,
-            cc.max_tokens as u32,
+            cc.max_tokens.div_ceil(TOKENS_PER_INVOCATION) as u32,
             1,
         ),
         name: name.to_string(),
@@ -61,7 +70,7 @@ pub fn prefill_conv(
         section: Section::Conv,
         label: Label::default(),
     }
-    .per_token(1, 1, 1))
+    .per_token(1, TOKENS_PER_INVOCATION, 1))
 }
 
 /// The conv state after the block: its last K−1 raw inputs.
