@@ -33,19 +33,11 @@ fn main(
     let sg_size = 1u;
 #endif
     let t = wid.y;
-    // Each group's sum with a constant index (`ss[c / GS]` in one loop over the channels
-    // left the array in memory); a group's channels in the same order as that loop.
     var ss: array<f32, RV>;
-#for g RV
-    {
-        var acc = 0.0;
-        for (var c = {g}u * GS + lid; c < ({g}u + 1u) * GS; c += WG) {
-            let v = gated(t, c);
-            acc += v * v;
-        }
-        ss[{g}] = acc;
+    for (var c = lid; c < DI; c += WG) {
+        let v = gated(t, c);
+        ss[c / GS] += v * v;
     }
-#endfor
     var tot = wg_sum(ss, lid, sg_lane, sg_size);
     // One channel per invocation per chunk of WG; a token's workgroups share its chunks
     // (one workgroup per token in prefill, many per token in decode).
