@@ -5,18 +5,35 @@
 // `mix` holds z in its first DI entries. Batched (prefill): workgroup row y handles token
 // y (y rows of DI, mix rows of MIX, dst rows of KP).
 
+// VEC4 (no q8 output; DI, GS and MIX multiples of 4): each invocation takes four
+// channels per 16-byte load (one channel per 4-byte load left Codestral's prefill norm at
+// 20 ms for 4096 tokens on the H200, a fifth of the bandwidth).
+#if VEC4
+@group(0) @binding(0) var<storage, read> y: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> mix: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> dst: array<vec4<f32>>;
+#else
 @group(0) @binding(0) var<storage, read> y: array<f32>;
 @group(0) @binding(1) var<storage, read> mix: array<f32>;
-@group(0) @binding(2) var<storage, read> params: array<f32>;
 @group(0) @binding(3) var<storage, read_write> dst: array<f32>;
+#endif
+@group(0) @binding(2) var<storage, read> params: array<f32>;
 #if Q8_OUT
 @group(0) @binding(4) var<storage, read_write> xq: array<u32>;
 @group(0) @binding(5) var<storage, read_write> xd: array<f32>;
 #endif
 
+#if VEC4
+// Channels 4·c4 .. +4 of token t.
+fn gated4(t: u32, c4: u32) -> vec4<f32> {
+    let z = mix[(t * MIX) / 4u + c4];
+    return y[(t * DI) / 4u + c4] * (z / (1.0 + exp(-z)));
+}
+#else
 fn gated(t: u32, c: u32) -> f32 {
     return y[t * DI + c] * silu(mix[t * MIX + c]);
 }
+#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -34,6 +51,18 @@ fn main(
 #endif
     let t = wid.y;
     var ss: array<f32, RV>;
+#if VEC4
+    for (var c4 = lid; c4 < DI / 4u; c4 += WG) {
+        let v = gated4(t, c4);
+        ss[(4u * c4) / GS] += dot(v, v);
+    }
+    var tot = wg_sum(ss, lid, sg_lane, sg_size);
+    for (var c4 = wid.x * WG + lid; c4 < DI / 4u; c4 += WG * nwg.x) {
+        let c = 4u * c4;
+        let w = vec4<f32>(params[NW_OFF + c], params[NW_OFF + c + 1u], params[NW_OFF + c + 2u], params[NW_OFF + c + 3u]);
+        dst[(t * KP) / 4u + c4] = gated4(t, c4) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * w;
+    }
+#else
     for (var c = lid; c < DI; c += WG) {
         let v = gated(t, c);
         ss[c / GS] += v * v;
@@ -52,4 +81,5 @@ fn main(
         q8_chunk(v, lid, first, t * KP);
 #endif
     }
+#endif
 }

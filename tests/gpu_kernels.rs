@@ -695,6 +695,53 @@ fn gated_norm_residual_and_embedding() {
             "gated norm q8 {i}: {a} vs {b}"
         );
     }
+    // The same over a block of tokens without q8 output (the vec4 path: 16-byte loads),
+    // z in wider mix rows, the norm weight at an offset.
+    let (di, groups, tokens, stride, off) = (96, 3, 5, 100, 4);
+    let y = rand(35, tokens * di, -2.0, 2.0);
+    let mix = rand(36, tokens * stride, -2.0, 2.0);
+    let w = rand(37, off + di, 0.5, 1.5);
+    let (yb, mb, wb) = (g.buf(&y), g.buf(&mix), g.buf(&w));
+    let out = g.buf(&vec![f32::NAN; tokens * di]);
+    let b = GatedNormBuffers {
+        y: &yb,
+        mix: &mb,
+        params: &wb,
+        dst: &out,
+        q8: None,
+    };
+    g.run(
+        &gated_norm::gated_norm(
+            &g.k,
+            "t",
+            di,
+            groups,
+            1e-5,
+            off,
+            Batch {
+                tokens,
+                mix_stride: stride,
+            },
+            b,
+        )
+        .unwrap(),
+    );
+    let got = g.read(&out, tokens * di);
+    for t in 0..tokens {
+        let want = gated_group_rmsnorm(
+            &y[t * di..][..di],
+            &mix[t * stride..][..di],
+            &w[off..],
+            groups,
+            1e-5,
+        );
+        assert_nmse(
+            &format!("gated group norm, token {t} of a block"),
+            &got[t * di..][..di],
+            &want,
+            1e-7,
+        );
+    }
     // residual add
     let d = 300;
     let x = rand(30, d, -3.0, 3.0);

@@ -2,7 +2,7 @@
 //! over G groups for T tokens (`y [T][d_inner]`, z the first d_inner of each `mix` row),
 //! and with `q8` the q8 blocks of the result for out_proj.
 
-use super::rmsnorm::{CHUNK, norm_dispatch};
+use super::rmsnorm::{CHUNK, norm_dispatch_flags};
 use super::{Dispatch, Kernels, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
@@ -59,5 +59,22 @@ pub fn gated_norm(
     ];
     let entries = vec![(0, b.y), (1, b.mix), (2, b.params), (3, b.dst)];
     let shader = ("gated_norm", SOURCES);
-    norm_dispatch(k, name, shader, &consts, entries, b.q8, d_inner, tokens)
+    // Four channels per load where no q8 output is made and the rows split into vec4s.
+    let vec4 = b.q8.is_none()
+        && d_inner.is_multiple_of(4)
+        && (d_inner / groups).is_multiple_of(4)
+        && mix_stride.is_multiple_of(4);
+    let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &[] };
+    norm_dispatch_flags(
+        k,
+        name,
+        shader,
+        &consts,
+        entries,
+        b.q8,
+        d_inner,
+        tokens,
+        extra,
+        &[],
+    )
 }
