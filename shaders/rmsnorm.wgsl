@@ -4,9 +4,15 @@
 // elements (CHUNK = WG), so the work spreads over the GPU instead of one multiprocessor.
 // Batched (prefill): workgroup row y normalizes token y (src rows of D, dst rows of KP).
 
+// VEC4 (prefill, no q8 output, D a multiple of 4): four values per 16-byte load.
+#if VEC4
+@group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
+#else
 @group(0) @binding(0) var<storage, read> src: array<f32>;
-@group(0) @binding(1) var<storage, read> params: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
+#endif
+@group(0) @binding(1) var<storage, read> params: array<f32>;
 #if Q8_OUT
 @group(0) @binding(3) var<storage, read_write> xq: array<u32>;
 @group(0) @binding(4) var<storage, read_write> xd: array<f32>;
@@ -30,6 +36,19 @@ fn main(
     let sbase = t * D;
     let dbase = t * KP;
     var ss: array<f32, RV>;
+#if VEC4
+    for (var k4 = lid; k4 < D / 4u; k4 += WG) {
+        let v = src[sbase / 4u + k4];
+        ss[0] += dot(v, v);
+    }
+    let tot = wg_sum(ss, lid, sg_lane, sg_size);
+    let rstd = inverseSqrt(tot[0] / f32(D) + EPS);
+    for (var k4 = wid.x * WG + lid; k4 < D / 4u; k4 += WG * nwg.x) {
+        let k = 4u * k4;
+        let w = vec4<f32>(params[NW_OFF + k], params[NW_OFF + k + 1u], params[NW_OFF + k + 2u], params[NW_OFF + k + 3u]);
+        dst[dbase / 4u + k4] = src[sbase / 4u + k4] * rstd * w;
+    }
+#else
     for (var k = lid; k < D; k += WG) {
         ss[0] += src[sbase + k] * src[sbase + k];
     }
@@ -48,4 +67,5 @@ fn main(
         q8_chunk(v, lid, first, dbase);
 #endif
     }
+#endif
 }

@@ -385,6 +385,37 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
     }
 }
 
+/// The prefill block's norm (four values per load where D is a multiple of 4, scalar
+/// otherwise): every token's row, written at its KP stride.
+#[test]
+fn rmsnorm_over_a_block() {
+    let Some(g) = Gpu::new() else { return };
+    for (d, tokens) in [(96usize, 5usize), (300, 3), (70, 4)] {
+        let kp = d.next_multiple_of(32);
+        let x = rand(40 + d as u64, tokens * d, -3.0, 3.0);
+        let params = [vec![0.0; 7], rand(41, d, 0.5, 1.5)].concat();
+        let (src, pbuf) = (g.buf(&x), g.buf(&params));
+        let dst = g.buf(&vec![f32::NAN; tokens * kp]);
+        let b = NormBuffers {
+            src: &src,
+            params: &pbuf,
+            dst: &dst,
+            q8: None,
+        };
+        g.run(&rmsnorm::rmsnorm_block(&g.k, "t", d, 1e-5, 7, tokens, b).unwrap());
+        let got = g.read(&dst, tokens * kp);
+        for t in 0..tokens {
+            let want = ref_rmsnorm(&x[t * d..][..d], &params[7..], 1e-5);
+            assert_nmse(
+                &format!("rmsnorm d {d}, token {t}"),
+                &got[t * kp..][..d],
+                &want,
+                1e-7,
+            );
+        }
+    }
+}
+
 #[test]
 fn gemv_with_the_group_norm_folded_in() {
     let Some(g) = Gpu::new() else { return };

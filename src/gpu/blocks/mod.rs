@@ -226,7 +226,7 @@ pub fn prefill_graph(
             q8: None,
         };
         d.push(
-            rmsnorm::rmsnorm(k, "final_norm", c.d_model, c.norm_eps, 0, t, norm)?
+            rmsnorm::rmsnorm_block(k, "final_norm", c.d_model, c.norm_eps, 0, t, norm)?
                 .per_token(1, 1, 1),
         );
         d.push(gemm(
@@ -283,7 +283,7 @@ fn pre_norm(
                 q8: b.q8(),
             },
         )?,
-        Some((p, t)) => rmsnorm::rmsnorm(
+        Some((p, t)) => rmsnorm::rmsnorm_block(
             b.k,
             "norm",
             c.d_model,

@@ -28,7 +28,43 @@ pub fn rmsnorm(
     tokens: usize,
     b: NormBuffers,
 ) -> Result<Dispatch> {
-    rows(k, name, d, eps, nw_off, tokens, d.next_multiple_of(32), b)
+    rows(
+        k,
+        name,
+        d,
+        eps,
+        nw_off,
+        tokens,
+        d.next_multiple_of(32),
+        b,
+        false,
+    )
+}
+
+/// `rmsnorm` over a prefill block: four values per 16-byte load where no q8 output is made
+/// and D is a multiple of 4 (decode keeps the scalar kernel, whose sums batched lanes
+/// repeat bit for bit).
+pub fn rmsnorm_block(
+    k: &Kernels,
+    name: &str,
+    d: usize,
+    eps: f64,
+    nw_off: usize,
+    tokens: usize,
+    b: NormBuffers,
+) -> Result<Dispatch> {
+    let vec4 = b.q8.is_none() && d.is_multiple_of(4);
+    rows(
+        k,
+        name,
+        d,
+        eps,
+        nw_off,
+        tokens,
+        d.next_multiple_of(32),
+        b,
+        vec4,
+    )
 }
 
 /// The decode norm of `lanes` lanes: `src [L][D]`, `dst [L][W]` and the q8 blocks
@@ -55,7 +91,7 @@ pub fn rmsnorm_lanes(
             "{name}: the q8 blocks' lane strides do not match the output's {w} values"
         )));
     }
-    rows(k, name, d, eps, nw_off, lanes.n, w, b)
+    rows(k, name, d, eps, nw_off, lanes.n, w, b, false)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -68,6 +104,7 @@ fn rows(
     tokens: usize,
     kp: usize,
     b: NormBuffers,
+    vec4: bool,
 ) -> Result<Dispatch> {
     check_len(&format!("{name}: src"), b.src, tokens * d)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d)?;
@@ -83,38 +120,24 @@ fn rows(
     ];
     let entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
     let shader = ("rmsnorm", SOURCES);
-    norm_dispatch(k, name, shader, &consts, entries, b.q8, d, tokens)
-}
-
-/// What every norm shares after its own checks: the optional q8 output (bound right after
-/// `entries`), the pipeline, and the grid for `tokens` rows of `width` outputs.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn norm_dispatch<'a>(
-    k: &Kernels,
-    name: &str,
-    shader: (&str, super::Sources),
-    consts: &[(&str, Const)],
-    entries: Vec<(u32, &'a wgpu::Buffer)>,
-    q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
-    width: usize,
-    tokens: usize,
-) -> Result<Dispatch> {
+    let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &[] };
     norm_dispatch_flags(
         k,
         name,
         shader,
-        consts,
+        &consts,
         entries,
-        q8,
-        width,
+        b.q8,
+        d,
         tokens,
-        &[],
+        extra,
         &[],
     )
 }
 
-/// `norm_dispatch` with the kernel's own `extra` flags, and `tail` bindings after the q8
-/// ones.
+/// What every norm shares after its own checks: the optional q8 output (bound right after
+/// `entries`), the kernel's own `extra` flags, `tail` bindings after the q8 ones, the
+/// pipeline, and the grid for `tokens` rows of `width` outputs.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn norm_dispatch_flags<'a>(
     k: &Kernels,
