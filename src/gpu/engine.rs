@@ -251,7 +251,11 @@ impl Engine {
         let attn_part = blocks::attention::partials_len(c, context);
         let scratch = Scratch::new(&ctx, c, blocks, attn_part)?;
         let fusable = mamba2::fusable(c, format);
-        let ctx_coop = ctx.caps.coop_matrix;
+        // The chunk asked for, else the config's (at most 128 on the tensor cores).
+        let chunk = match opts.chunk_size {
+            Some(_) => opts.chunk_for(c)?,
+            None => coop_chunk(opts.chunk_for(c)?, ctx.caps.coop_matrix),
+        };
         let mut engine = Engine {
             kernels: Kernels::new(ctx),
             config: c.clone(),
@@ -262,10 +266,7 @@ impl Engine {
             scratch,
             graphs: HashMap::new(),
             fused: opts.fused && fusable,
-            chunk: match opts.chunk_size {
-                Some(_) => opts.chunk_for(c)?,
-                None => coop_chunk(opts.chunk_for(c)?, ctx_coop),
-            },
+            chunk,
             prefill_mode: opts.prefill,
             len: 0,
         };

@@ -105,12 +105,7 @@ fn specialize(
     if c.format == KvFormat::F32 {
         flags.push("KV_F32");
     }
-    let sources = if emulate {
-        EMULATED
-    } else {
-        flags.push("COOP");
-        COOP
-    };
+    let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);
     (sources, consts, flags)
 }
 
@@ -133,11 +128,7 @@ pub fn attention_prefill_coop(
             c.dims.head_dim
         )));
     }
-    if !emulate && !k.ctx.caps.coop_matrix {
-        return Err(Error::Gpu(format!(
-            "{name}: this device has no cooperative matrices"
-        )));
-    }
+    super::require_coop(k, name, emulate)?;
     let max_tokens = max_tokens.max(1);
     c.check_buffers(name, b, max_tokens, c.dims.q_len())?;
     check_len(&format!("{name}: o"), o, max_tokens * c.o_stride())?;

@@ -48,7 +48,7 @@ pub fn gemm(
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     if super::gemm_coop::applies(k, w) {
-        let direct = super::gemm_coop::direct_fits(w, max_tokens, y, ys);
+        let direct = super::gemm_coop::direct_fits(w.rows, max_tokens, y, ys);
         let tile = super::gemm_coop::tile_for(k, w, max_tokens, direct)?;
         let emulate = !k.ctx.caps.coop_matrix;
         return super::gemm_coop::gemm_coop(

@@ -227,13 +227,28 @@ pub fn takes(w: &DeviceMatrix) -> bool {
     matches!(w.format, WeightFormat::F16 | WeightFormat::Q8_0) && w.kp.is_multiple_of(BK)
 }
 
-/// Whether a GEMM of `w` over blocks of `max_tokens` into `y` (rows of `ys`) can store its
-/// accumulators straight into Y: rows of W in whole 16-row tiles and Y with `y_rows`
-/// rows (MAMBA2_COOP_NO_DIRECT=1 turns it off, for comparison).
-pub fn direct_fits(w: &DeviceMatrix, max_tokens: usize, y: &wgpu::Buffer, ys: usize) -> bool {
-    w.rows.is_multiple_of(16)
+/// Whether a GEMM of `rows` rows of W over blocks of `max_tokens` into `y` (rows of `ys`)
+/// can store its accumulators straight into Y: W's rows in whole 16-row tiles and Y with
+/// `y_rows` rows (MAMBA2_COOP_NO_DIRECT=1 turns it off, for comparison).
+pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize) -> bool {
+    rows.is_multiple_of(16)
         && y.size() >= 4 * (y_rows(max_tokens) * ys) as u64
         && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1")
+}
+
+/// `takes`, as an error naming the matrix's format and widths.
+fn check_takes(name: &str, w: &DeviceMatrix) -> Result<()> {
+    if takes(w) {
+        Ok(())
+    } else {
+        Err(Error::Gpu(format!(
+            "{name}: the cooperative GEMM takes f16 or q8_0 rows padded to a multiple of {BK}, \
+             not {} ({} of {} columns)",
+            w.format.name(),
+            w.kp,
+            w.cols
+        )))
+    }
 }
 
 /// The tile for `w` over blocks of `max_tokens` (`direct`: the accumulators may go straight
@@ -338,12 +353,7 @@ pub fn specialize(
             flags.push("GATHER");
         }
     }
-    let sources = if emulate {
-        EMULATED
-    } else {
-        flags.push("COOP");
-        COOP
-    };
+    let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);
     (sources, consts, flags)
 }
 
@@ -364,21 +374,9 @@ pub fn gemm_coop(
     tile: Tile,
     emulate: bool,
 ) -> Result<Dispatch> {
-    if !takes(w) {
-        return Err(Error::Gpu(format!(
-            "{name}: the cooperative GEMM takes f16 or q8_0 rows padded to a multiple of {BK}, \
-             not {} ({} of {} columns)",
-            w.format.name(),
-            w.kp,
-            w.cols
-        )));
-    }
-    if !emulate && !k.ctx.caps.coop_matrix {
-        return Err(Error::Gpu(format!(
-            "{name}: this device has no cooperative matrices"
-        )));
-    }
-    let direct = direct_fits(w, max_tokens, y, ys);
+    check_takes(name, w)?;
+    super::require_coop(k, name, emulate)?;
+    let direct = direct_fits(w.rows, max_tokens, y, ys);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
@@ -424,18 +422,8 @@ pub fn expert_gemm_coop(
     let tile = GROUPED_TILE;
     let m = bank.rows_per_expert;
     let rows = sorted.rows;
-    if !takes(w) {
-        return Err(Error::Gpu(format!(
-            "{name}: the cooperative GEMM takes f16 or q8_0 rows padded to a multiple of {BK}, \
-             not {}",
-            w.format.name()
-        )));
-    }
-    if !emulate && !k.ctx.caps.coop_matrix {
-        return Err(Error::Gpu(format!(
-            "{name}: this device has no cooperative matrices"
-        )));
-    }
+    check_takes(name, w)?;
+    super::require_coop(k, name, emulate)?;
     if bank.count * m != w.rows || !rows.is_multiple_of(tile.bt) || m > ys {
         return Err(Error::Gpu(format!(
             "{name}: {} experts × {m} rows, {rows} sorted rows and output rows of {ys} do not \
@@ -443,9 +431,7 @@ pub fn expert_gemm_coop(
             bank.count, w.name, w.rows, tile.bt
         )));
     }
-    let direct = m.is_multiple_of(16)
-        && y.size() >= 4 * (y_rows(rows) * ys) as u64
-        && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1");
+    let direct = direct_fits(m, rows, y, ys);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
@@ -539,7 +525,7 @@ pub fn self_check(k: &Kernels) -> Result<()> {
     for &tile in &tiles {
         for yb in [&y, &y_direct] {
             if tile
-                .check(WeightFormat::F16, direct_fits(&w, t, yb, m))
+                .check(WeightFormat::F16, direct_fits(w.rows, t, yb, m))
                 .is_ok()
             {
                 runs.push((tile, yb));

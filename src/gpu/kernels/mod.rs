@@ -188,6 +188,34 @@ pub struct Kernels {
 /// A kernel's source files after `common.wgsl`.
 pub type Sources = &'static [&'static str];
 
+/// What a cooperative-matrix kernel needs of the device: the real ops need the feature
+/// (`emulate`: the stand-ins run anywhere).
+pub(super) fn require_coop(k: &Kernels, name: &str, emulate: bool) -> Result<()> {
+    if emulate || k.ctx.caps.coop_matrix {
+        Ok(())
+    } else {
+        Err(Error::Gpu(format!(
+            "{name}: this device has no cooperative matrices"
+        )))
+    }
+}
+
+/// A cooperative-matrix kernel's sources: `coop` (the real ops after their `enable`, and
+/// the COOP flag), or its stand-ins `emulated` with `emulate`.
+pub(super) fn coop_sources(
+    coop: Sources,
+    emulated: Sources,
+    emulate: bool,
+    flags: &mut Vec<&'static str>,
+) -> Sources {
+    if emulate {
+        emulated
+    } else {
+        flags.push("COOP");
+        coop
+    }
+}
+
 impl Kernels {
     pub fn new(ctx: Arc<GpuContext>) -> Self {
         Kernels {

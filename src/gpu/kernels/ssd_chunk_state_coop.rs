@@ -46,22 +46,15 @@ pub fn ssd_chunk_state_coop(
             cc.head_dim, cc.d_state
         )));
     }
-    if !emulate && !k.ctx.caps.coop_matrix {
-        return Err(Error::Gpu(format!(
-            "{name}: this device has no cooperative matrices"
-        )));
-    }
+    super::require_coop(k, name, emulate)?;
     check_len(
         &format!("{name}: cst"),
         cst,
         cc.chunks() * cc.heads * cc.head_dim * cc.d_state,
     )?;
-    let (sources, flags): (super::Sources, &[&str]) = if emulate {
-        (EMULATED, &[])
-    } else {
-        (COOP, &["COOP"])
-    };
-    let pipeline = k.pipeline("ssd_chunk_state_coop", sources, &cc.consts(), flags, false)?;
+    let mut flags = Vec::new();
+    let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);
+    let pipeline = k.pipeline("ssd_chunk_state_coop", sources, &cc.consts(), &flags, false)?;
     Ok(Dispatch {
         bind_group: k.bind(
             &pipeline,
