@@ -40,7 +40,12 @@ enable f16;
 
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 #if W_Q8
+#if SC8
+// Eight scales per load: a row's scales are a whole number of 16-byte groups (KP % 256 == 0).
+@group(0) @binding(1) var<storage, read> ws: array<vec4<u32>>;
+#else
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
+#endif
 #endif
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
@@ -93,14 +98,33 @@ fn w_slice(wrow: u32, m0: u32, k: u32, e: u32) -> vec4<u32> {
     return vec4<u32>(0u);
 }
 
+#if SC8
+// The q8_0 scales of W slice `e`'s row for columns k .. k + 256 (k a multiple of 256): eight
+// f16s, one 16-byte load that serves the next 256 / BK steps.
+fn w_scales8(wrow: u32, m0: u32, k: u32, e: u32) -> vec4<u32> {
+    let m = m0 + e / PW;
+    if (m < M) {
+        return ws[((wrow + m) * (KP / 32u) + k / 32u) / 8u];
+    }
+    return vec4<u32>(0u);
+}
+
+// The scale of column k's block among the eight of `sc`.
+fn scale_in(sc: vec4<u32>, k: u32) -> f32 {
+    return unpack2x16float(sc[(k / 64u) % 4u])[(k / 32u) % 2u];
+}
+#endif
+
 // The q8_0 scale of W slice `e` (its 32-value block).
 fn w_scale(wrow: u32, m0: u32, k: u32, e: u32) -> f32 {
 #if W_Q8
+#if !SC8
     let m = m0 + e / PW;
     if (m < M) {
         let si = (wrow + m) * (KP / 32u) + k / 32u;
         return unpack2x16float(ws[si / 2u])[si % 2u];
     }
+#endif
 #endif
     return 0.0;
 }
@@ -280,7 +304,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endfor
 #for v WV
     var wr{v} = w_slice(wrow, m0, 0u, lid + {v}u * NT);
+#if SC8
+    var sc{v} = w_scales8(wrow, m0, 0u, lid + {v}u * NT);
+    var wd{v} = scale_in(sc{v}, 0u);
+#else
     var wd{v} = w_scale(wrow, m0, 0u, lid + {v}u * NT);
+#endif
     put_w(0u, lid + {v}u * NT, wr{v}, wd{v});
 #endfor
     workgroupBarrier();
@@ -294,7 +323,14 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endfor
 #for v WV
             wr{v} = w_slice(wrow, m0, k, lid + {v}u * NT);
+#if SC8
+            if (k % 256u == 0u) {
+                sc{v} = w_scales8(wrow, m0, k, lid + {v}u * NT);
+            }
+            wd{v} = scale_in(sc{v}, k);
+#else
             wd{v} = w_scale(wrow, m0, k, lid + {v}u * NT);
+#endif
 #endfor
         }
         // Tile offsets in halves.

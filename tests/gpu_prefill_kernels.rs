@@ -31,9 +31,10 @@ use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
 use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill_conv_state};
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use mamba2_wgpu::gpu::kernels::{
-    Dispatch, Kernels, ssd_cb, ssd_chunk_state, ssd_chunk_state_coop, ssd_cumsum, ssd_state_pass,
+    Dispatch, Kernels, ssd_cb, ssd_chunk_scan_coop, ssd_chunk_state, ssd_chunk_state_coop,
+    ssd_cumsum, ssd_state_pass,
 };
-use mamba2_wgpu::gpu::shader::assemble;
+use mamba2_wgpu::gpu::shader::{Const, assemble};
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::quant::{WeightFormat, pack, unpack};
 use mamba2_wgpu::reference::math::{silu, softplus};
@@ -78,6 +79,8 @@ enum Kernel {
     ChunkStateCoopEmulated,
     StatePass,
     ChunkScan,
+    /// `ssd_chunk_scan_coop` with its stand-ins for the cooperative ops.
+    ChunkScanCoopEmulated,
 }
 
 impl Kernel {
@@ -101,6 +104,7 @@ impl Kernel {
             Kernel::ChunkStateCoopEmulated => "ssd_chunk_state_coop emulated".into(),
             Kernel::StatePass => "ssd_state_pass".into(),
             Kernel::ChunkScan => "ssd_chunk_scan".into(),
+            Kernel::ChunkScanCoopEmulated => "ssd_chunk_scan_coop emulated".into(),
         }
     }
 }
@@ -471,6 +475,13 @@ fn cases() -> Vec<Case> {
                     tol: F32_TOL,
                 });
             }
+            if kernel == Kernel::ChunkScan && scan_coop_takes(s) {
+                v.push(Case {
+                    kernel: Kernel::ChunkScanCoopEmulated,
+                    shape: Shape::Ssd(s),
+                    tol: F32_TOL,
+                });
+            }
             v.push(Case {
                 kernel,
                 shape: Shape::Ssd(s),
@@ -562,6 +573,34 @@ fn ssd_state_pass_kernel() {
 #[test]
 fn ssd_chunk_scan_kernel() {
     run_cases(|k| k == Kernel::ChunkScan);
+}
+
+#[test]
+fn ssd_chunk_scan_coop_emulated() {
+    run_cases(|k| k == Kernel::ChunkScanCoopEmulated);
+}
+
+/// The cooperative chunk scan's WGSL with the cooperative ops, for every SSD shape it
+/// takes, through naga's parser, validator and SPIR-V writer.
+#[test]
+fn ssd_chunk_scan_coop_wgsl_validates() {
+    let src = include_str!("../shaders/ssd_chunk_scan_coop.wgsl");
+    let mut checked = 0;
+    for shape in SSDS.iter().filter(|s| scan_coop_takes(s)) {
+        let cc = Sz::new(shape.mixer, shape.q, shape.cap).cc();
+        let mut consts = cc.consts();
+        consts.push(("D_OFF", Const::U32(0)));
+        let sources = ["enable wgpu_cooperative_matrix;\n", src];
+        let text = assemble("ssd_chunk_scan_coop", &sources, &consts, &["COOP"]).unwrap();
+        naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        checked += 1;
+    }
+    assert!(checked > 0, "no SSD shape the cooperative chunk scan takes");
+}
+
+/// Whether `ssd_chunk_scan_coop` takes this SSD shape.
+fn scan_coop_takes(s: &SsdShape) -> bool {
+    ssd_chunk_scan_coop::takes(&Sz::new(s.mixer, s.q, s.cap).cc())
 }
 
 /// lavapipe spreads every dispatch over all cores, so GPU tests side by side only fight
@@ -953,7 +992,7 @@ fn naga_check(text: &str) -> Res<()> {
         naga::valid::Capabilities::all(),
     )
     .validate(&module)
-    .map_err(|e| format!("{e:?}"))?;
+    .map_err(|e| e.emit_to_string(text))?;
     let spv =
         naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
             .map_err(|e| format!("SPIR-V: {e}"))?;
@@ -1290,7 +1329,9 @@ fn ref_state_pass(s: &Sz, lam: &[f32], cst: &[f32], state: &[f32], t: usize) -> 
 }
 
 /// Step 5: `y [t][DI]`, y_i = exp(Λ_i)·C_i·S_c + Σ_{j≤i} CB[i,j]·exp(min(Λ_i − Λ_j, 0))·δ_j·x_j
-/// + D·x_i, with S_c the state entering the chunk (`enter`).
+/// plus D·x_i, with S_c the state entering the chunk (`enter`). `f16`: the cooperative
+/// kernel's operands, each rounded to f16 from its f32 value (exp(Λ_i)·C_i, the weights
+/// CB·exp(·)·δ, S and x; D·x stays exact).
 #[allow(clippy::too_many_arguments)]
 fn ref_chunk_scan(
     s: &Sz,
@@ -1301,7 +1342,15 @@ fn ref_chunk_scan(
     cb: &[f32],
     enter: &[f32],
     t: usize,
+    f16: bool,
 ) -> Vec<f32> {
+    let round = |v: f32| {
+        if f16 {
+            half::f16::from_f32(v).to_f64()
+        } else {
+            v as f64
+        }
+    };
     let (q, pn) = (s.q, s.p * s.n);
     let mut y = vec![0f32; t * s.di];
     for c in 0..t.div_ceil(q) {
@@ -1315,22 +1364,39 @@ fn ref_chunk_scan(
                 // The intra-chunk weights of row i, shared by the head's channels.
                 let wts: Vec<f64> = (0..=i)
                     .map(|j| {
-                        cb[((c * s.g + g) * q + i) * q + j] as f64
-                            * (li - lam[lb + j] as f64).min(0.0).exp()
-                            * s.delta(mix, c * q + j, h)
+                        let cbv = cb[((c * s.g + g) * q + i) * q + j];
+                        if f16 {
+                            let lj = lam[lb + j];
+                            let e = (lam[lb + i] - lj).min(0.0).exp();
+                            round(cbv * e * s.delta(mix, c * q + j, h) as f32)
+                        } else {
+                            cbv as f64
+                                * (li - lam[lb + j] as f64).min(0.0).exp()
+                                * s.delta(mix, c * q + j, h)
+                        }
                     })
                     .collect();
+                // exp(Λ_i)·C_i: applied to the sum, or (f16) to each C value before rounding.
+                let (outer, ci): (f64, Vec<f64>) = if f16 {
+                    let e = lam[lb + i].exp();
+                    let ci = (0..s.n).map(|n| round(s.c(u, ti, g, n) as f32 * e));
+                    (1.0, ci.collect())
+                } else {
+                    (li.exp(), (0..s.n).map(|n| s.c(u, ti, g, n)).collect())
+                };
                 for p in 0..s.p {
-                    let inter: f64 = (0..s.n)
-                        .map(|n| s.c(u, ti, g, n) * st[p * s.n + n] as f64)
-                        .sum();
+                    let inter: f64 = (0..s.n).map(|n| ci[n] * round(st[p * s.n + n])).sum();
                     let intra: f64 = wts
                         .iter()
                         .enumerate()
-                        .map(|(j, w)| w * s.x(u, c * q + j, h, p))
+                        .map(|(j, w)| w * round(s.x(u, c * q + j, h, p) as f32))
                         .sum();
-                    y[ti * s.di + h * s.p + p] =
-                        (li.exp() * inter + intra + d[h] as f64 * s.x(u, ti, h, p)) as f32;
+                    let dx = if f16 {
+                        (d[h] * s.x(u, ti, h, p) as f32) as f64
+                    } else {
+                        d[h] as f64 * s.x(u, ti, h, p)
+                    };
+                    y[ti * s.di + h * s.p + p] = (outer * inter + intra + dx) as f32;
                 }
             }
         }
@@ -1406,7 +1472,8 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         nan(nc * s.h * q),
         nan(nc * s.g * q * q),
         nan(nc * hpn),
-        nan(s.cap * s.di),
+        // Whole chunks of rows: the cooperative scan writes them.
+        nan(nc * q * s.di),
     );
     let (lamb, cbb, cstb, yb) = (g.buf(&lam)?, g.buf(&cb)?, g.buf(&cst)?, g.buf(&y)?);
     // Carried state: a previous turn's, not zero.
@@ -1473,7 +1540,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             ssd_state_pass::ssd_state_pass(&g.k, "state_pass", cc, &lamb, &cstb, &stateb, &ctrl)
                 .map_err(err)?,
         ],
-        Kernel::ChunkScan => {
+        Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated => {
             let b = ScanBuffers {
                 mix: &mixb,
                 u: &ub,
@@ -1484,11 +1551,12 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 y: &yb,
                 ctrl: &ctrl,
             };
-            vec![
+            let d = if kernel == Kernel::ChunkScan {
                 ssd_chunk_scan(&g.k, "chunk_scan", cc, pr.d, b)
-                    .map_err(err)?
-                    .per_token(2, q, 1),
-            ]
+            } else {
+                ssd_chunk_scan_coop::ssd_chunk_scan_coop(&g.k, "chunk_scan_coop", cc, pr.d, b, true)
+            };
+            vec![d.map_err(err)?.per_token(2, q, 1)]
         }
         _ => return Err("not an SSD kernel".into()),
     };
@@ -1515,18 +1583,20 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             Kernel::ChunkState
             | Kernel::ChunkStateCoopEmulated
             | Kernel::StatePass
-            | Kernel::ChunkScan => {
+            | Kernel::ChunkScan
+            | Kernel::ChunkScanCoopEmulated => {
                 lam = over(&lam, &lam_in);
                 g.write(&lamb, &lam);
             }
             _ => {}
         }
-        if kernel == Kernel::StatePass || kernel == Kernel::ChunkScan {
+        let scan = matches!(kernel, Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated);
+        if kernel == Kernel::StatePass || scan {
             // Chunk states (state pass) or the states entering each chunk (scan).
             cst = over(&cst, &rand(seed + 2, nct * hpn, -1.0, 1.0));
             g.write(&cstb, &cst);
         }
-        if kernel == Kernel::ChunkScan {
+        if scan {
             cb = over(&cb, &ref_cb(&s, &u, t));
             g.write(&cbb, &cb);
         }
@@ -1610,11 +1680,24 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 })?);
                 state = got;
             }
-            Kernel::ChunkScan => {
-                let yw = ref_chunk_scan(&s, &mix, &u, dskip, &lam, &cb, &cst, t);
+            Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated => {
+                // (On a device with cooperative matrices `ssd_chunk_scan` runs the
+                // cooperative kernel: the reference rounds its operands the same way.)
+                let f16 = kernel == Kernel::ChunkScanCoopEmulated
+                    || ssd_chunk_scan_coop::applies(&g.k, &cc, &yb);
+                let yw = ref_chunk_scan(&s, &mix, &u, dskip, &lam, &cb, &cst, t, f16);
                 let got = g.read(&yb, y.len())?;
-                let live = t * s.di;
-                let region = |i: usize| if i < live { Region::Live } else { Region::Kept };
+                // The cooperative scan also writes the rest of the block's last chunk.
+                let (live, scratch) = (t * s.di, if f16 { nct * q * s.di } else { 0 });
+                let region = |i: usize| {
+                    if i < live {
+                        Region::Live
+                    } else if i < scratch {
+                        Region::Free
+                    } else {
+                        Region::Kept
+                    }
+                };
                 stats.push(compare(&tag("y"), &got, &over(&y, &yw), region)?);
                 y = got;
             }
@@ -1648,7 +1731,7 @@ fn cpu_step_references_compose_to_scan_chunked() {
         let cb = ref_cb(&s, &u, t);
         let cst = ref_chunk_state(&s, &mix, &u, &lam, t, false);
         let [enter, state] = ref_state_pass(&s, &lam, &cst, &state0, t);
-        let y = ref_chunk_scan(&s, &mix, &u, dskip, &lam, &cb, &enter, t);
+        let y = ref_chunk_scan(&s, &mix, &u, dskip, &lam, &cb, &enter, t, false);
 
         let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
         let cols = |lo: usize, w: usize, stride: usize, v: &[f32]| -> Vec<f64> {

@@ -157,7 +157,8 @@ impl Prefill {
             h: ctx.storage_zeroed("prefill h", f32s(t * pad(c.d_model)))?,
             mix: ctx.storage_zeroed("prefill mix", f32s(m(yt * c.d_in_proj())))?,
             u: ctx.storage_zeroed("prefill u", f32s(m(t * c.conv_dim())))?,
-            y: ctx.storage_zeroed("prefill y", f32s(m(t * c.d_inner)))?,
+            // Whole chunks of rows: the tensor-core chunk scan writes them.
+            y: ctx.storage_zeroed("prefill y", f32s(m(cc.chunks() * chunk * c.d_inner)))?,
             v: ctx.storage_zeroed("prefill v", f32s(m(t * pad(c.d_inner))))?,
             lam: ctx.storage_zeroed("prefill lam", f32s(m(cc.chunks() * c.n_heads * chunk)))?,
             cb: ctx.storage_zeroed(

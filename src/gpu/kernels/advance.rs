@@ -14,6 +14,7 @@ pub fn advance(k: &Kernels, prompt: &wgpu::Buffer, ctrl: &wgpu::Buffer) -> Resul
         workgroups: (1, 1, 1),
         name: "advance".into(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Other,
         label: Label::default(),
     })

@@ -32,6 +32,7 @@ pub fn argmax(
         workgroups: (lanes.n as u32, 1, 1),
         name: "argmax".into(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Other,
         label: Label::default(),
     })

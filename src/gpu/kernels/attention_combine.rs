@@ -74,6 +74,7 @@ pub fn attention_combine(
         workgroups: ((os / 32) as u32, 1, lanes.n as u32),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Attn,
         label: Label::default(),
     })

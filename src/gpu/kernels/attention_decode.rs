@@ -85,6 +85,7 @@ pub fn attention_decode(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Attn,
         label: Label::default(),
     })

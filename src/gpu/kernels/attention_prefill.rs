@@ -46,6 +46,7 @@ pub fn attention_prefill(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Attn,
         label: Label::default(),
     }

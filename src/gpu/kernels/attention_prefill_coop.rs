@@ -146,6 +146,7 @@ pub fn attention_prefill_coop(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Attn,
         label: Label::default(),
     }

@@ -42,6 +42,7 @@ pub fn conv_step(
         workgroups: ((rows as u32).div_ceil(wg), 1, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Conv,
         label: Label::default(),
     })

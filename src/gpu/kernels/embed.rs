@@ -46,6 +46,7 @@ fn dispatch(
         ),
         name: name.into(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Other,
         label: Label::default(),
     })

@@ -149,6 +149,7 @@ pub fn expert_gemv(
         workgroups: (gx, gy, z as u32),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Moe,
         label: Label::default(),
     };

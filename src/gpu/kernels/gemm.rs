@@ -51,9 +51,16 @@ pub fn gemm(
         let direct = super::gemm_coop::direct_fits(w.rows, max_tokens, y, ys);
         let tile = super::gemm_coop::tile_for(k, w, max_tokens, direct)?;
         let emulate = !k.ctx.caps.coop_matrix;
-        return super::gemm_coop::gemm_coop(
-            k, name, w, max_tokens, x, y, ys, output, ctrl, tile, emulate,
-        );
+        let build = |tile| {
+            super::gemm_coop::gemm_coop(
+                k, name, w, max_tokens, x, y, ys, output, ctrl, tile, emulate,
+            )
+        };
+        let mut d = build(tile)?;
+        for (most, t) in super::gemm_coop::shorter_tiles(k, w, max_tokens, direct, tile) {
+            d.shorter.push((most as u32, build(t)?));
+        }
+        return Ok(d);
     }
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
@@ -78,6 +85,7 @@ pub fn gemm(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Matmul,
         label: Label::gemm(w),
     }
@@ -140,6 +148,7 @@ pub fn gemm_split(
         workgroups: (w.rows.div_ceil(TILE.0) as u32, 1, slices as u32),
         name: format!("{name} (split-K)"),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Matmul,
         label: Label::gemm(w),
     };
@@ -255,6 +264,7 @@ pub fn expert_gemm(
         workgroups: (m.div_ceil(TILE.0) as u32, (rows / TILE.1) as u32, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Moe,
         label: Label::default(),
     })

@@ -236,6 +236,16 @@ pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize) 
         && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1")
 }
 
+/// Whether q8_0 scales are loaded eight at a time (one 16-byte load per row every 256
+/// columns, kept in registers across the K steps) instead of one scattered 4-byte load per
+/// row and step: rows padded to a multiple of 256 (MAMBA2_COOP_NO_SC8=1 turns it off, for
+/// comparison).
+fn scales_by_eight(format: WeightFormat, kp: usize) -> bool {
+    format == WeightFormat::Q8_0
+        && kp.is_multiple_of(256)
+        && std::env::var_os("MAMBA2_COOP_NO_SC8").is_none_or(|v| v != "1")
+}
+
 /// `takes`, as an error naming the matrix's format and widths.
 fn check_takes(name: &str, w: &DeviceMatrix) -> Result<()> {
     if takes(w) {
@@ -263,21 +273,53 @@ pub fn tile_for(k: &Kernels, w: &DeviceMatrix, max_tokens: usize, direct: bool) 
                 "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR[/STAGES[/BK]], e.g. 128x256/4x4/1"
             ))
         })?,
-        Err(_) => {
-            let fits =
-                |t: &&Tile| t.check(w.format, direct).is_ok() && t.workgroup_bytes(direct) <= limit;
-            let fills =
-                |t: &&Tile| w.rows.div_ceil(t.bm) * max_tokens.div_ceil(t.bt) >= FILL_WORKGROUPS;
-            *TILES
-                .iter()
-                .filter(fits)
-                .find(fills)
-                .or_else(|| TILES.iter().rev().find(fits))
-                .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?
-        }
+        Err(_) => pick(w, max_tokens, direct, limit)
+            .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?,
     };
     tile.check(w.format, direct)?;
     Ok(tile)
+}
+
+/// The largest of `TILES` that fits `limit` bytes of workgroup memory and still makes
+/// `FILL_WORKGROUPS` workgroups over `tokens` tokens (the smallest that fits when none does).
+fn pick(w: &DeviceMatrix, tokens: usize, direct: bool, limit: usize) -> Option<Tile> {
+    let fits = |t: &&Tile| t.check(w.format, direct).is_ok() && t.workgroup_bytes(direct) <= limit;
+    let fills = |t: &&Tile| w.rows.div_ceil(t.bm) * tokens.div_ceil(t.bt) >= FILL_WORKGROUPS;
+    TILES
+        .iter()
+        .filter(fits)
+        .find(fills)
+        .or_else(|| TILES.iter().rev().find(fits))
+        .copied()
+}
+
+/// The tiles `tile_for` would pick for blocks shorter than `max_tokens`, other than the
+/// full block's `tile`: (most tokens, tile), fewest first — what `gemm` builds extra
+/// pipelines for, so that a short prompt runs on tiles that keep the GPU busy (Codestral's
+/// out_proj over 512 tokens: 30.1 ms over 64 workgroups of 128 × 256, 21.2 ms on 128 × 128,
+/// run 45). None when MAMBA2_COOP_TILE forces one tile.
+pub fn shorter_tiles(
+    k: &Kernels,
+    w: &DeviceMatrix,
+    max_tokens: usize,
+    direct: bool,
+    tile: Tile,
+) -> Vec<(usize, Tile)> {
+    if std::env::var_os("MAMBA2_COOP_TILE").is_some() {
+        return Vec::new();
+    }
+    let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
+    let mut out: Vec<(usize, Tile)> = Vec::new();
+    for t in 1..max_tokens {
+        match pick(w, t, direct, limit) {
+            Some(p) if p != tile => match out.last_mut() {
+                Some((most, last)) if *last == p => *most = t,
+                _ => out.push((t, p)),
+            },
+            _ => {}
+        }
+    }
+    out
 }
 
 /// The kernel's sources, constants and flags for `rows` × `cols` weights of `format`
@@ -336,6 +378,9 @@ pub fn specialize(
             GemmOutput::Add => "O_ADD",
         },
     ];
+    if scales_by_eight(format, kp) {
+        flags.push("SC8");
+    }
     if let Some(row) = spare {
         consts.push(("SPARE", u(row)));
         flags.push("DIRECT");
@@ -398,6 +443,7 @@ pub fn gemm_coop(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Matmul,
         label: Label::gemm(w),
     }
@@ -479,6 +525,7 @@ pub fn expert_gemm_coop(
         workgroups: (m.div_ceil(tile.bm) as u32, (rows / tile.bt) as u32, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Moe,
         label: Label::default(),
     })

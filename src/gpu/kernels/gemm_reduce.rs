@@ -45,6 +45,7 @@ pub fn gemm_reduce(
         workgroups: ((rows as u32).div_ceil(WG), tt as u32, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Matmul,
         label: Label::default(),
     }

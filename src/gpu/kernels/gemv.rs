@@ -356,6 +356,7 @@ pub fn gemv(
         },
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Matmul,
         label: Label::default(),
     })

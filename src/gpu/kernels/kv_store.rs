@@ -45,6 +45,7 @@ pub fn kv_store(
         workgroups: (items.div_ceil(64) as u32, tokens as u32, b.lanes.n as u32),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Attn,
         label: Label::default(),
     };

@@ -30,6 +30,7 @@ pub mod rmsnorm;
 pub mod sample;
 pub mod ssd_cb;
 pub mod ssd_chunk_scan;
+pub mod ssd_chunk_scan_coop;
 pub mod ssd_chunk_state;
 pub mod ssd_chunk_state_coop;
 pub mod ssd_cumsum;
@@ -91,6 +92,11 @@ pub struct Dispatch {
     pub workgroups: (u32, u32, u32),
     /// Prefill kernels: which grid axis counts tokens, and how.
     pub per_token: Option<TokenAxis>,
+    /// Prefill kernels: the same work on other pipelines for shorter blocks, as (most
+    /// tokens, dispatch), fewest first; `record_tokens` takes the first that holds the
+    /// block (the cooperative GEMM's smaller tiles, which keep the GPU busy where a short
+    /// block would leave the big tile few workgroups).
+    pub shorter: Vec<(u32, Dispatch)>,
     pub name: String,
     pub section: Section,
     /// Where the dispatch sits in the model, for the profiler, bench and inspector.
@@ -136,6 +142,11 @@ impl Dispatch {
 
     /// Records the dispatch; prefill kernels get a grid for `tokens` tokens only.
     pub fn record_tokens(&self, pass: &mut wgpu::ComputePass<'_>, tokens: Option<u32>) {
+        if let Some(t) = tokens
+            && let Some((_, d)) = self.shorter.iter().find(|(most, _)| t <= *most)
+        {
+            return d.record_tokens(pass, tokens);
+        }
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind_group, &[]);
         let mut g = [self.workgroups.0, self.workgroups.1, self.workgroups.2];

@@ -62,6 +62,7 @@ pub fn moe_combine(
         workgroups: ((d as u32).div_ceil(WG), max_tokens as u32, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Moe,
         label: Label::default(),
     }

@@ -92,6 +92,7 @@ pub fn moe_route(
         workgroups: (tokens as u32, 1, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Moe,
         label: Label::default(),
     };

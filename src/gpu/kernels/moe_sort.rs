@@ -70,6 +70,7 @@ pub fn moe_sort(
         workgroups: (1, 1, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Moe,
         label: Label::default(),
     })

@@ -67,6 +67,7 @@ pub fn prefill_conv(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Conv,
         label: Label::default(),
     }
@@ -97,6 +98,7 @@ pub fn prefill_conv_state(
         workgroups: (mc.conv_dim.div_ceil(64) as u32, 1, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Conv,
         label: Label::default(),
     })

@@ -23,6 +23,7 @@ pub fn residual_add(
         workgroups: ((d as u32).div_ceil(64), 1, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Other,
         label: Label::default(),
     })

@@ -181,6 +181,7 @@ pub(super) fn norm_dispatch_flags<'a>(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Norm,
         label: Label::default(),
     })

@@ -34,6 +34,7 @@ pub fn sample(
         workgroups: (lanes.n as u32, 1, 1),
         name: "sample".into(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Other,
         label: Label::default(),
     })

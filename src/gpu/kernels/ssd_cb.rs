@@ -31,6 +31,7 @@ pub fn ssd_cb(
         workgroups: (tiles, tiles, (cc.chunks() * cc.groups) as u32),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Ssd,
         label: Label::default(),
     })

@@ -1,5 +1,6 @@
 //! `ssd_chunk_scan.wgsl`: `y [T][d_inner]` of a block from the chunk states, CB, the
-//! cumsums and D·x.
+//! cumsums and D·x (on the tensor cores, `ssd_chunk_scan_coop`, where they serve the shape
+//! and `y` has rows for whole chunks).
 
 use super::chunk::ChunkConsts;
 use super::{Dispatch, Kernels, Label, Section, check_len};
@@ -30,6 +31,10 @@ pub fn ssd_chunk_scan(
     d_off: usize,
     b: ScanBuffers,
 ) -> Result<Dispatch> {
+    if super::ssd_chunk_scan_coop::applies(k, &cc, b.y) {
+        let emulate = !k.ctx.caps.coop_matrix;
+        return super::ssd_chunk_scan_coop::ssd_chunk_scan_coop(k, name, cc, d_off, b, emulate);
+    }
     check_len(&format!("{name}: y"), b.y, cc.max_tokens * cc.d_inner)?;
     let mut consts = cc.consts();
     consts.push(("D_OFF", Const::U32(d_off as u32)));
@@ -54,6 +59,7 @@ pub fn ssd_chunk_scan(
         workgroups: (tiles as u32, cc.heads as u32, cc.chunks() as u32),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Ssd,
         label: Label::default(),
     })

@@ -47,6 +47,7 @@ pub fn ssd_chunk_state(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Ssd,
         label: Label::default(),
     })

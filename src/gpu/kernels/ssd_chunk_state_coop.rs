@@ -69,6 +69,7 @@ pub fn ssd_chunk_state_coop(
         ),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Ssd,
         label: Label::default(),
     })

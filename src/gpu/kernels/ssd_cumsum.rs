@@ -32,6 +32,7 @@ pub fn ssd_cumsum(
         workgroups: (cc.heads.div_ceil(32) as u32, cc.chunks() as u32, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Ssd,
         label: Label::default(),
     })

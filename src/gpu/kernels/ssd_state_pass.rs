@@ -29,6 +29,7 @@ pub fn ssd_state_pass(
         workgroups: grid(hpn.div_ceil(256) as u32),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Ssd,
         label: Label::default(),
     })

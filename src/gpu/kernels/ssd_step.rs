@@ -138,6 +138,7 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         workgroups: (c.blocks() as u32, lanes.n as u32, 1),
         name: name.to_string(),
         per_token: None,
+        shorter: Vec::new(),
         section: Section::Ssd,
         label: Label::default(),
     })
