@@ -2,8 +2,8 @@
 //! every shape the cooperative kernels take (Mamba2 head dim 64 and state 128 for the chunk
 //! state, attention head dim 32, MoE experts whose rows come in whole 16s, f16 and q8_0
 //! weights) prefilled with `Caps::coop_emulated` — the cooperative GEMM (direct epilogue
-//! into the prefill buffers, grouped and gathered expert tiles), chunk state, chunk scan
-//! (chunks of 64) and flash attention with the stand-ins of their cooperative ops — against the same model on the
+//! into the prefill buffers, grouped and gathered expert tiles), C·Bᵀ, chunk state, chunk
+//! scan (chunks of 64) and flash attention with the stand-ins of their cooperative ops — against the same model on the
 //! FMA kernels. The cooperative paths round their operands to f16, so the two agree to f16
 //! activation precision, not bit for bit.
 
@@ -108,6 +108,7 @@ fn prefill_on_the_cooperative_paths_matches_the_fma_kernels() {
             "attention_prefill_coop",
             "ssd_chunk_state_coop",
             "ssd_chunk_scan_coop",
+            "ssd_cb_coop",
         ] {
             assert!(
                 built.iter().any(|b| b == name),

@@ -31,8 +31,8 @@ use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
 use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill_conv_state};
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use mamba2_wgpu::gpu::kernels::{
-    Dispatch, Kernels, ssd_cb, ssd_chunk_scan_coop, ssd_chunk_state, ssd_chunk_state_coop,
-    ssd_cumsum, ssd_state_pass,
+    Dispatch, Kernels, ssd_cb, ssd_cb_coop, ssd_chunk_scan_coop, ssd_chunk_state,
+    ssd_chunk_state_coop, ssd_cumsum, ssd_state_pass,
 };
 use mamba2_wgpu::gpu::shader::{Const, assemble};
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
@@ -79,6 +79,8 @@ enum Kernel {
     ChunkStateCoopEmulated,
     StatePass,
     ChunkScan,
+    /// `ssd_cb_coop` with its stand-ins for the cooperative ops.
+    CbCoopEmulated,
     /// `ssd_chunk_scan_coop` with its stand-ins for the cooperative ops.
     ChunkScanCoopEmulated,
 }
@@ -105,6 +107,7 @@ impl Kernel {
             Kernel::StatePass => "ssd_state_pass".into(),
             Kernel::ChunkScan => "ssd_chunk_scan".into(),
             Kernel::ChunkScanCoopEmulated => "ssd_chunk_scan_coop emulated".into(),
+            Kernel::CbCoopEmulated => "ssd_cb_coop emulated".into(),
         }
     }
 }
@@ -475,6 +478,13 @@ fn cases() -> Vec<Case> {
                     tol: F32_TOL,
                 });
             }
+            if kernel == Kernel::Cb && ssd_cb_coop::takes(&Sz::new(s.mixer, s.q, s.cap).cc()) {
+                v.push(Case {
+                    kernel: Kernel::CbCoopEmulated,
+                    shape: Shape::Ssd(s),
+                    tol: F32_TOL,
+                });
+            }
             if kernel == Kernel::ChunkScan && scan_coop_takes(s) {
                 v.push(Case {
                     kernel: Kernel::ChunkScanCoopEmulated,
@@ -529,6 +539,30 @@ fn ssd_cumsum_kernel() {
 #[test]
 fn ssd_cb_kernel() {
     run_cases(|k| k == Kernel::Cb);
+}
+
+#[test]
+fn ssd_cb_coop_emulated() {
+    run_cases(|k| k == Kernel::CbCoopEmulated);
+}
+
+/// The cooperative C·Bᵀ's WGSL with the cooperative ops, for every SSD shape it takes,
+/// through naga's parser, validator and SPIR-V writer.
+#[test]
+fn ssd_cb_coop_wgsl_validates() {
+    let src = include_str!("../shaders/ssd_cb_coop.wgsl");
+    let mut checked = 0;
+    for shape in SSDS {
+        let cc = Sz::new(shape.mixer, shape.q, shape.cap).cc();
+        if !ssd_cb_coop::takes(&cc) {
+            continue;
+        }
+        let sources = ["enable wgpu_cooperative_matrix;\n", src];
+        let text = assemble("ssd_cb_coop", &sources, &cc.consts(), &["COOP"]).unwrap();
+        naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        checked += 1;
+    }
+    assert!(checked > 0, "no SSD shape the cooperative C·Bᵀ takes");
 }
 
 #[test]
@@ -1246,8 +1280,15 @@ fn ref_cumsum(s: &Sz, mix: &[f32], a: &[f32], t: usize) -> Vec<f32> {
 }
 
 /// Step 2: `cb [NC_T][G][Q][Q]`, C_i·B_j for j ≤ i inside the block; NaN elsewhere (no one
-/// may read it).
-fn ref_cb(s: &Sz, u: &[f32], t: usize) -> Vec<f32> {
+/// may read it). With `f16`: of C and B rounded to f16, as the tensor cores multiply them.
+fn ref_cb(s: &Sz, u: &[f32], t: usize, f16: bool) -> Vec<f32> {
+    let round = |v: f64| {
+        if f16 {
+            half::f16::from_f32(v as f32).to_f64()
+        } else {
+            v
+        }
+    };
     let (q, nct) = (s.q, t.div_ceil(s.q));
     let mut cb = vec![f32::NAN; nct * s.g * q * q];
     for c in 0..nct {
@@ -1256,7 +1297,7 @@ fn ref_cb(s: &Sz, u: &[f32], t: usize) -> Vec<f32> {
             for i in 0..len {
                 for j in 0..=i {
                     let dot: f64 = (0..s.n)
-                        .map(|n| s.c(u, c * q + i, g, n) * s.b(u, c * q + j, g, n))
+                        .map(|n| round(s.c(u, c * q + i, g, n)) * round(s.b(u, c * q + j, g, n)))
                         .sum();
                     cb[((c * s.g + g) * q + i) * q + j] = dot as f32;
                 }
@@ -1507,6 +1548,11 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 .map_err(err)?
                 .per_token(2, q, s.g),
         ],
+        Kernel::CbCoopEmulated => vec![
+            ssd_cb_coop::ssd_cb_coop(&g.k, "cb_coop", cc, &ub, &cbb, &ctrl, true)
+                .map_err(err)?
+                .per_token(2, q, s.g),
+        ],
         Kernel::ChunkState => vec![
             ssd_chunk_state::ssd_chunk_state(
                 &g.k,
@@ -1597,7 +1643,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             g.write(&cstb, &cst);
         }
         if scan {
-            cb = over(&cb, &ref_cb(&s, &u, t));
+            cb = over(&cb, &ref_cb(&s, &u, t, false));
             g.write(&cbb, &cb);
         }
         g.set_tokens(&ctrl, t);
@@ -1635,8 +1681,11 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 stats.push(compare(&tag("Λ"), &got, &over(&lam, &lam_in), region)?);
                 lam = got;
             }
-            Kernel::Cb => {
-                let want = over(&cb, &ref_cb(&s, &u, t));
+            Kernel::Cb | Kernel::CbCoopEmulated => {
+                // (On a device with cooperative matrices `ssd_cb` runs the cooperative
+                // kernel: the reference rounds its operands the same way.)
+                let f16 = kernel == Kernel::CbCoopEmulated || ssd_cb_coop::applies(&g.k, &cc);
+                let want = over(&cb, &ref_cb(&s, &u, t, f16));
                 let got = g.read(&cbb, cb.len())?;
                 let region = |i: usize| {
                     let (c, i_, j) = (i / (s.g * q * q), (i / q) % q, i % q);
@@ -1728,7 +1777,7 @@ fn cpu_step_references_compose_to_scan_chunked() {
         u_rows(&s, &mut u, t, seed + 1);
         let state0 = rand(seed + 2, s.hpn(), -1.0, 1.0);
         let lam = ref_cumsum(&s, &mix, a, t);
-        let cb = ref_cb(&s, &u, t);
+        let cb = ref_cb(&s, &u, t, false);
         let cst = ref_chunk_state(&s, &mix, &u, &lam, t, false);
         let [enter, state] = ref_state_pass(&s, &lam, &cst, &state0, t);
         let y = ref_chunk_scan(&s, &mix, &u, dskip, &lam, &cb, &enter, t, false);

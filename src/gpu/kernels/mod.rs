@@ -29,6 +29,7 @@ pub mod residual_add;
 pub mod rmsnorm;
 pub mod sample;
 pub mod ssd_cb;
+pub mod ssd_cb_coop;
 pub mod ssd_chunk_scan;
 pub mod ssd_chunk_scan_coop;
 pub mod ssd_chunk_state;

@@ -1,5 +1,6 @@
 //! `ssd_cb.wgsl`: `cb [NC][G][Q][Q]`, C_i·B_j per chunk and group (j ≤ i), from the conv
-//! output `u [T][conv_dim]`.
+//! output `u [T][conv_dim]` (on the tensor cores, `ssd_cb_coop`, where they serve the
+//! shape).
 
 use super::chunk::ChunkConsts;
 use super::{Dispatch, Kernels, Label, Section, check_len};
@@ -18,6 +19,10 @@ pub fn ssd_cb(
     cb: &wgpu::Buffer,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
+    if super::ssd_cb_coop::applies(k, &cc) {
+        let emulate = !k.ctx.caps.coop_matrix;
+        return super::ssd_cb_coop::ssd_cb_coop(k, name, cc, u, cb, ctrl, emulate);
+    }
     check_len(
         &format!("{name}: cb"),
         cb,
