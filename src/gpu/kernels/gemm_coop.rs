@@ -154,7 +154,7 @@ impl Tile {
             && self.bt <= MAX_BT
             && self.bt.is_multiple_of(16 * self.wt)
             && self.bm.is_multiple_of(16 * self.wr)
-            && (self.bt * self.bk / 4).is_multiple_of(n)
+            && (self.bt * self.bk / 8).is_multiple_of(n)
             && (self.bm * self.w_slices(format)).is_multiple_of(n)
             && n <= 1024
             && self.workgroup_bytes(direct) <= MAX_WORKGROUP_BYTES;
@@ -163,8 +163,8 @@ impl Tile {
         } else {
             Err(Error::InvalidInput(format!(
                 "cooperative GEMM tile {self}: want bt ≤ {MAX_BT} a multiple of 16·wt, bm of \
-                 16·wr, bk 16 or 32, whole 16-byte slices of both operands for each of its {n} \
-                 invocations and at most {MAX_WORKGROUP_BYTES} bytes of workgroup memory ({} \
+                 16·wr, bk 16 or 32, whole 16-byte slices of both operands (X in f16 too) for \
+                 each of its {n} invocations and at most {MAX_WORKGROUP_BYTES} bytes of workgroup memory ({} \
                  here)",
                 self.workgroup_bytes(direct)
             )))
@@ -324,7 +324,8 @@ pub fn shorter_tiles(
 
 /// The kernel's sources, constants and flags for `rows` × `cols` weights of `format`
 /// padded to `kp`, Y rows of `ys` values, on `tile` (checked by the caller); `spare`: the
-/// direct epilogue's first spare row of Y (None: through workgroup memory).
+/// direct epilogue's first spare row of Y (None: through workgroup memory); `x_f16`: X
+/// holds f16 values (else f32).
 #[allow(clippy::too_many_arguments)]
 pub fn specialize(
     format: WeightFormat,
@@ -336,6 +337,7 @@ pub fn specialize(
     tile: Tile,
     spare: Option<usize>,
     grouped: Option<Grouped>,
+    x_f16: bool,
     emulate: bool,
 ) -> (
     super::Sources,
@@ -349,6 +351,7 @@ pub fn specialize(
     };
     let pw = tile.w_slices(format);
     let n = tile.threads();
+    let xpr = if x_f16 { tile.bk / 8 } else { tile.bk / 4 };
     let u = |v: usize| Const::U32(v as u32);
     let mut consts = vec![
         ("M", u(rows)),
@@ -364,8 +367,8 @@ pub fn specialize(
         ("NT", u(n)),
         ("BK", u(tile.bk)),
         ("KQ", u(tile.bk / 16)),
-        ("XPR", u(tile.bk / 4)),
-        ("XV", u(tile.bt * tile.bk / 4 / n)),
+        ("XPR", u(xpr)),
+        ("XV", u(tile.bt * xpr / n)),
         ("WV", u(tile.bm * pw / n)),
         ("PW", u(pw)),
         ("VP", u(vp)),
@@ -380,6 +383,9 @@ pub fn specialize(
     ];
     if scales_by_eight(format, kp) {
         flags.push("SC8");
+    }
+    if x_f16 {
+        flags.push("X_F16");
     }
     if let Some(row) = spare {
         consts.push(("SPARE", u(row)));
@@ -404,7 +410,8 @@ pub fn specialize(
 
 /// The GEMM of a block of up to `max_tokens` tokens on `tile`, with the real cooperative ops
 /// or (`emulate`) their portable stand-ins; the accumulators go straight to Y where
-/// `direct_fits` (then Y's rows past the block's tokens are scratch).
+/// `direct_fits` (then Y's rows past the block's tokens are scratch). `x_f16`: X's rows
+/// hold f16 values (`[T][ceil32(K)]` halves), else f32.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_coop(
     k: &Kernels,
@@ -412,6 +419,7 @@ pub fn gemm_coop(
     w: &DeviceMatrix,
     max_tokens: usize,
     x: &wgpu::Buffer,
+    x_f16: bool,
     y: &wgpu::Buffer,
     ys: usize,
     output: GemmOutput,
@@ -424,11 +432,17 @@ pub fn gemm_coop(
     let direct = direct_fits(w.rows, max_tokens, y, ys);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
-    check_len(&format!("{name}: x"), x, max_tokens * xs)?;
+    // (In f32 words: two f16 values per word.)
+    let x_words = if x_f16 {
+        max_tokens * xs / 2
+    } else {
+        max_tokens * xs
+    };
+    check_len(&format!("{name}: x"), x, x_words)?;
     check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
     let spare = direct.then(|| max_tokens.next_multiple_of(tile.bt));
     let (sources, consts, flags) = specialize(
-        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, None, emulate,
+        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, None, x_f16, emulate,
     );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
     let mut entries = w.bindings();
@@ -516,6 +530,7 @@ pub fn expert_gemm_coop(
         tile,
         direct.then_some(rows),
         Some(grouped),
+        false,
         emulate,
     );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
@@ -600,6 +615,7 @@ pub fn self_check(k: &Kernels) -> Result<()> {
             &w,
             t,
             &x,
+            false,
             y,
             m,
             GemmOutput::Add,
