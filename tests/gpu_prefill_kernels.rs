@@ -32,7 +32,7 @@ use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use mamba2_wgpu::gpu::kernels::{
     Dispatch, Kernels, ssd_cb, ssd_cb_coop, ssd_chunk_scan_coop, ssd_chunk_state,
-    ssd_chunk_state_coop, ssd_cumsum, ssd_state_pass,
+    ssd_chunk_state_coop, ssd_coop_check, ssd_cumsum, ssd_state_pass,
 };
 use mamba2_wgpu::gpu::shader::{Const, assemble};
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
@@ -565,6 +565,18 @@ fn ssd_cb_coop_wgsl_validates() {
         checked += 1;
     }
     assert!(checked > 0, "no SSD shape the cooperative C·Bᵀ takes");
+}
+
+/// The engine's load-time checks of the cooperative kernels (`gemm_coop::self_check`, which
+/// also runs q8_0 weights from f16 X, and `ssd_coop_check::self_check`) pass on the
+/// stand-ins: their CPU sums agree with kernels known to be right, so on a device a failure
+/// means the device's cooperative ops.
+#[test]
+fn coop_load_checks_pass_on_the_stand_ins() {
+    let _one = ONE_DEVICE_TEST_AT_A_TIME.lock();
+    let Some(g) = Gpu::new() else { return };
+    gemm_coop::self_check(&g.k, true).unwrap();
+    ssd_coop_check::self_check(&g.k, true).unwrap();
 }
 
 #[test]

@@ -71,14 +71,16 @@ impl Caps {
 /// Workgroup memory the cooperative GEMM's tiles may use.
 const COOP_WORKGROUP_BYTES: u32 = crate::gpu::kernels::gemm_coop::MAX_WORKGROUP_BYTES as u32;
 
-/// Runs the cooperative GEMM's load-time check (`gemm_coop::self_check`) on a device that
+/// Runs the cooperative kernels' load-time checks (`gemm_coop::self_check`, then
+/// `ssd_coop_check::self_check`) on a device that
 /// has cooperative matrices: the device back when it passes, else why not (the device is
 /// dropped: it may be lost).
 fn coop_verdict(ctx: GpuContext) -> std::result::Result<GpuContext, String> {
     let ctx = Arc::new(ctx);
     let verdict = {
         let k = crate::gpu::kernels::Kernels::new(ctx.clone());
-        let run = crate::gpu::kernels::gemm_coop::self_check(&k);
+        let run = crate::gpu::kernels::gemm_coop::self_check(&k, false)
+            .and_then(|()| crate::gpu::kernels::ssd_coop_check::self_check(&k, false));
         // (Also drains what the device reported, so no error of the check outlives it.)
         run.and(ctx.check())
     };

@@ -549,8 +549,9 @@ pub fn expert_gemm_coop(
 /// The load-time check of the real cooperative ops on this device: one small random GEMM
 /// (f16 weights, row and token counts no tile divides, added onto a residual) on every tile
 /// the engine may pick, through workgroup memory and straight into Y, against the CPU's sum
-/// of the same f16-rounded products. An error says what differed.
-pub fn self_check(k: &Kernels) -> Result<()> {
+/// of the same f16-rounded products, then `q8_f16x_check` (`emulate`: on the stand-ins,
+/// for the tests). An error says what differed.
+pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     use crate::gpu::graph::Ctrl;
     use half::f16;
     let (m, kc, t) = (208, 96, 150);
@@ -621,7 +622,7 @@ pub fn self_check(k: &Kernels) -> Result<()> {
             GemmOutput::Add,
             &ctrl,
             tile,
-            false,
+            emulate,
         )?;
         let mut enc = ctx.device.create_command_encoder(&Default::default());
         {
@@ -642,11 +643,88 @@ pub fn self_check(k: &Kernels) -> Result<()> {
     }
     // f16 products are exact in f32: only the order of the f32 sums differs.
     if !worst.0.is_nan() && worst.0 <= 1e-4 * scale {
-        Ok(())
+        q8_f16x_check(k, emulate)
     } else {
         Err(Error::Gpu(format!(
             "a {t}×{kc}·{kc}×{m} GEMM on tile {bad_tile} is off by {:.3e} at token {}, row {} \
              (largest value {scale:.3})",
+            worst.0,
+            worst.1 / m,
+            worst.1 % m
+        )))
+    }
+}
+
+/// The rest of the load-time check: the path the Mamba2 projections take in q8_0, f16 X
+/// rows and q8_0 weights whose scales load eight at a time (K = 256), on the tile the
+/// engine picks, straight into Y, against the CPU's sum of the same f16 products.
+fn q8_f16x_check(k: &Kernels, emulate: bool) -> Result<()> {
+    use crate::gpu::graph::Ctrl;
+    use half::f16;
+    let (m, kc, t) = (208, 256, 150);
+    let rnd = |seed: u64, n: usize| -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| 2.0 * crate::sampling::uniform(seed, i) - 1.0)
+            .collect()
+    };
+    let packed = crate::model::quant::pack(WeightFormat::Q8_0, &rnd(4, m * kc), m, kc);
+    // The values the kernel multiplies: q·d rounded to f16, and X as f16.
+    let wv: Vec<f32> = crate::model::quant::unpack(&packed)
+        .into_iter()
+        .map(|v| f16::from_f32(v).to_f32())
+        .collect();
+    let xh: Vec<f16> = rnd(5, t * kc).into_iter().map(f16::from_f32).collect();
+    let ctx = &k.ctx;
+    let w = DeviceMatrix::upload(ctx, "coop check: q8 w", &packed)?;
+    let bits: Vec<u16> = xh.iter().map(|v| v.to_bits()).collect();
+    let x = ctx.storage_with("coop check: f16 x", bytemuck::cast_slice(&bits))?;
+    let y = ctx.storage_zeroed("coop check: q8 y", 4 * (y_rows(t) * m) as u64)?;
+    let c = Ctrl {
+        prompt_len: t as u32,
+        ..Default::default()
+    };
+    let ctrl = ctx.storage_with("coop check: ctrl", bytemuck::bytes_of(&c))?;
+    let tile = tile_for(k, &w, t, direct_fits(m, t, &y, m))?;
+    let d = gemm_coop(
+        k,
+        "coop check q8",
+        &w,
+        t,
+        &x,
+        true,
+        &y,
+        m,
+        GemmOutput::Store,
+        &ctrl,
+        tile,
+        emulate,
+    )?;
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        d.record_tokens(&mut pass, Some(t as u32));
+    }
+    ctx.queue.submit([enc.finish()]);
+    ctx.wait()?;
+    let got = ctx.read_f32(&y, t * m)?;
+    let mut worst = (0f64, 0usize, 0f64);
+    for (e, &g) in got.iter().enumerate() {
+        let (r, row) = (e / m, e % m);
+        let want: f64 = (0..kc)
+            .map(|i| wv[row * kc + i] as f64 * xh[r * kc + i].to_f64())
+            .sum();
+        worst.2 = worst.2.max(want.abs());
+        let err = (g as f64 - want).abs();
+        if err.is_nan() || err > worst.0 {
+            worst = (err, e, worst.2);
+        }
+    }
+    if !worst.0.is_nan() && worst.0 <= 1e-4 * worst.2 {
+        Ok(())
+    } else {
+        Err(Error::Gpu(format!(
+            "a q8_0 {t}×{kc}·{kc}×{m} GEMM from f16 X on tile {tile} is off by {:.3e} at \
+             token {}, row {}",
             worst.0,
             worst.1 / m,
             worst.1 % m

@@ -34,6 +34,7 @@ pub mod ssd_chunk_scan;
 pub mod ssd_chunk_scan_coop;
 pub mod ssd_chunk_state;
 pub mod ssd_chunk_state_coop;
+pub mod ssd_coop_check;
 pub mod ssd_cumsum;
 pub mod ssd_state_pass;
 pub mod ssd_step;
