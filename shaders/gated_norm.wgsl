@@ -7,16 +7,11 @@
 
 // VEC4 (no q8 output; DI, GS and MIX multiples of 4): each invocation takes four
 // channels per 16-byte load (one channel per 4-byte load left Codestral's prefill norm at
-// 20 ms for 4096 tokens on the H200, a fifth of the bandwidth). F16_OUT (with VEC4): dst
-// holds f16 values (rows of KP halves) for the tensor-core GEMM.
+// 20 ms for 4096 tokens on the H200, a fifth of the bandwidth).
 #if VEC4
 @group(0) @binding(0) var<storage, read> y: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> mix: array<vec4<f32>>;
-#if F16_OUT
-@group(0) @binding(3) var<storage, read_write> dst: array<vec2<u32>>;
-#else
 @group(0) @binding(3) var<storage, read_write> dst: array<vec4<f32>>;
-#endif
 #else
 @group(0) @binding(0) var<storage, read> y: array<f32>;
 @group(0) @binding(1) var<storage, read> mix: array<f32>;
@@ -65,12 +60,7 @@ fn main(
     for (var c4 = wid.x * WG + lid; c4 < DI / 4u; c4 += WG * nwg.x) {
         let c = 4u * c4;
         let w = vec4<f32>(params[NW_OFF + c], params[NW_OFF + c + 1u], params[NW_OFF + c + 2u], params[NW_OFF + c + 3u]);
-        let v = gated4(t, c4) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * w;
-#if F16_OUT
-        dst[(t * KP) / 4u + c4] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
-#else
-        dst[(t * KP) / 4u + c4] = v;
-#endif
+        dst[(t * KP) / 4u + c4] = gated4(t, c4) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * w;
     }
 #else
     for (var c = lid; c < DI; c += WG) {

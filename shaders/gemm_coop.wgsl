@@ -1,7 +1,7 @@
 // The prefill projections on cooperative matrices (tensor cores where the device has them):
 // Y[t, m] (=|+=) Σ_k X[t, k]·W[m, k] for the T = ctrl.prompt_len tokens of a block,
-// W [M, KP] in f16 or q8_0 (KP a multiple of 32), X [T, XS] f32 (or f16 with X_F16),
-// multiplied as f16 into f32 accumulators on 16×16×16 tiles.
+// W [M, KP] in f16 or q8_0 (KP a multiple of 32), X [T, XS] f32, multiplied as f16 into f32
+// accumulators on 16×16×16 tiles.
 //
 // A workgroup of WT × WR subgroups of 32 computes BT tokens × BM rows; subgroup s owns
 // tokens (s % WT)·FT·16.. and rows (s / WT)·FM·16.. of it, FT × FM accumulator tiles. The K
@@ -32,7 +32,7 @@
 // `pairs[r] / K` (padding rows, NONE, read zeros), else X row r.
 //
 // Constants: M, KP, XS, YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
-// BK, KQ = BK/16, XPR = BK/XVALS X slices (16 bytes) per token and step; XV = BT·XPR/NT X slices
+// BK, KQ = BK/16, XPR = BK/4 X slices (vec4) per token and step; XV = BT·XPR/NT X slices
 // and WV = BM·PW/NT W slices (16 bytes) per invocation, PW slices per row and step (BK/8
 // for f16, BK/16 for q8_0) of VP values each (8, 16); SPARE (DIRECT).
 
@@ -47,15 +47,7 @@ enable f16;
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
 #endif
 #endif
-#if X_F16
-// X written as f16 by its producer: eight values per 16-byte slice, no conversion.
-alias XSlice = vec4<u32>;
-const XVALS: u32 = 8u;
-#else
-alias XSlice = vec4<f32>;
-const XVALS: u32 = 4u;
-#endif
-@group(0) @binding(2) var<storage, read> x: array<XSlice>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 #if GROUPED
 @group(0) @binding(5) var<storage, read> tile_expert: array<u32>;
@@ -80,21 +72,20 @@ var<workgroup> wsh: array<vec2<f16>, NS * WTILE>;
 var<workgroup> outs: array<f32, WT * WR * 256u>;
 #endif
 
-// X slice `e` of the step at column k: token t0 + e/XPR, columns k + (e%XPR)·XVALS ..
-// +XVALS.
-fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> XSlice {
+// X slice `e` of the step at column k: token t0 + e/XPR, columns k + (e%XPR)·4 .. +4.
+fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> vec4<f32> {
     let t = t0 + e / XPR;
 #if GATHER
     let pair = pairs[t];
     if (pair != NONE) {
-        return x[((pair / K) * XS + k) / XVALS + e % XPR];
+        return x[((pair / K) * XS + k) / 4u + e % XPR];
     }
 #else
     if (t < tokens) {
-        return x[(t * XS + k) / XVALS + e % XPR];
+        return x[(t * XS + k) / 4u + e % XPR];
     }
 #endif
-    return XSlice();
+    return vec4<f32>(0.0);
 }
 
 // W slice `e` of the step at column k: row m0 + e/PW (of the matrix from row wrow),
@@ -138,17 +129,10 @@ fn w_scale(wrow: u32, m0: u32, k: u32, e: u32) -> f32 {
     return 0.0;
 }
 
-fn put_x(stage: u32, e: u32, v: XSlice) {
-    let o = stage * XTILE + (e / XPR) * LD2 + (e % XPR) * (XVALS / 2u);
-#if X_F16
-    // (Exact: the values are f16s. naga 30 cannot bitcast a u32 to vec2<f16>.)
-    for (var j = 0u; j < 4u; j++) {
-        xs[o + j] = vec2<f16>(unpack2x16float(v[j]));
-    }
-#else
+fn put_x(stage: u32, e: u32, v: vec4<f32>) {
+    let o = stage * XTILE + (e / XPR) * LD2 + (e % XPR) * 2u;
     xs[o] = vec2<f16>(v.xy);
     xs[o + 1u] = vec2<f16>(v.zw);
-#endif
 }
 
 fn put_w(stage: u32, e: u32, q: vec4<u32>, d: f32) {

@@ -4,15 +4,10 @@
 // elements (CHUNK = WG), so the work spreads over the GPU instead of one multiprocessor.
 // Batched (prefill): workgroup row y normalizes token y (src rows of D, dst rows of KP).
 
-// VEC4 (prefill, no q8 output, D a multiple of 4): four values per 16-byte load. F16_OUT
-// (with VEC4): dst holds f16 values (rows of KP halves) for the tensor-core GEMM.
+// VEC4 (prefill, no q8 output, D a multiple of 4): four values per 16-byte load.
 #if VEC4
 @group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
-#if F16_OUT
-@group(0) @binding(2) var<storage, read_write> dst: array<vec2<u32>>;
-#else
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f32>>;
-#endif
 #else
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
@@ -51,12 +46,7 @@ fn main(
     for (var k4 = wid.x * WG + lid; k4 < D / 4u; k4 += WG * nwg.x) {
         let k = 4u * k4;
         let w = vec4<f32>(params[NW_OFF + k], params[NW_OFF + k + 1u], params[NW_OFF + k + 2u], params[NW_OFF + k + 3u]);
-        let v = src[sbase / 4u + k4] * rstd * w;
-#if F16_OUT
-        dst[dbase / 4u + k4] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
-#else
-        dst[dbase / 4u + k4] = v;
-#endif
+        dst[dbase / 4u + k4] = src[sbase / 4u + k4] * rstd * w;
     }
 #else
     for (var k = lid; k < D; k += WG) {

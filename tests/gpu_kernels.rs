@@ -366,7 +366,6 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
             params: &pbuf,
             dst: &dst,
             q8: Some((&xq, &xd)),
-            dst_f16: false,
         };
         g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, b).unwrap());
         let got = g.read(&dst, d);
@@ -387,66 +386,33 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
 }
 
 /// The prefill block's norm (four values per load where D is a multiple of 4, scalar
-/// otherwise): every token's row, written at its KP stride; where D is a multiple of 4
-/// also as f16 rows (the tensor-core GEMM's input), against the reference rounded to f16.
+/// otherwise): every token's row, written at its KP stride.
 #[test]
 fn rmsnorm_over_a_block() {
     let Some(g) = Gpu::new() else { return };
     for (d, tokens) in [(96usize, 5usize), (300, 3), (70, 4)] {
-        for f16 in [false, true] {
-            if f16 && !d.is_multiple_of(4) {
-                continue;
-            }
-            let kp = d.next_multiple_of(32);
-            let x = rand(40 + d as u64, tokens * d, -3.0, 3.0);
-            let params = [vec![0.0; 7], rand(41, d, 0.5, 1.5)].concat();
-            let (src, pbuf) = (g.buf(&x), g.buf(&params));
-            let dst = g.buf(&vec![f32::NAN; tokens * kp]);
-            let b = NormBuffers {
-                src: &src,
-                params: &pbuf,
-                dst: &dst,
-                q8: None,
-                dst_f16: f16,
-            };
-            g.run(&rmsnorm::rmsnorm_block(&g.k, "t", d, 1e-5, 7, tokens, b).unwrap());
-            let got = if f16 {
-                halves(&g.read(&dst, tokens * kp / 2))
-            } else {
-                g.read(&dst, tokens * kp)
-            };
-            for t in 0..tokens {
-                let want = round_if(f16, ref_rmsnorm(&x[t * d..][..d], &params[7..], 1e-5));
-                assert_nmse(
-                    &format!("rmsnorm d {d}, token {t}, f16 {f16}"),
-                    &got[t * kp..][..d],
-                    &want,
-                    1e-7,
-                );
-            }
+        let kp = d.next_multiple_of(32);
+        let x = rand(40 + d as u64, tokens * d, -3.0, 3.0);
+        let params = [vec![0.0; 7], rand(41, d, 0.5, 1.5)].concat();
+        let (src, pbuf) = (g.buf(&x), g.buf(&params));
+        let dst = g.buf(&vec![f32::NAN; tokens * kp]);
+        let b = NormBuffers {
+            src: &src,
+            params: &pbuf,
+            dst: &dst,
+            q8: None,
+        };
+        g.run(&rmsnorm::rmsnorm_block(&g.k, "t", d, 1e-5, 7, tokens, b).unwrap());
+        let got = g.read(&dst, tokens * kp);
+        for t in 0..tokens {
+            let want = ref_rmsnorm(&x[t * d..][..d], &params[7..], 1e-5);
+            assert_nmse(
+                &format!("rmsnorm d {d}, token {t}"),
+                &got[t * kp..][..d],
+                &want,
+                1e-7,
+            );
         }
-    }
-}
-
-/// The f16 values packed two to a word in `words`, as f32.
-fn halves(words: &[f32]) -> Vec<f32> {
-    words
-        .iter()
-        .flat_map(|w| {
-            let b = w.to_bits();
-            [b & 0xffff, b >> 16].map(|h| half::f16::from_bits(h as u16).to_f32())
-        })
-        .collect()
-}
-
-/// `v` rounded to f16 where `f16`.
-fn round_if(f16: bool, v: Vec<f32>) -> Vec<f32> {
-    if f16 {
-        v.into_iter()
-            .map(|x| half::f16::from_f32(x).to_f32())
-            .collect()
-    } else {
-        v
     }
 }
 
@@ -728,7 +694,6 @@ fn gated_norm_residual_and_embedding() {
         params: &wb,
         dst: &out,
         q8: Some((&xq, &xd)),
-        dst_f16: false,
     };
     g.run(
         &gated_norm::gated_norm(
@@ -762,59 +727,51 @@ fn gated_norm_residual_and_embedding() {
         );
     }
     // The same over a block of tokens without q8 output (the vec4 path: 16-byte loads),
-    // z in wider mix rows, the norm weight at an offset; in f32 and as f16 rows (the
-    // tensor-core GEMM's input) against the reference rounded to f16.
+    // z in wider mix rows, the norm weight at an offset.
     let (di, groups, tokens, stride, off) = (96, 3, 5, 100, 4);
     let y = rand(35, tokens * di, -2.0, 2.0);
     let mix = rand(36, tokens * stride, -2.0, 2.0);
     let w = rand(37, off + di, 0.5, 1.5);
     let (yb, mb, wb) = (g.buf(&y), g.buf(&mix), g.buf(&w));
-    for f16 in [false, true] {
-        let out = g.buf(&vec![f32::NAN; tokens * di]);
-        let b = GatedNormBuffers {
-            y: &yb,
-            mix: &mb,
-            params: &wb,
-            dst: &out,
-            q8: None,
-            dst_f16: f16,
-        };
-        g.run(
-            &gated_norm::gated_norm(
-                &g.k,
-                "t",
-                di,
-                groups,
-                1e-5,
-                off,
-                Batch {
-                    tokens,
-                    mix_stride: stride,
-                },
-                b,
-            )
-            .unwrap(),
+    let out = g.buf(&vec![f32::NAN; tokens * di]);
+    let b = GatedNormBuffers {
+        y: &yb,
+        mix: &mb,
+        params: &wb,
+        dst: &out,
+        q8: None,
+    };
+    g.run(
+        &gated_norm::gated_norm(
+            &g.k,
+            "t",
+            di,
+            groups,
+            1e-5,
+            off,
+            Batch {
+                tokens,
+                mix_stride: stride,
+            },
+            b,
+        )
+        .unwrap(),
+    );
+    let got = g.read(&out, tokens * di);
+    for t in 0..tokens {
+        let want = gated_group_rmsnorm(
+            &y[t * di..][..di],
+            &mix[t * stride..][..di],
+            &w[off..],
+            groups,
+            1e-5,
         );
-        let got = if f16 {
-            halves(&g.read(&out, tokens * di / 2))
-        } else {
-            g.read(&out, tokens * di)
-        };
-        for t in 0..tokens {
-            let want = gated_group_rmsnorm(
-                &y[t * di..][..di],
-                &mix[t * stride..][..di],
-                &w[off..],
-                groups,
-                1e-5,
-            );
-            assert_nmse(
-                &format!("gated group norm, token {t} of a block, f16 {f16}"),
-                &got[t * di..][..di],
-                &round_if(f16, want),
-                1e-7,
-            );
-        }
+        assert_nmse(
+            &format!("gated group norm, token {t} of a block"),
+            &got[t * di..][..di],
+            &want,
+            1e-7,
+        );
     }
     // residual add
     let d = 300;

@@ -68,7 +68,7 @@ enum Kernel {
     /// `gemm_coop` run with its portable stand-ins for the cooperative ops on tile
     /// `EMULATED_TILES[i]`: the staging, indexing and output of the tensor-core kernel;
     /// `true`: into a Y with the rows of the direct epilogue (M a multiple of 16).
-    GemmCoopEmulated(WeightFormat, GemmOutput, usize, bool, bool),
+    GemmCoopEmulated(WeightFormat, GemmOutput, usize, bool),
     /// `prefill_conv` then `prefill_conv_state`, in one pass as the block graph records them.
     Conv,
     Cumsum,
@@ -92,13 +92,12 @@ impl Kernel {
             Kernel::Gemm(w, o) => format!("gemm {} {}", w.name(), out(o)),
             Kernel::GemmSplit(w, o) => format!("gemm split-K {} {}", w.name(), out(o)),
             Kernel::GemmCoopWgsl(w, o) => format!("gemm_coop wgsl {} {}", w.name(), out(o)),
-            Kernel::GemmCoopEmulated(w, o, t, direct, x16) => format!(
-                "gemm_coop emulated {} {} tile {}{}{}",
+            Kernel::GemmCoopEmulated(w, o, t, direct) => format!(
+                "gemm_coop emulated {} {} tile {}{}",
                 w.name(),
                 out(o),
                 EMULATED_TILES[t],
-                if direct { ", direct" } else { "" },
-                if x16 { ", f16 X" } else { "" }
+                if direct { ", direct" } else { "" }
             ),
             Kernel::Conv => "prefill_conv+state".into(),
             Kernel::Cumsum => "ssd_cumsum".into(),
@@ -444,9 +443,8 @@ fn cases() -> Vec<Case> {
                     tol: 0.0,
                 });
                 // Each shape and format on the tiles that take its format, in turn, through
-                // workgroup memory and (M a multiple of 16) straight into Y, from f32 X and
-                // (as the Mamba2 projections read it) from f16 X.
-                for (direct, x16) in [(false, false), (true, false), (true, true)] {
+                // workgroup memory and (M a multiple of 16) straight into Y.
+                for direct in [false, true] {
                     if direct && !s.m.is_multiple_of(16) {
                         continue;
                     }
@@ -456,7 +454,7 @@ fn cases() -> Vec<Case> {
                         .find(|&i| EMULATED_TILES[i].check(w, direct).is_ok())
                         .expect("an emulated tile for every format");
                     v.push(Case {
-                        kernel: Kernel::GemmCoopEmulated(w, s.out, tile, direct, x16),
+                        kernel: Kernel::GemmCoopEmulated(w, s.out, tile, direct),
                         shape,
                         tol: F32_TOL,
                     });
@@ -568,7 +566,7 @@ fn ssd_cb_coop_wgsl_validates() {
 }
 
 /// The engine's load-time checks of the cooperative kernels (`gemm_coop::self_check`, which
-/// also runs q8_0 weights from f16 X, and `ssd_coop_check::self_check`) pass on the
+/// also runs q8_0 weights, and `ssd_coop_check::self_check`) pass on the
 /// stand-ins: their CPU sums agree with kernels known to be right, so on a device a failure
 /// means the device's cooperative ops.
 #[test]
@@ -684,9 +682,8 @@ fn run_cases(pick: impl Fn(Kernel) -> bool) {
             (Kernel::GemmSplit(w, out), Shape::Gemm(s), Some(g)) => {
                 run_gemm(g, seed, w, out, s, true)
             }
-            (Kernel::GemmCoopEmulated(w, out, t, direct, x16), Shape::Gemm(s), Some(g)) => {
-                let path = GemmPath::CoopEmulated(EMULATED_TILES[t], direct, x16);
-                run_gemm_with(g, seed, w, out, s, path)
+            (Kernel::GemmCoopEmulated(w, out, t, direct), Shape::Gemm(s), Some(g)) => {
+                run_gemm_coop_emulated(g, seed, w, out, s, EMULATED_TILES[t], direct)
             }
             (kernel, Shape::Ssd(s), Some(g)) => run_ssd(g, seed, kernel, s),
             _ => Err("kernel and shape do not go together".into()),
@@ -873,12 +870,7 @@ fn compare(what: &str, got: &[f32], want: &[f32], region: impl Fn(usize) -> Regi
 enum GemmPath {
     Plain,
     SplitK,
-    /// The tensor-core kernel with its stand-ins, held to the f32 bound against products of
-    /// the operands as it multiplies them: X and the dequantized weights rounded to f16.
-    /// (tile, direct, x16): with `direct`, Y gets the rows of `gemm_coop::y_rows`, so where
-    /// M is a multiple of 16 the accumulators go straight to it (and its rows past the block
-    /// are scratch); with `x16`, X's rows are given as f16.
-    CoopEmulated(CoopTile, bool, bool),
+    CoopEmulated(CoopTile, bool),
 }
 
 fn run_gemm(
@@ -895,6 +887,22 @@ fn run_gemm(
         GemmPath::Plain
     };
     run_gemm_with(g, seed, w, out, s, path)
+}
+
+/// The tensor-core kernel with its stand-ins, held to the f32 bound against products of
+/// the operands as it multiplies them: X and the dequantized weights rounded to f16.
+/// `direct`: Y gets the rows of `gemm_coop::y_rows`, so where M is a multiple of 16 the
+/// accumulators go straight to it (and its rows past the block are scratch).
+fn run_gemm_coop_emulated(
+    g: &Gpu,
+    seed: u64,
+    w: WeightFormat,
+    out: GemmOutput,
+    s: &GemmShape,
+    tile: CoopTile,
+    direct: bool,
+) -> Res<Vec<Stat>> {
+    run_gemm_with(g, seed, w, out, s, GemmPath::CoopEmulated(tile, direct))
 }
 
 fn run_gemm_with(
@@ -916,20 +924,7 @@ fn run_gemm_with(
     let p = pack(w, &rand(seed, m * k, -1.0, 1.0), m, k);
     let f16_operands = matches!(path, GemmPath::CoopEmulated(..));
     // The direct epilogue's Y: rows up to the grid's end and the spare rows.
-    let direct = matches!(path, GemmPath::CoopEmulated(_, true, _));
-    let x16 = matches!(path, GemmPath::CoopEmulated(_, _, true));
-    // X as the kernel reads it: f32 rows, or their f16 values two to a word.
-    let x_words = |v: &[f32]| -> Vec<f32> {
-        if x16 {
-            let h: Vec<u16> = v
-                .iter()
-                .map(|&x| half::f16::from_f32(x).to_bits())
-                .collect();
-            bytemuck::pod_collect_to_vec(&h)
-        } else {
-            v.to_vec()
-        }
-    };
+    let direct = matches!(path, GemmPath::CoopEmulated(_, true));
     let y_len = if direct {
         gemm_coop::y_rows(cap) * ys
     } else {
@@ -946,7 +941,7 @@ fn run_gemm_with(
     let mat = DeviceMatrix::upload(g.ctx(), "w", &p).map_err(err)?;
     let mut xh = vec![f32::NAN; cap * xs];
     let mut yh = vec![f32::NAN; y_len];
-    let (xb, yb, ctrl) = (g.buf(&x_words(&xh))?, g.buf(&yh)?, g.buf(&[0.0; 16])?);
+    let (xb, yb, ctrl) = (g.buf(&xh)?, g.buf(&yh)?, g.buf(&[0.0; 16])?);
     let ds = match path {
         GemmPath::SplitK => {
             // (A K whose padded width has no whole slices runs the plain GEMM: checked too.)
@@ -957,14 +952,13 @@ fn run_gemm_with(
         GemmPath::Plain => {
             vec![gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl).map_err(err)?]
         }
-        GemmPath::CoopEmulated(tile, ..) => vec![
+        GemmPath::CoopEmulated(tile, _) => vec![
             gemm_coop(
                 &g.k,
                 "gemm_coop",
                 &mat,
                 cap,
                 &xb,
-                x16,
                 &yb,
                 ys,
                 out,
@@ -984,7 +978,7 @@ fn run_gemm_with(
             xh[r * xs..(r + 1) * xs].fill(0.0);
             xh[r * xs..r * xs + k].copy_from_slice(&x[r * k..(r + 1) * k]);
         }
-        g.write(&xb, &x_words(&xh));
+        g.write(&xb, &xh);
         if out == Add {
             let resid = rand(seed + 1, t * m, -3.0, 3.0);
             for r in 0..t {
@@ -1074,9 +1068,9 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
                 continue;
             }
             let spare = direct.then_some(256);
-            for (emulate, x16) in [(false, false), (true, false), (false, true), (true, true)] {
+            for emulate in [false, true] {
                 let (sources, consts, flags) =
-                    specialize(w, s.m, kp, s.k, s.ys, out, tile, spare, None, x16, emulate);
+                    specialize(w, s.m, kp, s.k, s.ys, out, tile, spare, None, emulate);
                 let what = format!("tile {tile}, {flags:?}");
                 let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
                 naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
@@ -1108,7 +1102,6 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
                     tile,
                     spare,
                     Some(grouped),
-                    false,
                     emulate,
                 );
                 let what = format!("grouped tile {tile}, {flags:?}");

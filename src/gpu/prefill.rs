@@ -33,11 +33,6 @@ pub struct Prefill {
     pub u: wgpu::Buffer,
     pub y: wgpu::Buffer,
     pub v: wgpu::Buffer,
-    /// Where the tensor cores run the Mamba2 projections: the pre-norm and gated-norm rows
-    /// as f16 (`[T][ceil32(d)]`, `[T][ceil32(d_inner)]` halves), which the GEMMs read
-    /// instead of `h` and `v` (half the bytes, no conversion in every tile).
-    pub h16: Option<wgpu::Buffer>,
-    pub v16: Option<wgpu::Buffer>,
     pub lam: wgpu::Buffer,
     pub cb: wgpu::Buffer,
     pub cst: wgpu::Buffer,
@@ -154,15 +149,6 @@ impl Prefill {
         let yt = crate::gpu::kernels::gemm_coop::y_rows(t);
         let y_sorted = crate::gpu::kernels::gemm_coop::y_rows(rows);
         let m = |n: usize| if mamba { n } else { 1 };
-        // f16 GEMM inputs where the tensor cores run Mamba2 projections and the norms can
-        // write them (four values per store).
-        let halves = mamba
-            && ctx.caps.coop_kernels()
-            && c.d_model.is_multiple_of(4)
-            && std::env::var_os("MAMBA2_COOP_F32_X").is_none_or(|v| v != "1");
-        let gated_vec4 = c.d_inner.is_multiple_of(4)
-            && (c.d_inner / c.n_groups.max(1)).is_multiple_of(4)
-            && c.d_in_proj().is_multiple_of(4);
         let mut p = Prefill {
             chunk,
             max_tokens: t,
@@ -174,12 +160,6 @@ impl Prefill {
             // Whole chunks of rows: the tensor-core chunk scan writes them.
             y: ctx.storage_zeroed("prefill y", f32s(m(cc.chunks() * chunk * c.d_inner)))?,
             v: ctx.storage_zeroed("prefill v", f32s(m(t * pad(c.d_inner))))?,
-            h16: halves
-                .then(|| ctx.storage_zeroed("prefill h f16", f32s(t * pad(c.d_model) / 2)))
-                .transpose()?,
-            v16: (halves && gated_vec4)
-                .then(|| ctx.storage_zeroed("prefill v f16", f32s(t * pad(c.d_inner) / 2)))
-                .transpose()?,
             lam: ctx.storage_zeroed("prefill lam", f32s(m(cc.chunks() * c.n_heads * chunk)))?,
             cb: ctx.storage_zeroed(
                 "prefill cb",

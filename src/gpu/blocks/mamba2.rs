@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::gpu::device_weights::ParamLayout;
 use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
-use crate::gpu::kernels::gemm::{GemmOutput, half_input, projection_from};
+use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
 use crate::gpu::kernels::prefill_conv::ConvBuffers;
 use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
@@ -192,7 +192,6 @@ pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>
             params: l.params,
             dst: &s.v,
             q8,
-            dst_f16: false,
         },
     )?);
     d.push(gemv::gemv(
@@ -224,13 +223,12 @@ pub fn prefill(
     let lay = b.layout;
     let mc = mixer_consts(c, lay);
     // In the short-block graph the projections split their K loops (`gemm_split`).
-    let mut d = projection_from(
+    let mut d = projection(
         k,
         "in_proj",
         l.in_proj,
         t,
         &p.h,
-        half_input(k, p.h16.as_ref(), l.in_proj, t),
         &p.part,
         &p.mix,
         c.d_in_proj(),
@@ -301,14 +299,12 @@ pub fn prefill(
         ctrl: &s.ctrl,
     };
     d.push(ssd_chunk_scan(k, "ssd_chunk_scan", cc, lay.d, scan)?.per_token(2, cc.q, 1));
-    let v16 = half_input(k, p.v16.as_ref(), l.out_proj, t);
     let gated = GatedNormBuffers {
         y: &p.y,
         mix: &p.mix,
         params: l.params,
-        dst: v16.unwrap_or(&p.v),
+        dst: &p.v,
         q8: None,
-        dst_f16: v16.is_some(),
     };
     let batch = Batch {
         tokens: t,
@@ -327,13 +323,12 @@ pub fn prefill(
         )?
         .per_token(1, 1, 1),
     );
-    d.extend(projection_from(
+    d.extend(projection(
         k,
         "out_proj+residual",
         l.out_proj,
         t,
         &p.v,
-        v16,
         &p.part,
         &p.resid,
         c.d_model,

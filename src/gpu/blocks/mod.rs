@@ -14,7 +14,7 @@ use crate::error::Result;
 use crate::gpu::device_weights::{DeviceMixer, DeviceWeights, ParamLayout};
 use crate::gpu::graph::{Graph, Tail};
 use crate::gpu::kernels::chunk::ChunkConsts;
-use crate::gpu::kernels::gemm::{GemmOutput, gemm, half_input};
+use crate::gpu::kernels::gemm::{GemmOutput, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::MlpBias;
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
@@ -131,7 +131,6 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 params: &w.final_params,
                 dst: &s.h,
                 q8: b.q8(),
-                dst_f16: false,
             },
         )?);
         d.push(gemv::gemv(
@@ -184,16 +183,11 @@ pub fn prefill_graph(
         .per_token(1, 1, 1),
     ];
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
-        // A Mamba2 block's in_proj on the tensor cores reads the pre-norm's f16 rows.
-        let h16 = match &layer.mixer {
-            DeviceMixer::Mamba2 { in_proj, .. } => half_input(k, p.h16.as_ref(), in_proj, t),
-            _ => None,
-        };
         let mut ds = vec![pre_norm(
             b,
             &layer.params,
             layer.norm_offset(b.layout),
-            Some((p, t, h16)),
+            Some((p, t)),
         )?];
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
@@ -230,7 +224,6 @@ pub fn prefill_graph(
             params: &w.final_params,
             dst: &p.h,
             q8: None,
-            dst_f16: false,
         };
         d.push(
             rmsnorm::rmsnorm_block(k, "final_norm", c.d_model, c.norm_eps, 0, t, norm)?
@@ -267,13 +260,12 @@ fn mlp_bias<'a>(
     })
 }
 
-/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows
-/// (or the f16 rows given, which the block's first GEMM reads instead).
+/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows.
 fn pre_norm(
     b: &BlockCtx,
     params: &wgpu::Buffer,
     offset: usize,
-    prefill: Option<(&Prefill, usize, Option<&wgpu::Buffer>)>,
+    prefill: Option<(&Prefill, usize)>,
 ) -> Result<Dispatch> {
     let c = b.c;
     Ok(match prefill {
@@ -289,10 +281,9 @@ fn pre_norm(
                 params,
                 dst: &b.s.h,
                 q8: b.q8(),
-                dst_f16: false,
             },
         )?,
-        Some((p, t, h16)) => rmsnorm::rmsnorm_block(
+        Some((p, t)) => rmsnorm::rmsnorm_block(
             b.k,
             "norm",
             c.d_model,
@@ -302,9 +293,8 @@ fn pre_norm(
             NormBuffers {
                 src: &p.resid,
                 params,
-                dst: h16.unwrap_or(&p.h),
+                dst: &p.h,
                 q8: None,
-                dst_f16: h16.is_some(),
             },
         )?
         .per_token(1, 1, 1),

@@ -17,15 +17,12 @@ pub struct Batch {
 }
 
 /// Buffers of the gated norm: `y`, the mixer row vector (z first), parameters, outputs.
-/// `dst_f16`: the output holds f16 values (a prefill block's input to the tensor-core
-/// GEMM; four channels per load only, see `vec4` below).
 pub struct GatedNormBuffers<'a> {
     pub y: &'a wgpu::Buffer,
     pub mix: &'a wgpu::Buffer,
     pub params: &'a wgpu::Buffer,
     pub dst: &'a wgpu::Buffer,
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
-    pub dst_f16: bool,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -47,9 +44,7 @@ pub fn gated_norm(
         b.mix,
         (tokens - 1) * mix_stride + d_inner,
     )?;
-    // (f16 output: two values per 4-byte word.)
-    let dst_words = ((tokens - 1) * kp + d_inner).div_ceil(if b.dst_f16 { 2 } else { 1 });
-    check_len(&format!("{name}: dst"), b.dst, dst_words)?;
+    check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d_inner)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d_inner)?;
     let consts = [
         ("WG", Const::U32(CHUNK as u32)),
@@ -69,17 +64,7 @@ pub fn gated_norm(
         && d_inner.is_multiple_of(4)
         && (d_inner / groups).is_multiple_of(4)
         && mix_stride.is_multiple_of(4);
-    if b.dst_f16 && !vec4 {
-        return Err(crate::error::Error::Gpu(format!(
-            "{name}: f16 output needs rows, groups and mix strides in whole vec4s and no q8 \
-             output"
-        )));
-    }
-    let extra: &[&'static str] = match (vec4, b.dst_f16) {
-        (true, true) => &["VEC4", "F16_OUT"],
-        (true, false) => &["VEC4"],
-        _ => &[],
-    };
+    let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &[] };
     norm_dispatch_flags(
         k,
         name,

@@ -47,35 +47,13 @@ pub fn gemm(
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    gemm_from(k, name, w, max_tokens, x, None, y, ys, output, ctrl)
-}
-
-/// `gemm`, where the producer of X also wrote its rows as f16 (`x16`, `[T][ceil32(K)]`
-/// halves): the tensor cores read those (half the bytes, no conversion), the FMA tiles `x`.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_from(
-    k: &Kernels,
-    name: &str,
-    w: &DeviceMatrix,
-    max_tokens: usize,
-    x: &wgpu::Buffer,
-    x16: Option<&wgpu::Buffer>,
-    y: &wgpu::Buffer,
-    ys: usize,
-    output: GemmOutput,
-    ctrl: &wgpu::Buffer,
-) -> Result<Dispatch> {
     if super::gemm_coop::applies(k, w) {
         let direct = super::gemm_coop::direct_fits(w.rows, max_tokens, y, ys);
         let tile = super::gemm_coop::tile_for(k, w, max_tokens, direct)?;
         let emulate = !k.ctx.caps.coop_matrix;
-        let (xb, x_f16) = match x16 {
-            Some(b) => (b, true),
-            None => (x, false),
-        };
         let build = |tile| {
             super::gemm_coop::gemm_coop(
-                k, name, w, max_tokens, xb, x_f16, y, ys, output, ctrl, tile, emulate,
+                k, name, w, max_tokens, x, y, ys, output, ctrl, tile, emulate,
             )
         };
         let mut d = build(tile)?;
@@ -203,43 +181,10 @@ pub fn projection(
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
-    projection_from(k, name, w, max_tokens, x, None, part, y, ys, output, ctrl)
-}
-
-/// `projection` whose input's producer wrote f16 rows (`x16`, from `half_input`) instead
-/// of `x`.
-#[allow(clippy::too_many_arguments)]
-pub fn projection_from(
-    k: &Kernels,
-    name: &str,
-    w: &DeviceMatrix,
-    max_tokens: usize,
-    x: &wgpu::Buffer,
-    x16: Option<&wgpu::Buffer>,
-    part: &wgpu::Buffer,
-    y: &wgpu::Buffer,
-    ys: usize,
-    output: GemmOutput,
-    ctrl: &wgpu::Buffer,
-) -> Result<Vec<Dispatch>> {
     if max_tokens <= TILE.1 {
         return gemm_split(k, name, w, x, part, y, ys, output, ctrl);
     }
-    Ok(vec![gemm_from(
-        k, name, w, max_tokens, x, x16, y, ys, output, ctrl,
-    )?])
-}
-
-/// The f16 rows `projection_from` reads instead of the f32 ones for `w` over blocks of
-/// `max_tokens`: `buf` (the prefill's f16 copy, where it has one) when the tensor cores
-/// run this GEMM (not split over K).
-pub fn half_input<'a>(
-    k: &Kernels,
-    buf: Option<&'a wgpu::Buffer>,
-    w: &DeviceMatrix,
-    max_tokens: usize,
-) -> Option<&'a wgpu::Buffer> {
-    buf.filter(|_| max_tokens > TILE.1 && super::gemm_coop::applies(k, w))
+    Ok(vec![gemm(k, name, w, max_tokens, x, y, ys, output, ctrl)?])
 }
 
 /// The rows of a prefill block's MoE, sorted by expert (`moe_sort`): `rows` of them in tiles

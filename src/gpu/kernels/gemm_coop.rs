@@ -110,9 +110,11 @@ pub struct Grouped {
     pub top_k: Option<usize>,
 }
 
-/// Workgroups a GEMM should have before a larger tile is worth it (two per SM of an H200;
-/// Mamba2-130m's out_proj over 512 tokens took 2.3 ms on 128 × 128 tiles, 1.6 ms on 64 × 64).
-const FILL_WORKGROUPS: usize = 256;
+/// Workgroups a GEMM should have before a larger tile is worth it (about one per SM of an
+/// H200, 132): Mamba2-130m's out_proj over 512 tokens took 2.3 ms on 128 × 128 tiles (24
+/// workgroups), 1.6 ms on 64 × 64 (96); Codestral's took 21 ms on 128 × 128 (128
+/// workgroups) and 46 ms on 64 × 64 (512), run 50.
+const FILL_WORKGROUPS: usize = 128;
 
 impl Tile {
     pub fn subgroups(&self) -> usize {
@@ -154,7 +156,7 @@ impl Tile {
             && self.bt <= MAX_BT
             && self.bt.is_multiple_of(16 * self.wt)
             && self.bm.is_multiple_of(16 * self.wr)
-            && (self.bt * self.bk / 8).is_multiple_of(n)
+            && (self.bt * self.bk / 4).is_multiple_of(n)
             && (self.bm * self.w_slices(format)).is_multiple_of(n)
             && n <= 1024
             && self.workgroup_bytes(direct) <= MAX_WORKGROUP_BYTES;
@@ -163,8 +165,8 @@ impl Tile {
         } else {
             Err(Error::InvalidInput(format!(
                 "cooperative GEMM tile {self}: want bt ≤ {MAX_BT} a multiple of 16·wt, bm of \
-                 16·wr, bk 16 or 32, whole 16-byte slices of both operands (X in f16 too) for \
-                 each of its {n} invocations and at most {MAX_WORKGROUP_BYTES} bytes of workgroup memory ({} \
+                 16·wr, bk 16 or 32, whole 16-byte slices of both operands for each of its {n} \
+                 invocations and at most {MAX_WORKGROUP_BYTES} bytes of workgroup memory ({} \
                  here)",
                 self.workgroup_bytes(direct)
             )))
@@ -324,8 +326,7 @@ pub fn shorter_tiles(
 
 /// The kernel's sources, constants and flags for `rows` × `cols` weights of `format`
 /// padded to `kp`, Y rows of `ys` values, on `tile` (checked by the caller); `spare`: the
-/// direct epilogue's first spare row of Y (None: through workgroup memory); `x_f16`: X
-/// holds f16 values (else f32).
+/// direct epilogue's first spare row of Y (None: through workgroup memory).
 #[allow(clippy::too_many_arguments)]
 pub fn specialize(
     format: WeightFormat,
@@ -337,7 +338,6 @@ pub fn specialize(
     tile: Tile,
     spare: Option<usize>,
     grouped: Option<Grouped>,
-    x_f16: bool,
     emulate: bool,
 ) -> (
     super::Sources,
@@ -351,7 +351,6 @@ pub fn specialize(
     };
     let pw = tile.w_slices(format);
     let n = tile.threads();
-    let xpr = if x_f16 { tile.bk / 8 } else { tile.bk / 4 };
     let u = |v: usize| Const::U32(v as u32);
     let mut consts = vec![
         ("M", u(rows)),
@@ -367,8 +366,8 @@ pub fn specialize(
         ("NT", u(n)),
         ("BK", u(tile.bk)),
         ("KQ", u(tile.bk / 16)),
-        ("XPR", u(xpr)),
-        ("XV", u(tile.bt * xpr / n)),
+        ("XPR", u(tile.bk / 4)),
+        ("XV", u(tile.bt * tile.bk / 4 / n)),
         ("WV", u(tile.bm * pw / n)),
         ("PW", u(pw)),
         ("VP", u(vp)),
@@ -383,9 +382,6 @@ pub fn specialize(
     ];
     if scales_by_eight(format, kp) {
         flags.push("SC8");
-    }
-    if x_f16 {
-        flags.push("X_F16");
     }
     if let Some(row) = spare {
         consts.push(("SPARE", u(row)));
@@ -410,8 +406,7 @@ pub fn specialize(
 
 /// The GEMM of a block of up to `max_tokens` tokens on `tile`, with the real cooperative ops
 /// or (`emulate`) their portable stand-ins; the accumulators go straight to Y where
-/// `direct_fits` (then Y's rows past the block's tokens are scratch). `x_f16`: X's rows
-/// hold f16 values (`[T][ceil32(K)]` halves), else f32.
+/// `direct_fits` (then Y's rows past the block's tokens are scratch).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_coop(
     k: &Kernels,
@@ -419,7 +414,6 @@ pub fn gemm_coop(
     w: &DeviceMatrix,
     max_tokens: usize,
     x: &wgpu::Buffer,
-    x_f16: bool,
     y: &wgpu::Buffer,
     ys: usize,
     output: GemmOutput,
@@ -432,17 +426,11 @@ pub fn gemm_coop(
     let direct = direct_fits(w.rows, max_tokens, y, ys);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
-    // (In f32 words: two f16 values per word.)
-    let x_words = if x_f16 {
-        max_tokens * xs / 2
-    } else {
-        max_tokens * xs
-    };
-    check_len(&format!("{name}: x"), x, x_words)?;
+    check_len(&format!("{name}: x"), x, max_tokens * xs)?;
     check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
     let spare = direct.then(|| max_tokens.next_multiple_of(tile.bt));
     let (sources, consts, flags) = specialize(
-        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, None, x_f16, emulate,
+        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, None, emulate,
     );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
     let mut entries = w.bindings();
@@ -530,7 +518,6 @@ pub fn expert_gemm_coop(
         tile,
         direct.then_some(rows),
         Some(grouped),
-        false,
         emulate,
     );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
@@ -549,7 +536,7 @@ pub fn expert_gemm_coop(
 /// The load-time check of the real cooperative ops on this device: one small random GEMM
 /// (f16 weights, row and token counts no tile divides, added onto a residual) on every tile
 /// the engine may pick, through workgroup memory and straight into Y, against the CPU's sum
-/// of the same f16-rounded products, then `q8_f16x_check` (`emulate`: on the stand-ins,
+/// of the same f16-rounded products, then `q8_check` (`emulate`: on the stand-ins,
 /// for the tests). An error says what differed.
 pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     use crate::gpu::graph::Ctrl;
@@ -616,7 +603,6 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
             &w,
             t,
             &x,
-            false,
             y,
             m,
             GemmOutput::Add,
@@ -643,7 +629,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     }
     // f16 products are exact in f32: only the order of the f32 sums differs.
     if !worst.0.is_nan() && worst.0 <= 1e-4 * scale {
-        q8_f16x_check(k, emulate)
+        q8_check(k, emulate)
     } else {
         Err(Error::Gpu(format!(
             "a {t}×{kc}·{kc}×{m} GEMM on tile {bad_tile} is off by {:.3e} at token {}, row {} \
@@ -655,10 +641,10 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     }
 }
 
-/// The rest of the load-time check: the path the Mamba2 projections take in q8_0, f16 X
-/// rows and q8_0 weights whose scales load eight at a time (K = 256), on the tile the
-/// engine picks, straight into Y, against the CPU's sum of the same f16 products.
-fn q8_f16x_check(k: &Kernels, emulate: bool) -> Result<()> {
+/// The rest of the load-time check: q8_0 weights whose scales load eight at a time
+/// (K = 256), on the tile the engine picks, straight into Y, against the CPU's sum of the
+/// same f16 products.
+fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
     use crate::gpu::graph::Ctrl;
     use half::f16;
     let (m, kc, t) = (208, 256, 150);
@@ -676,8 +662,8 @@ fn q8_f16x_check(k: &Kernels, emulate: bool) -> Result<()> {
     let xh: Vec<f16> = rnd(5, t * kc).into_iter().map(f16::from_f32).collect();
     let ctx = &k.ctx;
     let w = DeviceMatrix::upload(ctx, "coop check: q8 w", &packed)?;
-    let bits: Vec<u16> = xh.iter().map(|v| v.to_bits()).collect();
-    let x = ctx.storage_with("coop check: f16 x", bytemuck::cast_slice(&bits))?;
+    let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
+    let x = ctx.storage_with("coop check: q8 x", bytemuck::cast_slice(&xf))?;
     let y = ctx.storage_zeroed("coop check: q8 y", 4 * (y_rows(t) * m) as u64)?;
     let c = Ctrl {
         prompt_len: t as u32,
@@ -691,7 +677,6 @@ fn q8_f16x_check(k: &Kernels, emulate: bool) -> Result<()> {
         &w,
         t,
         &x,
-        true,
         &y,
         m,
         GemmOutput::Store,
@@ -723,8 +708,7 @@ fn q8_f16x_check(k: &Kernels, emulate: bool) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Gpu(format!(
-            "a q8_0 {t}×{kc}·{kc}×{m} GEMM from f16 X on tile {tile} is off by {:.3e} at \
-             token {}, row {}",
+            "a q8_0 {t}×{kc}·{kc}×{m} GEMM on tile {tile} is off by {:.3e} at token {}, row {}",
             worst.0,
             worst.1 / m,
             worst.1 % m

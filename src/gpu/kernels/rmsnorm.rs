@@ -11,15 +11,12 @@ pub(super) const CHUNK: usize = 256;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/rmsnorm.wgsl")];
 
-/// Buffers of a norm: input, parameters, output and optional q8 output. `dst_f16`: the
-/// output holds f16 values (a prefill block's input to the tensor-core GEMM; four values
-/// per load only: `rmsnorm_block` with D a multiple of 4 and no q8 output).
+/// Buffers of a norm: input, parameters, f32 output and optional q8 output.
 pub struct NormBuffers<'a> {
     pub src: &'a wgpu::Buffer,
     pub params: &'a wgpu::Buffer,
     pub dst: &'a wgpu::Buffer,
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
-    pub dst_f16: bool,
 }
 
 pub fn rmsnorm(
@@ -111,15 +108,7 @@ fn rows(
 ) -> Result<Dispatch> {
     check_len(&format!("{name}: src"), b.src, tokens * d)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d)?;
-    if b.dst_f16 && !vec4 {
-        return Err(crate::error::Error::Gpu(format!(
-            "{name}: f16 output needs a prefill block of {d} values, a multiple of 4, and no \
-             q8 output"
-        )));
-    }
-    // (f16 output: two values per 4-byte word.)
-    let dst_words = ((tokens - 1) * kp + d).div_ceil(if b.dst_f16 { 2 } else { 1 });
-    check_len(&format!("{name}: dst"), b.dst, dst_words)?;
+    check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d)?;
     let consts = [
         ("WG", Const::U32(CHUNK as u32)),
         ("NB", Const::U32(d.div_ceil(32) as u32)),
@@ -131,11 +120,7 @@ fn rows(
     ];
     let entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
     let shader = ("rmsnorm", SOURCES);
-    let extra: &[&'static str] = match (vec4, b.dst_f16) {
-        (true, true) => &["VEC4", "F16_OUT"],
-        (true, false) => &["VEC4"],
-        _ => &[],
-    };
+    let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &[] };
     norm_dispatch_flags(
         k,
         name,
