@@ -539,14 +539,9 @@ pub fn expert_gemm_coop(
 /// of the same f16-rounded products, then `q8_check` (`emulate`: on the stand-ins,
 /// for the tests). An error says what differed.
 pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
-    use crate::gpu::graph::Ctrl;
     use half::f16;
     let (m, kc, t) = (208, 96, 150);
-    let rnd = |seed: u64, n: usize| -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| 2.0 * crate::sampling::uniform(seed, i) - 1.0)
-            .collect()
-    };
+    let rnd = |seed: u64, n: usize| super::check_values(seed, n, -1.0, 1.0);
     let round =
         |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(|a| f16::from_f32(a).to_f32()).collect() };
     let (wv, xv, rv) = (round(rnd(1, m * kc)), round(rnd(2, t * kc)), rnd(3, t * m));
@@ -558,11 +553,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     // rows the direct epilogue needs.
     let y = ctx.storage_with("coop check: y", bytemuck::cast_slice(&rv))?;
     let y_direct = ctx.storage_zeroed("coop check: y", 4 * (y_rows(t) * m) as u64)?;
-    let c = Ctrl {
-        prompt_len: t as u32,
-        ..Default::default()
-    };
-    let ctrl = ctx.storage_with("coop check: ctrl", bytemuck::bytes_of(&c))?;
+    let ctrl = super::check_ctrl(ctx, "coop check: ctrl", t)?;
     // Every tile the engine may pick (and the one MAMBA2_COOP_TILE names), in turn.
     let mut tiles = TILES.to_vec();
     for direct in [false, true] {
@@ -610,13 +601,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
             tile,
             emulate,
         )?;
-        let mut enc = ctx.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = enc.begin_compute_pass(&Default::default());
-            d.record_tokens(&mut pass, Some(t as u32));
-        }
-        ctx.queue.submit([enc.finish()]);
-        ctx.wait()?;
+        d.run_now(ctx, Some(t as u32))?;
         let got = ctx.read_f32(y, t * m)?;
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
             let e = (g as f64 - w).abs();
@@ -645,14 +630,9 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
 /// (K = 256), on the tile the engine picks, straight into Y, against the CPU's sum of the
 /// same f16 products.
 fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
-    use crate::gpu::graph::Ctrl;
     use half::f16;
     let (m, kc, t) = (208, 256, 150);
-    let rnd = |seed: u64, n: usize| -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| 2.0 * crate::sampling::uniform(seed, i) - 1.0)
-            .collect()
-    };
+    let rnd = |seed: u64, n: usize| super::check_values(seed, n, -1.0, 1.0);
     let packed = crate::model::quant::pack(WeightFormat::Q8_0, &rnd(4, m * kc), m, kc);
     // The values the kernel multiplies: q·d rounded to f16, and X as f16.
     let wv: Vec<f32> = crate::model::quant::unpack(&packed)
@@ -665,11 +645,7 @@ fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
     let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
     let x = ctx.storage_with("coop check: q8 x", bytemuck::cast_slice(&xf))?;
     let y = ctx.storage_zeroed("coop check: q8 y", 4 * (y_rows(t) * m) as u64)?;
-    let c = Ctrl {
-        prompt_len: t as u32,
-        ..Default::default()
-    };
-    let ctrl = ctx.storage_with("coop check: ctrl", bytemuck::bytes_of(&c))?;
+    let ctrl = super::check_ctrl(ctx, "coop check: ctrl", t)?;
     let tile = tile_for(k, &w, t, direct_fits(m, t, &y, m))?;
     let d = gemm_coop(
         k,
@@ -684,13 +660,7 @@ fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
         tile,
         emulate,
     )?;
-    let mut enc = ctx.device.create_command_encoder(&Default::default());
-    {
-        let mut pass = enc.begin_compute_pass(&Default::default());
-        d.record_tokens(&mut pass, Some(t as u32));
-    }
-    ctx.queue.submit([enc.finish()]);
-    ctx.wait()?;
+    d.run_now(ctx, Some(t as u32))?;
     let got = ctx.read_f32(&y, t * m)?;
     let mut worst = (0f64, 0usize, 0f64);
     for (e, &g) in got.iter().enumerate() {

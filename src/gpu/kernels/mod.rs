@@ -138,6 +138,18 @@ impl Label {
 }
 
 impl Dispatch {
+    /// Records the dispatch alone (a grid for `tokens` tokens where it is a prefill
+    /// kernel), submits it and waits: the load-time checks of the cooperative kernels.
+    pub fn run_now(&self, ctx: &GpuContext, tokens: Option<u32>) -> Result<()> {
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            self.record_tokens(&mut pass, tokens);
+        }
+        ctx.queue.submit([enc.finish()]);
+        ctx.wait()
+    }
+
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
         self.record_tokens(pass, None);
     }
@@ -196,6 +208,23 @@ impl Dispatch {
 pub struct Kernels {
     pub ctx: Arc<GpuContext>,
     cache: Arc<Mutex<HashMap<String, wgpu::ComputePipeline>>>,
+}
+
+/// The control block of a prefill block of `tokens` tokens as a storage buffer, and `n`
+/// inputs uniform in [lo, hi) from `seed`: what the load-time checks of the cooperative
+/// kernels feed them.
+pub(super) fn check_ctrl(ctx: &GpuContext, label: &str, tokens: usize) -> Result<wgpu::Buffer> {
+    let c = crate::gpu::graph::Ctrl {
+        prompt_len: tokens as u32,
+        ..Default::default()
+    };
+    ctx.storage_with(label, bytemuck::bytes_of(&c))
+}
+
+pub(super) fn check_values(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| lo + (hi - lo) * crate::sampling::uniform(seed, i))
+        .collect()
 }
 
 /// A kernel's source files after `common.wgsl`.

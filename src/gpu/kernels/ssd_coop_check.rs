@@ -35,11 +35,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
         q: Q,
         max_tokens: T,
     };
-    let rnd = |seed: u64, n: usize, lo: f32, hi: f32| -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| lo + (hi - lo) * crate::sampling::uniform(seed, i))
-            .collect()
-    };
+    let rnd = super::check_values;
     let u = rnd(11, T * CD, -1.0, 1.0);
     let mut mix = rnd(12, T * DIP, -1.0, 1.0);
     for t in 0..T {
@@ -71,20 +67,8 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     let cstb = ctx.storage_zeroed("ssd check: cst", (4 * states.len()) as u64)?;
     let yb = ctx.storage_zeroed("ssd check: y", (4 * NC * Q * DI) as u64)?;
     let params = buf("ssd check: D", &d_skip)?;
-    let c_ctrl = crate::gpu::graph::Ctrl {
-        prompt_len: T as u32,
-        ..Default::default()
-    };
-    let ctrl = ctx.storage_with("ssd check: ctrl", bytemuck::bytes_of(&c_ctrl))?;
-    let run = |d: Dispatch| -> Result<()> {
-        let mut enc = ctx.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = enc.begin_compute_pass(&Default::default());
-            d.record(&mut pass);
-        }
-        ctx.queue.submit([enc.finish()]);
-        ctx.wait()
-    };
+    let ctrl = super::check_ctrl(ctx, "ssd check: ctrl", T)?;
+    let run = |d: Dispatch| d.run_now(ctx, None);
 
     // C·Bᵀ.
     run(super::ssd_cb_coop::ssd_cb_coop(
