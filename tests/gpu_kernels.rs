@@ -1002,7 +1002,13 @@ fn mlp_activation_every_form() {
             // The blocks of the kernel's own f32 output (ggml's rule, as the host packs it).
             let (q8, s8) = q8_blocks(&got[..n]);
             assert_eq!(q, q8, "{}: q8 blocks", c.name);
-            assert_eq!(g.read(&xd, kp / 32), s8, "{}: q8 scales", c.name);
+            // A scale is amax / 127: Vulkan lets OpFDiv be off by 2.5 ulp (NVIDIA's is, by
+            // one), so the scales match to 3 ulp, not bit for bit; the quants above are exact.
+            let xd_got = g.read(&xd, kp / 32);
+            for (i, (a, b)) in xd_got.iter().zip(&s8).enumerate() {
+                let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
+                assert!(ulps <= 3, "{}: q8 scale {i}: {a} against {b}", c.name);
+            }
         }
     }
 }

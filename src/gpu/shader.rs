@@ -139,6 +139,32 @@ fn unroll(name: &str, lines: &[String], consts: &[(&str, Const)]) -> Result<Vec<
     Ok(out)
 }
 
+/// The run-time checks compiled into every kernel. wgpu's default wraps every loop in a
+/// 64-bit trip counter (`force_loop_bounding`, against loops a driver could assume
+/// infinite), guards every integer division and clamps every index into a fixed-size
+/// array. The kernels here are this crate's own: every loop counts a `u32` up to a constant
+/// or a dispatch-time bound, every divisor is a constant, and the indices come from
+/// constants and the invocation ids of shapes checked before dispatch. On Vulkan the
+/// driver's robust buffer access (always enabled by wgpu) still bounds every storage
+/// access, so all three go there; elsewhere the buffer bounds checks stay. The loop
+/// counters alone cost Codestral q8_0 decode 18 % on the H200 (4.35 → 3.68 ms/token,
+/// BENCHMARKS.md). `MAMBA2_SHADER_CHECKS=all | bounds | none` overrides (for measuring).
+pub fn runtime_checks(backend: wgpu::Backend) -> wgpu::ShaderRuntimeChecks {
+    let all = wgpu::ShaderRuntimeChecks::checked();
+    let bounds = wgpu::ShaderRuntimeChecks {
+        force_loop_bounding: false,
+        int_div_checks: false,
+        ..all
+    };
+    match std::env::var("MAMBA2_SHADER_CHECKS").as_deref() {
+        Ok("all") => all,
+        Ok("bounds") => bounds,
+        Ok("none") => wgpu::ShaderRuntimeChecks::unchecked(),
+        _ if backend == wgpu::Backend::Vulkan => wgpu::ShaderRuntimeChecks::unchecked(),
+        _ => bounds,
+    }
+}
+
 /// Compiles a kernel into a compute pipeline (entry point `main`, layout from the shader).
 pub fn pipeline(
     device: &wgpu::Device,
@@ -149,10 +175,14 @@ pub fn pipeline(
 ) -> Result<wgpu::ComputePipeline> {
     let text = assemble(name, sources, consts, flags)?;
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+    let desc = wgpu::ShaderModuleDescriptor {
         label: Some(name),
         source: wgpu::ShaderSource::Wgsl(text.into()),
-    });
+    };
+    // SAFETY: `runtime_checks` says which checks go and why these kernels need none of them.
+    let module = unsafe {
+        device.create_shader_module_trusted(desc, runtime_checks(device.adapter_info().backend))
+    };
     let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(name),
         layout: None,

@@ -4,6 +4,7 @@
 use super::chunk::ChunkConsts;
 use super::{Dispatch, Kernels, Label, Section, check_len, grid};
 use crate::error::Result;
+use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/ssd_state_pass.wgsl")];
 
@@ -18,7 +19,16 @@ pub fn ssd_state_pass(
 ) -> Result<Dispatch> {
     let hpn = cc.heads * cc.head_dim * cc.d_state;
     check_len(&format!("{name}: state"), state, hpn)?;
-    let pipeline = k.pipeline("ssd_state_pass", SOURCES, &cc.consts(), &[], false)?;
+    // Four values per invocation when a head's P·N values split into 16-byte vectors.
+    let v = if (cc.head_dim * cc.d_state).is_multiple_of(4) {
+        4
+    } else {
+        1
+    };
+    let mut consts = cc.consts();
+    consts.push(("V", Const::U32(v as u32)));
+    let flags: &[&str] = if v == 4 { &["VEC4"] } else { &[] };
+    let pipeline = k.pipeline("ssd_state_pass", SOURCES, &consts, flags, false)?;
     Ok(Dispatch {
         bind_group: k.bind(
             &pipeline,
@@ -26,7 +36,7 @@ pub fn ssd_state_pass(
             &[(0, lam), (1, cst), (2, state), (3, ctrl)],
         ),
         pipeline,
-        workgroups: grid(hpn.div_ceil(256) as u32),
+        workgroups: grid((hpn / v).div_ceil(256) as u32),
         name: name.to_string(),
         per_token: None,
         shorter: Vec::new(),
