@@ -2,9 +2,10 @@
 // S_{c+1} = exp(Λ_last,c)·S_c + s_c, written over s_c in `cst`; the sequence's state
 // becomes the state after the block. Sequential over chunks, parallel over H·P·N.
 // An invocation owns V consecutive state values (16-byte accesses when V = 4) and takes
-// the chunks four at a time, their four loads issued before the stores: a plain loop over
-// chunks, one value per invocation, ran at 0.5 TB/s on the H200 once the driver saw it
-// without wgpu's loop counter.
+// the chunks 16 (then 4) at a time, all their loads issued before the stores, so many
+// loads are in flight: Codestral's 4096 tokens (32 chunks × 64 layers) took 83 ms one value
+// and one chunk at a time, 7.9 with V = 4 and four chunks, 6.5 with eight, 5.1 with 16
+// (H200, BENCHMARKS.md).
 
 @group(0) @binding(0) var<storage, read> lam: array<f32>;
 #if VEC4
@@ -35,6 +36,15 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let chunks = (ctrl.prompt_len + Q - 1u) / Q;
     var s = state[idx];
     var c = 0u;
+    for (; c + 16u <= chunks; c += 16u) {
+#for i 16
+        let add_{i} = cst[(c + {i}u) * HPNV + idx];
+#endfor
+#for i 16
+        cst[(c + {i}u) * HPNV + idx] = s;
+        s = chunk_decay(c + {i}u, h) * s + add_{i};
+#endfor
+    }
     for (; c + 4u <= chunks; c += 4u) {
 #for i 4
         let add_{i} = cst[(c + {i}u) * HPNV + idx];

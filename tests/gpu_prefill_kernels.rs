@@ -387,6 +387,27 @@ const SSDS: &[SsdShape] = &[
         cap: 60,
         blocks: &[60, 25],
     },
+    SsdShape {
+        name: "odd: H 2, P 5, N 7, G 1, K 4 (P·N not whole vectors; 21 chunks: 16 + 4 + 1)",
+        mixer: Mixer {
+            heads: 2,
+            head_dim: 5,
+            groups: 1,
+            d_state: 7,
+            conv: 4,
+            dt_limit: NO_LIMIT,
+        },
+        q: 4,
+        cap: 84,
+        blocks: &[84, 9],
+    },
+    SsdShape {
+        name: "codestral-7b, 21 chunks of 4 (16 + 4 + 1 at a time, four values per invocation)",
+        mixer: CODESTRAL_7B,
+        q: 4,
+        cap: 84,
+        blocks: &[84],
+    },
 ];
 
 #[derive(Clone, Copy)]
