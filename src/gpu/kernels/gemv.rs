@@ -40,11 +40,13 @@ pub const WG: u32 = 256;
 pub const MAX_LANES: usize = 16;
 
 /// The lanes one workgroup of the batch kernel sums, and the rows each of its teams owns,
-/// for `lanes` lanes of a matrix of `rows` rows in `format`; `grouped`: the group-norm
-/// prologue runs (once per lane in every workgroup, so fewer, fuller workgroups pay off).
-/// Measured on the H200 (Codestral q8_0, 16 lanes): in_proj 9.7 ms per step with 16 lanes
-/// and one row per team (14.1 with 4 rows: registers), out_proj 5.1 ms with 8 lanes and 8
-/// rows (7.3 with 16 and 1). The block formats decode their weights per row and keep one.
+/// for `lanes` lanes of a matrix of `rows` rows in `format` (the same with and without the
+/// group-norm prologue, which runs once per lane in every workgroup).
+/// Measured on the H200 (Codestral q8_0, 16 lanes, run 61, GPU ms per step for in_proj /
+/// out_proj): 16 lanes × 2 rows per team 7.95 / 3.84 (kept), 16 × 1 8.52 / 6.50, 16 × 4
+/// 11.02 / 6.43 (registers), 8 × 2 8.01 / 4.49, 8 × 4 8.33 / 4.92, 4 × 4 8.93 / 3.86,
+/// 4 × 8 8.93 / 4.06; the old out_proj choice, 8 × 8, 5.76. The block formats decode their
+/// weights per row and keep one.
 /// `MAMBA2_BATCH_LANES` and `MAMBA2_BATCH_ROWS` override both (for tuning: the results
 /// are bitwise the same whatever they are).
 pub fn lane_tiling(
@@ -52,7 +54,6 @@ pub fn lane_tiling(
     groups: usize,
     rows: usize,
     format: WeightFormat,
-    grouped: bool,
 ) -> (usize, usize) {
     let env = |name: &str| {
         std::env::var(name)
@@ -63,11 +64,7 @@ pub fn lane_tiling(
         format,
         WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 | WeightFormat::Q8_0
     );
-    let (nl, rt) = if grouped && simple {
-        (8, 8)
-    } else {
-        (MAX_LANES, 1)
-    };
+    let (nl, rt) = (MAX_LANES, 2);
     let nl = env("MAMBA2_BATCH_LANES").unwrap_or(nl).clamp(1, 64);
     let rt = if simple {
         env("MAMBA2_BATCH_ROWS").unwrap_or(rt).clamp(1, 16)
@@ -222,8 +219,7 @@ pub fn gemv(
         GemvInput::Group { groups, .. } => groups,
         GemvInput::Plain => 1,
     };
-    let grouped = matches!(input, GemvInput::Group { .. });
-    let (nl, rt) = lane_tiling(n, groups, m, w.format, grouped);
+    let (nl, rt) = lane_tiling(n, groups, m, w.format);
     // The batch kernel's teams own `rt` rows each (the one-token kernel's one).
     let rt = if cap > 1 { rt } else { 1 };
     // A lane's input row: the whole of a one-lane buffer, a multiple of 256 values else.
