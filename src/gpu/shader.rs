@@ -139,17 +139,21 @@ fn unroll(name: &str, lines: &[String], consts: &[(&str, Const)]) -> Result<Vec<
     Ok(out)
 }
 
-/// The run-time checks compiled into every kernel. wgpu's default wraps every loop in a
+/// Kernels whose fixed-size arrays (workgroup tiles) are indexed only through their tile
+/// constants and invocation ids, checked by hand for every index: their clamps can go.
+const FIXED_INDEX_KERNELS: [&str; 2] = ["gemm_coop", "ssd_chunk_scan_coop"];
+
+/// The run-time checks compiled into kernel `name`. wgpu's default wraps every loop in a
 /// 64-bit trip counter (`force_loop_bounding`, against loops a driver could assume
 /// infinite), guards every integer division and clamps every index into a fixed-size
 /// array. The kernels here are this crate's own: every loop counts a `u32` up to a constant
-/// or a dispatch-time bound, every divisor is a constant, and the indices come from
-/// constants and the invocation ids of shapes checked before dispatch. On Vulkan the
-/// driver's robust buffer access (always enabled by wgpu) still bounds every storage
-/// access, so all three go there; elsewhere the buffer bounds checks stay. The loop
-/// counters alone cost Codestral q8_0 decode 18 % on the H200 (4.35 → 3.68 ms/token,
-/// BENCHMARKS.md). `MAMBA2_SHADER_CHECKS=all | bounds | none` overrides (for measuring).
-pub fn runtime_checks(backend: wgpu::Backend) -> wgpu::ShaderRuntimeChecks {
+/// or a dispatch-time bound and every divisor is a constant, so the first two go everywhere
+/// (the loop counters alone cost Codestral q8_0 decode 18 % on the H200, 4.35 → 3.68
+/// ms/token, BENCHMARKS.md). Buffer bounds checks stay (on Vulkan the driver's robust
+/// buffer access takes them), and so do the array clamps, except on Vulkan in
+/// `FIXED_INDEX_KERNELS` (the tensor-core GEMM and chunk scan: 7 % of a long prompt).
+/// `MAMBA2_SHADER_CHECKS=all | bounds | none` sets them for every kernel (for measuring).
+pub fn runtime_checks(backend: wgpu::Backend, name: &str) -> wgpu::ShaderRuntimeChecks {
     let all = wgpu::ShaderRuntimeChecks::checked();
     let bounds = wgpu::ShaderRuntimeChecks {
         force_loop_bounding: false,
@@ -160,7 +164,9 @@ pub fn runtime_checks(backend: wgpu::Backend) -> wgpu::ShaderRuntimeChecks {
         Ok("all") => all,
         Ok("bounds") => bounds,
         Ok("none") => wgpu::ShaderRuntimeChecks::unchecked(),
-        _ if backend == wgpu::Backend::Vulkan => wgpu::ShaderRuntimeChecks::unchecked(),
+        _ if backend == wgpu::Backend::Vulkan && FIXED_INDEX_KERNELS.contains(&name) => {
+            wgpu::ShaderRuntimeChecks::unchecked()
+        }
         _ => bounds,
     }
 }
@@ -181,7 +187,8 @@ pub fn pipeline(
     };
     // SAFETY: `runtime_checks` says which checks go and why these kernels need none of them.
     let module = unsafe {
-        device.create_shader_module_trusted(desc, runtime_checks(device.adapter_info().backend))
+        device
+            .create_shader_module_trusted(desc, runtime_checks(device.adapter_info().backend, name))
     };
     let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(name),
