@@ -151,7 +151,7 @@ const FIXED_INDEX_KERNELS: [&str; 2] = ["gemm_coop", "ssd_chunk_scan_coop"];
 /// (the loop counters alone cost Codestral q8_0 decode 18 % on the H200, 4.35 → 3.68
 /// ms/token, BENCHMARKS.md). Buffer bounds checks stay (on Vulkan the driver's robust
 /// buffer access takes them), and so do the array clamps, except on Vulkan in
-/// `FIXED_INDEX_KERNELS` (the tensor-core GEMM and chunk scan: 7 % of a long prompt).
+/// `FIXED_INDEX_KERNELS` (the tensor-core GEMM and chunk scan: 9 % of a long prompt).
 /// `MAMBA2_SHADER_CHECKS=all | bounds | none` sets them for every kernel (for measuring).
 pub fn runtime_checks(backend: wgpu::Backend, name: &str) -> wgpu::ShaderRuntimeChecks {
     let all = wgpu::ShaderRuntimeChecks::checked();
