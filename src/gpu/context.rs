@@ -113,14 +113,23 @@ pub struct GpuContext {
     lost: Arc<Mutex<Option<String>>>,
 }
 
+/// The process's one wgpu instance (made on first use): every device of a process comes
+/// from it, so a process that opens many devices in turn (the test binaries, a server
+/// switching models) does not also create and tear down a Vulkan instance each time.
 fn instance() -> wgpu::Instance {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
-    desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
-    // A buffer that would take the device past 95% of the memory budget the driver reports
-    // (Vulkan's VK_EXT_memory_budget, DX12) fails as out-of-memory — an error naming the
-    // buffer and the model's footprint — instead of oversubscribing until the device is lost.
-    desc.memory_budget_thresholds.for_resource_creation = Some(95);
-    wgpu::Instance::new(desc)
+    static INSTANCE: std::sync::OnceLock<wgpu::Instance> = std::sync::OnceLock::new();
+    INSTANCE
+        .get_or_init(|| {
+            let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+            desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
+            // A buffer that would take the device past 95% of the memory budget the driver
+            // reports (Vulkan's VK_EXT_memory_budget, DX12) fails as out-of-memory — an
+            // error naming the buffer and the model's footprint — instead of
+            // oversubscribing until the device is lost.
+            desc.memory_budget_thresholds.for_resource_creation = Some(95);
+            wgpu::Instance::new(desc)
+        })
+        .clone()
 }
 
 /// Every adapter wgpu can see (Vulkan, Metal, DX12), in enumeration order.
