@@ -164,10 +164,27 @@ pub fn runtime_checks(backend: wgpu::Backend, name: &str) -> wgpu::ShaderRuntime
         Ok("all") => all,
         Ok("bounds") => bounds,
         Ok("none") => wgpu::ShaderRuntimeChecks::unchecked(),
-        _ if backend == wgpu::Backend::Vulkan && FIXED_INDEX_KERNELS.contains(&name) => {
-            wgpu::ShaderRuntimeChecks::unchecked()
+        Ok(other) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!("MAMBA2_SHADER_CHECKS={other} ignored: want all, bounds or none")
+            });
+            default_checks(backend, name, bounds)
         }
-        _ => bounds,
+        Err(_) => default_checks(backend, name, bounds),
+    }
+}
+
+/// The checks a kernel gets without MAMBA2_SHADER_CHECKS (see `runtime_checks`).
+fn default_checks(
+    backend: wgpu::Backend,
+    name: &str,
+    bounds: wgpu::ShaderRuntimeChecks,
+) -> wgpu::ShaderRuntimeChecks {
+    if backend == wgpu::Backend::Vulkan && FIXED_INDEX_KERNELS.contains(&name) {
+        wgpu::ShaderRuntimeChecks::unchecked()
+    } else {
+        bounds
     }
 }
 
@@ -212,6 +229,22 @@ pub fn pipeline(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loop_counters_go_everywhere_and_clamps_only_in_the_checked_kernels() {
+        let bounds = wgpu::ShaderRuntimeChecks {
+            force_loop_bounding: false,
+            int_div_checks: false,
+            ..wgpu::ShaderRuntimeChecks::checked()
+        };
+        let vk = wgpu::Backend::Vulkan;
+        let gemv = default_checks(vk, "gemv", bounds);
+        assert!(gemv.bounds_checks && !gemv.force_loop_bounding && !gemv.int_div_checks);
+        assert!(!default_checks(vk, "gemm_coop", bounds).bounds_checks);
+        assert!(!default_checks(vk, "ssd_chunk_scan_coop", bounds).bounds_checks);
+        // Elsewhere no driver bounds storage accesses: every kernel keeps its checks.
+        assert!(default_checks(wgpu::Backend::Metal, "gemm_coop", bounds).bounds_checks);
+    }
 
     #[test]
     fn flags_select_lines() {
