@@ -8,16 +8,19 @@
 // (H200, BENCHMARKS.md).
 
 @group(0) @binding(0) var<storage, read> lam: array<f32>;
+// V state values per invocation.
 #if VEC4
 alias Sv = vec4<f32>;
+const V: u32 = 4u;
 #else
 alias Sv = f32;
+const V: u32 = 1u;
 #endif
 @group(0) @binding(1) var<storage, read_write> cst: array<Sv>;
 @group(0) @binding(2) var<storage, read_write> state: array<Sv>;
 @group(0) @binding(3) var<storage, read> ctrl: Ctrl;
 
-// State values, and invocations (V values each).
+// State values, and invocations.
 const HPN: u32 = H * P * N;
 const HPNV: u32 = HPN / V;
 

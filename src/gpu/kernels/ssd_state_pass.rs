@@ -4,7 +4,6 @@
 use super::chunk::ChunkConsts;
 use super::{Dispatch, Kernels, Label, Section, check_len, grid};
 use crate::error::Result;
-use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/ssd_state_pass.wgsl")];
 
@@ -20,15 +19,10 @@ pub fn ssd_state_pass(
     let hpn = cc.heads * cc.head_dim * cc.d_state;
     check_len(&format!("{name}: state"), state, hpn)?;
     // Four values per invocation when a head's P·N values split into 16-byte vectors.
-    let v = if (cc.head_dim * cc.d_state).is_multiple_of(4) {
-        4
-    } else {
-        1
-    };
-    let mut consts = cc.consts();
-    consts.push(("V", Const::U32(v as u32)));
-    let flags: &[&str] = if v == 4 { &["VEC4"] } else { &[] };
-    let pipeline = k.pipeline("ssd_state_pass", SOURCES, &consts, flags, false)?;
+    let vec4 = (cc.head_dim * cc.d_state).is_multiple_of(4);
+    let v = if vec4 { 4 } else { 1 };
+    let flags: &[&str] = if vec4 { &["VEC4"] } else { &[] };
+    let pipeline = k.pipeline("ssd_state_pass", SOURCES, &cc.consts(), flags, false)?;
     Ok(Dispatch {
         bind_group: k.bind(
             &pipeline,
