@@ -1,4 +1,4 @@
-// The attention tile shared by attention_decode and attention_prefill: R query rows of one
+// The attention tile of attention_prefill: R query rows of one
 // kv head (pre-scaled queries in `qs`, row r sees keys ≤ row_lim[r]) against keys
 // [k_begin, k_end) in tiles of KT keys, with an online softmax. Each tile: K to workgroup
 // memory (coalesced, f16 → f32) → the R×KT scores → per-row running max / sum and the
@@ -93,7 +93,7 @@ var<workgroup> row_m: array<f32, R>;
 var<workgroup> row_l: array<f32, R>;
 var<workgroup> row_a: array<f32, R>;
 var<workgroup> row_lim: array<u32, R>;
-// The sequence slot whose caches are read (batched decode; rows CTX apart per slot).
+// The sequence slot whose caches are read (rows CTX apart per slot; prefill reads slot 0).
 var<private> kv_slot: u32;
 
 // Keys (or values) [j0, j0 + KT) of kv head `kvh` into kvs as f32, zero from `end` on.

@@ -72,6 +72,8 @@ const CASES: &[Case] = &[
     Case { name: "mha + rope: H 8, Hkv 8, hd 64, len 1000 = ctx", kernel: Decode, heads: 8, kv_heads: 8, head_dim: 64, ctx: 1000, pos0: 999, tokens: 1, format: F16, rope: Some(10000.0), tol: 1e-5 },
     Case { name: "small: H 6, Hkv 2, hd 16, f32 + rope, len 37 = ctx", kernel: Decode, heads: 6, kv_heads: 2, head_dim: 16, ctx: 37, pos0: 36, tokens: 1, format: F32, rope: Some(500.0), tol: 1e-5 },
     Case { name: "odd: H 3, Hkv 1, hd 18 (o padded, q8 blocks span heads), len 21", kernel: Decode, heads: 3, kv_heads: 1, head_dim: 18, ctx: 50, pos0: 20, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "long: segments of two key tiles, H 4, Hkv 1, hd 64, len 40000 = ctx", kernel: Decode, heads: 4, kv_heads: 1, head_dim: 64, ctx: 40000, pos0: 39999, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "long, odd: two key tiles, H 3, Hkv 1, hd 18, f32, len 33000 of 33001", kernel: Decode, heads: 3, kv_heads: 1, head_dim: 18, ctx: 33001, pos0: 32999, tokens: 1, format: F32, rope: None, tol: 2e-6 },
     Case { name: "nemotron-h-8b: block 40 at pos0 300", kernel: Prefill, heads: 32, kv_heads: 8, head_dim: 128, ctx: 512, pos0: 300, tokens: 40, format: F16, rope: None, tol: 2e-6 },
     Case { name: "granite-4.0-h-tiny: block 64 at pos0 0, f32 cache", kernel: Prefill, heads: 12, kv_heads: 4, head_dim: 64, ctx: 100, pos0: 0, tokens: 64, format: F32, rope: None, tol: 2e-6 },
     Case { name: "granite-4.0-h-tiny: block 37 ending at ctx 1000", kernel: Prefill, heads: 12, kv_heads: 4, head_dim: 64, ctx: 1000, pos0: 963, tokens: 37, format: F16, rope: None, tol: 2e-6 },
@@ -242,6 +244,9 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
     let o = g.buf(bytemuck::cast_slice(&vec![f32::NAN; t_cap * os]));
     let nb = os / 32;
     let (xq, xd) = (g.zeros(nb * 8), g.zeros(nb));
+    // Decode: o from each of the kernel's narrower pipelines (the engine picks them for
+    // shorter contexts), checked against the oracle like the widest one's.
+    let mut narrower_outs = Vec::new();
     match c.kernel {
         Decode => {
             let part = g.zeros(decode_partials_len(&ac));
@@ -258,7 +263,21 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
                 Some((&xq, &xd)),
             )
             .unwrap();
-            g.run(&[&store, &attn, &comb]);
+            assert!(!attn.shorter.is_empty(), "{}: one decode pipeline", c.name);
+            // (The store once: with RoPE it rotates q in place.)
+            g.run(&[&store]);
+            let nan = vec![f32::NAN; t_cap * os];
+            for (_, narrow) in &attn.shorter {
+                g.ctx()
+                    .queue
+                    .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
+                g.run(&[narrow, &comb]);
+                narrower_outs.push(g.read(&o, os));
+            }
+            g.ctx()
+                .queue
+                .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
+            g.run(&[&attn, &comb]);
         }
         Prefill => {
             let store = kv_store(&g.k, "kv_store", ac, Some(t_cap), &b).unwrap();
@@ -308,6 +327,13 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
     };
     let got = g.read(&o, c.tokens * os);
     let mut err = 0f64;
+    for (n, out) in narrower_outs.iter().enumerate() {
+        for (i, &x) in out.iter().enumerate() {
+            let w = if i < dims.q_len() { want[i] } else { 0.0 };
+            assert!(x.is_finite(), "{}: pipeline {n}: o[{i}] = {x}", c.name);
+            err = err.max((x as f64 - w).abs());
+        }
+    }
     for t in 0..c.tokens {
         let row = &got[t * os..][..os];
         for (i, &x) in row.iter().enumerate() {

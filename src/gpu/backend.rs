@@ -158,8 +158,9 @@ impl GpuBackend {
                     (false, None) => Tail::Feed,
                 };
                 {
+                    let rows = (start + wi * window + i + 1) as u32;
                     let mut pass = enc.begin_compute_pass(&Default::default());
-                    self.engine.graph(tail).record(&mut pass, None, None);
+                    self.engine.graph(tail).record(&mut pass, None, Some(rows));
                 }
                 if let Some(rb) = &readback {
                     let off = (4 * vocab * i) as u64;
@@ -277,16 +278,22 @@ impl GpuBackend {
     }
 
     /// Records one decode token (+ the ring copy) and submits it; with the profiler on,
-    /// waits and keeps its profile.
-    fn submit_token(&mut self, tail: Tail, slot: usize) -> Result<wgpu::SubmissionIndex> {
+    /// waits and keeps its profile. `rows`: the KV cache rows in use after the step.
+    fn submit_token(
+        &mut self,
+        tail: Tail,
+        slot: usize,
+        rows: usize,
+    ) -> Result<wgpu::SubmissionIndex> {
         let ctx = self.engine.ctx().clone();
         let t0 = Instant::now();
         let mut enc = ctx.device.create_command_encoder(&Default::default());
+        let rows = Some(rows as u32);
         match &self.profiler {
-            Some(p) => p.record(&mut enc, self.engine.graph(tail), None)?,
+            Some(p) => p.record(&mut enc, self.engine.graph(tail), rows)?,
             None => {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                self.engine.graph(tail).record(&mut pass, None, None);
+                self.engine.graph(tail).record(&mut pass, None, rows);
             }
         }
         enc.copy_buffer_to_buffer(&self.engine.scratch.ctrl, 0, &self.ring[slot], 0, Some(64));
@@ -483,10 +490,12 @@ impl Backend for GpuBackend {
         // the steps still in flight are drained (their ring buffers unmapped) before the
         // error is returned.
         let mut fault: Option<u64> = None;
+        // Step k fills cache row base + k (a stopped step fills none: an upper bound).
+        let base = self.engine.len;
         while !(done || submitted == max_new) || !inflight.is_empty() {
             if !done && submitted < max_new && inflight.len() < RING {
                 let slot = submitted % RING;
-                let index = self.submit_token(tail, slot)?;
+                let index = self.submit_token(tail, slot, base + submitted + 1)?;
                 let (tx, rx) = mpsc::channel();
                 self.ring[slot].map_async(wgpu::MapMode::Read, .., move |r| {
                     let _ = tx.send(r);

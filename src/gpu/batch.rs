@@ -282,11 +282,12 @@ impl Batch {
                     _ => Tail::Mixed,
                 };
                 let ring = submitted % RING;
+                let rows = self.rows_after(&running, inflight.len());
                 let mut enc = ctx.device.create_command_encoder(&Default::default());
                 {
                     let graph = self.graph(engine, n, tail)?;
                     let mut pass = enc.begin_compute_pass(&Default::default());
-                    graph.record(&mut pass, None, None);
+                    graph.record(&mut pass, None, Some(rows));
                 }
                 enc.copy_buffer_to_buffer(
                     &self.scratch.ctrl,
@@ -345,6 +346,17 @@ impl Batch {
         ctx.check()
     }
 
+    /// The most KV cache rows any of the `running` lanes has in use after the next step,
+    /// with `ahead` steps already in flight (an upper bound: a stopped step adds none).
+    fn rows_after(&self, running: &[usize], ahead: usize) -> u32 {
+        let longest = running
+            .iter()
+            .map(|&i| self.lanes[i].len)
+            .max()
+            .unwrap_or(0);
+        longest + ahead as u32 + 1
+    }
+
     /// One step of the live lanes with kernel timestamps (the step counts like any other:
     /// its tokens are sampled and fed but not reported). None without timestamp queries.
     pub fn profile_step(
@@ -366,8 +378,9 @@ impl Batch {
         let Some(profiler) = crate::gpu::profiler::Profiler::new(&ctx, graph.len())? else {
             return Ok(None);
         };
+        let rows = self.rows_after(&running, 0);
         let mut enc = ctx.device.create_command_encoder(&Default::default());
-        profiler.record(&mut enc, &graph, None)?;
+        profiler.record(&mut enc, &graph, Some(rows))?;
         ctx.queue.submit([enc.finish()]);
         let times = profiler.read(&ctx, &graph)?;
         // The lanes moved on by one token: their lengths as the device has them.

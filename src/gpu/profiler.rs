@@ -112,8 +112,8 @@ impl Profiler {
         Ok(n)
     }
 
-    /// Records `graph` with timestamps and the query resolve into `enc` (`tokens`: the
-    /// block size of a prefill graph).
+    /// Records `graph` with timestamps and the query resolve into `enc` (`tokens` as in
+    /// `Graph::record`).
     pub fn record(
         &self,
         enc: &mut wgpu::CommandEncoder,

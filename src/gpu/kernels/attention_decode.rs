@@ -1,32 +1,35 @@
-//! `attention_decode.wgsl` (+ `attn_tile.wgsl`): flash-decoding's first half for one token.
+//! `attention_decode.wgsl`: flash-decoding's first half for one token (per lane).
 //! Cache rows `0 ..= ctrl.kv_len` are cut into segments of `decode_segment` keys; the grid
 //! covers the whole capacity (`ctx`), and workgroups past the length only mark their
-//! partial empty. Shapes: `qkv [qkv_stride]` (q of the token, already rotated), the caches
-//! (see `attn`), `part [H][NSEG][hd + 2]` f32 (`decode_partials_len`); then
-//! `attention_combine` turns the partials into `o`.
+//! partial empty. A workgroup takes a few query heads of one kv head and walks its segment
+//! in tiles of keys: one pipeline per tile of `TILES`, the narrower ones in
+//! `Dispatch::shorter` for the context lengths whose segments they fit. Shapes:
+//! `qkv [qkv_stride]` (q of the token, already rotated), the caches (see `attn`), `part
+//! [H][NSEG][hd + 2]` f32 (`decode_partials_len`); then `attention_combine` turns the
+//! partials into `o`.
 
-use super::attn::{AttnBuffers, AttnConsts};
+use super::attn::{AttnBuffers, AttnConsts, KvFormat, WG};
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
-const SOURCES: super::Sources = &[
-    include_str!("../../../shaders/attn_tile.wgsl"),
-    include_str!("../../../shaders/attention_decode.wgsl"),
-];
+const SOURCES: super::Sources = &[include_str!("../../../shaders/attention_decode.wgsl")];
 
 /// Segments the cached rows are cut into (at most): enough workgroups to fill a large GPU
 /// at any length, few enough partials that the combine stays short. The segment length
 /// follows the length in use, not the capacity (`seg_len` in the shaders: the rows over
-/// NSEG, rounded up to whole key tiles), so a short context still spreads over the GPU
+/// NSEG, rounded up to whole SEGK), so a short context still spreads over the GPU
 /// (measured on the H200: with segments sized by a 32k capacity, 1k tokens of context ran
 /// on 5 segments per kv head and attention took 0.29 ms per layer).
 pub const SEGMENTS: usize = 256;
 
-/// Keys per segment at the full capacity: a multiple of the key tile, ≈ ctx / SEGMENTS.
+/// The granule of a segment's length. Smaller than the kernel's tile of WG keys, so that
+/// short contexts still make many workgroups (a tile's keys past the segment are masked).
+const SEGK: usize = 32;
+
+/// Keys per segment at the full capacity: a multiple of SEGK, ≈ ctx / SEGMENTS.
 pub fn decode_segment(c: &AttnConsts) -> usize {
-    let kt = c.tile(false).keys;
-    kt * c.ctx.div_ceil(kt * SEGMENTS).max(1)
+    SEGK * c.ctx.div_ceil(SEGK * SEGMENTS).max(1)
 }
 
 /// Segments of the whole cache (the grid's x).
@@ -39,13 +42,65 @@ pub fn decode_partials_len(c: &AttnConsts) -> usize {
     c.dims.heads * decode_segments(c) * (c.dims.head_dim + 2)
 }
 
-/// Constants of both halves: the key tile the segment length is a multiple of, and the
-/// segment count.
+/// Constants of both halves: the granule of the segment length and the segment count.
 pub(super) fn segment_consts(c: &AttnConsts) -> [(&'static str, Const); 2] {
     [
-        ("SEGK", Const::U32(c.tile(false).keys as u32)),
+        ("SEGK", Const::U32(SEGK as u32)),
         ("NSEG", Const::U32(decode_segments(c) as u32)),
     ]
+}
+
+/// A pipeline of the kernel: `keys` per tile (a divisor of WG: WG / keys invocations share
+/// a key, each with some of the rows) and at most `max_rows` query heads per workgroup.
+#[derive(Clone, Copy, Debug)]
+struct DecodeTile {
+    keys: usize,
+    max_rows: usize,
+}
+
+/// The kernel's pipelines, narrowest first; `Dispatch::record_tokens` picks the narrowest
+/// whose segments of the context in use fit one tile. Measured on the H200 (Nemotron 3
+/// Nano q8_0: 16 query heads per kv head, hd 128; attention GPU ms per token over its 6
+/// layers at 1k / 32k tokens of context): 128 keys × 8 rows 0.175 / 0.500, 64 × 8 0.154 /
+/// 0.589, 32 × 8 0.135 / 0.578, 32 × 4 0.107 / 0.789, 16 × 8 0.153 / 0.889, 128 × 16
+/// 0.278 / 0.584. Every invocation computes its key's scores whether the key is in the
+/// segment or not, so a short segment on a wide tile wastes them, and a long one on a
+/// narrow tile pays the softmax's barriers more often; fewer rows make more, shorter
+/// workgroups, which pays where there is little work.
+const TILES: [DecodeTile; 3] = [
+    DecodeTile {
+        keys: 32,
+        max_rows: 4,
+    },
+    DecodeTile {
+        keys: 64,
+        max_rows: 8,
+    },
+    DecodeTile {
+        keys: 128,
+        max_rows: 8,
+    },
+];
+
+/// V loads each invocation issues before using them.
+const V_IN_FLIGHT: usize = 8;
+
+/// K loads each invocation issues before using them: the most of 16, 8, 4, 2, 1 that
+/// divides the row's `loads`.
+fn in_flight(loads: usize) -> usize {
+    [16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|u| loads.is_multiple_of(*u))
+        .unwrap_or(1)
+}
+
+/// How the query heads of a kv head split over workgroups of at most `max_rows` (each a
+/// register per invocation in the scores and CW of them in P·V): `(rows, chunks)`, rows
+/// per workgroup as even as the chunks allow (9 heads: 5 + 4).
+fn head_rows(c: &AttnConsts, max_rows: usize) -> (usize, usize) {
+    let g = c.group();
+    let chunks = g.div_ceil(max_rows);
+    (g.div_ceil(chunks), chunks)
 }
 
 pub fn attention_decode(
@@ -63,30 +118,80 @@ pub fn attention_decode(
         part,
         lanes.cap * decode_partials_len(&c),
     )?;
-    let tile = c.tile(false);
-    let mut consts = c.tile_consts(name, tile)?;
+    let hd = c.dims.head_dim;
+    // Four values per load where rows split into them, else two (hd is even).
+    let cw = if hd.is_multiple_of(4) { 4 } else { 2 };
+    let nch = hd / cw;
+    let u = |v: usize| Const::U32(v as u32);
+    let mut consts = c.consts();
     consts.extend(segment_consts(&c));
     consts.extend([
+        ("WG", u(WG)),
+        ("CW", u(cw)),
+        ("NCH", u(nch)),
+        ("KG", u(WG / nch)),
+        ("VU", u(V_IN_FLIGHT)),
         AttnConsts::lane_consts(b),
         ("PART_LS", Const::U32(super::lane_stride(part, lanes))),
     ]);
+    let mut flags = Vec::new();
+    if c.format == KvFormat::F32 {
+        flags.push("KV_F32");
+    }
+    if cw == 4 {
+        flags.push("CW4");
+    }
+    // K's loads per row: 16-byte ones for f16 rows of whole eights.
+    let k16 = c.format == KvFormat::F16 && hd.is_multiple_of(8);
+    if k16 {
+        flags.push("K16");
+    }
+    let k_loads = if k16 { hd / 8 } else { nch };
+    consts.push(("KU", u(in_flight(k_loads))));
     let nseg = decode_segments(&c);
     if nseg > 65535 {
         return Err(Error::Gpu(format!("{name}: {nseg} segments")));
     }
-    let pipeline = k.pipeline("attention_decode", SOURCES, &consts, &c.flags(), false)?;
+    // One pipeline per tile; the widest serves any length.
+    let dispatch = |t: DecodeTile| -> Result<Dispatch> {
+        let (rows, chunks) = head_rows(&c, t.max_rows);
+        // Softmax invocations per row: a power of two, at most 32 (each reads the row's
+        // P partial maxima and sums).
+        let p = (1usize << (WG / rows).ilog2()).min(32);
+        let mut consts = consts.clone();
+        consts.extend([
+            ("R", u(rows)),
+            ("NGC", u(chunks)),
+            ("P", u(p)),
+            ("KT", u(t.keys)),
+            ("RG", u(WG / t.keys)),
+            ("RPT", u(rows.div_ceil(WG / t.keys))),
+        ]);
+        let pipeline = k.pipeline("attention_decode", SOURCES, &consts, &flags, false)?;
+        Ok(Dispatch {
+            bind_group: k.bind(&pipeline, name, &b.tile_entries(part)),
+            pipeline,
+            workgroups: (
+                nseg as u32,
+                (c.dims.kv_heads * chunks) as u32,
+                lanes.n as u32,
+            ),
+            name: name.to_string(),
+            per_token: None,
+            shorter: Vec::new(),
+            section: Section::Attn,
+            label: Label::default(),
+        })
+    };
+    // Contexts whose segments fit a narrower tile take it (segments of `keys` keys up to
+    // keys·NSEG rows in use).
+    let (widest, narrower) = TILES.split_last().expect("tiles");
+    let shorter = narrower
+        .iter()
+        .map(|&t| Ok(((t.keys * nseg) as u32, dispatch(t)?)))
+        .collect::<Result<Vec<_>>>()?;
     Ok(Dispatch {
-        bind_group: k.bind(&pipeline, name, &b.tile_entries(part)),
-        pipeline,
-        workgroups: (
-            nseg as u32,
-            (c.dims.kv_heads * tile.chunks) as u32,
-            lanes.n as u32,
-        ),
-        name: name.to_string(),
-        per_token: None,
-        shorter: Vec::new(),
-        section: Section::Attn,
-        label: Label::default(),
+        shorter,
+        ..dispatch(*widest)?
     })
 }

@@ -33,7 +33,7 @@ pub fn attention_prefill(
     let max_tokens = max_tokens.max(1);
     c.check_buffers(name, b, max_tokens, c.dims.q_len())?;
     check_len(&format!("{name}: o"), o, max_tokens * c.o_stride())?;
-    let tile = c.tile(true);
+    let tile = c.tile();
     let consts = c.tile_consts(name, tile)?;
     let pipeline = k.pipeline("attention_prefill", SOURCES, &consts, &c.flags(), false)?;
     Ok(Dispatch {

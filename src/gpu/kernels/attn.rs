@@ -1,6 +1,6 @@
 //! What the attention kernels share (`kv_store`, `attention_decode`, `attention_combine`,
 //! `attention_prefill`): one layer's sizes, cache format and constants, the tiling of
-//! `attn_tile.wgsl`, and the buffers they bind. Layouts:
+//! `attn_tile.wgsl` (prefill), and the buffers they bind. Layouts:
 //! - `qkv [T][qkv_stride]` f32, each token row `[q (H·hd) | k (Hkv·hd) | v (Hkv·hd)]`;
 //! - caches `k, v [ctx][Hkv][hd]`: f16, two per u32 (element 2i in the low half), or f32;
 //! - `o [T][ceil32(H·hd)]` f32, zero past H·hd (the o_proj GEMV/GEMM input);
@@ -159,14 +159,15 @@ impl AttnConsts {
         ("QKV_LS", Const::U32(super::lane_stride(b.qkv, b.lanes)))
     }
 
-    /// The tiling of `attn_tile.wgsl`: `prefill` gives a workgroup several tokens, decode one.
-    pub(super) fn tile(&self, prefill: bool) -> Tile {
+    /// The tiling of `attn_tile.wgsl` (prefill): a workgroup takes several tokens of a few
+    /// query heads.
+    pub(super) fn tile(&self) -> Tile {
         let hd = self.dims.head_dim;
         let g = self.group();
         let max_rows = (Q_VALUES / hd).min(64);
         let chunks = g.div_ceil(max_rows);
         let heads = g.div_ceil(chunks);
-        let queries = if prefill { max_rows / heads } else { 1 };
+        let queries = max_rows / heads;
         let rows = heads * queries;
         // What workgroup memory has left once qs and the per-row arrays are in.
         let row = self.row_values();
@@ -268,12 +269,10 @@ mod tests {
         for hd in (2..=256).step_by(2) {
             for (h, hkv) in [(1, 1), (32, 8), (12, 4), (32, 1), (9, 1), (64, 1), (7, 7)] {
                 let c = consts(h, hkv, hd);
-                for prefill in [false, true] {
-                    let t = c.tile(prefill);
-                    assert!(t.heads * t.chunks >= c.group() && t.keys >= 1, "{t:?}");
-                    assert!(t.rows * hd <= Q_VALUES && t.queries >= 1, "{t:?}");
-                    c.tile_consts("t", t).unwrap();
-                }
+                let t = c.tile();
+                assert!(t.heads * t.chunks >= c.group() && t.keys >= 1, "{t:?}");
+                assert!(t.rows * hd <= Q_VALUES && t.queries >= 1, "{t:?}");
+                c.tile_consts("t", t).unwrap();
             }
         }
     }

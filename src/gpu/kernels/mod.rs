@@ -94,10 +94,11 @@ pub struct Dispatch {
     pub workgroups: (u32, u32, u32),
     /// Prefill kernels: which grid axis counts tokens, and how.
     pub per_token: Option<TokenAxis>,
-    /// Prefill kernels: the same work on other pipelines for shorter blocks, as (most
-    /// tokens, dispatch), fewest first; `record_tokens` takes the first that holds the
-    /// block (the cooperative GEMM's smaller tiles, which keep the GPU busy where a short
-    /// block would leave the big tile few workgroups).
+    /// The same work on other pipelines for shorter blocks (prefill) or contexts (decode
+    /// attention), as (most tokens, dispatch), fewest first; `record_tokens` takes the
+    /// first that holds them (the cooperative GEMM's smaller tiles, which keep the GPU
+    /// busy where a short block would leave the big tile few workgroups; the decode
+    /// attention's narrower key tiles).
     pub shorter: Vec<(u32, Dispatch)>,
     pub name: String,
     pub section: Section,
