@@ -197,6 +197,10 @@ pub fn pipeline(
     flags: &[&str],
 ) -> Result<wgpu::ComputePipeline> {
     let text = assemble(name, sources, consts, flags)?;
+    // One compile at a time in the process, whatever the device: with several devices
+    // compiling at once (test threads), NVIDIA's driver (580) crashed or hung.
+    static COMPILE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = COMPILE.lock().unwrap_or_else(|e| e.into_inner());
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
     let desc = wgpu::ShaderModuleDescriptor {
         label: Some(name),
