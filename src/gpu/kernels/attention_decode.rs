@@ -8,7 +8,7 @@
 //! [H][NSEG][hd + 2]` f32 (`decode_partials_len`); then `attention_combine` turns the
 //! partials into `o`.
 
-use super::attn::{AttnBuffers, AttnConsts, KvFormat, WG};
+use super::attn::{AttnBuffers, AttnConsts, KvFormat, WG, WG_BYTES};
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
@@ -94,6 +94,12 @@ fn in_flight(loads: usize) -> usize {
         .unwrap_or(1)
 }
 
+/// Workgroup memory of a pipeline: the queries (rows × hd), the scores (rows × keys), two
+/// WG-long reduction arrays and three per-row values, all 4-byte.
+fn workgroup_bytes(hd: usize, rows: usize, keys: usize) -> usize {
+    4 * (rows * hd + rows * keys + 2 * WG + 3 * rows)
+}
+
 /// How the query heads of a kv head split over workgroups of at most `max_rows` (each a
 /// register per invocation in the scores and CW of them in P·V): `(rows, chunks)`, rows
 /// per workgroup as even as the chunks allow (9 heads: 5 + 4).
@@ -155,6 +161,12 @@ pub fn attention_decode(
     // One pipeline per tile; the widest serves any length.
     let dispatch = |t: DecodeTile| -> Result<Dispatch> {
         let (rows, chunks) = head_rows(&c, t.max_rows);
+        let bytes = workgroup_bytes(hd, rows, t.keys);
+        if bytes > WG_BYTES {
+            return Err(Error::Gpu(format!(
+                "{name}: {bytes} bytes of workgroup memory ({t:?}, {rows} heads, hd {hd})"
+            )));
+        }
         // Softmax invocations per row: a power of two, at most 32 (each reads the row's
         // P partial maxima and sums).
         let p = (1usize << (WG / rows).ilog2()).min(32);
@@ -194,4 +206,45 @@ pub fn attention_decode(
         shorter,
         ..dispatch(*widest)?
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::attention::AttnDims;
+
+    /// Every pipeline of every shape the checks admit (even hd ≤ 256, any grouping) fits
+    /// the 16 KiB of workgroup memory every device has, covers its kv head's query heads,
+    /// and splits its workgroup evenly.
+    #[test]
+    fn every_pipeline_fits_and_covers_its_heads() {
+        for hd in (2..=256).step_by(2) {
+            for (h, hkv) in [(1, 1), (32, 8), (12, 4), (32, 1), (9, 1), (64, 1), (32, 2)] {
+                let c = AttnConsts {
+                    dims: AttnDims {
+                        heads: h,
+                        kv_heads: hkv,
+                        head_dim: hd,
+                    },
+                    ctx: 100,
+                    format: KvFormat::F16,
+                    qkv_stride: (h + 2 * hkv) * hd,
+                    scale: 0.1,
+                    rope: None,
+                };
+                for t in TILES {
+                    let (rows, chunks) = head_rows(&c, t.max_rows);
+                    assert!(
+                        rows <= t.max_rows && rows * chunks >= c.group(),
+                        "{t:?} {h}/{hkv}"
+                    );
+                    assert!(WG.is_multiple_of(t.keys), "{t:?}");
+                    assert!(
+                        workgroup_bytes(hd, rows, t.keys) <= WG_BYTES,
+                        "{t:?} hd {hd}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -18,7 +18,7 @@ const Q_VALUES: usize = 1024;
 /// Keys × hd values of one K (then V) tile in workgroup memory (8 KiB of f32).
 const KV_VALUES: usize = 2048;
 /// Workgroup memory the tiled kernels may use.
-const WG_BYTES: usize = 16384;
+pub(super) const WG_BYTES: usize = 16384;
 
 pub use crate::gpu::state_store::KvFormat;
 
