@@ -72,6 +72,7 @@ const CASES: &[Case] = &[
     Case { name: "mha + rope: H 8, Hkv 8, hd 64, len 1000 = ctx", kernel: Decode, heads: 8, kv_heads: 8, head_dim: 64, ctx: 1000, pos0: 999, tokens: 1, format: F16, rope: Some(10000.0), tol: 1e-5 },
     Case { name: "small: H 6, Hkv 2, hd 16, f32 + rope, len 37 = ctx", kernel: Decode, heads: 6, kv_heads: 2, head_dim: 16, ctx: 37, pos0: 36, tokens: 1, format: F32, rope: Some(500.0), tol: 1e-5 },
     Case { name: "odd: H 3, Hkv 1, hd 18 (o padded, q8 blocks span heads), len 21", kernel: Decode, heads: 3, kv_heads: 1, head_dim: 18, ctx: 50, pos0: 20, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "f16, hd 20 (keys four values per load), H 4, Hkv 2, len 51", kernel: Decode, heads: 4, kv_heads: 2, head_dim: 20, ctx: 100, pos0: 50, tokens: 1, format: F16, rope: None, tol: 2e-6 },
     Case { name: "long: segments of two key tiles, H 4, Hkv 1, hd 64, len 40000 = ctx", kernel: Decode, heads: 4, kv_heads: 1, head_dim: 64, ctx: 40000, pos0: 39999, tokens: 1, format: F16, rope: None, tol: 2e-6 },
     Case { name: "long, odd: two key tiles, H 3, Hkv 1, hd 18, f32, len 33000 of 33001", kernel: Decode, heads: 3, kv_heads: 1, head_dim: 18, ctx: 33001, pos0: 32999, tokens: 1, format: F32, rope: None, tol: 2e-6 },
     Case { name: "nemotron-h-8b: block 40 at pos0 300", kernel: Prefill, heads: 32, kv_heads: 8, head_dim: 128, ctx: 512, pos0: 300, tokens: 40, format: F16, rope: None, tol: 2e-6 },
