@@ -23,8 +23,8 @@ const SOURCES: super::Sources = &[include_str!("../../../shaders/attention_decod
 /// on 5 segments per kv head and attention took 0.29 ms per layer).
 pub const SEGMENTS: usize = 256;
 
-/// The granule of a segment's length. Smaller than the kernel's tile of WG keys, so that
-/// short contexts still make many workgroups (a tile's keys past the segment are masked).
+/// The granule of a segment's length: the narrowest tile's keys, so that short contexts
+/// still make many workgroups (a tile's keys past the segment are masked).
 const SEGK: usize = 32;
 
 /// Keys per segment at the full capacity: a multiple of SEGK, ≈ ctx / SEGMENTS.
@@ -86,7 +86,9 @@ const TILES: [DecodeTile; 3] = [
 const V_IN_FLIGHT: usize = 8;
 
 /// K loads each invocation issues before using them: the most of 16, 8, 4, 2, 1 that
-/// divides the row's `loads`.
+/// divides the row's `loads` (16: a whole hd-128 row of f16; every measurement of the
+/// final kernel ran so, though run 65 had 8 faster at 32k, 0.436 against 0.500 ms:
+/// BENCHMARKS.md).
 fn in_flight(loads: usize) -> usize {
     [16, 8, 4, 2, 1]
         .into_iter()
