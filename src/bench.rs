@@ -227,6 +227,59 @@ pub struct Anchor {
 mod tests {
     use super::*;
 
+    fn report(context: usize, median_ms: f64) -> DecodeReport {
+        DecodeReport {
+            config: "nemotron-3-nano-30b-a3b".into(),
+            context,
+            format: "q8_0".into(),
+            device: "d".into(),
+            fused: true,
+            tokens: 10,
+            median_ms,
+            p10_ms: median_ms,
+            p90_ms: median_ms,
+            tokens_per_s: 1000.0 / median_ms,
+            gb_per_s: 0.0,
+            bytes_per_token: 0,
+            dispatches_per_token: 0,
+            sections_ms: Vec::new(),
+            kernels_ms: Vec::new(),
+            gpu_ms: 0.0,
+            host_encode_ms: 0.0,
+            host_submit_ms: 0.0,
+            anchors: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn context_growth_compares_the_longest_with_the_shortest() {
+        // Run 69's medians: 2.278 ms at 1k, 2.634 at 32k (16k in between, in any order).
+        let g = ContextGrowth::of(&[
+            report(16384, 2.42),
+            report(32768, 2.634),
+            report(1024, 2.278),
+        ])
+        .unwrap();
+        assert_eq!((g.short_context, g.long_context), (1024, 32768));
+        assert!((g.ratio - 2.634 / 2.278).abs() < 1e-12);
+        assert_eq!(g.target, Some(1.25));
+        assert!(
+            g.text().ends_with("= 1.16× (target ≤ 1.25×: met)\n"),
+            "{}",
+            g.text()
+        );
+        let slow = ContextGrowth::of(&[report(1024, 2.0), report(32768, 2.6)]).unwrap();
+        assert!(
+            slow.text().contains("1.30× (target ≤ 1.25×: not met)"),
+            "{}",
+            slow.text()
+        );
+        assert!(ContextGrowth::of(&[report(1024, 2.0)]).is_none());
+        // Other lengths: the ratio, without the 1k → 32k target.
+        let other = ContextGrowth::of(&[report(4096, 2.0), report(32768, 2.2)]).unwrap();
+        assert_eq!(other.target, None);
+    }
+
     #[test]
     fn moe_presets_have_the_published_sizes() {
         // (preset, blocks of each kind [M, *, -, E], total B, active B): NVIDIA's card says
@@ -341,6 +394,70 @@ pub fn anchors(preset: &str, format: &str) -> Vec<Anchor> {
         _ => {}
     }
     a
+}
+
+/// How much slower decode runs with a long context than with a short one (`bench --ctx A,B`:
+/// the longest against the shortest), against the preset's target where it has one.
+#[derive(Clone, Debug, Serialize)]
+pub struct ContextGrowth {
+    pub config: String,
+    pub format: String,
+    pub short_context: usize,
+    pub short_ms: f64,
+    pub long_context: usize,
+    pub long_ms: f64,
+    /// long_ms / short_ms.
+    pub ratio: f64,
+    /// The most the ratio may be: Nemotron 3 Nano q8_0 from 1024 to 32768 tokens, 1.25 (the
+    /// MoE issue).
+    pub target: Option<f64>,
+}
+
+impl ContextGrowth {
+    /// The longest against the shortest context of `reports` (decode runs of one model and
+    /// format); None with fewer than two contexts.
+    pub fn of(reports: &[DecodeReport]) -> Option<Self> {
+        let short = reports.iter().min_by_key(|r| r.context)?;
+        let long = reports.iter().max_by_key(|r| r.context)?;
+        if long.context == short.context || short.median_ms <= 0.0 {
+            return None;
+        }
+        let target = (long.config == "nemotron-3-nano-30b-a3b"
+            && long.format == "q8_0"
+            && (short.context, long.context) == (1024, 32768))
+            .then_some(1.25);
+        Some(ContextGrowth {
+            config: long.config.clone(),
+            format: long.format.clone(),
+            short_context: short.context,
+            short_ms: short.median_ms,
+            long_context: long.context,
+            long_ms: long.median_ms,
+            ratio: long.median_ms / short.median_ms,
+            target,
+        })
+    }
+
+    /// A human-readable summary.
+    pub fn text(&self) -> String {
+        let target = match self.target {
+            Some(t) => format!(
+                " (target ≤ {t:.2}×: {})",
+                if self.ratio <= t { "met" } else { "not met" }
+            ),
+            None => String::new(),
+        };
+        format!(
+            "{} {}: decode at {} tokens of context {:.3} ms / at {} {:.3} ms = {:.2}×{target}\n",
+            self.config,
+            self.format,
+            self.long_context,
+            self.long_ms,
+            self.short_context,
+            self.short_ms,
+            self.ratio,
+        )
+    }
 }
 
 /// One decode benchmark's figures.

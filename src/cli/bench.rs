@@ -222,6 +222,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let engine = Engine::synthetic(ctx.clone(), &config, opts, 7)?;
                 let mut backend = GpuBackend::new(engine)?;
                 if !args.no_decode {
+                    let mut reports = Vec::new();
                     for &cached in &args.ctx {
                         let report = decode(
                             &mut backend,
@@ -232,6 +233,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                             cached,
                         )?;
                         show(args.json, &report, report.text())?;
+                        reports.push(report);
+                    }
+                    if let Some(g) = mamba2_wgpu::bench::ContextGrowth::of(&reports) {
+                        show(args.json, &g, g.text())?;
                     }
                 }
                 for &prefix in &args.cached_prefix {
