@@ -213,7 +213,6 @@ pub fn attention_decode(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reference::attention::AttnDims;
 
     /// Every pipeline of every shape the checks admit (even hd ≤ 256, any grouping) fits
     /// the 16 KiB of workgroup memory every device has, covers its kv head's query heads,
@@ -222,18 +221,7 @@ mod tests {
     fn every_pipeline_fits_and_covers_its_heads() {
         for hd in (2..=256).step_by(2) {
             for (h, hkv) in [(1, 1), (32, 8), (12, 4), (32, 1), (9, 1), (64, 1), (32, 2)] {
-                let c = AttnConsts {
-                    dims: AttnDims {
-                        heads: h,
-                        kv_heads: hkv,
-                        head_dim: hd,
-                    },
-                    ctx: 100,
-                    format: KvFormat::F16,
-                    qkv_stride: (h + 2 * hkv) * hd,
-                    scale: 0.1,
-                    rope: None,
-                };
+                let c = super::super::attn::test_consts(h, hkv, hd);
                 for t in TILES {
                     let (rows, chunks) = head_rows(&c, t.max_rows);
                     assert!(

@@ -164,24 +164,12 @@ pub fn coop_wgsl(c: &AttnConsts, wg_bytes: usize) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reference::attention::AttnDims;
 
     #[test]
     fn tiles_fit_and_cover_the_heads() {
         for hd in (16..=128).step_by(16) {
             for (h, hkv) in [(32, 8), (12, 4), (16, 1), (9, 1), (8, 8), (128, 1)] {
-                let c = AttnConsts {
-                    dims: AttnDims {
-                        heads: h,
-                        kv_heads: hkv,
-                        head_dim: hd,
-                    },
-                    ctx: 100,
-                    format: KvFormat::F16,
-                    qkv_stride: (h + 2 * hkv) * hd,
-                    scale: 0.1,
-                    rope: None,
-                };
+                let c = super::super::attn::test_consts(h, hkv, hd);
                 for wg in [32768, 49152] {
                     let t = tile(&c, wg).unwrap();
                     assert!(workgroup_bytes(hd, t.subgroups) <= wg, "{t:?}");

@@ -245,30 +245,33 @@ impl AttnConsts {
     }
 }
 
+/// A layer of `heads` query heads over `kv_heads`, head dim `head_dim`, 100 rows of f16
+/// cache: the shape the kernels' tiling tests sweep.
+#[cfg(test)]
+pub(super) fn test_consts(heads: usize, kv_heads: usize, head_dim: usize) -> AttnConsts {
+    AttnConsts {
+        dims: AttnDims {
+            heads,
+            kv_heads,
+            head_dim,
+        },
+        ctx: 100,
+        format: KvFormat::F16,
+        qkv_stride: (heads + 2 * kv_heads) * head_dim,
+        scale: 0.1,
+        rope: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn consts(heads: usize, kv_heads: usize, head_dim: usize) -> AttnConsts {
-        AttnConsts {
-            dims: AttnDims {
-                heads,
-                kv_heads,
-                head_dim,
-            },
-            ctx: 100,
-            format: KvFormat::F32,
-            qkv_stride: (heads + 2 * kv_heads) * head_dim,
-            scale: 0.1,
-            rope: None,
-        }
-    }
 
     #[test]
     fn tiles_fit_workgroup_memory() {
         for hd in (2..=256).step_by(2) {
             for (h, hkv) in [(1, 1), (32, 8), (12, 4), (32, 1), (9, 1), (64, 1), (7, 7)] {
-                let c = consts(h, hkv, hd);
+                let c = test_consts(h, hkv, hd);
                 let t = c.tile();
                 assert!(t.heads * t.chunks >= c.group() && t.keys >= 1, "{t:?}");
                 assert!(t.rows * hd <= Q_VALUES && t.queries >= 1, "{t:?}");
