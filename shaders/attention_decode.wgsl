@@ -31,26 +31,30 @@ alias CV = vec4<f32>;
 #else
 alias CV = vec2<f32>;
 #endif
-
-@group(0) @binding(0) var<storage, read> qkv: array<f32>;
+// A chunk of CW cache values as stored: f32s, or f16 pairs in u32s.
 #if KV_F32
-@group(0) @binding(1) var<storage, read> k_cache: array<CV>;
-@group(0) @binding(2) var<storage, read> v_cache: array<CV>;
+alias CR = CV;
 #else
 #if CW4
+alias CR = vec2<u32>;
+#else
+alias CR = u32;
+#endif
+#endif
+// K as loaded, KL loads per row: chunks, or with K16 eight f16 values per load (HD a
+// multiple of 8): each invocation walks its own row, so the wider load halves the
+// requests that do not coalesce.
 #if K16
-// Eight f16 keys' values per load (HD a multiple of 8): each invocation walks its own row,
-// so the wider load halves the requests that do not coalesce.
-@group(0) @binding(1) var<storage, read> k_cache: array<vec4<u32>>;
+alias KR = vec4<u32>;
+const KL: u32 = HD / 8u;
 #else
-@group(0) @binding(1) var<storage, read> k_cache: array<vec2<u32>>;
+alias KR = CR;
+const KL: u32 = NCH;
 #endif
-@group(0) @binding(2) var<storage, read> v_cache: array<vec2<u32>>;
-#else
-@group(0) @binding(1) var<storage, read> k_cache: array<u32>;
-@group(0) @binding(2) var<storage, read> v_cache: array<u32>;
-#endif
-#endif
+
+@group(0) @binding(0) var<storage, read> qkv: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<KR>;
+@group(0) @binding(2) var<storage, read> v_cache: array<CR>;
 @group(0) @binding(3) var<storage, read> ctrl: array<Ctrl>;
 @group(0) @binding(4) var<storage, read_write> part: array<f32>;
 
@@ -67,23 +71,8 @@ var<workgroup> row_m: array<f32, R>;
 var<workgroup> row_l: array<f32, R>;
 var<workgroup> row_a: array<f32, R>;
 
-// K as loaded (KR, KL of them per row) and as f32.
-#if K16
-alias KR = vec4<u32>;
-const KL: u32 = HD / 8u;
-#else
-const KL: u32 = NCH;
-#if KV_F32
-alias KR = CV;
-#else
-#if CW4
-alias KR = vec2<u32>;
-#else
-alias KR = u32;
-#endif
-#endif
-
-fn as_cv(w: KR) -> CV {
+// A chunk as f32.
+fn as_cv(w: CR) -> CV {
 #if KV_F32
     return w;
 #else
@@ -91,21 +80,6 @@ fn as_cv(w: KR) -> CV {
     return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
 #else
     return unpack2x16float(w);
-#endif
-#endif
-}
-#endif
-
-// Chunk `at` (in CW-value units) of V as f32.
-fn v_chunk(at: u32) -> CV {
-#if KV_F32
-    return v_cache[at];
-#else
-#if CW4
-    let w = v_cache[at];
-    return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
-#else
-    return unpack2x16float(v_cache[at]);
 #endif
 #endif
 }
@@ -267,7 +241,7 @@ fn main(
                 let jj{u} = jb + {u}u * KG;
                 var v{u} = CV(0.0);
                 if (jj{u} < nk) {
-                    v{u} = v_chunk(((l * CTX + j0 + jj{u}) * HKV + kvh) * NCH + c);
+                    v{u} = as_cv(v_cache[((l * CTX + j0 + jj{u}) * HKV + kvh) * NCH + c]);
                 }
                 let pj{u} = min(jj{u}, KT - 1u);
 #endfor

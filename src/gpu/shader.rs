@@ -154,37 +154,36 @@ const FIXED_INDEX_KERNELS: [&str; 2] = ["gemm_coop", "ssd_chunk_scan_coop"];
 /// `FIXED_INDEX_KERNELS` (the tensor-core GEMM and chunk scan: 9 % of a long prompt).
 /// `MAMBA2_SHADER_CHECKS=all | bounds | none` sets them for every kernel (for measuring).
 pub fn runtime_checks(backend: wgpu::Backend, name: &str) -> wgpu::ShaderRuntimeChecks {
-    let all = wgpu::ShaderRuntimeChecks::checked();
-    let bounds = wgpu::ShaderRuntimeChecks {
-        force_loop_bounding: false,
-        int_div_checks: false,
-        ..all
-    };
     match std::env::var("MAMBA2_SHADER_CHECKS").as_deref() {
-        Ok("all") => all,
-        Ok("bounds") => bounds,
+        Ok("all") => wgpu::ShaderRuntimeChecks::checked(),
+        Ok("bounds") => bounds_only(),
         Ok("none") => wgpu::ShaderRuntimeChecks::unchecked(),
         Ok(other) => {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
                 tracing::warn!("MAMBA2_SHADER_CHECKS={other} ignored: want all, bounds or none")
             });
-            default_checks(backend, name, bounds)
+            default_checks(backend, name)
         }
-        Err(_) => default_checks(backend, name, bounds),
+        Err(_) => default_checks(backend, name),
+    }
+}
+
+/// Bounds checks and array clamps, without loop counters or division guards.
+fn bounds_only() -> wgpu::ShaderRuntimeChecks {
+    wgpu::ShaderRuntimeChecks {
+        force_loop_bounding: false,
+        int_div_checks: false,
+        ..wgpu::ShaderRuntimeChecks::checked()
     }
 }
 
 /// The checks a kernel gets without MAMBA2_SHADER_CHECKS (see `runtime_checks`).
-fn default_checks(
-    backend: wgpu::Backend,
-    name: &str,
-    bounds: wgpu::ShaderRuntimeChecks,
-) -> wgpu::ShaderRuntimeChecks {
+fn default_checks(backend: wgpu::Backend, name: &str) -> wgpu::ShaderRuntimeChecks {
     if backend == wgpu::Backend::Vulkan && FIXED_INDEX_KERNELS.contains(&name) {
         wgpu::ShaderRuntimeChecks::unchecked()
     } else {
-        bounds
+        bounds_only()
     }
 }
 
@@ -236,18 +235,13 @@ mod tests {
 
     #[test]
     fn loop_counters_go_everywhere_and_clamps_only_in_the_checked_kernels() {
-        let bounds = wgpu::ShaderRuntimeChecks {
-            force_loop_bounding: false,
-            int_div_checks: false,
-            ..wgpu::ShaderRuntimeChecks::checked()
-        };
         let vk = wgpu::Backend::Vulkan;
-        let gemv = default_checks(vk, "gemv", bounds);
+        let gemv = default_checks(vk, "gemv");
         assert!(gemv.bounds_checks && !gemv.force_loop_bounding && !gemv.int_div_checks);
-        assert!(!default_checks(vk, "gemm_coop", bounds).bounds_checks);
-        assert!(!default_checks(vk, "ssd_chunk_scan_coop", bounds).bounds_checks);
+        assert!(!default_checks(vk, "gemm_coop").bounds_checks);
+        assert!(!default_checks(vk, "ssd_chunk_scan_coop").bounds_checks);
         // Elsewhere no driver bounds storage accesses: every kernel keeps its checks.
-        assert!(default_checks(wgpu::Backend::Metal, "gemm_coop", bounds).bounds_checks);
+        assert!(default_checks(wgpu::Backend::Metal, "gemm_coop").bounds_checks);
     }
 
     #[test]
