@@ -9,7 +9,9 @@
 // multiply one stage, every invocation already holds the next step's slices in registers
 // (16-byte loads, X converted to f16, q8_0 dequantized to f16), stored into the other stage
 // before the step's one barrier. (NS = 1: larger tiles in the same memory, a second
-// barrier per step.) Workgroup memory holds vec2<f16> pairs (half the store
+// barrier per step.) PF register sets keep the loads of PF steps in flight: a set stores
+// its step, then loads the step PF further on, so each load has PF steps of multiplies to
+// arrive in. Workgroup memory holds vec2<f16> pairs (half the store
 // instructions of f16 elements; the cooperative loads count their stride in pairs; an
 // array of u32 pairs instead made NVIDIA's compiler fail). Rows are LD = BK + 8 halves (80
 // or 48 bytes) apart, so the eight 16-byte rows a tile load reads fall in distinct banks.
@@ -34,7 +36,7 @@
 // Constants: M, KP, XS, YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
 // BK, KQ = BK/16, XPR = BK/4 X slices (vec4) per token and step; XV = BT·XPR/NT X slices
 // and WV = BM·PW/NT W slices (16 bytes) per invocation, PW slices per row and step (BK/8
-// for f16, BK/16 for q8_0) of VP values each (8, 16); SPARE (DIRECT).
+// for f16, BK/16 for q8_0) of VP values each (8, 16); PF (1..4, PF·BK < 256); SPARE (DIRECT).
 
 enable f16;
 
@@ -60,6 +62,8 @@ var<workgroup> tile_e: u32;
 #endif
 
 const LD: u32 = BK + 8u;
+// K steps, rounded up to whole rounds of the PF register sets.
+const STEPS: u32 = (KP / BK + PF - 1u) / PF * PF;
 const LD2: u32 = LD / 2u;
 // One stage, in pairs.
 const XTILE: u32 = BT * LD2;
@@ -77,11 +81,11 @@ fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> vec4<f32> {
     let t = t0 + e / XPR;
 #if GATHER
     let pair = pairs[t];
-    if (pair != NONE) {
+    if ((pair != NONE) & (k < KP)) {
         return x[((pair / K) * XS + k) / 4u + e % XPR];
     }
 #else
-    if (t < tokens) {
+    if ((t < tokens) & (k < KP)) {
         return x[(t * XS + k) / 4u + e % XPR];
     }
 #endif
@@ -92,7 +96,7 @@ fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> vec4<f32> {
 // columns k + (e%PW)·VP .. +VP.
 fn w_slice(wrow: u32, m0: u32, k: u32, e: u32) -> vec4<u32> {
     let m = m0 + e / PW;
-    if (m < M) {
+    if ((m < M) & (k < KP)) {
         return w[((wrow + m) * KP + k) / VP + e % PW];
     }
     return vec4<u32>(0u);
@@ -103,7 +107,7 @@ fn w_slice(wrow: u32, m0: u32, k: u32, e: u32) -> vec4<u32> {
 // f16s, one 16-byte load that serves the next 256 / BK steps.
 fn w_scales8(wrow: u32, m0: u32, k: u32, e: u32) -> vec4<u32> {
     let m = m0 + e / PW;
-    if (m < M) {
+    if ((m < M) & (k < KP)) {
         return ws[((wrow + m) * (KP / 32u) + k / 32u) / 8u];
     }
     return vec4<u32>(0u);
@@ -120,7 +124,7 @@ fn w_scale(wrow: u32, m0: u32, k: u32, e: u32) -> f32 {
 #if W_Q8
 #if !SC8
     let m = m0 + e / PW;
-    if (m < M) {
+    if ((m < M) & (k < KP)) {
         let si = (wrow + m) * (KP / 32u) + k / 32u;
         return unpack2x16float(ws[si / 2u])[si % 2u];
     }
@@ -297,84 +301,107 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endfor
 #endfor
 #endif
-    // Step 0 into stage 0.
+    // Step 0 into stage 0; steps 1 ..= PF into register sets 0 .. PF - 1.
+    {
 #for v XV
-    var xr{v} = x_slice(t0, tokens, 0u, lid + {v}u * NT);
-    put_x(0u, lid + {v}u * NT, xr{v});
+        put_x(0u, lid + {v}u * NT, x_slice(t0, tokens, 0u, lid + {v}u * NT));
 #endfor
 #for v WV
-    var wr{v} = w_slice(wrow, m0, 0u, lid + {v}u * NT);
 #if SC8
-    var sc{v} = w_scales8(wrow, m0, 0u, lid + {v}u * NT);
-    var wd{v} = scale_in(sc{v}, 0u);
+        let d{v} = scale_in(w_scales8(wrow, m0, 0u, lid + {v}u * NT), 0u);
 #else
-    var wd{v} = w_scale(wrow, m0, 0u, lid + {v}u * NT);
+        let d{v} = w_scale(wrow, m0, 0u, lid + {v}u * NT);
 #endif
-    put_w(0u, lid + {v}u * NT, wr{v}, wd{v});
+        put_w(0u, lid + {v}u * NT, w_slice(wrow, m0, 0u, lid + {v}u * NT), d{v});
+#endfor
+    }
+#if SC8
+    // The scales of the 256 columns being loaded and of the 256 after them, loaded a block
+    // ahead so that taking one out never waits on memory.
+#for v WV
+    var sc{v} = w_scales8(wrow, m0, 0u, lid + {v}u * NT);
+    var sn{v} = w_scales8(wrow, m0, 256u, lid + {v}u * NT);
+#endfor
+#endif
+#for h PF
+#for v XV
+    var x{h}_{v} = x_slice(t0, tokens, ({h}u + 1u) * BK, lid + {v}u * NT);
+#endfor
+#for v WV
+    var w{h}_{v} = w_slice(wrow, m0, ({h}u + 1u) * BK, lid + {v}u * NT);
+#if SC8
+    var wd{h}_{v} = scale_in(sc{v}, ({h}u + 1u) * BK);
+#else
+    var wd{h}_{v} = w_scale(wrow, m0, ({h}u + 1u) * BK, lid + {v}u * NT);
+#endif
+#endfor
 #endfor
     workgroupBarrier();
-    let steps = KP / BK;
-    for (var s = 0u; s < steps; s++) {
-        let more = s + 1u < steps;
-        if (more) {
-            let k = (s + 1u) * BK;
-#for v XV
-            xr{v} = x_slice(t0, tokens, k, lid + {v}u * NT);
-#endfor
-#for v WV
-            wr{v} = w_slice(wrow, m0, k, lid + {v}u * NT);
-#if SC8
-            if (k % 256u == 0u) {
-                sc{v} = w_scales8(wrow, m0, k, lid + {v}u * NT);
-            }
-            wd{v} = scale_in(sc{v}, k);
-#else
-            wd{v} = w_scale(wrow, m0, k, lid + {v}u * NT);
-#endif
-#endfor
-        }
-        // Tile offsets in halves.
-        let xb = (s % NS) * 2u * XTILE + tw * LD;
-        let wb = (s % NS) * 2u * WTILE + rw * LD;
+    // Set h holds step t's slices while step t - 1 multiplies (t = first + h); once stored,
+    // it loads step t + PF: PF steps of loads in flight behind the multiplies. STEPS is a
+    // multiple of PF; steps past KP read zeros and add nothing.
+    for (var first = 1u; first <= STEPS; first += PF) {
+#for h PF
+        {
+            let t = first + {h}u;
+            // Tile offsets in halves.
+            let xb = ((t - 1u) % NS) * 2u * XTILE + tw * LD;
+            let wb = ((t - 1u) % NS) * 2u * WTILE + rw * LD;
 #for q KQ
 #for i FT
 #if COOP
-        let a{i}_{q} = coopLoadT<coop_mat16x16<f16, A>>(&xs[(xb + {i}u * 16u * LD + {q}u * 16u) / 2u], LD2);
+            let a{i}_{q} = coopLoadT<coop_mat16x16<f16, A>>(&xs[(xb + {i}u * 16u * LD + {q}u * 16u) / 2u], LD2);
 #else
-        let a{i}_{q} = xb + {i}u * 16u * LD + {q}u * 16u;
+            let a{i}_{q} = xb + {i}u * 16u * LD + {q}u * 16u;
 #endif
 #endfor
 #for j FM
 #if COOP
-        let b{j}_{q} = coopLoad<coop_mat16x16<f16, B>>(&wsh[(wb + {j}u * 16u * LD + {q}u * 16u) / 2u], LD2);
+            let b{j}_{q} = coopLoad<coop_mat16x16<f16, B>>(&wsh[(wb + {j}u * 16u * LD + {q}u * 16u) / 2u], LD2);
 #else
-        let b{j}_{q} = wb + {j}u * 16u * LD + {q}u * 16u;
+            let b{j}_{q} = wb + {j}u * 16u * LD + {q}u * 16u;
 #endif
 #endfor
 #for i FT
 #for j FM
 #if COOP
-        c{i}_{j} = coopMultiplyAdd(a{i}_{q}, b{j}_{q}, c{i}_{j});
+            c{i}_{j} = coopMultiplyAdd(a{i}_{q}, b{j}_{q}, c{i}_{j});
 #else
-        c{i}_{j} = emu_mma(a{i}_{q}, b{j}_{q}, c{i}_{j}, lane);
+            c{i}_{j} = emu_mma(a{i}_{q}, b{j}_{q}, c{i}_{j}, lane);
 #endif
 #endfor
 #endfor
 #endfor
-        if (NS == 1u) {
-            // One stage: everyone is done reading it before it is overwritten.
-            workgroupBarrier();
-        }
-        if (more) {
-            let next = (s + 1u) % NS;
+            if (NS == 1u) {
+                // One stage: everyone is done reading it before it is overwritten.
+                workgroupBarrier();
+            }
+            let k = t * BK;
 #for v XV
-            put_x(next, lid + {v}u * NT, xr{v});
+            put_x(t % NS, lid + {v}u * NT, x{h}_{v});
 #endfor
 #for v WV
-            put_w(next, lid + {v}u * NT, wr{v}, wd{v});
+            put_w(t % NS, lid + {v}u * NT, w{h}_{v}, wd{h}_{v});
 #endfor
+            let kn = k + PF * BK;
+#for v XV
+            x{h}_{v} = x_slice(t0, tokens, kn, lid + {v}u * NT);
+#endfor
+#for v WV
+            w{h}_{v} = w_slice(wrow, m0, kn, lid + {v}u * NT);
+#if SC8
+            if (kn % 256u == 0u) {
+                sc{v} = sn{v};
+                sn{v} = w_scales8(wrow, m0, kn + 256u, lid + {v}u * NT);
+            }
+            wd{h}_{v} = scale_in(sc{v}, kn);
+#else
+            wd{h}_{v} = w_scale(wrow, m0, kn, lid + {v}u * NT);
+#endif
+#endfor
+            workgroupBarrier();
         }
-        workgroupBarrier();
+#endfor
     }
 #if DIRECT
 #for i FT

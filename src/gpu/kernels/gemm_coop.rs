@@ -238,6 +238,26 @@ pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize) 
         && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1")
 }
 
+/// K steps of loads in flight ahead of the multiplies (the kernel's PF register sets) for
+/// weights of `format` padded to `kp` columns: MAMBA2_COOP_PF (1 to 4, for tuning; an
+/// unparsable value is `tile_for`'s error) or what the H200 measured best (BENCHMARKS.md,
+/// "Prefill GEMMs with loads two steps ahead", runs 72–73, Codestral at 4096 tokens): two for f16
+/// (in_proj 208.5 → 196.5 ms, out_proj 87.6 → 87.4) and for q8_0 up to 4096 columns
+/// (in_proj 204.6 → 198.3 ms; mamba2-2.7b's 2560: equal), one for wider q8_0 rows (out_proj
+/// over 8192 columns: 85.6 ms against 95.7 with two; 2.7b's 5120: 41.5 against 43.3).
+pub fn prefetch(format: WeightFormat, kp: usize) -> Result<usize> {
+    match std::env::var("MAMBA2_COOP_PF") {
+        Ok(s) => match s.trim().parse::<usize>() {
+            Ok(n) if (1..=4).contains(&n) => Ok(n),
+            _ => Err(Error::InvalidInput(format!(
+                "MAMBA2_COOP_PF={s}: want 1, 2, 3 or 4 K steps of loads in flight"
+            ))),
+        },
+        Err(_) if format == WeightFormat::Q8_0 && kp > 4096 => Ok(1),
+        Err(_) => Ok(2),
+    }
+}
+
 /// Whether q8_0 scales are loaded eight at a time (one 16-byte load per row every 256
 /// columns, kept in registers across the K steps) instead of one scattered 4-byte load per
 /// row and step: rows padded to a multiple of 256 (MAMBA2_COOP_NO_SC8=1 turns it off, for
@@ -279,6 +299,7 @@ pub fn tile_for(k: &Kernels, w: &DeviceMatrix, max_tokens: usize, direct: bool) 
             .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?,
     };
     tile.check(w.format, direct)?;
+    prefetch(w.format, w.kp)?;
     Ok(tile)
 }
 
@@ -372,6 +393,8 @@ pub fn specialize(
         ("PW", u(pw)),
         ("VP", u(vp)),
         ("NS", u(tile.stages)),
+        // (An unparsable MAMBA2_COOP_PF is `tile_for`'s error; here it counts as one.)
+        ("PF", u(prefetch(format, kp).unwrap_or(1))),
     ];
     let mut flags = vec![
         flag,
@@ -481,6 +504,7 @@ pub fn expert_gemm_coop(
     }
     let direct = direct_fits(m, rows, y, ys);
     tile.check(w.format, direct)?;
+    prefetch(w.format, w.kp)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
     check_len(
