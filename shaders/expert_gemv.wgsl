@@ -46,9 +46,31 @@ const NV: u32 = KP / VW;
 // share.
 fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
     var acc = 0.0;
+#if Q8_IN
+    // UNROLL vectors per round, every load issued before the first product (the sum keeps
+    // the order of one vector at a time).
+    let base = row * NV;
+    for (var v0 = lane; v0 < NV; v0 += UNROLL * TEAM) {
+#for u UNROLL
+        let v{u} = min(v0 + {u}u * TEAM, NV - 1u);
+        let wv{u} = w[base + v{u}];
+        let a{u} = xq[x * NV + v{u}];
+        let si{u} = row * (KP / 32u) + v{u} / 2u;
+        let dw{u} = ws[si{u} / 2u];
+        let dx{u} = xd[x * (KP / 32u) + v{u} / 2u];
+#endfor
+#for u UNROLL
+        if (v0 + {u}u * TEAM < NV) {
+            let idot = dot4I8Packed(wv{u}.x, a{u}.x) + dot4I8Packed(wv{u}.y, a{u}.y) + dot4I8Packed(wv{u}.z, a{u}.z) + dot4I8Packed(wv{u}.w, a{u}.w);
+            acc += f32(idot) * (unpack2x16float(dw{u})[si{u} % 2u] * dx{u});
+        }
+#endfor
+    }
+#else
     for (var v = lane; v < NV; v += TEAM) {
         acc += vec_dot(row, x, v);
     }
+#endif
     return acc;
 }
 

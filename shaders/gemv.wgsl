@@ -2,7 +2,8 @@
 // in f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k (rows zero-padded
 // to KP columns; the 4/5/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
-// loads; R = WG/TEAM rows per workgroup; one team reduction per row. The input is ready:
+// loads (q8_0 and f16/bf16: UNROLL of them issued together); R = WG/TEAM rows per
+// workgroup; one team reduction per row. The input is ready:
 // f32 `src [KP]` (zero past K) for f32/f16 weights, q8 blocks `xq`/`xd` (X_Q8) for the
 // quantized ones (made once per token by the producer kernel, so no workgroup repeats that
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
@@ -135,6 +136,44 @@ fn main(
     let row = min(row_raw, M - 1u);
     let base = row * NV;
     var acc = 0.0;
+#if W_Q8
+    // UNROLL vectors per lane and round, every load issued before the first product; the
+    // sum still takes one vector after the other, in the order of one per round.
+    for (var v0 = lane; v0 < NV; v0 += UNROLL * TEAM) {
+#for u UNROLL
+        let v{u} = min(v0 + {u}u * TEAM, NV - 1u);
+        let wv{u} = w[base + v{u}];
+        let a{u} = xq[v{u}];
+        let si{u} = row * (KP / 32u) + v{u} / 2u;
+        let dw{u} = ws[si{u} / 2u];
+        let dx{u} = xd[v{u} / 2u];
+#endfor
+#for u UNROLL
+        if (v0 + {u}u * TEAM < NV) {
+            let idot = dot4I8Packed(wv{u}.x, a{u}.x) + dot4I8Packed(wv{u}.y, a{u}.y) + dot4I8Packed(wv{u}.z, a{u}.z) + dot4I8Packed(wv{u}.w, a{u}.w);
+            acc += f32(idot) * (unpack2x16float(dw{u})[si{u} % 2u] * dx{u} * col_scale((v{u} / 2u) * 32u));
+        }
+#endfor
+    }
+#else
+#if W_HALF
+    for (var v0 = lane; v0 < NV; v0 += UNROLL * TEAM) {
+#for u UNROLL
+        let v{u} = min(v0 + {u}u * TEAM, NV - 1u);
+        let wv{u} = w[base + v{u}];
+        let xa{u} = src[2u * v{u}];
+        let xb{u} = src[2u * v{u} + 1u];
+#endfor
+#for u UNROLL
+        if (v0 + {u}u * TEAM < NV) {
+            let xa = xa{u} * col_scale(v{u} * 8u);
+            let xb = xb{u} * col_scale(v{u} * 8u + 4u);
+            acc += dot(vec4<f32>(half2(wv{u}.x), half2(wv{u}.y)), xa)
+                + dot(vec4<f32>(half2(wv{u}.z), half2(wv{u}.w)), xb);
+        }
+#endfor
+    }
+#else
     for (var v = lane; v < NV; v += TEAM) {
 #if W_Q4_0
         acc += q4_0_unit(row, v);
@@ -145,26 +184,13 @@ fn main(
 #if W_Q6_K
         acc += q6_k_unit(row, v);
 #endif
-#if W_Q8
-        let wv = w[base + v];
-        let a = xq[v];
-        let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
-        let blk = v / 2u;
-        let si = row * (KP / 32u) + blk;
-        acc += f32(idot) * (unpack2x16float(ws[si / 2u])[si % 2u] * xd[blk] * col_scale(blk * 32u));
-#endif
-#if W_HALF
-        let wv = w[base + v];
-        let xa = src[2u * v] * col_scale(v * 8u);
-        let xb = src[2u * v + 1u] * col_scale(v * 8u + 4u);
-        acc += dot(vec4<f32>(half2(wv.x), half2(wv.y)), xa)
-            + dot(vec4<f32>(half2(wv.z), half2(wv.w)), xb);
-#endif
 #if W_F32
         let wv = w[base + v];
         acc += dot(wv, src[v] * col_scale(v * 4u));
 #endif
     }
+#endif
+#endif
     let total = team_sum(acc, lid);
     if (lane == 0u && row_raw < M) {
 #if O_STORE

@@ -110,6 +110,7 @@ pub fn expert_gemv(
         ("K", u(top_k)),
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),
+        ("UNROLL", Const::U32(super::gemv::gemv_unroll(w.format)?)),
     ];
     consts.extend(team_consts);
     let mut flags = vec![w.flag()];

@@ -201,6 +201,28 @@ pub fn team_size(rows: usize, vectors_per_row: usize) -> u32 {
     team as u32
 }
 
+/// Vector loads a lane of the one-token q8_0 and f16/bf16 kernels (and the q8_0 expert
+/// GEMVs) issues together before summing them: MAMBA2_GEMV_UNROLL (1, 2, 4 or 8, for
+/// tuning) or what the H200 measured best (BENCHMARKS.md, "Decode GEMVs with their loads
+/// issued together", run 77): two for q8_0 (Codestral 3.82 → 3.50 ms/token, Nemotron 3
+/// Nano 2.28 → 2.18; four: 3.64 / 2.23), four for f16 and bf16 (Codestral 5.62 → 5.44; two:
+/// 5.61). One vector at a time for the other formats.
+pub fn gemv_unroll(format: WeightFormat) -> Result<u32> {
+    match std::env::var("MAMBA2_GEMV_UNROLL") {
+        Ok(s) => match s.trim().parse::<u32>() {
+            Ok(n) if matches!(n, 1 | 2 | 4 | 8) => Ok(n),
+            _ => Err(Error::InvalidInput(format!(
+                "MAMBA2_GEMV_UNROLL={s}: want 1, 2, 4 or 8 vector loads per round"
+            ))),
+        },
+        Err(_) => Ok(match format {
+            WeightFormat::Q8_0 => 2,
+            WeightFormat::F16 | WeightFormat::BF16 => 4,
+            _ => 1,
+        }),
+    }
+}
+
 /// Builds the dispatch; fails if a buffer is too small for the shapes.
 pub fn gemv(
     k: &Kernels,
@@ -247,6 +269,7 @@ pub fn gemv(
         ("LANES", u(n)),
         ("X_LS", Const::U32(x_ls)),
         ("DST_LS", Const::U32(super::lane_stride(b.dst, lanes))),
+        ("UNROLL", Const::U32(gemv_unroll(w.format)?)),
     ];
     consts.extend(team_consts);
     let mut flags = w.flags();
