@@ -242,6 +242,8 @@ impl GpuContext {
     /// the device (a driver that cannot compile the kernel), a fresh device without them
     /// takes its place and `caps.coop_failed` says why.
     pub fn new(adapter: wgpu::Adapter, needs: &Needs) -> Result<Self> {
+        crate::gpu::kernels::gemm_coop::check_overrides()?;
+        crate::gpu::kernels::gemv::check_overrides()?;
         let ctx = Self::create(adapter.clone(), needs, true)?;
         if !ctx.caps.coop_matrix {
             return Ok(ctx);

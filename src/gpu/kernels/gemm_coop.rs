@@ -239,23 +239,61 @@ pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize) 
 }
 
 /// K steps of loads in flight ahead of the multiplies (the kernel's PF register sets) for
-/// weights of `format` padded to `kp` columns: MAMBA2_COOP_PF (1 to 4, for tuning; an
-/// unparsable value is `tile_for`'s error) or what the H200 measured best (BENCHMARKS.md,
-/// "Prefill GEMMs with loads two steps ahead", runs 72–73, Codestral at 4096 tokens): two for f16
-/// (in_proj 208.5 → 196.5 ms, out_proj 87.6 → 87.4) and for q8_0 up to 4096 columns
-/// (in_proj 204.6 → 198.3 ms; mamba2-2.7b's 2560: equal), one for wider q8_0 rows (out_proj
-/// over 8192 columns: 85.6 ms against 95.7 with two; 2.7b's 5120: 41.5 against 43.3).
+/// weights of `format` padded to `kp` columns: MAMBA2_COOP_PF (1 to 4, for tuning;
+/// `check_overrides` refuses anything else before a device is made) or what the H200
+/// measured best (BENCHMARKS.md, "Prefill GEMMs with loads two steps ahead", runs 72–73,
+/// Codestral at 4096 tokens): two for f16 (in_proj 208.5 → 196.5 ms, out_proj 87.6 → 87.4)
+/// and for q8_0 up to 4096 columns (in_proj 204.6 → 198.3 ms; mamba2-2.7b's 2560: equal),
+/// one for wider q8_0 rows (out_proj over 8192 columns: 85.6 ms against 95.7 with two;
+/// 2.7b's 5120: 41.5 against 43.3).
 pub fn prefetch(format: WeightFormat, kp: usize) -> Result<usize> {
     match std::env::var("MAMBA2_COOP_PF") {
-        Ok(s) => match s.trim().parse::<usize>() {
-            Ok(n) if (1..=4).contains(&n) => Ok(n),
-            _ => Err(Error::InvalidInput(format!(
-                "MAMBA2_COOP_PF={s}: want 1, 2, 3 or 4 K steps of loads in flight"
-            ))),
-        },
+        Ok(s) => parse_prefetch(&s),
         Err(_) if format == WeightFormat::Q8_0 && kp > 4096 => Ok(1),
         Err(_) => Ok(2),
     }
+}
+
+/// A MAMBA2_COOP_PF value.
+fn parse_prefetch(s: &str) -> Result<usize> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=4).contains(&n) => Ok(n),
+        _ => Err(Error::InvalidInput(format!(
+            "MAMBA2_COOP_PF={s}: want 1, 2, 3 or 4 K steps of loads in flight"
+        ))),
+    }
+}
+
+/// A MAMBA2_COOP_TILE value: a tile the kernel takes for both f16 and q8_0 weights (it is
+/// forced on every GEMM).
+fn parse_forced_tile(s: &str) -> Result<Tile> {
+    let tile = Tile::parse(s).ok_or_else(|| {
+        Error::InvalidInput(format!(
+            "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR[/STAGES[/BK]], e.g. 128x256/4x4/1"
+        ))
+    })?;
+    for format in [WeightFormat::F16, WeightFormat::Q8_0] {
+        tile.check(format, true).map_err(|e| {
+            Error::InvalidInput(format!(
+                "MAMBA2_COOP_TILE={s}, for {} weights: {e}",
+                format.name()
+            ))
+        })?;
+    }
+    Ok(tile)
+}
+
+/// The tuning overrides of this kernel (MAMBA2_COOP_TILE, MAMBA2_COOP_PF), checked before a
+/// device is made: a value the kernel cannot take is an error naming the variable, not a
+/// failed load-time check that quietly turns the tensor cores off.
+pub fn check_overrides() -> Result<()> {
+    if let Ok(s) = std::env::var("MAMBA2_COOP_TILE") {
+        parse_forced_tile(&s)?;
+    }
+    if let Ok(s) = std::env::var("MAMBA2_COOP_PF") {
+        parse_prefetch(&s)?;
+    }
+    Ok(())
 }
 
 /// Whether q8_0 scales are loaded eight at a time (one 16-byte load per row every 256
@@ -290,11 +328,7 @@ fn check_takes(name: &str, w: &DeviceMatrix) -> Result<()> {
 pub fn tile_for(k: &Kernels, w: &DeviceMatrix, max_tokens: usize, direct: bool) -> Result<Tile> {
     let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
     let tile = match std::env::var("MAMBA2_COOP_TILE") {
-        Ok(s) => Tile::parse(&s).ok_or_else(|| {
-            Error::InvalidInput(format!(
-                "MAMBA2_COOP_TILE={s}: want BTxBM/WTxWR[/STAGES[/BK]], e.g. 128x256/4x4/1"
-            ))
-        })?,
+        Ok(s) => parse_forced_tile(&s)?,
         Err(_) => pick(w, max_tokens, direct, limit)
             .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?,
     };
@@ -707,5 +741,27 @@ fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
             worst.1 / m,
             worst.1 % m
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tuning_overrides_name_the_variable() {
+        assert_eq!(parse_prefetch(" 3 ").unwrap(), 3);
+        for bad in ["0", "5", "two", ""] {
+            let e = parse_prefetch(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_COOP_PF"), "{e}");
+        }
+        assert_eq!(parse_forced_tile("128x256/4x4/1").unwrap(), TILES[0]);
+        let e = parse_forced_tile("128x256").unwrap_err().to_string();
+        assert!(e.contains("MAMBA2_COOP_TILE=128x256"), "{e}");
+        // A K step of 16 leaves q8_0's 256 rows half a slice per invocation.
+        let e = parse_forced_tile("128x256/4x4/2/16")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("MAMBA2_COOP_TILE") && e.contains("q8_0"), "{e}");
     }
 }

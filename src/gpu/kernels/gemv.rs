@@ -209,17 +209,30 @@ pub fn team_size(rows: usize, vectors_per_row: usize) -> u32 {
 /// 5.61). One vector at a time for the other formats.
 pub fn gemv_unroll(format: WeightFormat) -> Result<u32> {
     match std::env::var("MAMBA2_GEMV_UNROLL") {
-        Ok(s) => match s.trim().parse::<u32>() {
-            Ok(n) if matches!(n, 1 | 2 | 4 | 8) => Ok(n),
-            _ => Err(Error::InvalidInput(format!(
-                "MAMBA2_GEMV_UNROLL={s}: want 1, 2, 4 or 8 vector loads per round"
-            ))),
-        },
+        Ok(s) => parse_unroll(&s),
         Err(_) => Ok(match format {
             WeightFormat::Q8_0 => 2,
             WeightFormat::F16 | WeightFormat::BF16 => 4,
             _ => 1,
         }),
+    }
+}
+
+/// A MAMBA2_GEMV_UNROLL value.
+fn parse_unroll(s: &str) -> Result<u32> {
+    match s.trim().parse::<u32>() {
+        Ok(n) if matches!(n, 1 | 2 | 4 | 8) => Ok(n),
+        _ => Err(Error::InvalidInput(format!(
+            "MAMBA2_GEMV_UNROLL={s}: want 1, 2, 4 or 8 vector loads per round"
+        ))),
+    }
+}
+
+/// The GEMVs' tuning override (MAMBA2_GEMV_UNROLL), checked before a device is made.
+pub fn check_overrides() -> Result<()> {
+    match std::env::var("MAMBA2_GEMV_UNROLL") {
+        Ok(s) => parse_unroll(&s).map(|_| ()),
+        Err(_) => Ok(()),
     }
 }
 
@@ -379,4 +392,18 @@ pub fn gemv(
         section: Section::Matmul,
         label: Label::default(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unroll_override_names_the_variable() {
+        assert_eq!(parse_unroll("4").unwrap(), 4);
+        for bad in ["3", "16", "0", "four"] {
+            let e = parse_unroll(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_GEMV_UNROLL"), "{e}");
+        }
+    }
 }
