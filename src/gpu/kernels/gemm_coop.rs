@@ -246,7 +246,7 @@ pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize) 
 /// and for q8_0 up to 4096 columns (in_proj 204.6 → 198.3 ms; mamba2-2.7b's 2560: equal),
 /// one for wider q8_0 rows (out_proj over 8192 columns: 85.6 ms against 95.7 with two;
 /// 2.7b's 5120: 41.5 against 43.3).
-pub fn prefetch(format: WeightFormat, kp: usize) -> Result<usize> {
+fn prefetch(format: WeightFormat, kp: usize) -> Result<usize> {
     match std::env::var("MAMBA2_COOP_PF") {
         Ok(s) => parse_prefetch(&s),
         Err(_) if format == WeightFormat::Q8_0 && kp > 4096 => Ok(1),
@@ -333,7 +333,6 @@ pub fn tile_for(k: &Kernels, w: &DeviceMatrix, max_tokens: usize, direct: bool) 
             .ok_or_else(|| Error::Gpu(format!("{}: no tile takes it", w.name)))?,
     };
     tile.check(w.format, direct)?;
-    prefetch(w.format, w.kp)?;
     Ok(tile)
 }
 
@@ -427,7 +426,8 @@ pub fn specialize(
         ("PW", u(pw)),
         ("VP", u(vp)),
         ("NS", u(tile.stages)),
-        // (An unparsable MAMBA2_COOP_PF is `tile_for`'s error; here it counts as one.)
+        // (`check_overrides` refused an unparsable MAMBA2_COOP_PF before any device was
+        // made: `GpuContext::new`.)
         ("PF", u(prefetch(format, kp).unwrap_or(1))),
     ];
     let mut flags = vec![
@@ -538,7 +538,6 @@ pub fn expert_gemm_coop(
     }
     let direct = direct_fits(m, rows, y, ys);
     tile.check(w.format, direct)?;
-    prefetch(w.format, w.kp)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
     check_len(
