@@ -42,6 +42,28 @@ var<workgroup> slot_id: u32;
 
 const NV: u32 = KP / VW;
 
+#if Q8_IN
+// Weight vector v of row `row` and the same columns of q8 input `x`: their loads
+// (`q8_load`) apart from their product (`q8_dot`), so a lane can have several in flight.
+struct Q8Pair {
+    wv: vec4<u32>,
+    a: vec4<u32>,
+    dw: u32,
+    dx: f32,
+}
+
+fn q8_load(row: u32, x: u32, v: u32) -> Q8Pair {
+    let si = row * (KP / 32u) + v / 2u;
+    return Q8Pair(w[row * NV + v], xq[x * NV + v], ws[si / 2u], xd[x * (KP / 32u) + v / 2u]);
+}
+
+fn q8_dot(l: Q8Pair, row: u32, v: u32) -> f32 {
+    let idot = dot4I8Packed(l.wv.x, l.a.x) + dot4I8Packed(l.wv.y, l.a.y) + dot4I8Packed(l.wv.z, l.a.z) + dot4I8Packed(l.wv.w, l.a.w);
+    let si = row * (KP / 32u) + v / 2u;
+    return f32(idot) * (unpack2x16float(l.dw)[si % 2u] * l.dx);
+}
+#endif
+
 // Row `row` of this bank (weights) dotted with input vector `x` (activations), one lane's
 // share.
 fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
@@ -49,20 +71,14 @@ fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
 #if Q8_IN
     // UNROLL vectors per round, every load issued before the first product (the sum keeps
     // the order of one vector at a time).
-    let base = row * NV;
     for (var v0 = lane; v0 < NV; v0 += UNROLL * TEAM) {
 #for u UNROLL
         let v{u} = min(v0 + {u}u * TEAM, NV - 1u);
-        let wv{u} = w[base + v{u}];
-        let a{u} = xq[x * NV + v{u}];
-        let si{u} = row * (KP / 32u) + v{u} / 2u;
-        let dw{u} = ws[si{u} / 2u];
-        let dx{u} = xd[x * (KP / 32u) + v{u} / 2u];
+        let l{u} = q8_load(row, x, v{u});
 #endfor
 #for u UNROLL
         if (v0 + {u}u * TEAM < NV) {
-            let idot = dot4I8Packed(wv{u}.x, a{u}.x) + dot4I8Packed(wv{u}.y, a{u}.y) + dot4I8Packed(wv{u}.z, a{u}.z) + dot4I8Packed(wv{u}.w, a{u}.w);
-            acc += f32(idot) * (unpack2x16float(dw{u})[si{u} % 2u] * dx{u});
+            acc += q8_dot(l{u}, row, v{u});
         }
 #endfor
     }
@@ -79,14 +95,10 @@ fn vec_dot(row: u32, x: u32, v: u32) -> f32 {
     let base = row * NV;
     var acc = 0.0;
     {
-        let wv = w[base + v];
 #if Q8_IN
-        let a = xq[x * NV + v];
-        let idot = dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w);
-        let blk = v / 2u;
-        let si = row * (KP / 32u) + blk;
-        acc += f32(idot) * (unpack2x16float(ws[si / 2u])[si % 2u] * xd[x * (KP / 32u) + blk]);
+        acc += q8_dot(q8_load(row, x, v), row, v);
 #else
+        let wv = w[base + v];
 #if W_Q8
         // q8_0 weights against f32 inputs (the latent vector, made by a GEMV).
         let xb = x * (XS / 4u) + 4u * v;
