@@ -51,6 +51,28 @@ fn main(
 #endif
     let t = wid.y;
     var ss: array<f32, RV>;
+#if REG
+    // One workgroup per token (prefill): this invocation's PER vec4s of the token stay in
+    // registers from the sum to the scaling, so y and z are read from memory once, not
+    // twice. Same sums in the same order as the VEC4 loop below.
+    var g: array<vec4<f32>, PER>;
+    for (var i = 0u; i < PER; i++) {
+        let c4 = lid + i * WG;
+        if (c4 < DI / 4u) {
+            g[i] = gated4(t, c4);
+            ss[(4u * c4) / GS] += dot(g[i], g[i]);
+        }
+    }
+    var tot = wg_sum(ss, lid, sg_lane, sg_size);
+    for (var i = 0u; i < PER; i++) {
+        let c4 = lid + i * WG;
+        if (c4 < DI / 4u) {
+            let c = 4u * c4;
+            let w = vec4<f32>(params[NW_OFF + c], params[NW_OFF + c + 1u], params[NW_OFF + c + 2u], params[NW_OFF + c + 3u]);
+            dst[(t * KP) / 4u + c4] = g[i] * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * w;
+        }
+    }
+#else
 #if VEC4
     for (var c4 = lid; c4 < DI / 4u; c4 += WG) {
         let v = gated4(t, c4);
@@ -81,5 +103,6 @@ fn main(
         q8_chunk(v, lid, first, t * KP);
 #endif
     }
+#endif
 #endif
 }

@@ -727,51 +727,57 @@ fn gated_norm_residual_and_embedding() {
         );
     }
     // The same over a block of tokens without q8 output (the vec4 path: 16-byte loads),
-    // z in wider mix rows, the norm weight at an offset.
-    let (di, groups, tokens, stride, off) = (96, 3, 5, 100, 4);
-    let y = rand(35, tokens * di, -2.0, 2.0);
-    let mix = rand(36, tokens * stride, -2.0, 2.0);
-    let w = rand(37, off + di, 0.5, 1.5);
-    let (yb, mb, wb) = (g.buf(&y), g.buf(&mix), g.buf(&w));
-    let out = g.buf(&vec![f32::NAN; tokens * di]);
-    let b = GatedNormBuffers {
-        y: &yb,
-        mix: &mb,
-        params: &wb,
-        dst: &out,
-        q8: None,
-    };
-    g.run(
-        &gated_norm::gated_norm(
-            &g.k,
-            "t",
-            di,
-            groups,
-            1e-5,
-            off,
-            Batch {
-                tokens,
-                mix_stride: stride,
-            },
-            b,
-        )
-        .unwrap(),
-    );
-    let got = g.read(&out, tokens * di);
-    for t in 0..tokens {
-        let want = gated_group_rmsnorm(
-            &y[t * di..][..di],
-            &mix[t * stride..][..di],
-            &w[off..],
-            groups,
-            1e-5,
+    // z in wider mix rows, the norm weight at an offset: a few tokens (many workgroups per
+    // token), and enough that each token gets one workgroup holding its channels in
+    // registers (two vec4 rounds per invocation, the last one partial).
+    // (d_inner, groups, tokens, mix stride, norm weight offset; d_inner a multiple of 32,
+    // so the output rows are d_inner apart)
+    let cases = [(96, 3, 5, 100, 4), (2016, 4, 40, 2020, 8)];
+    for (case, (di, groups, tokens, stride, off)) in cases.into_iter().enumerate() {
+        let y = rand(35 + case as u64, tokens * di, -2.0, 2.0);
+        let mix = rand(36 + case as u64, tokens * stride, -2.0, 2.0);
+        let w = rand(37 + case as u64, off + di, 0.5, 1.5);
+        let (yb, mb, wb) = (g.buf(&y), g.buf(&mix), g.buf(&w));
+        let out = g.buf(&vec![f32::NAN; tokens * di]);
+        let b = GatedNormBuffers {
+            y: &yb,
+            mix: &mb,
+            params: &wb,
+            dst: &out,
+            q8: None,
+        };
+        g.run(
+            &gated_norm::gated_norm(
+                &g.k,
+                "t",
+                di,
+                groups,
+                1e-5,
+                off,
+                Batch {
+                    tokens,
+                    mix_stride: stride,
+                },
+                b,
+            )
+            .unwrap(),
         );
-        assert_nmse(
-            &format!("gated group norm, token {t} of a block"),
-            &got[t * di..][..di],
-            &want,
-            1e-7,
-        );
+        let got = g.read(&out, tokens * di);
+        for t in 0..tokens {
+            let want = gated_group_rmsnorm(
+                &y[t * di..][..di],
+                &mix[t * stride..][..di],
+                &w[off..],
+                groups,
+                1e-5,
+            );
+            assert_nmse(
+                &format!("gated group norm, d_inner {di}, token {t} of {tokens}"),
+                &got[t * di..][..di],
+                &want,
+                1e-7,
+            );
+        }
     }
     // residual add
     let d = 300;

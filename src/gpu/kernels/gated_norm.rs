@@ -2,7 +2,7 @@
 //! over G groups for T tokens (`y [T][d_inner]`, z the first d_inner of each `mix` row),
 //! and with `q8` the q8 blocks of the result for out_proj.
 
-use super::rmsnorm::{CHUNK, norm_dispatch_flags};
+use super::rmsnorm::{CHUNK, norm_dispatch_flags, workgroups_per_token};
 use super::{Dispatch, Kernels, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
@@ -25,6 +25,10 @@ pub struct GatedNormBuffers<'a> {
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
 }
 
+/// The most vec4s an invocation holds in registers (`REG`): 16 covers d_inner up to
+/// 16384 channels.
+const MAX_HELD: usize = 16;
+
 #[allow(clippy::too_many_arguments)]
 pub fn gated_norm(
     k: &Kernels,
@@ -46,7 +50,7 @@ pub fn gated_norm(
     )?;
     check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d_inner)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d_inner)?;
-    let consts = [
+    let mut consts = vec![
         ("WG", Const::U32(CHUNK as u32)),
         ("NB", Const::U32(d_inner.div_ceil(32) as u32)),
         ("KP", Const::U32(kp as u32)),
@@ -64,7 +68,16 @@ pub fn gated_norm(
         && d_inner.is_multiple_of(4)
         && (d_inner / groups).is_multiple_of(4)
         && mix_stride.is_multiple_of(4);
-    let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &[] };
+    // With one workgroup per token, each invocation keeps its channels in registers between
+    // the sum and the scaling (up to MAX_HELD vec4s).
+    let held = (d_inner / 4).div_ceil(CHUNK);
+    let reg = vec4 && workgroups_per_token(d_inner, tokens) == 1 && held <= MAX_HELD;
+    let extra: &[&'static str] = match (vec4, reg) {
+        (true, true) => &["VEC4", "REG"],
+        (true, false) => &["VEC4"],
+        _ => &[],
+    };
+    consts.push(("PER", Const::U32(held.max(1) as u32)));
     norm_dispatch_flags(
         k,
         name,

@@ -135,6 +135,18 @@ fn rows(
     )
 }
 
+/// How many workgroups of CHUNK share one token's `width` channels: decode spreads one
+/// token over the GPU, and a few rows too, such as the MoE activations of a token's chosen
+/// experts (measured on the H200: one workgroup per row made that activation cost as much
+/// as the expert GEMVs); prefill gives each token one workgroup.
+pub(super) fn workgroups_per_token(width: usize, tokens: usize) -> usize {
+    if tokens * width <= 1 << 16 {
+        width.div_ceil(CHUNK)
+    } else {
+        1
+    }
+}
+
 /// What every norm shares after its own checks: the optional q8 output (bound right after
 /// `entries`), the kernel's own `extra` flags, `tail` bindings after the q8 ones, the
 /// pipeline, and the grid for `tokens` rows of `width` outputs.
@@ -166,19 +178,7 @@ pub(super) fn norm_dispatch_flags<'a>(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        // Decode spreads one token over the GPU — and a few rows, such as the MoE
-        // activations of a token's chosen experts (measured on the H200: one workgroup per
-        // row made that activation cost as much as the expert GEMVs); prefill gives each
-        // token one workgroup.
-        workgroups: (
-            if tokens * width <= 1 << 16 {
-                width.div_ceil(CHUNK) as u32
-            } else {
-                1
-            },
-            tokens as u32,
-            1,
-        ),
+        workgroups: (workgroups_per_token(width, tokens) as u32, tokens as u32, 1),
         name: name.to_string(),
         per_token: None,
         shorter: Vec::new(),
