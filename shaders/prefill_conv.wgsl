@@ -9,11 +9,103 @@
 // times (one invocation per (column, token) reloaded all of them: 27 ms of Codestral's 4096
 // tokens on the H200). The sum runs in the same order as that version's.
 
+// COL4 (K ≤ 4; DIP, DI, CD and H multiples of 4): each invocation takes four adjacent
+// columns through 16-byte loads and stores, the same sums per column.
+#if COL4
+@group(0) @binding(0) var<storage, read_write> mix: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> u: array<vec4<f32>>;
+#else
 @group(0) @binding(0) var<storage, read_write> mix: array<f32>;
+@group(0) @binding(4) var<storage, read_write> u: array<f32>;
+#endif
 @group(0) @binding(1) var<storage, read> params: array<f32>;
 @group(0) @binding(2) var<storage, read> conv_state: array<f32>;
 @group(0) @binding(3) var<storage, read> ctrl: Ctrl;
-@group(0) @binding(4) var<storage, read_write> u: array<f32>;
+
+#if COL4
+// Four of `params` from `at`.
+fn params4(at: u32) -> vec4<f32> {
+    return vec4<f32>(params[at], params[at + 1u], params[at + 2u], params[at + 3u]);
+}
+
+// Input position s of columns col .. col+3 (as conv_input).
+fn conv_input4(col: u32, s: i32) -> vec4<f32> {
+    if (s >= 0) {
+        return mix[(u32(s) * DIP + DI + col) / 4u];
+    }
+    var v = vec4<f32>(0.0);
+    if (s >= -i32(KC - 1u)) {
+        for (var q = 0u; q < 4u; q++) {
+            v[q] = conv_state[(col + q) * (KC - 1u) + u32(i32(KC - 1u) + s)];
+        }
+    }
+    return v;
+}
+
+// silu(b + Σ_j w_j·x_j) of four columns, the taps in order (positions t−3 … t).
+fn conv4(b: vec4<f32>, w: array<vec4<f32>, 4>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>) -> vec4<f32> {
+    var acc = b;
+    acc += w[0] * x0;
+    acc += w[1] * x1;
+    acc += w[2] * x2;
+    acc += w[3] * x3;
+    return acc / (1.0 + exp(-acc));
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let col = 4u * gid.x;
+    let t0 = gid.y * TPI;
+    let tokens = ctrl.prompt_len;
+    if (col >= CD + H || t0 >= tokens) {
+        return;
+    }
+    let t_end = min(t0 + TPI, tokens);
+    if (col >= CD) {
+        let h = col - CD;
+        let db = params4(DTB_OFF + h);
+        for (var t = t0; t < t_end; t++) {
+            let i = (t * DIP + DI + CD + h) / 4u;
+            let v = mix[i] + db;
+            mix[i] = clamp(vec4<f32>(softplus(v.x), softplus(v.y), softplus(v.z), softplus(v.w)), vec4<f32>(DT_MIN), vec4<f32>(DT_MAX));
+        }
+        return;
+    }
+    let b = params4(CB_OFF + col);
+    // Tap j of the window (positions t−3 … t) for the four columns: zeros before the first
+    // of K.
+    var w: array<vec4<f32>, 4>;
+    for (var j = 0u; j < KC; j++) {
+        for (var q = 0u; q < 4u; q++) {
+            w[4u - KC + j][q] = params[CW_OFF + (col + q) * KC + j];
+        }
+    }
+    let s0 = i32(t0);
+    var x0 = conv_input4(col, s0 - 3);
+    var x1 = conv_input4(col, s0 - 2);
+    var x2 = conv_input4(col, s0 - 1);
+    if (t_end == t0 + TPI) {
+        // A whole run: all its rows' loads go out before the first sum.
+#for i TPI
+        let r{i} = mix[((t0 + {i}u) * DIP + DI + col) / 4u];
+#endfor
+#for i TPI
+        u[((t0 + {i}u) * CD + col) / 4u] = conv4(b, w, x0, x1, x2, r{i});
+        x0 = x1;
+        x1 = x2;
+        x2 = r{i};
+#endfor
+        return;
+    }
+    for (var t = t0; t < t_end; t++) {
+        let x3 = mix[(t * DIP + DI + col) / 4u];
+        u[(t * CD + col) / 4u] = conv4(b, w, x0, x1, x2, x3);
+        x0 = x1;
+        x1 = x2;
+        x2 = x3;
+    }
+}
+#else
 
 // Input position s of column col: from the block (s ≥ 0) or the cached columns (s ≥ −(K−1)),
 // zero before those (the window's slots past K).
@@ -74,3 +166,4 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
 #endif
 }
+#endif

@@ -44,8 +44,19 @@ pub fn prefill_conv(
         ("TPI", Const::U32(TOKENS_PER_INVOCATION as u32)),
     ];
     consts.extend(mc.consts());
-    // Kernels of up to 4 taps (every Mamba2 model's) slide their inputs through a vec4.
-    let flags: &[&str] = if mc.kernel <= 4 { &["WIN4"] } else { &[] };
+    // Kernels of up to 4 taps (every Mamba2 model's) slide their inputs through a vec4,
+    // four columns per invocation where the rows split into vec4s.
+    let win4 = mc.kernel <= 4;
+    let col4 = win4
+        && [cc.d_in_proj, mc.d_inner, mc.conv_dim, mc.heads]
+            .iter()
+            .all(|n| n.is_multiple_of(4));
+    let flags: &[&str] = match (win4, col4) {
+        (true, true) => &["WIN4", "COL4"],
+        (true, false) => &["WIN4"],
+        _ => &[],
+    };
+    let columns_per_invocation = if col4 { 4 } else { 1 };
     let pipeline = k.pipeline("prefill_conv", SOURCES, &consts, flags, false)?;
     Ok(Dispatch {
         bind_group: k.bind(
@@ -61,7 +72,9 @@ pub fn prefill_conv(
         ),
         pipeline,
         workgroups: (
-            (mc.conv_dim + mc.heads).div_ceil(64) as u32,
+            (mc.conv_dim + mc.heads)
+                .div_ceil(columns_per_invocation)
+                .div_ceil(64) as u32,
             cc.max_tokens.div_ceil(TOKENS_PER_INVOCATION) as u32,
             1,
         ),
