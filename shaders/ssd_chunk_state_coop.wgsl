@@ -6,7 +6,8 @@
 // (s/4)·64.. as four 16×16 accumulators, stored straight into `cst`. The positions come in
 // steps of 32 through two stages of workgroup memory (vec2<f16> pairs; 16-byte loads of the
 // next step held in registers during the products, one barrier per step), as in
-// gemm_coop.wgsl. Without COOP the same stand-ins as there replace the cooperative ops.
+// gemm_coop.wgsl; the positions' weights are formed once per chunk. Without COOP the same
+// stand-ins as there replace the cooperative ops.
 
 enable f16;
 
@@ -29,6 +30,9 @@ const BTILE: u32 = BK * LDB / 2u;
 // The block's token count, read once into a value naga knows to be uniform (the early
 // return for chunks past the block precedes cooperative ops).
 var<workgroup> block_tokens: u32;
+// Each position's weight exp(min(Λ_last − Λ_j, 0))·δ_j (zero past the block, up to the last
+// step's end), formed once per chunk so a step's loads are only the x and B rows.
+var<workgroup> wt: array<f32, STEPS * BK>;
 var<workgroup> xa: array<vec2<f16>, 2u * ATILE>;
 var<workgroup> bb: array<vec2<f16>, 2u * BTILE>;
 
@@ -72,16 +76,14 @@ fn emu_store(c: Acc, o: u32, lane: u32) {
 }
 #endif
 
-// X' slice `e` of the step at position j0: position j0 + e/16, channels p0 + (e%16)·4 ..
-// +4, weighted by exp(min(Λ_last − Λ_j, 0))·δ_j (zero past the block).
-fn x_slice(c: u32, h: u32, p0: u32, last: f32, jmax: u32, j0: u32, e: u32) -> vec4<f32> {
+// x slice `e` of the step at position j0: position j0 + e/16, channels p0 + (e%16)·4 ..
+// +4 (zero past the block; put_x weights it).
+fn x_slice(c: u32, h: u32, p0: u32, jmax: u32, j0: u32, e: u32) -> vec4<f32> {
     let j = j0 + e / 16u;
     if (j >= jmax) {
         return vec4<f32>(0.0);
     }
-    let t = c * Q + j;
-    let wj = exp(min(last - lam[(c * H + h) * Q + j], 0.0)) * mix[t * DIP + DI + CD + h];
-    return wj * u[(t * CD + h * P + p0) / 4u + e % 16u];
+    return u[((c * Q + j) * CD + h * P + p0) / 4u + e % 16u];
 }
 
 // B slice `e` of the step at position j0: position j0 + e/32, columns n0 + (e%32)·4 .. +4.
@@ -93,7 +95,9 @@ fn b_slice(c: u32, g: u32, n0: u32, jmax: u32, j0: u32, e: u32) -> vec4<f32> {
     return u[((c * Q + j) * CD + DI + g * N + n0) / 4u + e % 32u];
 }
 
-fn put_x(stage: u32, e: u32, v: vec4<f32>) {
+// Stores x slice `e` of the step at position j0 as X' (weighted).
+fn put_x(stage: u32, j0: u32, e: u32, x: vec4<f32>) {
+    let v = wt[j0 + e / 16u] * x;
     let o = stage * ATILE + (e / 16u) * (LDA / 2u) + (e % 16u) * 2u;
     xa[o] = vec2<f16>(v.xy);
     xa[o + 1u] = vec2<f16>(v.zw);
@@ -132,16 +136,27 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     var c{j}: Acc;
 #endif
 #endfor
-    // Step 0 into stage 0; then each step loads the next one's slices into registers (two
+    // Step 0 into stage 0 (its loads issued before the weights' scattered loads, so their
+    // latencies overlap); then each step loads the next one's slices into registers (two
     // X' and four B slices per invocation), multiplies its own stage, and stores the next
     // stage before the one barrier.
 #for v 2
-    var xr{v} = x_slice(c, h, p0, last, jmax, 0u, lid + {v}u * 256u);
-    put_x(0u, lid + {v}u * 256u, xr{v});
+    var xr{v} = x_slice(c, h, p0, jmax, 0u, lid + {v}u * 256u);
 #endfor
 #for v 4
     var br{v} = b_slice(c, g, n0, jmax, 0u, lid + {v}u * 256u);
     put_b(0u, lid + {v}u * 256u, br{v});
+#endfor
+    for (var j = lid; j < STEPS * BK; j += 256u) {
+        var wj = 0.0;
+        if (j < jmax) {
+            wj = exp(min(last - lam[(c * H + h) * Q + j], 0.0)) * mix[(c * Q + j) * DIP + DI + CD + h];
+        }
+        wt[j] = wj;
+    }
+    workgroupBarrier();
+#for v 2
+    put_x(0u, 0u, lid + {v}u * 256u, xr{v});
 #endfor
     workgroupBarrier();
     for (var s = 0u; s < STEPS; s++) {
@@ -149,7 +164,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         if (more) {
             let j0 = (s + 1u) * BK;
 #for v 2
-            xr{v} = x_slice(c, h, p0, last, jmax, j0, lid + {v}u * 256u);
+            xr{v} = x_slice(c, h, p0, jmax, j0, lid + {v}u * 256u);
 #endfor
 #for v 4
             br{v} = b_slice(c, g, n0, jmax, j0, lid + {v}u * 256u);
@@ -175,7 +190,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         if (more) {
             let next = (s + 1u) % 2u;
 #for v 2
-            put_x(next, lid + {v}u * 256u, xr{v});
+            put_x(next, (s + 1u) * BK, lid + {v}u * 256u, xr{v});
 #endfor
 #for v 4
             put_b(next, lid + {v}u * 256u, br{v});
