@@ -206,8 +206,9 @@ pub fn team_size(rows: usize, vectors_per_row: usize) -> u32 {
 /// tuning) or what the H200 measured best (BENCHMARKS.md, "Decode GEMVs with their loads
 /// issued together", run 77, against one per round): two for q8_0 (Codestral 3.82 → 3.50
 /// ms/token, Nemotron 3 Nano 2.28 → 2.18; four: 3.64 / 2.23), four for f16 and bf16
-/// (Codestral 5.62 → 5.44; two: 5.61). One vector at a time for the block formats (they
-/// take the override too; not measured on the H200 yet) and f32.
+/// (Codestral 5.62 → 5.44; two: 5.61). One vector at a time for the block formats and
+/// f32: run 79 measured two and four slower on Codestral's q4_k (2.83 → 3.00 / 3.06) and
+/// q6_k (3.40 → 3.47 / 3.50), and q4_0 the same (2.68 / 2.69 / 2.68).
 pub fn gemv_unroll(format: WeightFormat) -> Result<u32> {
     match std::env::var("MAMBA2_GEMV_UNROLL") {
         Ok(s) => parse_unroll(&s),
