@@ -87,7 +87,8 @@ pub const MAX_COOP_BLOCK: usize = 4096;
 
 /// The block capacity for a chunk length: 512 tokens (2048 with MoE blocks or with the
 /// tensor-core GEMMs, `coop`), fewer for short chunks. MAMBA2_PREFILL_BLOCK overrides the
-/// largest size (for measurements).
+/// largest size (for measurements; `check_overrides` refused a bad value before any
+/// device was made).
 pub fn block_tokens(c: &ModelConfig, chunk: usize, coop: bool) -> usize {
     let max = if c.moe.is_some() {
         MAX_MOE_BLOCK
@@ -97,16 +98,29 @@ pub fn block_tokens(c: &ModelConfig, chunk: usize, coop: bool) -> usize {
         MAX_BLOCK
     };
     let max = match std::env::var("MAMBA2_PREFILL_BLOCK") {
-        Ok(v) => match v.parse::<usize>() {
-            Ok(n) if n >= 64 => n,
-            _ => {
-                tracing::warn!("MAMBA2_PREFILL_BLOCK={v} ignored: want a number of tokens ≥ 64");
-                max
-            }
-        },
+        Ok(v) => parse_block(&v).unwrap_or(max),
         Err(_) => max,
     };
     (32 * chunk).clamp(64, max)
+}
+
+/// A MAMBA2_PREFILL_BLOCK value: a number of tokens, at least 64.
+fn parse_block(s: &str) -> Result<usize> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 64 => Ok(n),
+        _ => Err(crate::error::Error::InvalidInput(format!(
+            "MAMBA2_PREFILL_BLOCK={s}: want a number of tokens, at least 64"
+        ))),
+    }
+}
+
+/// Refuses a bad MAMBA2_PREFILL_BLOCK before a device is made (it used to be ignored with
+/// a warning, so a typo silently measured the default block).
+pub fn check_overrides() -> Result<()> {
+    if let Ok(s) = std::env::var("MAMBA2_PREFILL_BLOCK") {
+        parse_block(&s)?;
+    }
+    Ok(())
 }
 
 impl Prefill {
@@ -244,5 +258,19 @@ pub fn chunk_consts(c: &ModelConfig, q: usize, max_tokens: usize) -> ChunkConsts
         d_in_proj: c.d_in_proj(),
         q,
         max_tokens,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_prefill_block_names_the_variable() {
+        assert_eq!(parse_block(" 2048 ").unwrap(), 2048);
+        for bad in ["63", "0", "-5", "4k", ""] {
+            let e = parse_block(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_PREFILL_BLOCK"), "{e}");
+        }
     }
 }
