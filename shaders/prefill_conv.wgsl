@@ -22,10 +22,17 @@
 @group(0) @binding(2) var<storage, read> conv_state: array<f32>;
 @group(0) @binding(3) var<storage, read> ctrl: Ctrl;
 
+// Columns per invocation, and their values (one or a vec4).
 #if COL4
-// Four of `params` from `at`.
-fn params4(at: u32) -> vec4<f32> {
+alias Cv = vec4<f32>;
+const CPI: u32 = 4u;
+
+fn params_c(at: u32) -> Cv {
     return vec4<f32>(params[at], params[at + 1u], params[at + 2u], params[at + 3u]);
+}
+
+fn softplus_c(v: Cv) -> Cv {
+    return vec4<f32>(softplus(v.x), softplus(v.y), softplus(v.z), softplus(v.w));
 }
 
 // Input position s of columns col .. col+3 (as conv_input).
@@ -52,9 +59,34 @@ fn conv4(b: vec4<f32>, w: array<vec4<f32>, 4>, x0: vec4<f32>, x1: vec4<f32>, x2:
     return acc / (1.0 + exp(-acc));
 }
 
+#else
+alias Cv = f32;
+const CPI: u32 = 1u;
+
+fn params_c(at: u32) -> Cv {
+    return params[at];
+}
+
+fn softplus_c(v: Cv) -> Cv {
+    return softplus(v);
+}
+
+// Input position s of column col: from the block (s ≥ 0) or the cached columns (s ≥ −(K−1)),
+// zero before those (the window's slots past K).
+fn conv_input(col: u32, s: i32) -> f32 {
+    if (s >= 0) {
+        return mix[u32(s) * DIP + DI + col];
+    }
+    if (s >= -i32(KC - 1u)) {
+        return conv_state[col * (KC - 1u) + u32(i32(KC - 1u) + s)];
+    }
+    return 0.0;
+}
+#endif
+
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let col = 4u * gid.x;
+    let col = CPI * gid.x;
     let t0 = gid.y * TPI;
     let tokens = ctrl.prompt_len;
     if (col >= CD + H || t0 >= tokens) {
@@ -63,15 +95,15 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let t_end = min(t0 + TPI, tokens);
     if (col >= CD) {
         let h = col - CD;
-        let db = params4(DTB_OFF + h);
+        let db = params_c(DTB_OFF + h);
         for (var t = t0; t < t_end; t++) {
-            let i = (t * DIP + DI + CD + h) / 4u;
-            let v = mix[i] + db;
-            mix[i] = clamp(vec4<f32>(softplus(v.x), softplus(v.y), softplus(v.z), softplus(v.w)), vec4<f32>(DT_MIN), vec4<f32>(DT_MAX));
+            let i = (t * DIP + DI + CD + h) / CPI;
+            mix[i] = clamp(softplus_c(mix[i] + db), Cv(DT_MIN), Cv(DT_MAX));
         }
         return;
     }
-    let b = params4(CB_OFF + col);
+    let b = params_c(CB_OFF + col);
+#if COL4
     // Tap j of the window (positions t−3 … t) for the four columns: zeros before the first
     // of K.
     var w: array<vec4<f32>, 4>;
@@ -104,40 +136,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         x1 = x2;
         x2 = x3;
     }
-}
 #else
-
-// Input position s of column col: from the block (s ≥ 0) or the cached columns (s ≥ −(K−1)),
-// zero before those (the window's slots past K).
-fn conv_input(col: u32, s: i32) -> f32 {
-    if (s >= 0) {
-        return mix[u32(s) * DIP + DI + col];
-    }
-    if (s >= -i32(KC - 1u)) {
-        return conv_state[col * (KC - 1u) + u32(i32(KC - 1u) + s)];
-    }
-    return 0.0;
-}
-
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let col = gid.x;
-    let t0 = gid.y * TPI;
-    let tokens = ctrl.prompt_len;
-    if (col >= CD + H || t0 >= tokens) {
-        return;
-    }
-    let t_end = min(t0 + TPI, tokens);
-    if (col >= CD) {
-        let h = col - CD;
-        let db = params[DTB_OFF + h];
-        for (var t = t0; t < t_end; t++) {
-            let i = t * DIP + DI + CD + h;
-            mix[i] = clamp(softplus(mix[i] + db), DT_MIN, DT_MAX);
-        }
-        return;
-    }
-    let b = params[CB_OFF + col];
 #if WIN4
     // Weights aligned with the window (positions t−3 … t): zeros before the first of K.
     var w = vec4<f32>(0.0);
@@ -165,5 +164,5 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         u[t * CD + col] = silu(acc);
     }
 #endif
-}
 #endif
+}

@@ -678,6 +678,18 @@ fn ssd_step_plain_and_gated() {
     }
 }
 
+/// The gated norm over `(d_inner, groups, norm weight offset)` for `(tokens, mix stride)`,
+/// eps 1e-5.
+fn run_gated_norm(
+    g: &Gpu,
+    (di, groups, off): (usize, usize, usize),
+    (tokens, mix_stride): (usize, usize),
+    b: GatedNormBuffers,
+) {
+    let batch = Batch { tokens, mix_stride };
+    g.run(&gated_norm::gated_norm(&g.k, "t", di, groups, 1e-5, off, batch, b).unwrap());
+}
+
 #[test]
 fn gated_norm_residual_and_embedding() {
     let Some(g) = Gpu::new() else { return };
@@ -695,22 +707,7 @@ fn gated_norm_residual_and_embedding() {
         dst: &out,
         q8: Some((&xq, &xd)),
     };
-    g.run(
-        &gated_norm::gated_norm(
-            &g.k,
-            "t",
-            di,
-            groups,
-            1e-5,
-            0,
-            Batch {
-                tokens: 1,
-                mix_stride: di,
-            },
-            b,
-        )
-        .unwrap(),
-    );
+    run_gated_norm(&g, (di, groups, 0), (1, di), b);
     let got = g.read(&out, di);
     assert_nmse(
         "gated group norm",
@@ -746,22 +743,7 @@ fn gated_norm_residual_and_embedding() {
             dst: &out,
             q8: None,
         };
-        g.run(
-            &gated_norm::gated_norm(
-                &g.k,
-                "t",
-                di,
-                groups,
-                1e-5,
-                off,
-                Batch {
-                    tokens,
-                    mix_stride: stride,
-                },
-                b,
-            )
-            .unwrap(),
-        );
+        run_gated_norm(&g, (di, groups, off), (tokens, stride), b);
         let got = g.read(&out, tokens * di);
         for t in 0..tokens {
             let want = gated_group_rmsnorm(
