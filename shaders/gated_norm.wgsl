@@ -29,6 +29,14 @@ fn gated4(t: u32, c4: u32) -> vec4<f32> {
     let z = mix[(t * MIX) / 4u + c4];
     return y[(t * DI) / 4u + c4] * (z / (1.0 + exp(-z)));
 }
+
+// Stores v, token t's gated channels 4·c4 .. +4, divided by their group's RMS (from the
+// group sums `tot`) and times the norm weight.
+fn put_scaled4(t: u32, c4: u32, v: vec4<f32>, tot: ptr<function, array<f32, RV>>) {
+    let c = 4u * c4;
+    let w = vec4<f32>(params[NW_OFF + c], params[NW_OFF + c + 1u], params[NW_OFF + c + 2u], params[NW_OFF + c + 3u]);
+    dst[(t * KP) / 4u + c4] = v * inverseSqrt((*tot)[c / GS] / f32(GS) + EPS) * w;
+}
 #else
 fn gated(t: u32, c: u32) -> f32 {
     return y[t * DI + c] * silu(mix[t * MIX + c]);
@@ -67,9 +75,7 @@ fn main(
     for (var i = 0u; i < PER; i++) {
         let c4 = lid + i * WG;
         if (c4 < DI / 4u) {
-            let c = 4u * c4;
-            let w = vec4<f32>(params[NW_OFF + c], params[NW_OFF + c + 1u], params[NW_OFF + c + 2u], params[NW_OFF + c + 3u]);
-            dst[(t * KP) / 4u + c4] = g[i] * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * w;
+            put_scaled4(t, c4, g[i], &tot);
         }
     }
 #else
@@ -80,9 +86,7 @@ fn main(
     }
     var tot = wg_sum(ss, lid, sg_lane, sg_size);
     for (var c4 = wid.x * WG + lid; c4 < DI / 4u; c4 += WG * nwg.x) {
-        let c = 4u * c4;
-        let w = vec4<f32>(params[NW_OFF + c], params[NW_OFF + c + 1u], params[NW_OFF + c + 2u], params[NW_OFF + c + 3u]);
-        dst[(t * KP) / 4u + c4] = gated4(t, c4) * inverseSqrt(tot[c / GS] / f32(GS) + EPS) * w;
+        put_scaled4(t, c4, gated4(t, c4), &tot);
     }
 #else
     for (var c = lid; c < DI; c += WG) {
