@@ -13,7 +13,12 @@
 // columns through 16-byte loads and stores, the same sums per column.
 #if COL4
 @group(0) @binding(0) var<storage, read_write> mix: array<vec4<f32>>;
+#if U16
+// U16 (with COL4): u in f16, for the SSD kernels on cooperative matrices (conv_out.wgsl).
+@group(0) @binding(4) var<storage, read_write> u: array<vec2<u32>>;
+#else
 @group(0) @binding(4) var<storage, read_write> u: array<vec4<f32>>;
+#endif
 #else
 @group(0) @binding(0) var<storage, read_write> mix: array<f32>;
 @group(0) @binding(4) var<storage, read_write> u: array<f32>;
@@ -33,6 +38,15 @@ fn params_c(at: u32) -> Cv {
 
 fn softplus_c(v: Cv) -> Cv {
     return vec4<f32>(softplus(v.x), softplus(v.y), softplus(v.z), softplus(v.w));
+}
+
+// Stores four columns of u at slice i.
+fn put_u(i: u32, v: vec4<f32>) {
+#if U16
+    u[i] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
+#else
+    u[i] = v;
+#endif
 }
 
 // Input position s of columns col .. col+3 (as conv_input).
@@ -122,7 +136,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         let r{i} = mix[((t0 + {i}u) * DIP + DI + col) / 4u];
 #endfor
 #for i TPI
-        u[((t0 + {i}u) * CD + col) / 4u] = conv4(b, w, x0, x1, x2, r{i});
+        put_u(((t0 + {i}u) * CD + col) / 4u, conv4(b, w, x0, x1, x2, r{i}));
         x0 = x1;
         x1 = x2;
         x2 = r{i};
@@ -131,7 +145,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     for (var t = t0; t < t_end; t++) {
         let x3 = mix[(t * DIP + DI + col) / 4u];
-        u[(t * CD + col) / 4u] = conv4(b, w, x0, x1, x2, x3);
+        put_u((t * CD + col) / 4u, conv4(b, w, x0, x1, x2, x3));
         x0 = x1;
         x1 = x2;
         x2 = x3;

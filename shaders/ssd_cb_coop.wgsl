@@ -10,7 +10,11 @@
 
 enable f16;
 
+#if U16
+@group(0) @binding(0) var<storage, read> u: array<vec2<u32>>;
+#else
 @group(0) @binding(0) var<storage, read> u: array<vec4<f32>>;
+#endif
 @group(0) @binding(1) var<storage, read_write> cb: array<f32>;
 @group(0) @binding(2) var<storage, read> ctrl: Ctrl;
 
@@ -71,7 +75,7 @@ fn slice(chunk: u32, first: u32, rows: u32, col: u32, n0: u32, e: u32) -> vec4<f
     if (i >= rows) {
         return vec4<f32>(0.0);
     }
-    return u[((chunk * Q + i) * CD + col + n0) / 4u + e % 8u];
+    return u4(((chunk * Q + i) * CD + col + n0) / 4u + e % 8u);
 }
 
 fn put(stage: u32, e: u32, v: vec4<f32>, to_c: bool) {

@@ -7,11 +7,15 @@
 // of one chunk and head (Q and P multiples of 64, N of 32): subgroup s owns positions
 // (s%2)·32.., channels (s/2)·32.. as 2 × 2 accumulators. The K dimension comes in steps of
 // 32: N/32 steps over the state, then the (ib+1)·2 steps of positions j up to the block's
-// last, through two stages of workgroup memory (16-byte loads of the next step held in
+// last, through two stages of workgroup memory (the loads of the next step held in
 // registers during the products, one barrier per step), as in gemm_coop.wgsl. Both parts
 // stage B as 32 rows of K × 64 channels, so one loop with the same cooperative loads serves
 // them (naga's uniformity analysis would reject cooperative ops under a branch on the step):
 // S is transposed on the way in (an invocation loads two channel rows and stores pairs).
+// S comes in f16 (ssd_state_pass's `cst16`), u in f16 or f32 (conv_out.wgsl); the loads are
+// held raw and converted only when stored, after the products: converting them where they
+// were loaded made the H200 wait for each load before the products (33.3 → 39.8 ms with
+// f16 S, 47.6 with f16 u too; 33.1 held raw: BENCHMARKS.md, runs 84–85).
 // Λ and δ of the chunk are staged once, so forming M costs one exp per value. Without
 // COOP, stand-ins replace the cooperative ops (a fragment is its offset in workgroup memory).
 
@@ -21,10 +25,16 @@ enable f16;
 @group(0) @binding(1) var<storage, read> params: array<f32>;
 @group(0) @binding(2) var<storage, read> lam: array<f32>;
 @group(0) @binding(3) var<storage, read> cb: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> cst: array<vec4<f32>>;
+// The states entering the chunks in f16 (ssd_state_pass's `cst16`: rounded as staging
+// would round them).
+@group(0) @binding(4) var<storage, read> cst: array<vec2<u32>>;
 @group(0) @binding(5) var<storage, read_write> y: array<f32>;
 @group(0) @binding(6) var<storage, read> ctrl: Ctrl;
+#if U16
+@group(0) @binding(7) var<storage, read> u: array<vec2<u32>>;
+#else
 @group(0) @binding(7) var<storage, read> u: array<vec4<f32>>;
+#endif
 
 const BK: u32 = 32u;
 // Rows of the staged operands in halves, 8 of padding: A (64 positions × 32 columns of K),
@@ -98,47 +108,50 @@ fn emu_store_y(c: Acc, at: u32, lane: u32) {
 }
 #endif
 
-// A slice `e` of step s (64 rows × 8 slices of 4): the state part reads C (row i, columns
-// n0..), the position part CB (row i, columns j0..); zero past the block.
-fn a_slice(s: u32, e: u32) -> vec4<f32> {
+// A slice `e` of step s (64 rows × 8 slices of 4), raw (converted by put_a, after the
+// products: see conv_out.wgsl): the state part reads C (row i, columns n0..; `u_raw`), the
+// position part CB (row i, columns j0..; f32 bits); zero past the block.
+fn a_slice(s: u32, e: u32) -> vec4<u32> {
     let i = wi0 + e / 8u;
     if (i >= imax) {
-        return vec4<f32>(0.0);
+        return vec4<u32>(0u);
     }
     if (s < S1) {
         let n0 = s * BK + (e % 8u) * 4u;
-        return u[((wc * Q + i) * CD + DI + G * N + wg * N + n0) / 4u];
+        return u_raw(((wc * Q + i) * CD + DI + G * N + wg * N + n0) / 4u);
     }
     let j0 = (s - S1) * BK + (e % 8u) * 4u;
-    return cb[(((wc * G + wg) * Q + i) * Q + j0) / 4u];
+    return bitcast<vec4<u32>>(cb[(((wc * G + wg) * Q + i) * Q + j0) / 4u]);
 }
 
 // B's load `v` (of 4) for invocation `lid` at step s: in the state part, S_c at channel
 // row 2·(f/8) + v%2, columns n0 + (f%8)·4 .. +4 of the pair f = lid + (v/2)·128; in the
 // position part, x at position j0 + e/16, channels (e%16)·4 .. +4 of slice e = lid + v·128.
-fn b_slice(s: u32, lid: u32, v: u32) -> vec4<f32> {
+// Raw, as a_slice: S's four f16 values in the first two words, x as `u_raw`.
+fn b_slice(s: u32, lid: u32, v: u32) -> vec4<u32> {
     if (s < S1) {
         let f = lid + (v / 2u) * 128u;
         let n0 = s * BK + (f % 8u) * 4u;
         let p = 2u * (f / 8u) + v % 2u;
-        return cst[(((wc * H + wh) * P + wp0 + p) * N + n0) / 4u];
+        return vec4<u32>(cst[(((wc * H + wh) * P + wp0 + p) * N + n0) / 4u], 0u, 0u);
     }
     let e = lid + v * 128u;
     let j = (s - S1) * BK + e / 16u;
     if (j >= imax) {
-        return vec4<f32>(0.0);
+        return vec4<u32>(0u);
     }
-    return u[((wc * Q + j) * CD + wh * P + wp0) / 4u + e % 16u];
+    return u_raw(((wc * Q + j) * CD + wh * P + wp0) / 4u + e % 16u);
 }
 
 // Stores A slice `e` of step s: C scaled by exp(Λ_i), or M's four entries.
-fn put_a(stage: u32, s: u32, e: u32, v: vec4<f32>) {
+fn put_a(stage: u32, s: u32, e: u32, raw: vec4<u32>) {
     let r = e / 8u;
     let i = wi0 + r;
     var m = vec4<f32>(0.0);
     if (s < S1) {
-        m = v * exp(lam_s[i]);
+        m = u_values(raw) * exp(lam_s[i]);
     } else {
+        let v = bitcast<vec4<f32>>(raw);
         let j0 = (s - S1) * BK + (e % 8u) * 4u;
         let li = lam_s[i];
         for (var q = 0u; q < 4u; q++) {
@@ -154,22 +167,27 @@ fn put_a(stage: u32, s: u32, e: u32, v: vec4<f32>) {
     sa[o + 1u] = vec2<f16>(m.zw);
 }
 
+// Four f16 values in the first two words of a raw slice.
+fn f16_values(r: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(unpack2x16float(r.x), unpack2x16float(r.y));
+}
+
 // Stores B's four loads of step s (`b_slice`): S transposed, each pair of channel rows
 // as four pairs of one state column; x rows as they are.
-fn put_b(stage: u32, s: u32, lid: u32, b0: vec4<f32>, b1: vec4<f32>, b2: vec4<f32>, b3: vec4<f32>) {
+fn put_b(stage: u32, s: u32, lid: u32, b0: vec4<u32>, b1: vec4<u32>, b2: vec4<u32>, b3: vec4<u32>) {
     let o = stage * BSTAGE;
     if (s < S1) {
         for (var h = 0u; h < 2u; h++) {
             let f = lid + h * 128u;
-            let lo = select(b0, b2, h == 1u);
-            let hi = select(b1, b3, h == 1u);
+            let lo = f16_values(select(b0, b2, h == 1u));
+            let hi = f16_values(select(b1, b3, h == 1u));
             let at = o + (f % 8u) * 4u * (LDB / 2u) + f / 8u;
             for (var r = 0u; r < 4u; r++) {
                 sb[at + r * (LDB / 2u)] = vec2<f16>(f16(lo[r]), f16(hi[r]));
             }
         }
     } else {
-        let v = array<vec4<f32>, 4>(b0, b1, b2, b3);
+        let v = array<vec4<f32>, 4>(u_values(b0), u_values(b1), u_values(b2), u_values(b3));
         for (var i = 0u; i < 4u; i++) {
             let e = lid + i * 128u;
             let at = o + (e / 16u) * (LDB / 2u) + (e % 16u) * 2u;
@@ -213,7 +231,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         let i = wi0 + e / 16u;
         var v = vec4<f32>(0.0);
         if (i < imax) {
-            v = dh * u[((wc * Q + i) * CD + wh * P + wp0) / 4u + e % 16u];
+            v = dh * u4(((wc * Q + i) * CD + wh * P + wp0) / 4u + e % 16u);
         }
         let o = (wc * Q + i) * DI + wh * P + wp0 + (e % 16u) * 4u;
         y[o] = v.x;

@@ -15,7 +15,11 @@ enable f16;
 @group(0) @binding(1) var<storage, read> lam: array<f32>;
 @group(0) @binding(2) var<storage, read_write> cst: array<f32>;
 @group(0) @binding(3) var<storage, read> ctrl: Ctrl;
+#if U16
+@group(0) @binding(4) var<storage, read> u: array<vec2<u32>>;
+#else
 @group(0) @binding(4) var<storage, read> u: array<vec4<f32>>;
+#endif
 
 const BK: u32 = 32u;
 // Rows of the staged X' (64 channels) and B (128 columns), in halves with 8 of padding.
@@ -83,7 +87,7 @@ fn x_slice(c: u32, h: u32, p0: u32, jmax: u32, j0: u32, e: u32) -> vec4<f32> {
     if (j >= jmax) {
         return vec4<f32>(0.0);
     }
-    return u[((c * Q + j) * CD + h * P + p0) / 4u + e % 16u];
+    return u4(((c * Q + j) * CD + h * P + p0) / 4u + e % 16u);
 }
 
 // B slice `e` of the step at position j0: position j0 + e/32, columns n0 + (e%32)·4 .. +4.
@@ -92,7 +96,7 @@ fn b_slice(c: u32, g: u32, n0: u32, jmax: u32, j0: u32, e: u32) -> vec4<f32> {
     if (j >= jmax) {
         return vec4<f32>(0.0);
     }
-    return u[((c * Q + j) * CD + DI + g * N + n0) / 4u + e % 32u];
+    return u4(((c * Q + j) * CD + DI + g * N + n0) / 4u + e % 32u);
 }
 
 // Stores x slice `e` of the step at position j0 as X' (weighted).

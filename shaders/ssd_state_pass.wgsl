@@ -19,6 +19,21 @@ const V: u32 = 1u;
 @group(0) @binding(1) var<storage, read_write> cst: array<Sv>;
 @group(0) @binding(2) var<storage, read_write> state: array<Sv>;
 @group(0) @binding(3) var<storage, read> ctrl: Ctrl;
+#if S16
+// (VEC4 only.) The entering states in f16, the operand the tensor-core chunk scan
+// multiplies, to their own buffer (half the bytes written and read again; the same
+// rounding the scan applied to f32 ones): `cst` keeps the chunk states.
+@group(0) @binding(4) var<storage, read_write> cst16: array<vec4<f16>>;
+#endif
+
+// Stores the state entering a chunk at index i of `cst` (or `cst16`).
+fn put_entering(i: u32, s: Sv) {
+#if S16
+    cst16[i] = vec4<f16>(s);
+#else
+    cst[i] = s;
+#endif
+}
 
 // State values, and invocations.
 const HPN: u32 = H * P * N;
@@ -44,7 +59,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let add_{i} = cst[(c + {i}u) * HPNV + idx];
 #endfor
 #for i 16
-        cst[(c + {i}u) * HPNV + idx] = s;
+        put_entering((c + {i}u) * HPNV + idx, s);
         s = chunk_decay(c + {i}u, h) * s + add_{i};
 #endfor
     }
@@ -53,13 +68,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         let add_{i} = cst[(c + {i}u) * HPNV + idx];
 #endfor
 #for i 4
-        cst[(c + {i}u) * HPNV + idx] = s;
+        put_entering((c + {i}u) * HPNV + idx, s);
         s = chunk_decay(c + {i}u, h) * s + add_{i};
 #endfor
     }
     for (; c < chunks; c++) {
         let add = cst[c * HPNV + idx];
-        cst[c * HPNV + idx] = s;
+        put_entering(c * HPNV + idx, s);
         s = chunk_decay(c, h) * s + add;
     }
     state[idx] = s;

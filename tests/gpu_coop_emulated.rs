@@ -6,6 +6,17 @@
 //! scan (chunks of 64) and flash attention with the stand-ins of their cooperative ops — against the same model on the
 //! FMA kernels. The cooperative paths round their operands to f16, so the two agree to f16
 //! activation precision, not bit for bit.
+//!
+//! Two models, because a router's choice is a discontinuity: an f16-level difference in its
+//! input can flip a near-tie between two experts, after which the paths rightly differ by
+//! far more than rounding. Nemotron-H's `ME*E-M` did exactly that at one token of 150 once
+//! the conv wrote u in f16 (every other token at NMSE ~5e-7, as before): so the Mamba2
+//! layers are checked in a hybrid without experts (`M*-M`) at every token, and the experts
+//! in one whose routers see only attention, MLP and embedding outputs (`*E-E`), where a
+//! flipped choice stays at its own token: there at most `ROUTER_FLIPS` tokens of a block may
+//! be off (q8_0 weights flipped two of 150, at NMSE 0.3 and 0.1), every other token and the
+//! aggregate of those within the bound. A wrong tile, mask or expert row puts whole tiles
+//! of tokens off.
 
 mod common;
 
@@ -24,9 +35,9 @@ use mamba2_wgpu::session::Backend;
 /// is off by NMSE 1e-2 and more.
 const NMSE_TOL: f64 = 1e-5;
 
-/// Nemotron-H's pattern with MoE (`ME*E-M`) in the cooperative kernels' shapes.
-fn coop_config() -> ModelConfig {
-    let mut c = tiny_moe("ME*E-M", false);
+/// A Nemotron-H pattern (with or without MoE) in the cooperative kernels' shapes.
+fn coop_config(pattern: &str) -> ModelConfig {
+    let mut c = tiny_moe(pattern, false);
     c.n_groups = 2;
     c.n_heads = 8;
     c.head_dim = 64;
@@ -70,8 +81,37 @@ fn backend(model: &Model, format: WeightFormat, emulated: bool) -> Option<GpuBac
 }
 
 #[test]
-fn prefill_on_the_cooperative_paths_matches_the_fma_kernels() {
-    let model = Model::synthetic(coop_config(), 17);
+fn mamba2_attention_and_mlp_layers_on_the_cooperative_paths_match_the_fma_kernels() {
+    compare_paths(
+        "M*-M",
+        0,
+        &[
+            "gemm_coop",
+            "attention_prefill_coop",
+            "ssd_chunk_state_coop",
+            "ssd_chunk_scan_coop",
+            "ssd_cb_coop",
+        ],
+    );
+}
+
+#[test]
+fn expert_layers_on_the_cooperative_paths_match_the_fma_kernels() {
+    compare_paths(
+        "*E-E",
+        ROUTER_FLIPS,
+        &["gemm_coop", "attention_prefill_coop"],
+    );
+}
+
+/// Tokens of a block whose router may have chosen differently on the two paths.
+const ROUTER_FLIPS: usize = 3;
+
+/// Prefills two blocks of the `pattern` model on both paths (f16 and q8_0 weights) and
+/// compares logits (every token but at most `flips`, and the aggregate of those) and states;
+/// the cooperative path must have built `kernels`.
+fn compare_paths(pattern: &str, flips: usize, kernels: &[&str]) {
+    let model = Model::synthetic(coop_config(pattern), 17);
     let vocab = model.config.vocab_size;
     for format in [WeightFormat::F16, WeightFormat::Q8_0] {
         let (Some(mut fma), Some(mut coop)) = (
@@ -90,26 +130,44 @@ fn prefill_on_the_cooperative_paths_matches_the_fma_kernels() {
                 .collect();
             let want = fma.prefill_logits(&toks).unwrap();
             let got = coop.prefill_logits(&toks).unwrap();
-            let e = common::nmse(&got.concat(), &want.concat());
+            let per_token: Vec<f64> = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| common::nmse(g, w))
+                .collect();
+            let off: Vec<usize> = (0..len).filter(|&t| !(per_token[t] <= NMSE_TOL)).collect();
+            assert!(
+                off.len() <= flips,
+                "{pattern} {format:?} block {i}: tokens {off:?} off (NMSE {:?})",
+                off.iter().map(|&t| per_token[t]).collect::<Vec<_>>()
+            );
+            let kept = |v: &[Vec<f32>]| -> Vec<f32> {
+                (0..len)
+                    .filter(|t| !off.contains(t))
+                    .flat_map(|t| v[t].iter().copied())
+                    .collect()
+            };
+            let e = common::nmse(&kept(&got), &kept(&want));
             let s = common::nmse(
                 &coop.state().unwrap().values(),
                 &fma.state().unwrap().values(),
             );
             eprintln!(
-                "{format:?} block {i} ({len} tokens): logits NMSE {e:.2e}, state NMSE {s:.2e}"
+                "{pattern} {format:?} block {i} ({len} tokens): logits NMSE {e:.2e} (tokens \
+                 {off:?} off), state NMSE {s:.2e}"
             );
-            assert!(e <= NMSE_TOL, "{format:?} block {i}: logits NMSE {e:e}");
-            assert!(s <= NMSE_TOL, "{format:?} block {i}: state NMSE {s:e}");
+            assert!(
+                e <= NMSE_TOL,
+                "{pattern} {format:?} block {i}: logits NMSE {e:e}"
+            );
+            assert!(
+                s <= NMSE_TOL,
+                "{pattern} {format:?} block {i}: state NMSE {s:e}"
+            );
         }
         // The cooperative kernels did the work.
         let built = coop.engine.kernels.built();
-        for name in [
-            "gemm_coop",
-            "attention_prefill_coop",
-            "ssd_chunk_state_coop",
-            "ssd_chunk_scan_coop",
-            "ssd_cb_coop",
-        ] {
+        for name in kernels {
             assert!(
                 built.iter().any(|b| b == name),
                 "{format:?}: {name} never built ({built:?})"

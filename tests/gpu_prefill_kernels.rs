@@ -35,6 +35,9 @@ use mamba2_wgpu::gpu::kernels::{
     ssd_chunk_state_coop, ssd_coop_check, ssd_cumsum, ssd_state_pass,
 };
 use mamba2_wgpu::gpu::shader::{Const, assemble};
+
+/// How the cooperative SSD kernels read u (their first source after common.wgsl).
+const CONV_OUT: &str = include_str!("../shaders/conv_out.wgsl");
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::quant::{WeightFormat, pack, unpack};
 use mamba2_wgpu::reference::math::{silu, softplus};
@@ -54,6 +57,8 @@ use WeightFormat::{BF16, F16, F32, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
 /// significant bits, exact in f32) and take f32 activations, so only the summation order
 /// differs; a looser bound would hide a wrong scale or a misplaced block.
 const F32_TOL: f64 = 1e-7;
+/// An f16 rounding of values up to the largest: half a step, 2⁻¹¹ of it, and f32's slack.
+const F16_HALF_STEP: f64 = 1.0 / 2048.0 + F32_TOL;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kernel {
@@ -69,20 +74,25 @@ enum Kernel {
     /// `EMULATED_TILES[i]`: the staging, indexing and output of the tensor-core kernel;
     /// `true`: into a Y with the rows of the direct epilogue (M a multiple of 16).
     GemmCoopEmulated(WeightFormat, GemmOutput, usize, bool),
-    /// `prefill_conv` then `prefill_conv_state`, in one pass as the block graph records them.
-    Conv,
+    /// `prefill_conv` then `prefill_conv_state`, in one pass as the block graph records them;
+    /// `true`: u written in f16 (`ChunkConsts::u_f16`).
+    Conv(bool),
     Cumsum,
     Cb,
     ChunkState,
     /// `ssd_chunk_state_coop` with its stand-ins for the cooperative ops, against the
-    /// reference of the f16-rounded operands it multiplies.
-    ChunkStateCoopEmulated,
+    /// reference of the f16-rounded operands it multiplies; `true`: reading u from f16 (the
+    /// three cooperative SSD kernels alike).
+    ChunkStateCoopEmulated(bool),
     StatePass,
+    /// `ssd_state_pass` writing the entering states in f16 to their own buffer, as the
+    /// tensor-core chunk scan reads them (the chunk states stay).
+    StatePassF16,
     ChunkScan,
     /// `ssd_cb_coop` with its stand-ins for the cooperative ops.
-    CbCoopEmulated,
+    CbCoopEmulated(bool),
     /// `ssd_chunk_scan_coop` with its stand-ins for the cooperative ops.
-    ChunkScanCoopEmulated,
+    ChunkScanCoopEmulated(bool),
 }
 
 impl Kernel {
@@ -99,17 +109,37 @@ impl Kernel {
                 EMULATED_TILES[t],
                 if direct { ", direct" } else { "" }
             ),
-            Kernel::Conv => "prefill_conv+state".into(),
+            Kernel::Conv(u16) => format!("prefill_conv+state{}", u_tag(u16)),
             Kernel::Cumsum => "ssd_cumsum".into(),
             Kernel::Cb => "ssd_cb".into(),
             Kernel::ChunkState => "ssd_chunk_state".into(),
-            Kernel::ChunkStateCoopEmulated => "ssd_chunk_state_coop emulated".into(),
+            Kernel::ChunkStateCoopEmulated(u16) => {
+                format!("ssd_chunk_state_coop emulated{}", u_tag(u16))
+            }
             Kernel::StatePass => "ssd_state_pass".into(),
+            Kernel::StatePassF16 => "ssd_state_pass, f16 entering states".into(),
             Kernel::ChunkScan => "ssd_chunk_scan".into(),
-            Kernel::ChunkScanCoopEmulated => "ssd_chunk_scan_coop emulated".into(),
-            Kernel::CbCoopEmulated => "ssd_cb_coop emulated".into(),
+            Kernel::ChunkScanCoopEmulated(u16) => {
+                format!("ssd_chunk_scan_coop emulated{}", u_tag(u16))
+            }
+            Kernel::CbCoopEmulated(u16) => format!("ssd_cb_coop emulated{}", u_tag(u16)),
         }
     }
+
+    /// Whether u is stored in f16 for this kernel.
+    fn u_f16(self) -> bool {
+        matches!(
+            self,
+            Kernel::Conv(true)
+                | Kernel::ChunkStateCoopEmulated(true)
+                | Kernel::CbCoopEmulated(true)
+                | Kernel::ChunkScanCoopEmulated(true)
+        )
+    }
+}
+
+fn u_tag(u16: bool) -> &'static str {
+    if u16 { ", u in f16" } else { "" }
 }
 
 /// A Mamba2 mixer's sizes (d_inner = heads · head_dim).
@@ -484,7 +514,7 @@ fn cases() -> Vec<Case> {
         }
     }
     for kernel in [
-        Kernel::Conv,
+        Kernel::Conv(false),
         Kernel::Cumsum,
         Kernel::Cb,
         Kernel::ChunkState,
@@ -492,23 +522,43 @@ fn cases() -> Vec<Case> {
         Kernel::ChunkScan,
     ] {
         for s in SSDS {
-            if kernel == Kernel::ChunkState && coop_takes(s) {
+            // The cooperative kernels read u from f32 and from f16 (f16-representable
+            // values both ways: the same sums).
+            for u16 in [false, true] {
+                if kernel == Kernel::ChunkState && coop_takes(s) {
+                    v.push(Case {
+                        kernel: Kernel::ChunkStateCoopEmulated(u16),
+                        shape: Shape::Ssd(s),
+                        tol: F32_TOL,
+                    });
+                }
+                if kernel == Kernel::Cb && ssd_cb_coop::takes(&Sz::new(s.mixer, s.q, s.cap).cc()) {
+                    v.push(Case {
+                        kernel: Kernel::CbCoopEmulated(u16),
+                        shape: Shape::Ssd(s),
+                        tol: F32_TOL,
+                    });
+                }
+                if kernel == Kernel::ChunkScan && scan_coop_takes(s) {
+                    v.push(Case {
+                        kernel: Kernel::ChunkScanCoopEmulated(u16),
+                        shape: Shape::Ssd(s),
+                        tol: F32_TOL,
+                    });
+                }
+            }
+            // The conv writing u in f16: within half an f16 step of the reference's value
+            // (2⁻¹¹ of the largest), where the conv takes four columns at a time.
+            if kernel == Kernel::Conv(false) && conv_writes_f16(s) {
                 v.push(Case {
-                    kernel: Kernel::ChunkStateCoopEmulated,
+                    kernel: Kernel::Conv(true),
                     shape: Shape::Ssd(s),
-                    tol: F32_TOL,
+                    tol: F16_HALF_STEP,
                 });
             }
-            if kernel == Kernel::Cb && ssd_cb_coop::takes(&Sz::new(s.mixer, s.q, s.cap).cc()) {
+            if kernel == Kernel::StatePass && scan_coop_takes(s) {
                 v.push(Case {
-                    kernel: Kernel::CbCoopEmulated,
-                    shape: Shape::Ssd(s),
-                    tol: F32_TOL,
-                });
-            }
-            if kernel == Kernel::ChunkScan && scan_coop_takes(s) {
-                v.push(Case {
-                    kernel: Kernel::ChunkScanCoopEmulated,
+                    kernel: Kernel::StatePassF16,
                     shape: Shape::Ssd(s),
                     tol: F32_TOL,
                 });
@@ -549,7 +599,7 @@ fn gemm_coop_wgsl_validates() {
 
 #[test]
 fn prefill_conv_and_conv_state() {
-    run_cases(|k| k == Kernel::Conv);
+    run_cases(|k| matches!(k, Kernel::Conv(_)));
 }
 
 #[test]
@@ -564,7 +614,7 @@ fn ssd_cb_kernel() {
 
 #[test]
 fn ssd_cb_coop_emulated() {
-    run_cases(|k| k == Kernel::CbCoopEmulated);
+    run_cases(|k| matches!(k, Kernel::CbCoopEmulated(_)));
 }
 
 /// The cooperative C·Bᵀ's WGSL with the cooperative ops, for every SSD shape it takes,
@@ -578,9 +628,12 @@ fn ssd_cb_coop_wgsl_validates() {
         if !ssd_cb_coop::takes(&cc) {
             continue;
         }
-        let sources = ["enable wgpu_cooperative_matrix;\n", src];
-        let text = assemble("ssd_cb_coop", &sources, &cc.consts(), &["COOP"]).unwrap();
-        naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        let sources = ["enable wgpu_cooperative_matrix;\n", CONV_OUT, src];
+        // u read from f32 and from f16.
+        for flags in [&["COOP"][..], &["COOP", "U16"]] {
+            let text = assemble("ssd_cb_coop", &sources, &cc.consts(), flags).unwrap();
+            naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        }
         checked += 1;
     }
     assert!(checked > 0, "no SSD shape the cooperative C·Bᵀ takes");
@@ -605,7 +658,7 @@ fn ssd_chunk_state_kernel() {
 
 #[test]
 fn ssd_chunk_state_coop_emulated() {
-    run_cases(|k| k == Kernel::ChunkStateCoopEmulated);
+    run_cases(|k| matches!(k, Kernel::ChunkStateCoopEmulated(_)));
 }
 
 /// The cooperative chunk state's WGSL with the cooperative ops, for every SSD shape it
@@ -616,15 +669,24 @@ fn ssd_chunk_state_coop_wgsl_validates() {
     let mut checked = 0;
     for shape in SSDS.iter().filter(|s| coop_takes(s)) {
         let cc = Sz::new(shape.mixer, shape.q, shape.cap).cc();
-        let sources = ["enable wgpu_cooperative_matrix;\n", src];
-        let text = assemble("ssd_chunk_state_coop", &sources, &cc.consts(), &["COOP"]).unwrap();
-        naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        let sources = ["enable wgpu_cooperative_matrix;\n", CONV_OUT, src];
+        // u read from f32 and from f16.
+        for flags in [&["COOP"][..], &["COOP", "U16"]] {
+            let text = assemble("ssd_chunk_state_coop", &sources, &cc.consts(), flags).unwrap();
+            naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        }
         checked += 1;
     }
     assert!(
         checked > 0,
         "no SSD shape the cooperative chunk state takes"
     );
+}
+
+/// Whether the conv can write u in f16 at this shape (four columns per invocation).
+fn conv_writes_f16(s: &SsdShape) -> bool {
+    let z = Sz::new(s.mixer, s.q, s.cap);
+    z.kc <= 4 && [z.dip, z.di, z.cd, z.h].iter().all(|n| n % 4 == 0)
 }
 
 /// Whether `ssd_chunk_state_coop` takes this SSD shape.
@@ -634,7 +696,7 @@ fn coop_takes(s: &SsdShape) -> bool {
 
 #[test]
 fn ssd_state_pass_kernel() {
-    run_cases(|k| k == Kernel::StatePass);
+    run_cases(|k| matches!(k, Kernel::StatePass | Kernel::StatePassF16));
 }
 
 #[test]
@@ -644,7 +706,7 @@ fn ssd_chunk_scan_kernel() {
 
 #[test]
 fn ssd_chunk_scan_coop_emulated() {
-    run_cases(|k| k == Kernel::ChunkScanCoopEmulated);
+    run_cases(|k| matches!(k, Kernel::ChunkScanCoopEmulated(_)));
 }
 
 /// The cooperative chunk scan's WGSL with the cooperative ops, for every SSD shape it
@@ -657,9 +719,12 @@ fn ssd_chunk_scan_coop_wgsl_validates() {
         let cc = Sz::new(shape.mixer, shape.q, shape.cap).cc();
         let mut consts = cc.consts();
         consts.push(("D_OFF", Const::U32(0)));
-        let sources = ["enable wgpu_cooperative_matrix;\n", src];
-        let text = assemble("ssd_chunk_scan_coop", &sources, &consts, &["COOP"]).unwrap();
-        naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        let sources = ["enable wgpu_cooperative_matrix;\n", CONV_OUT, src];
+        // u read from f32 and from f16.
+        for flags in [&["COOP"][..], &["COOP", "U16"]] {
+            let text = assemble("ssd_chunk_scan_coop", &sources, &consts, flags).unwrap();
+            naga_check(&text).unwrap_or_else(|e| panic!("{}: {e}", shape.name));
+        }
         checked += 1;
     }
     assert!(checked > 0, "no SSD shape the cooperative chunk scan takes");
@@ -1202,6 +1267,7 @@ impl Sz {
             d_in_proj: self.dip,
             q: self.q,
             max_tokens: self.cap,
+            u_f16: false,
         }
     }
     fn params(&self) -> Params {
@@ -1532,7 +1598,14 @@ fn over(old: &[f32], live: &[f32]) -> Vec<f32> {
 
 fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat>> {
     let s = Sz::new(shape.mixer, shape.q, shape.cap);
-    let (cc, pr) = (s.cc(), s.params());
+    let u16 = kernel.u_f16();
+    let (cc, pr) = (
+        ChunkConsts {
+            u_f16: u16,
+            ..s.cc()
+        },
+        s.params(),
+    );
     let (q, nc, hpn) = (s.q, s.nc(), s.hpn());
     let params = layer_params(&s, seed);
     let a = &params[pr.a..pr.a + s.h];
@@ -1550,6 +1623,8 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         nan(nc * q * s.di),
     );
     let (lamb, cbb, cstb, yb) = (g.buf(&lam)?, g.buf(&cb)?, g.buf(&cst)?, g.buf(&y)?);
+    // The entering states in f16 (two per f32 slot), NaN until written.
+    let cst16b = g.buf(&nan(hpn * nc / 2 + 1))?;
     // Carried state: a previous turn's, not zero.
     let mut conv = rand(seed + 7, s.cd * (s.kc - 1), -1.0, 1.0);
     let mut state = rand(seed + 8, hpn, -1.0, 1.0);
@@ -1557,7 +1632,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
 
     // The dispatches, with the token axes prefill.rs gives them.
     let ds: Vec<Dispatch> = match kernel {
-        Kernel::Conv => {
+        Kernel::Conv(_) => {
             let b = ConvBuffers {
                 mix: &mixb,
                 params: &pbuf,
@@ -1581,7 +1656,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 .map_err(err)?
                 .per_token(2, q, s.g),
         ],
-        Kernel::CbCoopEmulated => vec![
+        Kernel::CbCoopEmulated(_) => vec![
             ssd_cb_coop::ssd_cb_coop(&g.k, "cb_coop", cc, &ub, &cbb, &ctrl, true)
                 .map_err(err)?
                 .per_token(2, q, s.g),
@@ -1600,7 +1675,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             .map_err(err)?
             .per_token(2, q, s.h),
         ],
-        Kernel::ChunkStateCoopEmulated => vec![
+        Kernel::ChunkStateCoopEmulated(_) => vec![
             ssd_chunk_state_coop::ssd_chunk_state_coop(
                 &g.k,
                 "chunk_state_coop",
@@ -1615,11 +1690,20 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             .map_err(err)?
             .per_token(2, q, s.h),
         ],
-        Kernel::StatePass => vec![
-            ssd_state_pass::ssd_state_pass(&g.k, "state_pass", cc, &lamb, &cstb, &stateb, &ctrl)
-                .map_err(err)?,
+        Kernel::StatePass | Kernel::StatePassF16 => vec![
+            ssd_state_pass::ssd_state_pass(
+                &g.k,
+                "state_pass",
+                cc,
+                &lamb,
+                &cstb,
+                &stateb,
+                (kernel == Kernel::StatePassF16).then_some(&cst16b),
+                &ctrl,
+            )
+            .map_err(err)?,
         ],
-        Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated => {
+        Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated(_) => {
             let b = ScanBuffers {
                 mix: &mixb,
                 u: &ub,
@@ -1627,6 +1711,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 lam: &lamb,
                 cb: &cbb,
                 cst: &cstb,
+                cst16: Some(&cst16b),
                 y: &yb,
                 ctrl: &ctrl,
             };
@@ -1647,33 +1732,44 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         let nct = t.div_ceil(q);
         let tag = |what: &str| format!("{what}, block {bi} ({t} tokens)");
         // Fresh rows 0..t of the block's inputs; the rest keep the previous block's.
-        let dt = if kernel == Kernel::Conv {
+        let dt = if matches!(kernel, Kernel::Conv(_)) {
             (-4.0, 2.0)
         } else {
             DELTA
         };
         mix_rows(&s, &mut mix, t, seed, dt);
         u_rows(&s, &mut u, t, seed + 1);
+        if u16 {
+            u = round_f16(&u);
+        }
         g.write(&mixb, &mix);
-        g.write(&ub, &u);
+        write_u(g, &ub, &u, u16);
         // The inputs later steps read, as the earlier steps would leave them.
         let lam_in = ref_cumsum(&s, &mix, a, t);
         match kernel {
             Kernel::ChunkState
-            | Kernel::ChunkStateCoopEmulated
+            | Kernel::ChunkStateCoopEmulated(_)
             | Kernel::StatePass
+            | Kernel::StatePassF16
             | Kernel::ChunkScan
-            | Kernel::ChunkScanCoopEmulated => {
+            | Kernel::ChunkScanCoopEmulated(_) => {
                 lam = over(&lam, &lam_in);
                 g.write(&lamb, &lam);
             }
             _ => {}
         }
-        let scan = matches!(kernel, Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated);
-        if kernel == Kernel::StatePass || scan {
+        let scan = matches!(kernel, Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated(_));
+        if matches!(kernel, Kernel::StatePass | Kernel::StatePassF16) || scan {
             // Chunk states (state pass) or the states entering each chunk (scan).
             cst = over(&cst, &rand(seed + 2, nct * hpn, -1.0, 1.0));
             g.write(&cstb, &cst);
+        }
+        if scan {
+            // The tensor-core scan reads them in f16, as ssd_state_pass hands them over.
+            let halves: Vec<half::f16> = cst.iter().map(|&v| half::f16::from_f32(v)).collect();
+            g.ctx()
+                .queue
+                .write_buffer(&cst16b, 0, bytemuck::cast_slice(&halves));
         }
         if scan {
             cb = over(&cb, &ref_cb(&s, &u, t, false));
@@ -1682,9 +1778,9 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         g.set_tokens(&ctrl, t);
         g.run(&refs, t)?;
         match kernel {
-            Kernel::Conv => {
+            Kernel::Conv(_) => {
                 let [uw, dtw, next] = ref_conv(&s, &mix, &params, &conv, t);
-                let got = g.read(&ub, u.len())?;
+                let got = read_u(g, &ub, u.len(), u16)?;
                 let live = t * s.cd;
                 let region = |i: usize| if i < live { Region::Live } else { Region::Kept };
                 stats.push(compare(&tag("u"), &got, &over(&u, &uw), region)?);
@@ -1714,10 +1810,11 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 stats.push(compare(&tag("Λ"), &got, &over(&lam, &lam_in), region)?);
                 lam = got;
             }
-            Kernel::Cb | Kernel::CbCoopEmulated => {
+            Kernel::Cb | Kernel::CbCoopEmulated(_) => {
                 // (On a device with cooperative matrices `ssd_cb` runs the cooperative
                 // kernel: the reference rounds its operands the same way.)
-                let f16 = kernel == Kernel::CbCoopEmulated || ssd_cb_coop::applies(&g.k, &cc);
+                let f16 =
+                    matches!(kernel, Kernel::CbCoopEmulated(_)) || ssd_cb_coop::applies(&g.k, &cc);
                 let want = over(&cb, &ref_cb(&s, &u, t, f16));
                 let got = g.read(&cbb, cb.len())?;
                 let region = |i: usize| {
@@ -1733,8 +1830,8 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 stats.push(compare(&tag("CB"), &got, &want, region)?);
                 cb = got;
             }
-            Kernel::ChunkState | Kernel::ChunkStateCoopEmulated => {
-                let f16 = kernel == Kernel::ChunkStateCoopEmulated;
+            Kernel::ChunkState | Kernel::ChunkStateCoopEmulated(_) => {
+                let f16 = matches!(kernel, Kernel::ChunkStateCoopEmulated(_));
                 let want = over(&cst, &ref_chunk_state(&s, &mix, &u, &lam, t, f16));
                 let got = g.read(&cstb, cst.len())?;
                 stats.push(compare(
@@ -1762,10 +1859,40 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
                 })?);
                 state = got;
             }
-            Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated => {
+            Kernel::StatePassF16 => {
+                let [enter, next] = ref_state_pass(&s, &lam, &cst, &state, t);
+                let words = g.read(&cst16b, nc * hpn / 2)?;
+                let got: Vec<f32> = bytemuck::cast_slice::<f32, half::f16>(&words)
+                    .iter()
+                    .map(|h| h.to_f32())
+                    .collect();
+                let want: Vec<f32> = over(&cst, &enter)
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v).to_f32())
+                    .collect();
+                // (Entries past the block's chunks are never written.)
+                let live = nct * hpn;
+                let region = |i: usize| if i < live { Region::Live } else { Region::Free };
+                stats.push(compare(
+                    &tag("states entering chunks, f16"),
+                    &got,
+                    &want,
+                    region,
+                )?);
+                let got = g.read(&cstb, cst.len())?;
+                stats.push(compare(&tag("chunk states kept"), &got, &cst, |_| {
+                    Region::Live
+                })?);
+                let got = g.read(&stateb, hpn)?;
+                stats.push(compare(&tag("state after the block"), &got, &next, |_| {
+                    Region::Live
+                })?);
+                state = got;
+            }
+            Kernel::ChunkScan | Kernel::ChunkScanCoopEmulated(_) => {
                 // (On a device with cooperative matrices `ssd_chunk_scan` runs the
                 // cooperative kernel: the reference rounds its operands the same way.)
-                let f16 = kernel == Kernel::ChunkScanCoopEmulated
+                let f16 = matches!(kernel, Kernel::ChunkScanCoopEmulated(_))
                     || ssd_chunk_scan_coop::applies(&g.k, &cc, &yb);
                 let yw = ref_chunk_scan(&s, &mix, &u, dskip, &lam, &cb, &cst, t, f16);
                 let got = g.read(&yb, y.len())?;
@@ -1787,6 +1914,31 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         }
     }
     Ok(stats)
+}
+
+/// `v` through f16 and back.
+fn round_f16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+}
+
+/// Writes `u` in f32 or (`u16`) f16.
+fn write_u(g: &Gpu, b: &wgpu::Buffer, u: &[f32], u16: bool) {
+    if u16 {
+        let h: Vec<half::f16> = u.iter().map(|&x| half::f16::from_f32(x)).collect();
+        g.ctx().queue.write_buffer(b, 0, bytemuck::cast_slice(&h));
+    } else {
+        g.write(b, u);
+    }
+}
+
+/// Reads `n` values of `u` stored in f32 or (`u16`) f16.
+fn read_u(g: &Gpu, b: &wgpu::Buffer, n: usize, u16: bool) -> Res<Vec<f32>> {
+    if !u16 {
+        return g.read(b, n);
+    }
+    let words = g.read(b, n.div_ceil(2))?;
+    let h: &[half::f16] = bytemuck::cast_slice(&words);
+    Ok(h[..n].iter().map(|x| x.to_f32()).collect())
 }
 
 // ---------------------------------------------------------------------------------------

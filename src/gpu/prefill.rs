@@ -36,6 +36,9 @@ pub struct Prefill {
     pub lam: wgpu::Buffer,
     pub cb: wgpu::Buffer,
     pub cst: wgpu::Buffer,
+    /// The states entering the chunks in f16, for the tensor-core chunk scan (where the
+    /// device runs the cooperative kernels; one value otherwise).
+    pub cst16: wgpu::Buffer,
     /// Attention: `[T][qkv_rows]` projections and `[T][ceil32(H·hd)]` outputs.
     pub qkv: wgpu::Buffer,
     pub attn: wgpu::Buffer,
@@ -183,6 +186,14 @@ impl Prefill {
                 "prefill chunk states",
                 f32s(m(cc.chunks() * c.ssm_state_len())),
             )?,
+            cst16: ctx.storage_zeroed(
+                "prefill entering states (f16)",
+                f32s(if mamba && ctx.caps.coop_kernels() {
+                    (cc.chunks() * c.ssm_state_len()).div_ceil(2)
+                } else {
+                    1
+                }),
+            )?,
             qkv: ctx.storage_zeroed("prefill qkv", f32s(yt * qkv))?,
             attn: ctx.storage_zeroed("prefill attn", f32s(t * attn))?,
             mlp_up: ctx.storage_zeroed("prefill mlp up", f32s(yt * up))?,
@@ -258,6 +269,7 @@ pub fn chunk_consts(c: &ModelConfig, q: usize, max_tokens: usize) -> ChunkConsts
         d_in_proj: c.d_in_proj(),
         q,
         max_tokens,
+        u_f16: false,
     }
 }
 

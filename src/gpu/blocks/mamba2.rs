@@ -222,6 +222,10 @@ pub fn prefill(
     let t = cc.max_tokens;
     let lay = b.layout;
     let mc = mixer_consts(c, lay);
+    let cc = ChunkConsts {
+        u_f16: prefill_conv::u_in_f16(k, &cc, &mc, &p.y),
+        ..cc
+    };
     // In the short-block graph the projections split their K loops (`gemm_split`).
     let mut d = projection(
         k,
@@ -279,6 +283,8 @@ pub fn prefill(
         )?
         .per_token(2, cc.q, c.n_heads),
     );
+    // The tensor-core chunk scan reads the entering states in f16.
+    let cst16 = crate::gpu::kernels::ssd_chunk_scan_coop::applies(k, &cc, &p.y).then_some(&p.cst16);
     d.push(ssd_state_pass::ssd_state_pass(
         k,
         "ssd_state_pass",
@@ -286,6 +292,7 @@ pub fn prefill(
         &p.lam,
         &p.cst,
         l.ssm_state,
+        cst16,
         &s.ctrl,
     )?);
     let scan = ScanBuffers {
@@ -295,6 +302,7 @@ pub fn prefill(
         lam: &p.lam,
         cb: &p.cb,
         cst: &p.cst,
+        cst16,
         y: &p.y,
         ctrl: &s.ctrl,
     };

@@ -19,9 +19,39 @@ pub struct ChunkConsts {
     pub q: usize,
     /// Tokens per block (the buffers' capacity).
     pub max_tokens: usize,
+    /// Whether the conv's output `u [T][conv_dim]` is stored in f16 (`prefill_conv::u_in_f16`
+    /// says when): then only the SSD kernels on cooperative matrices read it.
+    pub u_f16: bool,
 }
 
 impl ChunkConsts {
+    /// The 4-byte words of `u` for a full block.
+    pub fn u_words(&self) -> usize {
+        let values = self.max_tokens * self.conv_dim;
+        if self.u_f16 {
+            values.div_ceil(2)
+        } else {
+            values
+        }
+    }
+
+    /// Adds the U16 flag of the kernels that read `u` where it is f16.
+    pub fn u_flag(&self, flags: &mut Vec<&'static str>) {
+        if self.u_f16 {
+            flags.push("U16");
+        }
+    }
+
+    /// An error for a kernel that reads `u` only in f32, where it is f16.
+    pub fn require_u_f32(&self, name: &str) -> crate::error::Result<()> {
+        if self.u_f16 {
+            return Err(crate::error::Error::Gpu(format!(
+                "{name}: u is in f16, which only the SSD kernels on cooperative matrices read"
+            )));
+        }
+        Ok(())
+    }
+
     /// Chunks of a full block.
     pub fn chunks(&self) -> usize {
         self.max_tokens.div_ceil(self.q)

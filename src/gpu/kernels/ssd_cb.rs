@@ -23,6 +23,7 @@ pub fn ssd_cb(
         let emulate = !k.ctx.caps.coop_matrix;
         return super::ssd_cb_coop::ssd_cb_coop(k, name, cc, u, cb, ctrl, emulate);
     }
+    cc.require_u_f32(name)?;
     check_len(
         &format!("{name}: cb"),
         cb,

@@ -8,8 +8,10 @@ use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
 
 const SOURCE: &str = include_str!("../../../shaders/ssd_cb_coop.wgsl");
-const EMULATED: super::Sources = &[SOURCE];
-const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", SOURCE];
+/// How it reads `u` (f16 or f32: `ChunkConsts::u_f16`).
+const CONV_OUT: &str = include_str!("../../../shaders/conv_out.wgsl");
+const EMULATED: super::Sources = &[CONV_OUT, SOURCE];
+const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", CONV_OUT, SOURCE];
 
 /// Whether the kernel takes this mixer's shape.
 pub fn takes(cc: &ChunkConsts) -> bool {
@@ -43,12 +45,14 @@ pub fn ssd_cb_coop(
         )));
     }
     super::require_coop(k, name, emulate)?;
+    check_len(&format!("{name}: u"), u, cc.u_words())?;
     check_len(
         &format!("{name}: cb"),
         cb,
         cc.chunks() * cc.groups * cc.q * cc.q,
     )?;
     let mut flags = Vec::new();
+    cc.u_flag(&mut flags);
     let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);
     let pipeline = k.pipeline("ssd_cb_coop", sources, &cc.consts(), &flags, false)?;
     let tiles = (cc.q / 64) as u32;

@@ -19,7 +19,11 @@ pub struct ScanBuffers<'a> {
     pub params: &'a wgpu::Buffer,
     pub lam: &'a wgpu::Buffer,
     pub cb: &'a wgpu::Buffer,
+    /// The states entering the chunks, f32 (what the FMA tiles read).
     pub cst: &'a wgpu::Buffer,
+    /// The same in f16 (`ssd_state_pass`'s `cst16`), what the tensor-core kernel reads;
+    /// it needs them.
+    pub cst16: Option<&'a wgpu::Buffer>,
     pub y: &'a wgpu::Buffer,
     pub ctrl: &'a wgpu::Buffer,
 }
@@ -35,6 +39,7 @@ pub fn ssd_chunk_scan(
         let emulate = !k.ctx.caps.coop_matrix;
         return super::ssd_chunk_scan_coop::ssd_chunk_scan_coop(k, name, cc, d_off, b, emulate);
     }
+    cc.require_u_f32(name)?;
     check_len(&format!("{name}: y"), b.y, cc.max_tokens * cc.d_inner)?;
     let mut consts = cc.consts();
     consts.push(("D_OFF", Const::U32(d_off as u32)));

@@ -12,8 +12,10 @@ use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
 const SOURCE: &str = include_str!("../../../shaders/ssd_chunk_scan_coop.wgsl");
-const EMULATED: super::Sources = &[SOURCE];
-const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", SOURCE];
+/// How it reads `u` (f16 or f32: `ChunkConsts::u_f16`).
+const CONV_OUT: &str = include_str!("../../../shaders/conv_out.wgsl");
+const EMULATED: super::Sources = &[CONV_OUT, SOURCE];
+const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", CONV_OUT, SOURCE];
 
 /// Whether the kernel takes this mixer's shape.
 pub fn takes(cc: &ChunkConsts) -> bool {
@@ -53,9 +55,23 @@ pub fn ssd_chunk_scan_coop(
     }
     super::require_coop(k, name, emulate)?;
     check_len(&format!("{name}: y"), b.y, y_len(&cc))?;
+    let Some(cst16) = b.cst16 else {
+        return Err(Error::Gpu(format!(
+            "{name}: the cooperative chunk scan reads the entering states in f16 (`cst16`, \
+             from ssd_state_pass); none was given"
+        )));
+    };
+    // (Halves: two per counted f32.)
+    check_len(
+        &format!("{name}: cst16"),
+        cst16,
+        cc.chunks() * cc.heads * cc.head_dim * cc.d_state / 2,
+    )?;
+    check_len(&format!("{name}: u"), b.u, cc.u_words())?;
     let mut consts = cc.consts();
     consts.push(("D_OFF", Const::U32(d_off as u32)));
     let mut flags = Vec::new();
+    cc.u_flag(&mut flags);
     let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);
     let pipeline = k.pipeline("ssd_chunk_scan_coop", sources, &consts, &flags, false)?;
     Ok(Dispatch {
@@ -68,7 +84,7 @@ pub fn ssd_chunk_scan_coop(
                 (1, b.params),
                 (2, b.lam),
                 (3, b.cb),
-                (4, b.cst),
+                (4, cst16),
                 (5, b.y),
                 (6, b.ctrl),
             ],

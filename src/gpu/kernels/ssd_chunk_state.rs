@@ -27,6 +27,7 @@ pub fn ssd_chunk_state(
             k, name, cc, mix, u, lam, cst, ctrl, emulate,
         );
     }
+    cc.require_u_f32(name)?;
     check_len(
         &format!("{name}: cst"),
         cst,

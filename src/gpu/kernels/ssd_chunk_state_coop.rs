@@ -9,8 +9,10 @@ use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
 
 const SOURCE: &str = include_str!("../../../shaders/ssd_chunk_state_coop.wgsl");
-const EMULATED: super::Sources = &[SOURCE];
-const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", SOURCE];
+/// How it reads `u` (f16 or f32: `ChunkConsts::u_f16`).
+const CONV_OUT: &str = include_str!("../../../shaders/conv_out.wgsl");
+const EMULATED: super::Sources = &[CONV_OUT, SOURCE];
+const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", CONV_OUT, SOURCE];
 
 /// Whether the kernel takes this mixer's shape.
 pub fn takes(cc: &ChunkConsts) -> bool {
@@ -47,12 +49,14 @@ pub fn ssd_chunk_state_coop(
         )));
     }
     super::require_coop(k, name, emulate)?;
+    check_len(&format!("{name}: u"), u, cc.u_words())?;
     check_len(
         &format!("{name}: cst"),
         cst,
         cc.chunks() * cc.heads * cc.head_dim * cc.d_state,
     )?;
     let mut flags = Vec::new();
+    cc.u_flag(&mut flags);
     let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);
     let pipeline = k.pipeline("ssd_chunk_state_coop", sources, &cc.consts(), &flags, false)?;
     Ok(Dispatch {

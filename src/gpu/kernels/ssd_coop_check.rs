@@ -3,7 +3,8 @@
 //! 64 channels, a state of 128, chunks of 64, 100 tokens: one whole chunk and one partial)
 //! through each kernel, against the CPU's sums in f64. The kernels multiply f16-rounded
 //! operands, so the bound is loose (1 % of the largest value): it catches a kernel the
-//! device's compiler got wrong, not rounding.
+//! device's compiler got wrong, not rounding. Both ways of storing u (f32, and the f16 the
+//! prefill uses where all three kernels run: `ChunkConsts::u_f16`) are checked.
 
 use super::chunk::ChunkConsts;
 use super::ssd_chunk_scan::ScanBuffers;
@@ -23,6 +24,13 @@ const NC: usize = T.div_ceil(Q);
 /// Runs the check (`emulate`: on the stand-ins, for the tests); an error names the kernel
 /// and how far off it was.
 pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
+    check(k, emulate, false)?;
+    check(k, emulate, true)
+}
+
+/// The check with u stored in f16 (`u_f16`) or f32; its values are f16-rounded either way,
+/// so the CPU's sums serve both.
+fn check(k: &Kernels, emulate: bool, u_f16: bool) -> Result<()> {
     let ctx = &k.ctx;
     let cc = ChunkConsts {
         heads: H,
@@ -34,9 +42,13 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
         d_in_proj: DIP,
         q: Q,
         max_tokens: T,
+        u_f16,
     };
     let rnd = super::check_values;
-    let u = rnd(11, T * CD, -1.0, 1.0);
+    let u: Vec<f32> = rnd(11, T * CD, -1.0, 1.0)
+        .into_iter()
+        .map(|v| half::f16::from_f32(v).to_f32())
+        .collect();
     let mut mix = rnd(12, T * DIP, -1.0, 1.0);
     for t in 0..T {
         for h in 0..H {
@@ -58,11 +70,13 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     let len = |ch: usize| Q.min(T - ch * Q);
 
     let buf = |label: &str, v: &[f32]| ctx.storage_with(label, bytemuck::cast_slice(v));
-    let (ub, mixb, lamb) = (
-        buf("ssd check: u", &u)?,
-        buf("ssd check: mix", &mix)?,
-        buf("ssd check: lam", &lam)?,
-    );
+    let ub = if u_f16 {
+        let halves: Vec<half::f16> = u.iter().map(|&v| half::f16::from_f32(v)).collect();
+        ctx.storage_with("ssd check: u", bytemuck::cast_slice(&halves))?
+    } else {
+        buf("ssd check: u", &u)?
+    };
+    let (mixb, lamb) = (buf("ssd check: mix", &mix)?, buf("ssd check: lam", &lam)?);
     let cbb = ctx.storage_zeroed("ssd check: cb", (4 * NC * Q * Q) as u64)?;
     let cstb = ctx.storage_zeroed("ssd check: cst", (4 * states.len()) as u64)?;
     let yb = ctx.storage_zeroed("ssd check: y", (4 * NC * Q * DI) as u64)?;
@@ -135,6 +149,9 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     ctx.queue.write_buffer(&cbb, 0, bytemuck::cast_slice(&cb));
     ctx.queue
         .write_buffer(&cstb, 0, bytemuck::cast_slice(&states));
+    // (In f16, as ssd_state_pass hands them to this kernel.)
+    let states16: Vec<half::f16> = states.iter().map(|&v| half::f16::from_f32(v)).collect();
+    let cst16 = ctx.storage_with("ssd check: cst16", bytemuck::cast_slice(&states16))?;
     let scan = ScanBuffers {
         mix: &mixb,
         u: &ub,
@@ -142,6 +159,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
         lam: &lamb,
         cb: &cbb,
         cst: &cstb,
+        cst16: Some(&cst16),
         y: &yb,
         ctrl: &ctrl,
     };
