@@ -69,16 +69,18 @@ fn emu_store(c: Acc, at: u32, lane: u32) {
 #endif
 
 // Slice `e` of the step at n0 of the rows from position `first` (col: C or B's offset in a
-// row of u): row first + e/8, values n0 + (e%8)·4 .. +4; zero at positions ≥ `rows`.
-fn slice(chunk: u32, first: u32, rows: u32, col: u32, n0: u32, e: u32) -> vec4<f32> {
+// row of u): row first + e/8, values n0 + (e%8)·4 .. +4; zero at positions ≥ `rows`. Raw
+// (`u_raw`: converted by put, after the products).
+fn slice(chunk: u32, first: u32, rows: u32, col: u32, n0: u32, e: u32) -> vec4<u32> {
     let i = first + e / 8u;
     if (i >= rows) {
-        return vec4<f32>(0.0);
+        return vec4<u32>(0u);
     }
-    return u4(((chunk * Q + i) * CD + col + n0) / 4u + e % 8u);
+    return u_raw(((chunk * Q + i) * CD + col + n0) / 4u + e % 8u);
 }
 
-fn put(stage: u32, e: u32, v: vec4<f32>, to_c: bool) {
+fn put(stage: u32, e: u32, raw: vec4<u32>, to_c: bool) {
+    let v = u_values(raw);
     let o = stage * STAGE + (e / 8u) * (LD / 2u) + (e % 8u) * 2u;
     if (to_c) {
         sc[o] = vec2<f16>(v.xy);

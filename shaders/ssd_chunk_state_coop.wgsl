@@ -81,33 +81,36 @@ fn emu_store(c: Acc, o: u32, lane: u32) {
 #endif
 
 // x slice `e` of the step at position j0: position j0 + e/16, channels p0 + (e%16)·4 ..
-// +4 (zero past the block; put_x weights it).
-fn x_slice(c: u32, h: u32, p0: u32, jmax: u32, j0: u32, e: u32) -> vec4<f32> {
+// +4 (zero past the block; put_x weights it), raw (`u_raw`: converted by put_x, after the
+// products).
+fn x_slice(c: u32, h: u32, p0: u32, jmax: u32, j0: u32, e: u32) -> vec4<u32> {
     let j = j0 + e / 16u;
     if (j >= jmax) {
-        return vec4<f32>(0.0);
+        return vec4<u32>(0u);
     }
-    return u4(((c * Q + j) * CD + h * P + p0) / 4u + e % 16u);
+    return u_raw(((c * Q + j) * CD + h * P + p0) / 4u + e % 16u);
 }
 
-// B slice `e` of the step at position j0: position j0 + e/32, columns n0 + (e%32)·4 .. +4.
-fn b_slice(c: u32, g: u32, n0: u32, jmax: u32, j0: u32, e: u32) -> vec4<f32> {
+// B slice `e` of the step at position j0: position j0 + e/32, columns n0 + (e%32)·4 .. +4,
+// raw as x_slice.
+fn b_slice(c: u32, g: u32, n0: u32, jmax: u32, j0: u32, e: u32) -> vec4<u32> {
     let j = j0 + e / 32u;
     if (j >= jmax) {
-        return vec4<f32>(0.0);
+        return vec4<u32>(0u);
     }
-    return u4(((c * Q + j) * CD + DI + g * N + n0) / 4u + e % 32u);
+    return u_raw(((c * Q + j) * CD + DI + g * N + n0) / 4u + e % 32u);
 }
 
 // Stores x slice `e` of the step at position j0 as X' (weighted).
-fn put_x(stage: u32, j0: u32, e: u32, x: vec4<f32>) {
-    let v = wt[j0 + e / 16u] * x;
+fn put_x(stage: u32, j0: u32, e: u32, x: vec4<u32>) {
+    let v = wt[j0 + e / 16u] * u_values(x);
     let o = stage * ATILE + (e / 16u) * (LDA / 2u) + (e % 16u) * 2u;
     xa[o] = vec2<f16>(v.xy);
     xa[o + 1u] = vec2<f16>(v.zw);
 }
 
-fn put_b(stage: u32, e: u32, v: vec4<f32>) {
+fn put_b(stage: u32, e: u32, raw: vec4<u32>) {
+    let v = u_values(raw);
     let o = stage * BTILE + (e / 32u) * (LDB / 2u) + (e % 32u) * 2u;
     bb[o] = vec2<f16>(v.xy);
     bb[o + 1u] = vec2<f16>(v.zw);
