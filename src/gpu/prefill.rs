@@ -188,8 +188,8 @@ impl Prefill {
             )?,
             cst16: ctx.storage_zeroed(
                 "prefill entering states (f16)",
-                f32s(if mamba && ctx.caps.coop_kernels() {
-                    (cc.chunks() * c.ssm_state_len()).div_ceil(2)
+                f32s(if ctx.caps.coop_kernels() {
+                    m(cc.states_f16_words())
                 } else {
                     1
                 }),

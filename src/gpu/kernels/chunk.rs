@@ -35,6 +35,16 @@ impl ChunkConsts {
         }
     }
 
+    /// Values of `cst [NC][H][P][N]` (the chunk states, then the states entering the chunks).
+    pub fn states_len(&self) -> usize {
+        self.chunks() * self.heads * self.head_dim * self.d_state
+    }
+
+    /// The 4-byte words of the entering states in f16 (`cst16`: two halves a word).
+    pub fn states_f16_words(&self) -> usize {
+        self.states_len().div_ceil(2)
+    }
+
     /// Adds the U16 flag of the kernels that read `u` where it is f16.
     pub fn u_flag(&self, flags: &mut Vec<&'static str>) {
         if self.u_f16 {

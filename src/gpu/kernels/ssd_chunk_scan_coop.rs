@@ -61,12 +61,7 @@ pub fn ssd_chunk_scan_coop(
              from ssd_state_pass); none was given"
         )));
     };
-    // (Halves: two per counted f32.)
-    check_len(
-        &format!("{name}: cst16"),
-        cst16,
-        cc.chunks() * cc.heads * cc.head_dim * cc.d_state / 2,
-    )?;
+    check_len(&format!("{name}: cst16"), cst16, cc.states_f16_words())?;
     check_len(&format!("{name}: u"), b.u, cc.u_words())?;
     let mut consts = cc.consts();
     consts.push(("D_OFF", Const::U32(d_off as u32)));

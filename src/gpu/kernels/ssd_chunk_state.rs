@@ -28,11 +28,7 @@ pub fn ssd_chunk_state(
         );
     }
     cc.require_u_f32(name)?;
-    check_len(
-        &format!("{name}: cst"),
-        cst,
-        cc.chunks() * cc.heads * cc.head_dim * cc.d_state,
-    )?;
+    check_len(&format!("{name}: cst"), cst, cc.states_len())?;
     let pipeline = k.pipeline("ssd_chunk_state", SOURCES, &cc.consts(), &[], false)?;
     Ok(Dispatch {
         bind_group: k.bind(

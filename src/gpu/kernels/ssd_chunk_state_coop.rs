@@ -50,11 +50,7 @@ pub fn ssd_chunk_state_coop(
     }
     super::require_coop(k, name, emulate)?;
     check_len(&format!("{name}: u"), u, cc.u_words())?;
-    check_len(
-        &format!("{name}: cst"),
-        cst,
-        cc.chunks() * cc.heads * cc.head_dim * cc.d_state,
-    )?;
+    check_len(&format!("{name}: cst"), cst, cc.states_len())?;
     let mut flags = Vec::new();
     cc.u_flag(&mut flags);
     let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);

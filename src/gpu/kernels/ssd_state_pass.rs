@@ -34,8 +34,7 @@ pub fn ssd_state_pass(
                     cc.head_dim * cc.d_state
                 )));
             }
-            // (Halves: two per counted f32.)
-            check_len(&format!("{name}: cst16"), b, cc.chunks() * hpn / 2)?;
+            check_len(&format!("{name}: cst16"), b, cc.states_f16_words())?;
             entries.push((4, b));
             (&["VEC4", "S16"], SOURCES_F16)
         }
