@@ -1743,7 +1743,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             u = round_f16(&u);
         }
         g.write(&mixb, &mix);
-        write_u(g, &ub, &u, u16);
+        write_values(g, &ub, &u, u16);
         // The inputs later steps read, as the earlier steps would leave them.
         let lam_in = ref_cumsum(&s, &mix, a, t);
         match kernel {
@@ -1766,10 +1766,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         }
         if scan {
             // The tensor-core scan reads them in f16, as ssd_state_pass hands them over.
-            let halves: Vec<half::f16> = cst.iter().map(|&v| half::f16::from_f32(v)).collect();
-            g.ctx()
-                .queue
-                .write_buffer(&cst16b, 0, bytemuck::cast_slice(&halves));
+            write_values(g, &cst16b, &cst, true);
         }
         if scan {
             cb = over(&cb, &ref_cb(&s, &u, t, false));
@@ -1780,7 +1777,7 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
         match kernel {
             Kernel::Conv(_) => {
                 let [uw, dtw, next] = ref_conv(&s, &mix, &params, &conv, t);
-                let got = read_u(g, &ub, u.len(), u16)?;
+                let got = read_values(g, &ub, u.len(), u16)?;
                 let live = t * s.cd;
                 let region = |i: usize| if i < live { Region::Live } else { Region::Kept };
                 stats.push(compare(&tag("u"), &got, &over(&u, &uw), region)?);
@@ -1861,15 +1858,8 @@ fn run_ssd(g: &Gpu, seed: u64, kernel: Kernel, shape: &SsdShape) -> Res<Vec<Stat
             }
             Kernel::StatePassF16 => {
                 let [enter, next] = ref_state_pass(&s, &lam, &cst, &state, t);
-                let words = g.read(&cst16b, nc * hpn / 2)?;
-                let got: Vec<f32> = bytemuck::cast_slice::<f32, half::f16>(&words)
-                    .iter()
-                    .map(|h| h.to_f32())
-                    .collect();
-                let want: Vec<f32> = over(&cst, &enter)
-                    .iter()
-                    .map(|&v| half::f16::from_f32(v).to_f32())
-                    .collect();
+                let got = read_values(g, &cst16b, nc * hpn, true)?;
+                let want = round_f16(&over(&cst, &enter));
                 // (Entries past the block's chunks are never written.)
                 let live = nct * hpn;
                 let region = |i: usize| if i < live { Region::Live } else { Region::Free };
@@ -1921,19 +1911,19 @@ fn round_f16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
 }
 
-/// Writes `u` in f32 or (`u16`) f16.
-fn write_u(g: &Gpu, b: &wgpu::Buffer, u: &[f32], u16: bool) {
-    if u16 {
-        let h: Vec<half::f16> = u.iter().map(|&x| half::f16::from_f32(x)).collect();
+/// Writes `v` in f32 or (`f16`) f16 (u, or the entering states of `cst16`).
+fn write_values(g: &Gpu, b: &wgpu::Buffer, v: &[f32], f16: bool) {
+    if f16 {
+        let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
         g.ctx().queue.write_buffer(b, 0, bytemuck::cast_slice(&h));
     } else {
-        g.write(b, u);
+        g.write(b, v);
     }
 }
 
-/// Reads `n` values of `u` stored in f32 or (`u16`) f16.
-fn read_u(g: &Gpu, b: &wgpu::Buffer, n: usize, u16: bool) -> Res<Vec<f32>> {
-    if !u16 {
+/// Reads `n` values stored in f32 or (`f16`) f16.
+fn read_values(g: &Gpu, b: &wgpu::Buffer, n: usize, f16: bool) -> Res<Vec<f32>> {
+    if !f16 {
         return g.read(b, n);
     }
     let words = g.read(b, n.div_ceil(2))?;
