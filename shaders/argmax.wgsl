@@ -1,7 +1,7 @@
 // Greedy sampling on the device: ctrl.token = argmax(logits) (lowest id on ties; NaN never
 // wins), unless a stop token was already sampled; a NaN or ±Inf logit sets ctrl.nonfinite.
 // One workgroup of WG threads per lane (workgroup x; `logits [lane][V]`, `ctrl[lane]`), each
-// keeping four independent loads in flight per step.
+// keeping LPT independent loads in flight per round.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read_write> ctrl: array<Ctrl>;
@@ -27,23 +27,25 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     var bv = -3.4e38;
     var bi = 0xffffffffu;
     var bad = false;
-    for (var base = 0u; base < V; base += 4u * WG) {
-        var v: array<f32, 4>;
-        for (var j = 0u; j < 4u; j++) {
-            let k = base + j * WG + lid;
-            v[j] = -3.4e38;
-            if (k < V) {
-                v[j] = logits[lo + k];
-                bad = bad || is_nonfinite(v[j]);
+    // LPT loads per invocation and round, all issued before the first compare (straight-line
+    // variables: a round is one memory latency, not LPT of them).
+    for (var base = 0u; base < V; base += LPT * WG) {
+#for j LPT
+        let k{j} = base + {j}u * WG + lid;
+        var v{j} = -3.4e38;
+        if (k{j} < V) {
+            v{j} = logits[lo + k{j}];
+        }
+#endfor
+#for j LPT
+        if (k{j} < V) {
+            bad = bad || is_nonfinite(v{j});
+            if (better(v{j}, k{j}, bv, bi)) {
+                bv = v{j};
+                bi = k{j};
             }
         }
-        for (var j = 0u; j < 4u; j++) {
-            let k = base + j * WG + lid;
-            if (k < V && better(v[j], k, bv, bi)) {
-                bv = v[j];
-                bi = k;
-            }
-        }
+#endfor
     }
     if (bad) {
         atomicOr(&any_bad, 1u);

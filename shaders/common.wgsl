@@ -134,6 +134,49 @@ fn team_sum(v: f32, lid: u32) -> f32 {
 // q8_0 GEMV reads them: d = amax/127, q = round(v/d) (ties to even), four int8 per u32
 // (model::quant mirrors it). Every invocation calls it with its own element's value (0
 // past the end); blocks from NB on (in the row) are not written.
+#if Q8_SHUFFLE
+// Each block's absmax by shuffles within pieces of Q8SUB lanes (a power of two, 4…32, at
+// most the smallest subgroup), the pieces of a block (32 / Q8SUB) combined in workgroup
+// memory; the four values of a word gathered by shuffles too. No barrier when a subgroup
+// holds a whole block: the norms' and activations' q8 output was a chain of two barriers
+// and a 32-step serial max.
+var<workgroup> q8_part: array<f32, WG / Q8SUB>;
+
+fn q8_chunk(v: f32, lid: u32, first: u32, base: u32) {
+    var amax = abs(v);
+    for (var o = Q8SUB / 2u; o > 0u; o /= 2u) {
+        amax = max(amax, subgroupShuffleXor(amax, o));
+    }
+    if (Q8SUB < 32u) {
+        if (lid % Q8SUB == 0u) {
+            q8_part[lid / Q8SUB] = amax;
+        }
+        workgroupBarrier();
+        let p0 = (lid / 32u) * (32u / Q8SUB);
+        for (var i = 0u; i < 32u / Q8SUB; i++) {
+            amax = max(amax, q8_part[p0 + i]);
+        }
+        workgroupBarrier();
+    }
+    let d = amax / 127.0;
+    var inv = 0.0;
+    if (d > 0.0) {
+        inv = 1.0 / d;
+    }
+    let q = clamp(i32(round(v * inv)), -127, 127);
+    let q1 = subgroupShuffleXor(q, 1u);
+    let q2 = subgroupShuffleXor(q, 2u);
+    let q3 = subgroupShuffleXor(q, 3u);
+    if ((first + lid) / 32u < NB) {
+        if (lid % 32u == 0u) {
+            xd[(base + first + lid) / 32u] = d;
+        }
+        if (lid % 4u == 0u) {
+            xq[(base + first + lid) / 4u] = pack4xI8(vec4<i32>(q, q1, q2, q3));
+        }
+    }
+}
+#else
 var<workgroup> q8_vals: array<f32, WG>;
 var<workgroup> q8_inv: array<f32, WG / 32u>;
 
@@ -162,4 +205,5 @@ fn q8_chunk(v: f32, lid: u32, first: u32, base: u32) {
         xq[(base + first + lid) / 4u] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
     }
 }
+#endif
 #endif

@@ -35,6 +35,7 @@ var<workgroup> score: array<f32, E>;
 var<workgroup> rank_of: array<atomic<u32>, E>;
 var<workgroup> slot_id: array<u32, K>;
 var<workgroup> slot_w: array<f32, K>;
+var<workgroup> total: f32;
 
 fn better(a: f32, ia: u32, b: f32, ib: u32) -> bool {
     return a > b || (a == b && ia < ib);
@@ -123,42 +124,41 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         }
     }
     workgroupBarrier();
-    if (lid != 0u) {
-        return;
-    }
-    // Sums in slot order, then divided and scaled: the CPU reference's order of operations.
+    // The weights' sums in slot order (one invocation: the CPU reference's order), then
+    // every slot written by its own invocation.
+    if (lid == 0u) {
+        var sum = 0.0;
 #if GROUPED
-    var total = 0.0;
-    for (var j = 0u; j < K; j++) {
-        total += slot_w[j];
+        for (var j = 0u; j < K; j++) {
+            sum += slot_w[j];
+        }
+#else
+        let first = slot_w[0];
+        for (var j = 0u; j < K; j++) {
+            slot_w[j] = exp(slot_w[j] - first);
+            sum += slot_w[j];
+        }
+#endif
+        total = sum;
     }
-    for (var j = 0u; j < K; j++) {
-        var w = slot_w[j];
+    workgroupBarrier();
+    if (lid < K) {
+        var w = slot_w[lid];
+#if GROUPED
         if (NORM == 1u) {
             w = w / (total + 1e-20);
         }
-        ids[t * KS + j] = slot_id[j];
-        wts[t * KS + j] = w * RSF;
-    }
+        w = w * RSF;
 #else
-    let first = slot_w[0];
-    var total = 0.0;
-    for (var j = 0u; j < K; j++) {
-        slot_w[j] = exp(slot_w[j] - first);
-        total += slot_w[j];
-    }
-    for (var j = 0u; j < K; j++) {
-        ids[t * KS + j] = slot_id[j];
-        wts[t * KS + j] = slot_w[j] / total;
-    }
+        w = w / total;
 #endif
-    for (var j = 0u; j < KS - K; j++) {
-        ids[t * KS + K + j] = E + j;
-        wts[t * KS + K + j] = 1.0;
-    }
+        ids[t * KS + lid] = slot_id[lid];
+        wts[t * KS + lid] = w;
 #if COUNT
-    for (var j = 0u; j < K; j++) {
-        atomicAdd(&counts[COUNT_OFF + slot_id[j]], 1u);
-    }
+        atomicAdd(&counts[COUNT_OFF + slot_id[lid]], 1u);
 #endif
+    } else if (lid < KS) {
+        ids[t * KS + lid] = E + lid - K;
+        wts[t * KS + lid] = 1.0;
+    }
 }

@@ -49,9 +49,25 @@ fn main(
         dst[dbase / 4u + k4] = src[sbase / 4u + k4] * rstd * w;
     }
 #else
-    for (var k = lid; k < D; k += WG) {
-        ss[0] += src[sbase + k] * src[sbase + k];
+    // This invocation's element of the workgroup's first chunk and its norm weight go out
+    // with the sum's loads (straight-line, SSL = ⌈D/WG⌉ of them, summed in the loop's
+    // order): the kernel is one memory latency, not three.
+    let k0 = wid.x * WG + lid;
+    var x0 = 0.0;
+    var w0 = 0.0;
+    if (k0 < D) {
+        x0 = src[sbase + k0];
+        w0 = params[NW_OFF + k0];
     }
+#for j SSL
+    {
+        let k = lid + {j}u * WG;
+        if (k < D) {
+            let x = src[sbase + k];
+            ss[0] += x * x;
+        }
+    }
+#endfor
     let tot = wg_sum(ss, lid, sg_lane, sg_size);
     let rstd = inverseSqrt(tot[0] / f32(D) + EPS);
     // One element per invocation per chunk of WG; a token's workgroups share its chunks
@@ -60,7 +76,13 @@ fn main(
         let k = first + lid;
         var v = 0.0;
         if (k < D) {
-            v = src[sbase + k] * rstd * params[NW_OFF + k];
+            var xv = x0;
+            var wv = w0;
+            if (first != wid.x * WG) {
+                xv = src[sbase + k];
+                wv = params[NW_OFF + k];
+            }
+            v = xv * rstd * wv;
             dst[dbase + k] = v;
         }
 #if Q8_OUT

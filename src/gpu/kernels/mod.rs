@@ -324,6 +324,14 @@ impl Kernels {
         }
     }
 
+    /// `q8_chunk`'s shuffle piece (a power of two of 4…32 lanes, at most the smallest
+    /// subgroup) as its constant and flag, or none without subgroups of at least 4.
+    pub fn q8_shuffle(&self) -> Option<(&'static str, Const)> {
+        let caps = &self.ctx.caps;
+        (caps.subgroups && caps.subgroup_min >= 4)
+            .then(|| ("Q8SUB", Const::U32(caps.subgroup_min.min(32))))
+    }
+
     /// The largest workgroup size (a power of two, at most 1024) the device allows.
     pub fn max_workgroup(&self) -> u32 {
         let max = self

@@ -11,7 +11,6 @@ use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
 const SOURCES: super::Sources = &[include_str!("../../../shaders/moe_route.wgsl")];
-const WG: u32 = 256;
 
 /// The router's buffers.
 pub struct RouteBuffers<'a> {
@@ -41,10 +40,20 @@ pub fn moe_route(
     check_len(&format!("{name}: ids"), b.ids, tokens * slots)?;
     check_len(&format!("{name}: weights"), b.weights, tokens * slots)?;
     let u = |v: usize| Const::U32(v as u32);
+    // Eight invocations per candidate where the device allows (each counts the rivals of
+    // its slice: the rank loop is the kernel's latency), at least 256 invocations.
+    let wg = k
+        .max_workgroup()
+        .min((8 * e.next_power_of_two()).max(256) as u32);
+    if slots > wg as usize {
+        return Err(Error::Gpu(format!(
+            "{name}: {slots} expert slots per token, but a workgroup holds {wg} invocations"
+        )));
+    }
     // Invocations per candidate: the workgroup over the experts, a power of two.
-    let tpc = (WG as usize / e.next_power_of_two()).max(1);
+    let tpc = (wg as usize / e.next_power_of_two()).max(1);
     let mut consts = vec![
-        ("WG", Const::U32(WG)),
+        ("WG", Const::U32(wg)),
         ("E", u(e)),
         ("K", u(top)),
         ("KS", u(slots)),

@@ -115,6 +115,7 @@ fn rows(
         ("KP", Const::U32(kp as u32)),
         ("RV", Const::U32(1)),
         ("D", Const::U32(d as u32)),
+        ("SSL", Const::U32(d.div_ceil(CHUNK) as u32)),
         ("NW_OFF", Const::U32(nw_off as u32)),
         ("EPS", Const::F32(eps as f32)),
     ];
@@ -166,15 +167,20 @@ pub(super) fn norm_dispatch_flags<'a>(
     let kp = width.next_multiple_of(32);
     let mut flags = vec!["REDUCE"];
     flags.extend_from_slice(extra);
+    let mut consts = consts.to_vec();
     if let Some((q, s)) = q8 {
         check_len(&format!("{name}: xq"), q, tokens * kp / 4)?;
         check_len(&format!("{name}: xd"), s, tokens * kp / 32)?;
         flags.push("Q8_OUT");
+        if let Some(piece) = k.q8_shuffle() {
+            flags.push("Q8_SHUFFLE");
+            consts.push(piece);
+        }
         let next = entries.len() as u32;
         entries.extend([(next, q), (next + 1, s)]);
     }
     entries.extend_from_slice(tail);
-    let pipeline = k.pipeline(shader, sources, consts, &flags, true)?;
+    let pipeline = k.pipeline(shader, sources, &consts, &flags, true)?;
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
