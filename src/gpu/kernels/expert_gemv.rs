@@ -7,7 +7,7 @@
 //! - `Down`: `dst [T][M] += Σ_k w_k · W_id(k) · x_(t,k)`; inputs one row per choice,
 //!   `src [T·K][KP]` or q8 blocks.
 
-use super::gemv::{WG, team_size};
+use super::gemv::team_size;
 use super::{Dispatch, Kernels, Label, Section, check_len, grid};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
@@ -97,13 +97,14 @@ pub fn expert_gemv(
         ExpertPass::Down => top_k * w.kp / vw,
     };
     let team = team_size(m, per_row);
+    let wg = super::gemv::one_token_wg(k, super::gemv::WgKind::Expert)?.max(team);
     // Input vectors are padded to 32 values (what norms and activations write).
     let xs = w.cols.next_multiple_of(32);
     let u = |v: usize| Const::U32(v as u32);
     let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
-        ("WG", Const::U32(WG)),
-        ("R", Const::U32(WG / team)),
+        ("WG", Const::U32(wg)),
+        ("R", Const::U32(wg / team)),
         ("M", u(m)),
         ("KP", u(w.kp)),
         ("XS", u(xs)),
@@ -143,7 +144,7 @@ pub fn expert_gemv(
     }
     let pipeline = k.pipeline("expert_gemv", SOURCES, &consts, &flags, false)?;
     let bind_group = k.bind(&pipeline, name, &entries);
-    let (gx, gy, _) = grid((m as u32).div_ceil(WG / team));
+    let (gx, gy, _) = grid((m as u32).div_ceil(wg / team));
     let d = Dispatch {
         pipeline,
         bind_group,

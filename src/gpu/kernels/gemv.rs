@@ -220,6 +220,62 @@ pub fn gemv_unroll(format: WeightFormat) -> Result<u32> {
     }
 }
 
+/// Which one-token GEMV a workgroup size is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgKind {
+    /// The GEMVs reading a plain input (in_proj, the attention and MLP projections).
+    Plain,
+    /// The GEMVs with the gated group norm folded in (out_proj: a per-workgroup prologue).
+    Group,
+    /// The MoE expert GEMVs.
+    Expert,
+}
+
+/// Invocations per workgroup of a one-token GEMV (the batched lanes kernel keeps `WG`):
+/// MAMBA2_GEMV_WG=P[,G[,E]] (64…1024, for tuning: plain, group-norm and expert GEMVs) or
+/// what the H200 measured best (BENCHMARKS.md "Decode: shorter kernel latencies", runs
+/// 90–91): 128 for the plain GEMVs (smaller workgroups end more evenly: Codestral's
+/// in_proj 2.163 → 2.101 ms per token in q8_0, 3.376 → 3.342 in f16, 1.712 → 1.650 in
+/// q4_k) and 512 for the group-norm ones (their prologue paid by fewer workgroups:
+/// out_proj 1.206 → 1.193, 1.908 → 1.848, 1.028 → 1.015); `WG` for the experts. Never
+/// more than the device allows.
+pub fn one_token_wg(k: &Kernels, kind: WgKind) -> Result<u32> {
+    let wg = match std::env::var("MAMBA2_GEMV_WG") {
+        Ok(s) => {
+            let v = parse_wg(&s)?;
+            match kind {
+                WgKind::Plain => v[0],
+                WgKind::Group => v.get(1).copied().unwrap_or(v[0]),
+                WgKind::Expert => v.get(2).copied().unwrap_or(v[0]),
+            }
+        }
+        Err(_) => match kind {
+            WgKind::Plain => 128,
+            WgKind::Group => 512,
+            WgKind::Expert => WG,
+        },
+    };
+    Ok(wg.min(k.max_workgroup()))
+}
+
+/// A MAMBA2_GEMV_WG value: one to three powers of two of 64…1024.
+fn parse_wg(s: &str) -> Result<Vec<u32>> {
+    let bad = || {
+        Error::InvalidInput(format!(
+            "MAMBA2_GEMV_WG={s}: want one to three workgroup sizes (64, 128, 256, 512 or \
+             1024) for the plain, group-norm and expert GEMVs, e.g. 128,512"
+        ))
+    };
+    let v: Vec<u32> = s
+        .split(',')
+        .map(|p| p.trim().parse::<u32>().map_err(|_| bad()))
+        .collect::<Result<_>>()?;
+    if v.is_empty() || v.len() > 3 || v.iter().any(|&n| !matches!(n, 64 | 128 | 256 | 512 | 1024)) {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
 /// A MAMBA2_GEMV_UNROLL value.
 fn parse_unroll(s: &str) -> Result<u32> {
     match s.trim().parse::<u32>() {
@@ -230,12 +286,16 @@ fn parse_unroll(s: &str) -> Result<u32> {
     }
 }
 
-/// The GEMVs' tuning override (MAMBA2_GEMV_UNROLL), checked before a device is made.
+/// The GEMVs' tuning overrides (MAMBA2_GEMV_UNROLL, MAMBA2_GEMV_WG), checked before a
+/// device is made.
 pub fn check_overrides() -> Result<()> {
-    match std::env::var("MAMBA2_GEMV_UNROLL") {
-        Ok(s) => parse_unroll(&s).map(|_| ()),
-        Err(_) => Ok(()),
+    if let Ok(s) = std::env::var("MAMBA2_GEMV_UNROLL") {
+        parse_unroll(&s)?;
     }
+    if let Ok(s) = std::env::var("MAMBA2_GEMV_WG") {
+        parse_wg(&s)?;
+    }
+    Ok(())
 }
 
 /// Builds the dispatch; fails if a buffer is too small for the shapes.
@@ -271,11 +331,20 @@ pub fn gemv(
         )));
     }
     let team = team_size(m, w.kp / vector_width(w.format));
-    let rows_per_wg = WG / team;
+    let wg = if cap > 1 {
+        WG
+    } else {
+        let kind = match input {
+            GemvInput::Group { .. } => WgKind::Group,
+            GemvInput::Plain => WgKind::Plain,
+        };
+        one_token_wg(k, kind)?.max(team)
+    };
+    let rows_per_wg = wg / team;
     let u = |v: usize| Const::U32(v as u32);
     let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
-        ("WG", Const::U32(WG)),
+        ("WG", Const::U32(wg)),
         ("R", Const::U32(rows_per_wg)),
         ("M", u(m)),
         ("KP", u(w.kp)),
@@ -331,16 +400,16 @@ pub fn gemv(
             part,
             cap * groups * blocks_per_group,
         )?;
-        if groups == 0 || groups > WG as usize {
+        if groups == 0 || groups > wg as usize {
             return Err(Error::Gpu(format!(
                 "{name}: {groups} groups (1…{WG} fit a workgroup's norm prologue)"
             )));
         }
         // Lanes summing each group's partials: a power of two, at most WG/G and BPG.
-        let gsub = (WG as usize / groups)
+        let gsub = (wg as usize / groups)
             .min(blocks_per_group.max(1))
             .next_power_of_two();
-        let gsub = if gsub * groups > WG as usize {
+        let gsub = if gsub * groups > wg as usize {
             gsub / 2
         } else {
             gsub
@@ -399,6 +468,16 @@ pub fn gemv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workgroup_override_names_the_variable() {
+        assert_eq!(parse_wg("128").unwrap(), vec![128]);
+        assert_eq!(parse_wg("128, 512,256").unwrap(), vec![128, 512, 256]);
+        for bad in ["", "96", "2048", "128,512,256,64", "a,b", "128,,512"] {
+            let e = parse_wg(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_GEMV_WG"), "{e}");
+        }
+    }
 
     #[test]
     fn unroll_override_names_the_variable() {
