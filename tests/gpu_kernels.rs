@@ -117,6 +117,18 @@ fn q8_blocks(x: &[f32]) -> (Vec<u32>, Vec<f32>) {
     (q, d)
 }
 
+/// A kernel's q8 output (`q` words, `d` scales) against the host's blocks of its own f32
+/// output `x`: the quants exact; a scale is amax / 127, and Vulkan lets OpFDiv be off by
+/// 2.5 ulp (NVIDIA's is, by one), so the scales match to 3 ulp, not bit for bit.
+fn assert_q8_of(what: &str, q: &[u32], d: &[f32], x: &[f32]) {
+    let (q8, d8) = q8_blocks(x);
+    assert_eq!(q, q8, "{what}: q8 blocks");
+    for (i, (a, b)) in d.iter().zip(&d8).enumerate() {
+        let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
+        assert!(ulps <= 3, "{what}: q8 scale {i}: {a} against {b}");
+    }
+}
+
 /// Dequantized q8 blocks (to check a producer's q8 output against its f32 output).
 fn dequant(q: &[u32], d: &[f32], n: usize) -> Vec<f32> {
     (0..n)
@@ -374,14 +386,7 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
             bytemuck::cast_slice(&g.ctx().read(&xq, 4 * (d.div_ceil(32) * 8) as u64).unwrap())
                 .to_vec();
         let s = g.read(&xd, d.div_ceil(32));
-        // The q8 blocks of the kernel's own f32 output, as the host packs them: the quants
-        // exact, the scales within 3 ulp (amax / 127 may be off by 2.5 ulp in Vulkan).
-        let (q8, s8) = q8_blocks(&got);
-        assert_eq!(q, q8, "d = {d}: q8 blocks");
-        for (i, (a, b)) in s.iter().zip(&s8).enumerate() {
-            let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
-            assert!(ulps <= 3, "d = {d}: q8 scale {i}: {a} against {b}");
-        }
+        assert_q8_of(&format!("rmsnorm d = {d}"), &q, &s, &got);
     }
 }
 
@@ -717,13 +722,7 @@ fn gated_norm_residual_and_embedding() {
     );
     let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, 96).unwrap()).to_vec();
     let s = g.read(&xd, 3);
-    // The q8 blocks of the kernel's own output: quants exact, scales within 3 ulp.
-    let (q8, s8) = q8_blocks(&got);
-    assert_eq!(q, q8, "gated norm q8 blocks");
-    for (i, (a, b)) in s.iter().zip(&s8).enumerate() {
-        let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
-        assert!(ulps <= 3, "gated norm q8 scale {i}: {a} against {b}");
-    }
+    assert_q8_of("gated norm", &q, &s, &got);
     // The same over a block of tokens without q8 output (the vec4 path: 16-byte loads),
     // z in wider mix rows, the norm weight at an offset: a few tokens (many workgroups per
     // token), and enough that each token gets one workgroup holding its channels in
@@ -1010,15 +1009,7 @@ fn mlp_activation_every_form() {
         if c.tokens == 1 {
             let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, kp as u64).unwrap()).to_vec();
             // The blocks of the kernel's own f32 output (ggml's rule, as the host packs it).
-            let (q8, s8) = q8_blocks(&got[..n]);
-            assert_eq!(q, q8, "{}: q8 blocks", c.name);
-            // A scale is amax / 127: Vulkan lets OpFDiv be off by 2.5 ulp (NVIDIA's is, by
-            // one), so the scales match to 3 ulp, not bit for bit; the quants above are exact.
-            let xd_got = g.read(&xd, kp / 32);
-            for (i, (a, b)) in xd_got.iter().zip(&s8).enumerate() {
-                let ulps = (a.to_bits() as i64 - b.to_bits() as i64).abs();
-                assert!(ulps <= 3, "{}: q8 scale {i}: {a} against {b}", c.name);
-            }
+            assert_q8_of(c.name, &q, &g.read(&xd, kp / 32), &got[..n]);
         }
     }
 }

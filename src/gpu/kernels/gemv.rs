@@ -402,10 +402,10 @@ pub fn gemv(
         )?;
         if groups == 0 || groups > wg as usize {
             return Err(Error::Gpu(format!(
-                "{name}: {groups} groups (1…{WG} fit a workgroup's norm prologue)"
+                "{name}: {groups} groups (1…{wg} fit a workgroup's norm prologue)"
             )));
         }
-        // Lanes summing each group's partials: a power of two, at most WG/G and BPG.
+        // Lanes summing each group's partials: a power of two, at most wg/G and BPG.
         let gsub = (wg as usize / groups)
             .min(blocks_per_group.max(1))
             .next_power_of_two();
