@@ -33,7 +33,13 @@
 // another bank (or none: past the used rows) returns at once. With GATHER, row r reads X row
 // `pairs[r] / K` (padding rows, NONE, read zeros), else X row r.
 //
-// Constants: M, KP, XS, YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
+// SPLIT (the short blocks of at most 64 tokens, where W's row tiles alone leave the GPU
+// idle): workgroup z takes the K slice z·KLEN .. (z+1)·KLEN (KLEN a multiple of BK·PF, and
+// of 256 with SC8) and stores its partial sums at y[z·PSL + t·YS + m] (PSL = 64·YS: the
+// `[KS][64][M]` partials gemm_reduce sums in slice order), through workgroup memory.
+//
+// Constants: M, KP, KLEN (the K columns a workgroup multiplies: KP, or a slice's), XS,
+// YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
 // BK, KQ = BK/16, XPR = BK/4 X slices (vec4) per token and step; XV = BT·XPR/NT X slices
 // and WV = BM·PW/NT W slices (16 bytes) per invocation, PW slices per row and step (BK/8
 // for f16, BK/16 for q8_0) of VP values each (8, 16); PF (1..4, PF·BK < 256); SPARE (DIRECT).
@@ -63,7 +69,7 @@ var<workgroup> tile_e: u32;
 
 const LD: u32 = BK + 8u;
 // K steps, rounded up to whole rounds of the PF register sets.
-const STEPS: u32 = (KP / BK + PF - 1u) / PF * PF;
+const STEPS: u32 = (KLEN / BK + PF - 1u) / PF * PF;
 const LD2: u32 = LD / 2u;
 // One stage, in pairs.
 const XTILE: u32 = BT * LD2;
@@ -235,18 +241,18 @@ fn y_tile(tb: u32, mb: u32) -> u32 {
     return SPARE * YS;
 }
 #else
-// Writes (or adds) the 16×16 tile at outs[ob] to tokens tb.., rows mb.. of Y.
-fn emit(ob: u32, lane: u32, tb: u32, mb: u32, tokens: u32) {
+// Writes (or adds) the 16×16 tile at outs[ob] to tokens tb.., rows mb.. of Y from y[base].
+fn emit(ob: u32, lane: u32, tb: u32, mb: u32, tokens: u32, base: u32) {
     let col = lane % 16u;
     let m = mb + col;
     for (var r = lane / 16u; r < 16u; r += 2u) {
         let t = tb + r;
         if (t < tokens && m < M) {
 #if O_STORE
-            y[t * YS + m] = outs[ob + r * 16u + col];
+            y[base + t * YS + m] = outs[ob + r * 16u + col];
 #endif
 #if O_ADD
-            y[t * YS + m] += outs[ob + r * 16u + col];
+            y[base + t * YS + m] += outs[ob + r * 16u + col];
 #endif
         }
     }
@@ -274,6 +280,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #endif
     let m0 = wid.x * BM;
     let t0 = wid.y * BT;
+    // This workgroup's first K column (loads take absolute columns; `k < KP` bounds them).
+#if SPLIT
+    let kb = wid.z * KLEN;
+#else
+    let kb = 0u;
+#endif
     let sg = lid / 32u;
     let lane = lid % 32u;
     let tw = (sg % WT) * FT * 16u;
@@ -304,35 +316,35 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     // Step 0 into stage 0; steps 1 ..= PF into register sets 0 .. PF - 1.
     {
 #for v XV
-        put_x(0u, lid + {v}u * NT, x_slice(t0, tokens, 0u, lid + {v}u * NT));
+        put_x(0u, lid + {v}u * NT, x_slice(t0, tokens, kb, lid + {v}u * NT));
 #endfor
 #for v WV
 #if SC8
-        let d{v} = scale_in(w_scales8(wrow, m0, 0u, lid + {v}u * NT), 0u);
+        let d{v} = scale_in(w_scales8(wrow, m0, kb, lid + {v}u * NT), kb);
 #else
-        let d{v} = w_scale(wrow, m0, 0u, lid + {v}u * NT);
+        let d{v} = w_scale(wrow, m0, kb, lid + {v}u * NT);
 #endif
-        put_w(0u, lid + {v}u * NT, w_slice(wrow, m0, 0u, lid + {v}u * NT), d{v});
+        put_w(0u, lid + {v}u * NT, w_slice(wrow, m0, kb, lid + {v}u * NT), d{v});
 #endfor
     }
 #if SC8
     // The scales of the 256 columns being loaded and of the 256 after them, loaded a block
     // ahead so that taking one out never waits on memory.
 #for v WV
-    var sc{v} = w_scales8(wrow, m0, 0u, lid + {v}u * NT);
-    var sn{v} = w_scales8(wrow, m0, 256u, lid + {v}u * NT);
+    var sc{v} = w_scales8(wrow, m0, kb, lid + {v}u * NT);
+    var sn{v} = w_scales8(wrow, m0, kb + 256u, lid + {v}u * NT);
 #endfor
 #endif
 #for h PF
 #for v XV
-    var x{h}_{v} = x_slice(t0, tokens, ({h}u + 1u) * BK, lid + {v}u * NT);
+    var x{h}_{v} = x_slice(t0, tokens, kb + ({h}u + 1u) * BK, lid + {v}u * NT);
 #endfor
 #for v WV
-    var w{h}_{v} = w_slice(wrow, m0, ({h}u + 1u) * BK, lid + {v}u * NT);
+    var w{h}_{v} = w_slice(wrow, m0, kb + ({h}u + 1u) * BK, lid + {v}u * NT);
 #if SC8
-    var wd{h}_{v} = scale_in(sc{v}, ({h}u + 1u) * BK);
+    var wd{h}_{v} = scale_in(sc{v}, kb + ({h}u + 1u) * BK);
 #else
-    var wd{h}_{v} = w_scale(wrow, m0, ({h}u + 1u) * BK, lid + {v}u * NT);
+    var wd{h}_{v} = w_scale(wrow, m0, kb + ({h}u + 1u) * BK, lid + {v}u * NT);
 #endif
 #endfor
 #endfor
@@ -376,7 +388,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                 // One stage: everyone is done reading it before it is overwritten.
                 workgroupBarrier();
             }
-            let k = t * BK;
+            let k = kb + t * BK;
 #for v XV
             put_x(t % NS, lid + {v}u * NT, x{h}_{v});
 #endfor
@@ -417,6 +429,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     // Out through this subgroup's 16×16 tile of workgroup memory, one accumulator at a
     // time (the barriers are uniform: every subgroup has FT × FM of them).
     let ob = sg * 256u;
+#if SPLIT
+    let base = wid.z * PSL;
+#else
+    let base = 0u;
+#endif
 #for i FT
 #for j FM
 #if COOP
@@ -425,7 +442,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     emu_store(c{i}_{j}, ob, lane);
 #endif
     workgroupBarrier();
-    emit(ob, lane, t0 + tw + {i}u * 16u, m0 + rw + {j}u * 16u, tokens);
+    emit(ob, lane, t0 + tw + {i}u * 16u, m0 + rw + {j}u * 16u, tokens, base);
     workgroupBarrier();
 #endfor
 #endfor

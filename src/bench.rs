@@ -740,8 +740,11 @@ fn gemm_rates(profile: &[crate::gpu::profiler::KernelTime], tokens: usize) -> Ve
     out
 }
 
-/// Times prompts of `tokens` tokens: `runs` timed runs after one warm-up, then one
-/// profiled run for the split.
+/// Least time `prefill` spends in warm-up runs before it times any.
+const PREFILL_WARMUP: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// Times prompts of `tokens` tokens: `runs` timed runs after warm-up runs of at least
+/// PREFILL_WARMUP (one at the least), then one profiled run for the split.
 pub fn prefill(
     backend: &mut GpuBackend,
     preset_name: &str,
@@ -758,14 +761,23 @@ pub fn prefill(
         .map(|i| (crate::sampling::uniform(99, i) * vocab) as u32)
         .collect();
     let greedy = Sampling::greedy();
+    // Warm-up runs for at least PREFILL_WARMUP: after the seconds of building a model the
+    // GPU idles at low clocks, and one short prompt does not bring them back (H200: a 2.7b
+    // 5-token block timed 43.7 ms first, 13.5 once warm; run 95).
+    let warm_start = Instant::now();
+    loop {
+        backend.reset()?;
+        backend.prefill_sample(&prompt, &greedy, tokens as u64)?;
+        if warm_start.elapsed() >= PREFILL_WARMUP {
+            break;
+        }
+    }
     let mut times = Vec::new();
-    for run in 0..=runs {
+    for _ in 0..runs {
         backend.reset()?;
         let t0 = Instant::now();
         backend.prefill_sample(&prompt, &greedy, tokens as u64)?;
-        if run > 0 {
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
-        }
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
     }
     let med = median(&mut times);
     backend.reset()?;

@@ -90,13 +90,21 @@ fn chunked_prefill_equals_the_cpu_reference() {
 
 /// Blocks of at most one GEMM token tile go through the short-block graph (the Mamba2
 /// projections split over K, `gemm_split`): a short prompt from a fresh state and a short
-/// continuation after a long one, against the CPU reference's last-position logits.
+/// continuation after a long one, against the CPU reference's last-position logits. With
+/// chunks of 128 the short graph runs its SSD in chunks of 64 (one block's worth) while the
+/// long blocks keep 128.
 #[test]
 fn short_blocks_take_the_split_k_graph_and_equal_the_cpu_reference() {
-    use mamba2_wgpu::gpu::prefill::SHORT_BLOCK;
     let model = Model::synthetic(tiny_config(2, 6), 4);
+    for chunk in [64, 128] {
+        short_blocks_with_chunks(&model, chunk);
+    }
+}
+
+fn short_blocks_with_chunks(model: &Model, chunk: usize) {
+    use mamba2_wgpu::gpu::prefill::SHORT_BLOCK;
     let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
-    let Some(mut gpu) = backend(&model, PrefillMode::Chunked, 64) else {
+    let Some(mut gpu) = backend(model, PrefillMode::Chunked, chunk) else {
         return;
     };
     let v = model.config.vocab_size;
@@ -116,7 +124,10 @@ fn short_blocks_take_the_split_k_graph_and_equal_the_cpu_reference() {
         }
         let got = gpu.engine.read_logits().unwrap();
         let e = common::nmse(&got, &want[0]);
-        assert!(e <= 1e-7, "{first} + {then} tokens: last logits NMSE {e:e}");
+        assert!(
+            e <= 1e-7,
+            "chunks of {chunk}, {first} + {then} tokens: last logits NMSE {e:e}"
+        );
     }
 }
 

@@ -25,8 +25,9 @@ use std::time::Instant;
 use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::chunk::ChunkConsts;
-use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm, gemm_split, split_slices};
+use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm, gemm_split, part_slices};
 use mamba2_wgpu::gpu::kernels::gemm_coop::{self, TILES, Tile as CoopTile, gemm_coop, specialize};
+use mamba2_wgpu::gpu::kernels::gemm_reduce::gemm_reduce;
 use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
 use mamba2_wgpu::gpu::kernels::prefill_conv::{ConvBuffers, prefill_conv, prefill_conv_state};
 use mamba2_wgpu::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
@@ -74,6 +75,9 @@ enum Kernel {
     /// `EMULATED_TILES[i]`: the staging, indexing and output of the tensor-core kernel;
     /// `true`: into a Y with the rows of the direct epilogue (M a multiple of 16).
     GemmCoopEmulated(WeightFormat, GemmOutput, usize, bool),
+    /// `gemm_coop_split` (a short block's K loop split over workgroup slices on the tensor
+    /// cores) with its stand-ins, then `gemm_reduce`, on the device's split tile.
+    GemmCoopSplitEmulated(WeightFormat, GemmOutput),
     /// `prefill_conv` then `prefill_conv_state`, in one pass as the block graph records them;
     /// `true`: u written in f16 (`ChunkConsts::u_f16`).
     Conv(bool),
@@ -101,6 +105,9 @@ impl Kernel {
         match self {
             Kernel::Gemm(w, o) => format!("gemm {} {}", w.name(), out(o)),
             Kernel::GemmSplit(w, o) => format!("gemm split-K {} {}", w.name(), out(o)),
+            Kernel::GemmCoopSplitEmulated(w, o) => {
+                format!("gemm_coop split-K emulated {} {}", w.name(), out(o))
+            }
             Kernel::GemmCoopWgsl(w, o) => format!("gemm_coop wgsl {} {}", w.name(), out(o)),
             Kernel::GemmCoopEmulated(w, o, t, direct) => format!(
                 "gemm_coop emulated {} {} tile {}{}",
@@ -510,6 +517,13 @@ fn cases() -> Vec<Case> {
                         tol: F32_TOL,
                     });
                 }
+                if s.blocks.iter().all(|&t| t <= TILE.1) {
+                    v.push(Case {
+                        kernel: Kernel::GemmCoopSplitEmulated(w, s.out),
+                        shape,
+                        tol: F32_TOL,
+                    });
+                }
             }
         }
     }
@@ -590,6 +604,11 @@ fn gemm_split_k_every_format() {
 #[test]
 fn gemm_coop_emulated_every_format() {
     run_cases(|k| matches!(k, Kernel::GemmCoopEmulated(..)));
+}
+
+#[test]
+fn gemm_coop_split_k_emulated() {
+    run_cases(|k| matches!(k, Kernel::GemmCoopSplitEmulated(..)));
 }
 
 #[test]
@@ -770,6 +789,9 @@ fn run_cases(pick: impl Fn(Kernel) -> bool) {
             }
             (Kernel::GemmCoopEmulated(w, out, t, direct), Shape::Gemm(s), Some(g)) => {
                 run_gemm_coop_emulated(g, seed, w, out, s, EMULATED_TILES[t], direct)
+            }
+            (Kernel::GemmCoopSplitEmulated(w, out), Shape::Gemm(s), Some(g)) => {
+                run_gemm_with(g, seed, w, out, s, GemmPath::CoopSplitEmulated)
             }
             (kernel, Shape::Ssd(s), Some(g)) => run_ssd(g, seed, kernel, s),
             _ => Err("kernel and shape do not go together".into()),
@@ -957,6 +979,7 @@ enum GemmPath {
     Plain,
     SplitK,
     CoopEmulated(CoopTile, bool),
+    CoopSplitEmulated,
 }
 
 fn run_gemm(
@@ -1001,14 +1024,17 @@ fn run_gemm_with(
 ) -> Res<Vec<Stat>> {
     let (m, k, ys) = (s.m, s.k, s.ys);
     // The split GEMM's buffers hold one token tile.
-    let cap = if matches!(path, GemmPath::SplitK) {
+    let cap = if matches!(path, GemmPath::SplitK | GemmPath::CoopSplitEmulated) {
         TILE.1
     } else {
         s.cap
     };
     let xs = k.next_multiple_of(32);
     let p = pack(w, &rand(seed, m * k, -1.0, 1.0), m, k);
-    let f16_operands = matches!(path, GemmPath::CoopEmulated(..));
+    let f16_operands = matches!(
+        path,
+        GemmPath::CoopEmulated(..) | GemmPath::CoopSplitEmulated
+    );
     // The direct epilogue's Y: rows up to the grid's end and the spare rows.
     let direct = matches!(path, GemmPath::CoopEmulated(_, true));
     let y_len = if direct {
@@ -1031,9 +1057,29 @@ fn run_gemm_with(
     let ds = match path {
         GemmPath::SplitK => {
             // (A K whose padded width has no whole slices runs the plain GEMM: checked too.)
-            let slices = split_slices(&mat);
+            let slices = part_slices(&g.k, &mat);
             let part = g.buf(&vec![f32::NAN; slices * TILE.1 * m])?;
             gemm_split(&g.k, "gemm", &mat, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
+        }
+        GemmPath::CoopSplitEmulated => {
+            // The engine's slice count (across the table: 16 slices of 512 or 256 columns,
+            // 12 of 128, 6 of 256, and one where the K rounds allow no split).
+            let slices = gemm_coop::split_slices(&mat, gemm_coop::split_tile(&g.k));
+            let part = g.buf(&vec![f32::NAN; slices * TILE.1 * m])?;
+            vec![
+                gemm_coop::gemm_coop_split(
+                    &g.k,
+                    "gemm_coop",
+                    &mat,
+                    &xb,
+                    &part,
+                    &ctrl,
+                    slices,
+                    true,
+                )
+                .map_err(err)?,
+                gemm_reduce(&g.k, "reduce", m, slices, &part, &yb, ys, out, &ctrl).map_err(err)?,
+            ]
         }
         GemmPath::Plain => {
             vec![gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl).map_err(err)?]
@@ -1161,6 +1207,19 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
                 let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
                 naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
             }
+        }
+    }
+    // A short block's split-K partial sums, on both split tiles, in four slices.
+    for tile in [gemm_coop::SPLIT_TILE, gemm_coop::SMALL_SPLIT_TILE] {
+        if tile.check(w, false).is_err() {
+            continue;
+        }
+        for emulate in [false, true] {
+            let (sources, consts, flags) =
+                gemm_coop::specialize_split(w, s.m, kp, s.k, tile, 4, emulate);
+            let what = format!("split tile {tile}, {flags:?}");
+            let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
+            naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
         }
     }
     // The MoE experts' grouped tiles, gathered and not, each way out.

@@ -11,8 +11,8 @@ use std::time::Instant;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
-use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode, SHORT_PROMPT};
-use crate::gpu::graph::{Ctrl, Tail};
+use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode, SHORT_PROMPT, SHORT_PROMPT_COOP};
+use crate::gpu::graph::{Ctrl, Graph, Tail};
 use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill, SHORT_BLOCK};
 use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
 use crate::gpu::state_store::{DeviceSnapshot, KvFormat};
@@ -258,7 +258,12 @@ impl GpuBackend {
         let mut ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
         let p = prefill_blocks(&mut self.prefill, &self.engine, false)?;
         let ctx = self.engine.ctx().clone();
-        let profiler = Profiler::new(&ctx, p.graph.len())?
+        let most = p
+            .short_graph
+            .as_ref()
+            .map_or(0, Graph::len)
+            .max(p.graph.len());
+        let profiler = Profiler::new(&ctx, most)?
             .ok_or_else(|| Error::Gpu("this adapter has no timestamp queries".into()))?;
         let mut times = Vec::new();
         self.engine.check_room(tokens.len())?;
@@ -269,10 +274,15 @@ impl GpuBackend {
             ctrl.kv_len = self.engine.len as u32;
             self.engine.len += chunk.len();
             self.engine.write_ctrl(&ctrl);
+            // The graph `prefill` would run for this block (a short one splits its GEMMs).
+            let graph = match &p.short_graph {
+                Some(g) if chunk.len() <= SHORT_BLOCK => g,
+                _ => &p.graph,
+            };
             let mut enc = ctx.device.create_command_encoder(&Default::default());
-            profiler.record(&mut enc, &p.graph, Some(chunk.len() as u32))?;
+            profiler.record(&mut enc, graph, Some(chunk.len() as u32))?;
             ctx.queue.submit([enc.finish()]);
-            times.extend(profiler.read(&ctx, &p.graph)?);
+            times.extend(profiler.read(&ctx, graph)?);
         }
         Ok(times)
     }
@@ -394,6 +404,20 @@ impl GpuBackend {
             None => Ok(()),
         }
     }
+
+    /// The longest prompt `PrefillMode::Auto` feeds through the decode graph:
+    /// MAMBA2_SHORT_PROMPT, else `SHORT_PROMPT_COOP` where the short block's projections
+    /// run on the tensor cores, else `SHORT_PROMPT`.
+    fn short_prompt(&self) -> usize {
+        use crate::model::quant::WeightFormat;
+        let coop = self.engine.ctx().caps.coop_matrix
+            && matches!(self.engine.format, WeightFormat::F16 | WeightFormat::Q8_0);
+        crate::gpu::prefill::short_prompt_override().unwrap_or(if coop {
+            SHORT_PROMPT_COOP
+        } else {
+            SHORT_PROMPT
+        })
+    }
 }
 
 impl Backend for GpuBackend {
@@ -434,7 +458,7 @@ impl Backend for GpuBackend {
         let ctrl = self.ctrl(tokens[0], pos, sampling, &[])?;
         match self.engine.prefill_mode {
             PrefillMode::Decode => self.feed(tokens, ctrl, tail, None)?,
-            PrefillMode::Auto if tokens.len() <= SHORT_PROMPT => {
+            PrefillMode::Auto if tokens.len() <= self.short_prompt() => {
                 self.feed(tokens, ctrl, tail, None)?
             }
             PrefillMode::Auto | PrefillMode::Chunked => {

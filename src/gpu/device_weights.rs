@@ -184,16 +184,16 @@ pub struct DeviceWeights {
 }
 
 impl DeviceWeights {
-    /// The matrix that produces logits (lm_head, or the tied embedding).
-    /// The projections of every Mamba2, attention and MLP layer (what a prefill block
-    /// multiplies with `gemm::projection`).
+    /// The projections of every Mamba2, attention and MLP layer and the MoE routers (what a
+    /// prefill block multiplies with `gemm::projection`).
     pub fn dense_projections(&self) -> impl Iterator<Item = &DeviceMatrix> {
-        self.layers
-            .iter()
-            .filter(|l| !matches!(l.mixer, DeviceMixer::Moe(_)))
-            .flat_map(|l| l.matrices())
+        self.layers.iter().flat_map(|l| match &l.mixer {
+            DeviceMixer::Moe(m) => vec![&m.router],
+            _ => l.matrices(),
+        })
     }
 
+    /// The matrix that produces logits (lm_head, or the tied embedding).
     pub fn head(&self) -> &DeviceMatrix {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
     }

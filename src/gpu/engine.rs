@@ -63,10 +63,11 @@ pub struct EngineOptions {
 /// How a prompt is fed into the state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillMode {
-    /// `Chunked`, except that a prompt of at most `SHORT_PROMPT` tokens (a follow-up after
-    /// a cached prefix, a short chat turn) is fed through the decode graph: a block's GEMM
-    /// tiles and SSD chunk cost about the same for 1 token as for 32 (H200, Codestral
-    /// q8_0: 173 ms for 1 token, 179 ms for 32, against 4.3 ms per decoded token).
+    /// `Chunked`, except that a prompt of at most `SHORT_PROMPT` tokens
+    /// (`SHORT_PROMPT_COOP` where the short block runs on the tensor cores; a follow-up
+    /// after a cached prefix, a short chat turn) is fed through the decode graph: a block
+    /// costs about the same for 1 token as for 64 (H200, Codestral q8_0: 18.6 ms for 2
+    /// tokens, 21.0 for 64 on the tensor cores, 83 and 97 on FMA; 3.9 ms per decoded token).
     Auto,
     /// Blocks of tokens through GEMMs and the chunked SSD.
     Chunked,
@@ -74,10 +75,18 @@ pub enum PrefillMode {
     Decode,
 }
 
-/// The longest prompt `PrefillMode::Auto` feeds through the decode graph (where feeding
-/// token by token stays below one chunked block's fixed cost on the H200: Codestral-7B
-/// ~40 tokens, mamba2-130m ~22).
+/// The longest prompt `PrefillMode::Auto` feeds through the decode graph where a short
+/// block's projections run on FMA (feeding token by token stays below one such block's
+/// fixed cost on the H200: Codestral-7B ~20 tokens with the split GEMMs of run 28,
+/// mamba2-130m ~17).
 pub const SHORT_PROMPT: usize = 16;
+
+/// `SHORT_PROMPT` where a short block's projections run on the tensor cores
+/// (`gemm_coop::gemm_coop_split`: f16 and q8_0 weights on a device with cooperative
+/// matrices), whose block costs 4–5 decode steps on every preset (H200, run 96, q8_0, a
+/// 5-token block against a decoded token: Codestral-7B 17.6 against 3.9 ms, mamba2-2.7b 10.5
+/// against 1.9, mamba2-130m 2.1 against 0.43, Nemotron-H-8B 15.3).
+pub const SHORT_PROMPT_COOP: usize = 4;
 
 /// The SSD chunk lengths prefill runs; the CLI checks a `--chunk-size` against the same
 /// range before it reads a model.

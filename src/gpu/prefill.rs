@@ -117,11 +117,32 @@ fn parse_block(s: &str) -> Result<usize> {
     }
 }
 
-/// Refuses a bad MAMBA2_PREFILL_BLOCK before a device is made (it used to be ignored with
-/// a warning, so a typo silently measured the default block).
+/// MAMBA2_SHORT_PROMPT: the longest prompt `PrefillMode::Auto` feeds through the decode
+/// graph, for measurements (`check_overrides` refused a bad value before any device was
+/// made).
+pub fn short_prompt_override() -> Option<usize> {
+    std::env::var("MAMBA2_SHORT_PROMPT")
+        .ok()
+        .and_then(|v| parse_short_prompt(&v).ok())
+}
+
+/// A MAMBA2_SHORT_PROMPT value: a number of tokens (0: every prompt takes the blocks).
+fn parse_short_prompt(s: &str) -> Result<usize> {
+    s.trim().parse::<usize>().map_err(|_| {
+        crate::error::Error::InvalidInput(format!(
+            "MAMBA2_SHORT_PROMPT={s}: want a number of tokens"
+        ))
+    })
+}
+
+/// Refuses a bad MAMBA2_PREFILL_BLOCK or MAMBA2_SHORT_PROMPT before a device is made (they
+/// used to be ignored with a warning, so a typo silently measured the default).
 pub fn check_overrides() -> Result<()> {
     if let Ok(s) = std::env::var("MAMBA2_PREFILL_BLOCK") {
         parse_block(&s)?;
+    }
+    if let Ok(s) = std::env::var("MAMBA2_SHORT_PROMPT") {
+        parse_short_prompt(&s)?;
     }
     Ok(())
 }
@@ -217,11 +238,14 @@ impl Prefill {
         };
         p.graph = prefill_graph(&e.block_ctx(), &e.weights, &p, cc, false)?;
         if part_len(e) > 0 && t > SHORT_BLOCK {
+            // Chunks no longer than the block: a 128-token chunk would pad the SSD
+            // kernels' tiles of a ≤ 64-token block to 128 rows (C·Bᵀ's lower triangle: 3
+            // tiles of 64 instead of 1).
             p.short_graph = Some(prefill_graph(
                 &e.block_ctx(),
                 &e.weights,
                 &p,
-                chunk_consts(c, chunk, SHORT_BLOCK),
+                chunk_consts(c, chunk.min(SHORT_BLOCK), SHORT_BLOCK),
                 false,
             )?);
         }
@@ -243,14 +267,14 @@ impl Prefill {
 /// Values of the split-K partial buffer: the largest `KS · SHORT_BLOCK · rows` over the
 /// Mamba2, attention and MLP projections that split (0 when none does, or MAMBA2_NO_SPLITK is set).
 fn part_len(e: &Engine) -> usize {
-    use crate::gpu::kernels::gemm::split_slices;
+    use crate::gpu::kernels::gemm::part_slices;
     if std::env::var_os("MAMBA2_NO_SPLITK").is_some() {
         return 0;
     }
     e.weights
         .dense_projections()
         .map(|w| {
-            let s = split_slices(w);
+            let s = part_slices(&e.kernels, w);
             if s > 1 { s * SHORT_BLOCK * w.rows } else { 0 }
         })
         .max()
@@ -283,6 +307,11 @@ mod tests {
         for bad in ["63", "0", "-5", "4k", ""] {
             let e = parse_block(bad).unwrap_err().to_string();
             assert!(e.contains("MAMBA2_PREFILL_BLOCK"), "{e}");
+        }
+        assert_eq!(parse_short_prompt(" 4 ").unwrap(), 4);
+        for bad in ["-1", "x", ""] {
+            let e = parse_short_prompt(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_SHORT_PROMPT"), "{e}");
         }
     }
 }

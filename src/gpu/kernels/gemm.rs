@@ -109,12 +109,20 @@ pub fn split_slices(w: &DeviceMatrix) -> usize {
         .unwrap_or(1)
 }
 
+/// The K slices a split-K partial buffer for `w` must hold on this device: the most either
+/// split takes.
+pub fn part_slices(k: &Kernels, w: &DeviceMatrix) -> usize {
+    use super::gemm_coop::{split_slices as coop_slices, split_tile};
+    split_slices(w).max(coop_slices(w, split_tile(k)))
+}
+
 /// The GEMM of a block of at most `TILE.1` tokens with its K loop split over
 /// `split_slices(w)` workgroup slices into `part` (`[KS][TILE.1][rows]`), then summed in
 /// order into `y` by `gemm_reduce`: for short blocks, where W's row tiles alone leave most of
-/// the GPU idle (Codestral's out_proj: 32 workgroups). These FMA slices serve short blocks
-/// on devices with cooperative matrices too. One dispatch (the plain GEMM) when no split
-/// applies (a matrix with enough row tiles).
+/// the GPU idle (Codestral's out_proj: 32 workgroups). Where the cooperative GEMM takes W,
+/// its split (`gemm_coop::gemm_coop_split`, its own slice count) replaces these FMA slices.
+/// One dispatch (the plain GEMM) when no split applies (a matrix with enough row tiles).
+/// `part` holds `part_slices(w)` slices.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_split(
     k: &Kernels,
@@ -128,6 +136,26 @@ pub fn gemm_split(
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
     let t = TILE.1;
+    if super::gemm_coop::applies(k, w) {
+        let slices = super::gemm_coop::split_slices(w, super::gemm_coop::split_tile(k));
+        if slices > 1 {
+            let emulate = !k.ctx.caps.coop_matrix;
+            let split =
+                super::gemm_coop::gemm_coop_split(k, name, w, x, part, ctrl, slices, emulate)?;
+            let reduce = super::gemm_reduce::gemm_reduce(
+                k,
+                &format!("{name} (reduce)"),
+                w.rows,
+                slices,
+                part,
+                y,
+                ys,
+                output,
+                ctrl,
+            )?;
+            return Ok(vec![split, reduce]);
+        }
+    }
     let slices = split_slices(w);
     if slices == 1 {
         return Ok(vec![gemm(k, name, w, t, x, y, ys, output, ctrl)?]);

@@ -283,7 +283,8 @@ fn parse_forced_tile(s: &str) -> Result<Tile> {
     Ok(tile)
 }
 
-/// The tuning overrides of this kernel (MAMBA2_COOP_TILE, MAMBA2_COOP_PF), checked before a
+/// The tuning overrides of this kernel (MAMBA2_COOP_TILE, MAMBA2_COOP_PF, and the short
+/// blocks' MAMBA2_SPLIT_TILE, MAMBA2_SPLIT_WG), checked before a
 /// device is made: a value the kernel cannot take is an error naming the variable, not a
 /// failed load-time check that quietly turns the tensor cores off.
 pub fn check_overrides() -> Result<()> {
@@ -292,6 +293,12 @@ pub fn check_overrides() -> Result<()> {
     }
     if let Ok(s) = std::env::var("MAMBA2_COOP_PF") {
         parse_prefetch(&s)?;
+    }
+    if let Ok(s) = std::env::var("MAMBA2_SPLIT_TILE") {
+        parse_split_tile(&s)?;
+    }
+    if let Ok(s) = std::env::var("MAMBA2_SPLIT_WG") {
+        parse_split_target(&s)?;
     }
     Ok(())
 }
@@ -409,6 +416,7 @@ pub fn specialize(
     let mut consts = vec![
         ("M", u(rows)),
         ("KP", u(kp)),
+        ("KLEN", u(kp)),
         ("XS", u(cols.next_multiple_of(32))),
         ("YS", u(ys)),
         ("BT", u(tile.bt)),
@@ -501,6 +509,202 @@ pub fn gemm_coop(
             1,
         ),
         name: name.to_string(),
+        per_token: None,
+        shorter: Vec::new(),
+        section: Section::Matmul,
+        label: Label::gemm(w),
+    }
+    .per_token(1, tile.bt, 1))
+}
+
+/// The tile of a short block's split-K GEMM (`gemm_coop_split`): the block's 64 tokens ×
+/// 128 rows of W over 8 subgroups.
+pub const SPLIT_TILE: Tile = Tile {
+    bt: 64,
+    bm: 128,
+    wt: 2,
+    wr: 4,
+    stages: 2,
+    bk: 32,
+};
+
+/// The split tile where the device's workgroup memory is too small for `SPLIT_TILE`
+/// (lavapipe's 32 KiB): 64 tokens × 64 rows over 4 subgroups.
+pub const SMALL_SPLIT_TILE: Tile = TILES[2];
+
+const _: () = assert!(SPLIT_TILE.bt == super::gemm::TILE.1 && SMALL_SPLIT_TILE.bt == SPLIT_TILE.bt);
+
+/// The tile of `gemm_coop_split` on this device: MAMBA2_SPLIT_TILE (for tuning;
+/// `check_overrides` refused a tile the kernel cannot take), else `SPLIT_TILE` where it fits
+/// the workgroup memory, else `SMALL_SPLIT_TILE`.
+pub fn split_tile(k: &Kernels) -> Tile {
+    let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
+    if let Some(t) = std::env::var("MAMBA2_SPLIT_TILE")
+        .ok()
+        .and_then(|s| parse_split_tile(&s).ok())
+        .filter(|t| t.workgroup_bytes(false) <= limit)
+    {
+        return t;
+    }
+    if SPLIT_TILE.workgroup_bytes(false) <= limit {
+        SPLIT_TILE
+    } else {
+        SMALL_SPLIT_TILE
+    }
+}
+
+/// A MAMBA2_SPLIT_TILE value: a tile of at most 64 tokens (a divisor of 64) that the
+/// kernel takes for f16 and q8_0 weights through workgroup memory.
+fn parse_split_tile(s: &str) -> Result<Tile> {
+    let bad = |why: String| Error::InvalidInput(format!("MAMBA2_SPLIT_TILE={s}: {why}"));
+    let tile = Tile::parse(s)
+        .ok_or_else(|| bad("want BTxBM/WTxWR[/STAGES[/BK]], e.g. 32x128/1x4".into()))?;
+    if !SPLIT_TILE.bt.is_multiple_of(tile.bt) {
+        return Err(bad(format!("want a token tile dividing {}", SPLIT_TILE.bt)));
+    }
+    for format in [WeightFormat::F16, WeightFormat::Q8_0] {
+        tile.check(format, false)
+            .map_err(|e| bad(format!("for {} weights: {e}", format.name())))?;
+    }
+    Ok(tile)
+}
+
+/// Workgroups the split aims for: MAMBA2_SPLIT_WG (for tuning), else SPLIT_TARGET.
+fn split_target() -> usize {
+    std::env::var("MAMBA2_SPLIT_WG")
+        .ok()
+        .and_then(|s| parse_split_target(&s).ok())
+        .unwrap_or(SPLIT_TARGET)
+}
+
+/// A MAMBA2_SPLIT_WG value: a number of workgroups, at least 1.
+fn parse_split_target(s: &str) -> Result<usize> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(Error::InvalidInput(format!(
+            "MAMBA2_SPLIT_WG={s}: want a number of workgroups, at least 1"
+        ))),
+    }
+}
+
+/// Workgroups a split-K GEMM on the tensor cores aims for: enough 256-invocation
+/// workgroups on each of an H200's 132 SMs to keep its weight loads in flight.
+const SPLIT_TARGET: usize = 1024;
+
+/// How many K slices `gemm_coop_split` takes for `w` on `tile` (1: none): enough for W's
+/// row tiles to make ~SPLIT_TARGET workgroups (at most `gemm::MAX_SLICES`), each slice a
+/// whole number of the kernel's K rounds (BK · PF columns; and of the 256 columns one load
+/// of eight q8_0 scales covers). `SPLIT_TILE`, the tallest, takes the most.
+pub fn split_slices(w: &DeviceMatrix, tile: Tile) -> usize {
+    let tiles = w.rows.div_ceil(tile.bm).max(1) * (SPLIT_TILE.bt / tile.bt).max(1);
+    let want = (split_target() / tiles).clamp(1, super::gemm::MAX_SLICES);
+    let mut unit = tile.bk * prefetch(w.format, w.kp).unwrap_or(1);
+    if scales_by_eight(w.format, w.kp) {
+        unit = lcm(unit, 256);
+    }
+    (1..=want)
+        .rev()
+        .find(|&s| w.kp.is_multiple_of(s * unit))
+        .unwrap_or(1)
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x * b
+}
+
+/// `specialize` for `gemm_coop_split`: partial sums of `rows` × `cols` weights of `format`
+/// (padded to `kp`) over `slices` K slices on `tile`.
+pub fn specialize_split(
+    format: WeightFormat,
+    rows: usize,
+    kp: usize,
+    cols: usize,
+    tile: Tile,
+    slices: usize,
+    emulate: bool,
+) -> (
+    super::Sources,
+    Vec<(&'static str, Const)>,
+    Vec<&'static str>,
+) {
+    let (sources, mut consts, mut flags) = specialize(
+        format,
+        rows,
+        kp,
+        cols,
+        rows,
+        GemmOutput::Store,
+        tile,
+        None,
+        None,
+        emulate,
+    );
+    let u = |v: usize| Const::U32(v as u32);
+    for (key, value) in consts.iter_mut() {
+        if *key == "KLEN" {
+            *value = u(kp / slices.max(1));
+        }
+    }
+    // Each slice holds a whole short block of token rows, whatever the tile.
+    consts.push(("PSL", u(SPLIT_TILE.bt * rows)));
+    flags.push("SPLIT");
+    (sources, consts, flags)
+}
+
+/// A short block's GEMM on the tensor cores (on `split_tile`) with its K loop split over
+/// `slices` workgroup slices (`split_slices`): `part [slices][64][rows]` of partial sums, which
+/// `gemm_reduce` then adds in slice order. For blocks of at most 64 tokens, where W's row
+/// tiles alone would leave most of the GPU idle and the FMA split (`gemm::gemm_split`)
+/// is bound by its multiplies (Codestral q8_0, 32 tokens: in_proj 37.8 ms, out_proj 13.7
+/// over 64 layers, run 92).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_coop_split(
+    k: &Kernels,
+    name: &str,
+    w: &DeviceMatrix,
+    x: &wgpu::Buffer,
+    part: &wgpu::Buffer,
+    ctrl: &wgpu::Buffer,
+    slices: usize,
+    emulate: bool,
+) -> Result<Dispatch> {
+    check_takes(name, w)?;
+    super::require_coop(k, name, emulate)?;
+    let tile = split_tile(k);
+    tile.check(w.format, false)?;
+    // A short block: X rows and each slice's partials for its 64 tokens, whatever the tile.
+    let t = SPLIT_TILE.bt;
+    // Whole K rounds per slice: the kernel multiplies STEPS = KLEN / BK rounded up to PF
+    // steps, and a step past the slice would add the next slice's columns.
+    let round = tile.bk * prefetch(w.format, w.kp)?;
+    let whole = |s: usize| w.kp.is_multiple_of(s) && (w.kp / s).is_multiple_of(round);
+    if slices == 0 || (slices > 1 && !whole(slices)) {
+        return Err(Error::Gpu(format!(
+            "{name}: {slices} K slices of {} padded columns are not whole rounds of {round}",
+            w.kp
+        )));
+    }
+    let xs = w.cols.next_multiple_of(32);
+    check_len(&format!("{name}: x"), x, t * xs)?;
+    check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
+    let (sources, consts, flags) =
+        specialize_split(w.format, w.rows, w.kp, w.cols, tile, slices, emulate);
+    let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
+    let mut entries = w.bindings();
+    entries.extend([(2, x), (3, part), (4, ctrl)]);
+    Ok(Dispatch {
+        bind_group: k.bind(&pipeline, name, &entries),
+        pipeline,
+        workgroups: (
+            w.rows.div_ceil(tile.bm) as u32,
+            SPLIT_TILE.bt.div_ceil(tile.bt) as u32,
+            slices as u32,
+        ),
+        name: format!("{name} (split-K)"),
         per_token: None,
         shorter: Vec::new(),
         section: Section::Matmul,
@@ -684,11 +888,18 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
 }
 
 /// The rest of the load-time check: q8_0 weights whose scales load eight at a time
-/// (K = 256), on the tile the engine picks, straight into Y, against the CPU's sum of the
-/// same f16 products.
+/// (K = 256), on the tile the engine picks, straight into Y; then a short block's split-K
+/// GEMM (K = 1024 in slices, `gemm_coop_split` and `gemm_reduce`): each against the CPU's
+/// sum of the same f16 products.
 fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
+    q8_case(k, emulate, 256, 150, false)?;
+    q8_case(k, emulate, 1024, 40, true)
+}
+
+/// One q8_0 check of `t` tokens × `kc` columns (`split`: the short-block split-K path).
+fn q8_case(k: &Kernels, emulate: bool, kc: usize, t: usize, split: bool) -> Result<()> {
     use half::f16;
-    let (m, kc, t) = (208, 256, 150);
+    let m = 208;
     let rnd = |seed: u64, n: usize| super::check_values(seed, n, -1.0, 1.0);
     let packed = crate::model::quant::pack(WeightFormat::Q8_0, &rnd(4, m * kc), m, kc);
     // The values the kernel multiplies: q·d rounded to f16, and X as f16.
@@ -703,21 +914,57 @@ fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
     let x = ctx.storage_with("coop check: q8 x", bytemuck::cast_slice(&xf))?;
     let y = ctx.storage_zeroed("coop check: q8 y", 4 * (y_rows(t) * m) as u64)?;
     let ctrl = super::check_ctrl(ctx, "coop check: ctrl", t)?;
-    let tile = tile_for(k, &w, t, direct_fits(m, t, &y, m))?;
-    let d = gemm_coop(
-        k,
-        "coop check q8",
-        &w,
-        t,
-        &x,
-        &y,
-        m,
-        GemmOutput::Store,
-        &ctrl,
-        tile,
-        emulate,
-    )?;
-    d.run_now(ctx, Some(t as u32))?;
+    let what;
+    if split {
+        let tile = split_tile(k);
+        let slices = split_slices(&w, tile);
+        what = format!("split into {slices} K slices on tile {tile}");
+        // X and the partials as a short block's buffers hold them: 64 token rows.
+        let xb = ctx.storage_zeroed("coop check: q8 x", 4 * (SPLIT_TILE.bt * kc) as u64)?;
+        ctx.queue.write_buffer(&xb, 0, bytemuck::cast_slice(&xf));
+        let part =
+            ctx.storage_zeroed("coop check: part", 4 * (slices * SPLIT_TILE.bt * m) as u64)?;
+        let d = gemm_coop_split(
+            k,
+            "coop check split",
+            &w,
+            &xb,
+            &part,
+            &ctrl,
+            slices,
+            emulate,
+        )?;
+        d.run_now(ctx, Some(t as u32))?;
+        let r = super::gemm_reduce::gemm_reduce(
+            k,
+            "coop check reduce",
+            m,
+            slices,
+            &part,
+            &y,
+            m,
+            GemmOutput::Store,
+            &ctrl,
+        )?;
+        r.run_now(ctx, Some(t as u32))?;
+    } else {
+        let tile = tile_for(k, &w, t, direct_fits(m, t, &y, m))?;
+        what = format!("on tile {tile}");
+        let d = gemm_coop(
+            k,
+            "coop check q8",
+            &w,
+            t,
+            &x,
+            &y,
+            m,
+            GemmOutput::Store,
+            &ctrl,
+            tile,
+            emulate,
+        )?;
+        d.run_now(ctx, Some(t as u32))?;
+    }
     let got = ctx.read_f32(&y, t * m)?;
     let mut worst = (0f64, 0usize, 0f64);
     for (e, &g) in got.iter().enumerate() {
@@ -735,7 +982,7 @@ fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Gpu(format!(
-            "a q8_0 {t}×{kc}·{kc}×{m} GEMM on tile {tile} is off by {:.3e} at token {}, row {}",
+            "a q8_0 {t}×{kc}·{kc}×{m} GEMM {what} is off by {:.3e} at token {}, row {}",
             worst.0,
             worst.1 / m,
             worst.1 % m
@@ -749,6 +996,17 @@ mod tests {
 
     #[test]
     fn tuning_overrides_name_the_variable() {
+        assert_eq!(parse_split_tile("64x128/2x4").unwrap(), SPLIT_TILE);
+        assert_eq!(parse_split_target(" 2048 ").unwrap(), 2048);
+        // Token tiles that do not divide a short block, and tiles the kernel cannot take.
+        for bad in ["48x128/1x4", "128x128/4x2", "64x128", "64x128/2x4/2/16"] {
+            let e = parse_split_tile(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("MAMBA2_SPLIT_TILE={bad}")), "{e}");
+        }
+        for bad in ["0", "-1", "many", ""] {
+            let e = parse_split_target(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_SPLIT_WG"), "{e}");
+        }
         assert_eq!(parse_prefetch(" 3 ").unwrap(), 3);
         for bad in ["0", "5", "two", ""] {
             let e = parse_prefetch(bad).unwrap_err().to_string();
