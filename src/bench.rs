@@ -741,7 +741,7 @@ fn gemm_rates(profile: &[crate::gpu::profiler::KernelTime], tokens: usize) -> Ve
 }
 
 /// Least time `prefill` spends in warm-up runs before it times any.
-const PREFILL_WARMUP: std::time::Duration = std::time::Duration::from_millis(300);
+const PREFILL_WARMUP: std::time::Duration = std::time::Duration::from_millis(1000);
 
 /// Times prompts of `tokens` tokens: `runs` timed runs after warm-up runs of at least
 /// PREFILL_WARMUP (one at the least), then one profiled run for the split.
@@ -763,7 +763,9 @@ pub fn prefill(
     let greedy = Sampling::greedy();
     // Warm-up runs for at least PREFILL_WARMUP: after the seconds of building a model the
     // GPU idles at low clocks, and one short prompt does not bring them back (H200: a 2.7b
-    // 5-token block timed 43.7 ms first, 13.5 once warm; run 95).
+    // 5-token block timed 43.7 ms first, 10.5 once warm, run 95; 0.3 s of warm-up still
+    // left Nemotron 3 Nano's first 5-token blocks at 51.7 ms against 20.7 for 32 tokens
+    // after them, run 97).
     let warm_start = Instant::now();
     loop {
         backend.reset()?;
