@@ -136,49 +136,42 @@ pub fn gemm_split(
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
     let t = TILE.1;
-    if super::gemm_coop::applies(k, w) {
-        let slices = super::gemm_coop::split_slices(w, super::gemm_coop::split_tile(k));
-        if slices > 1 {
-            let emulate = !k.ctx.caps.coop_matrix;
-            let split =
-                super::gemm_coop::gemm_coop_split(k, name, w, x, part, ctrl, slices, emulate)?;
-            let reduce = super::gemm_reduce::gemm_reduce(
-                k,
-                &format!("{name} (reduce)"),
-                w.rows,
-                slices,
-                part,
-                y,
-                ys,
-                output,
-                ctrl,
-            )?;
-            return Ok(vec![split, reduce]);
+    let coop_slices = if super::gemm_coop::applies(k, w) {
+        super::gemm_coop::split_slices(w, super::gemm_coop::split_tile(k))
+    } else {
+        1
+    };
+    let (split, slices) = if coop_slices > 1 {
+        let emulate = !k.ctx.caps.coop_matrix;
+        let split =
+            super::gemm_coop::gemm_coop_split(k, name, w, x, part, ctrl, coop_slices, emulate)?;
+        (split, coop_slices)
+    } else {
+        let slices = split_slices(w);
+        if slices == 1 {
+            return Ok(vec![gemm(k, name, w, t, x, y, ys, output, ctrl)?]);
         }
-    }
-    let slices = split_slices(w);
-    if slices == 1 {
-        return Ok(vec![gemm(k, name, w, t, x, y, ys, output, ctrl)?]);
-    }
-    let xs = w.cols.next_multiple_of(32);
-    check_len(&format!("{name}: x"), x, t * xs)?;
-    check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
-    let mut consts = shape_consts(w, xs, ys);
-    consts.push(("KS", Const::U32(slices as u32)));
-    let mut flags = w.flags();
-    flags.extend(["SPLIT", "O_PART"]);
-    let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
-    let mut entries = w.bindings();
-    entries.extend([(2, x), (3, part), (4, ctrl)]);
-    let split = Dispatch {
-        bind_group: k.bind(&pipeline, name, &entries),
-        pipeline,
-        workgroups: (w.rows.div_ceil(TILE.0) as u32, 1, slices as u32),
-        name: format!("{name} (split-K)"),
-        per_token: None,
-        shorter: Vec::new(),
-        section: Section::Matmul,
-        label: Label::gemm(w),
+        let xs = w.cols.next_multiple_of(32);
+        check_len(&format!("{name}: x"), x, t * xs)?;
+        check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
+        let mut consts = shape_consts(w, xs, ys);
+        consts.push(("KS", Const::U32(slices as u32)));
+        let mut flags = w.flags();
+        flags.extend(["SPLIT", "O_PART"]);
+        let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
+        let mut entries = w.bindings();
+        entries.extend([(2, x), (3, part), (4, ctrl)]);
+        let split = Dispatch {
+            bind_group: k.bind(&pipeline, name, &entries),
+            pipeline,
+            workgroups: (w.rows.div_ceil(TILE.0) as u32, 1, slices as u32),
+            name: format!("{name} (split-K)"),
+            per_token: None,
+            shorter: Vec::new(),
+            section: Section::Matmul,
+            label: Label::gemm(w),
+        };
+        (split, slices)
     };
     let reduce = super::gemm_reduce::gemm_reduce(
         k,
