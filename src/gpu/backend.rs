@@ -12,8 +12,8 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gpu::context::GpuContext;
 use crate::gpu::engine::{Engine, PROMPT_WINDOW, PrefillMode, SHORT_PROMPT, SHORT_PROMPT_COOP};
-use crate::gpu::graph::{Ctrl, Graph, Tail};
-use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill, SHORT_BLOCK};
+use crate::gpu::graph::{Ctrl, Tail};
+use crate::gpu::prefill::{MAX_LOGITS_BLOCK, Prefill};
 use crate::gpu::profiler::{KernelTime, Profiler, TokenProfile};
 use crate::gpu::state_store::{DeviceSnapshot, KvFormat};
 use crate::sampling::Sampling;
@@ -220,10 +220,10 @@ impl GpuBackend {
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                let graph = match (&p.short_graph, want_logits) {
-                    (_, true) => p.logits_graph.as_ref().expect("logits graph"),
-                    (Some(g), false) if chunk.len() <= SHORT_BLOCK => g,
-                    _ => &p.graph,
+                let graph = if want_logits {
+                    p.logits_graph.as_ref().expect("logits graph")
+                } else {
+                    p.graph_for(chunk.len())
                 };
                 graph.record(&mut pass, None, Some(chunk.len() as u32));
             }
@@ -258,12 +258,7 @@ impl GpuBackend {
         let mut ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
         let p = prefill_blocks(&mut self.prefill, &self.engine, false)?;
         let ctx = self.engine.ctx().clone();
-        let most = p
-            .short_graph
-            .as_ref()
-            .map_or(0, Graph::len)
-            .max(p.graph.len());
-        let profiler = Profiler::new(&ctx, most)?
+        let profiler = Profiler::new(&ctx, p.most_dispatches())?
             .ok_or_else(|| Error::Gpu("this adapter has no timestamp queries".into()))?;
         let mut times = Vec::new();
         self.engine.check_room(tokens.len())?;
@@ -274,11 +269,7 @@ impl GpuBackend {
             ctrl.kv_len = self.engine.len as u32;
             self.engine.len += chunk.len();
             self.engine.write_ctrl(&ctrl);
-            // The graph `prefill` would run for this block (a short one splits its GEMMs).
-            let graph = match &p.short_graph {
-                Some(g) if chunk.len() <= SHORT_BLOCK => g,
-                _ => &p.graph,
-            };
+            let graph = p.graph_for(chunk.len());
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             profiler.record(&mut enc, graph, Some(chunk.len() as u32))?;
             ctx.queue.submit([enc.finish()]);
@@ -407,11 +398,16 @@ impl GpuBackend {
 
     /// The longest prompt `PrefillMode::Auto` feeds through the decode graph:
     /// MAMBA2_SHORT_PROMPT, else `SHORT_PROMPT_COOP` where the short block's projections
-    /// run on the tensor cores, else `SHORT_PROMPT`.
+    /// run on the tensor cores (a device with cooperative matrices and projections the
+    /// cooperative GEMM takes), else `SHORT_PROMPT`.
     fn short_prompt(&self) -> usize {
-        use crate::model::quant::WeightFormat;
+        use crate::gpu::kernels::gemm_coop;
         let coop = self.engine.ctx().caps.coop_matrix
-            && matches!(self.engine.format, WeightFormat::F16 | WeightFormat::Q8_0);
+            && self
+                .engine
+                .weights
+                .dense_projections()
+                .any(gemm_coop::takes);
         crate::gpu::prefill::short_prompt_override().unwrap_or(if coop {
             SHORT_PROMPT_COOP
         } else {

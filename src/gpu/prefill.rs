@@ -262,6 +262,24 @@ impl Prefill {
         }
         Ok(p)
     }
+
+    /// The graph that feeds a block of `tokens` tokens without logits: the short-block graph
+    /// (its GEMMs split over K) up to SHORT_BLOCK tokens where there is one, else the full
+    /// one.
+    pub fn graph_for(&self, tokens: usize) -> &Graph {
+        match &self.short_graph {
+            Some(g) if tokens <= SHORT_BLOCK => g,
+            _ => &self.graph,
+        }
+    }
+
+    /// The most dispatches a block graph records (what a profiler of any block must hold).
+    pub fn most_dispatches(&self) -> usize {
+        self.short_graph
+            .as_ref()
+            .map_or(0, Graph::len)
+            .max(self.graph.len())
+    }
 }
 
 /// Values of the split-K partial buffer: the largest `KS · SHORT_BLOCK · rows` over the

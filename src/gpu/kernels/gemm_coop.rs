@@ -920,7 +920,9 @@ fn q8_case(k: &Kernels, emulate: bool, kc: usize, t: usize, split: bool) -> Resu
     let ctx = &k.ctx;
     let w = DeviceMatrix::upload(ctx, "coop check: q8 w", &packed)?;
     let xf: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
-    let x = ctx.storage_with("coop check: q8 x", bytemuck::cast_slice(&xf))?;
+    // At least a short block's 64 token rows (what the split reads; zeros past t).
+    let x = ctx.storage_zeroed("coop check: q8 x", 4 * (t.max(SPLIT_TILE.bt) * kc) as u64)?;
+    ctx.queue.write_buffer(&x, 0, bytemuck::cast_slice(&xf));
     let y = ctx.storage_zeroed("coop check: q8 y", 4 * (y_rows(t) * m) as u64)?;
     let ctrl = super::check_ctrl(ctx, "coop check: ctrl", t)?;
     let what;
@@ -928,21 +930,10 @@ fn q8_case(k: &Kernels, emulate: bool, kc: usize, t: usize, split: bool) -> Resu
         let tile = split_tile(k);
         let slices = split_slices(&w, tile);
         what = format!("split into {slices} K slices on tile {tile}");
-        // X and the partials as a short block's buffers hold them: 64 token rows.
-        let xb = ctx.storage_zeroed("coop check: q8 x", 4 * (SPLIT_TILE.bt * kc) as u64)?;
-        ctx.queue.write_buffer(&xb, 0, bytemuck::cast_slice(&xf));
+        // The partials as a short block's buffer holds them: 64 token rows per slice.
         let part =
             ctx.storage_zeroed("coop check: part", 4 * (slices * SPLIT_TILE.bt * m) as u64)?;
-        let d = gemm_coop_split(
-            k,
-            "coop check split",
-            &w,
-            &xb,
-            &part,
-            &ctrl,
-            slices,
-            emulate,
-        )?;
+        let d = gemm_coop_split(k, "coop check split", &w, &x, &part, &ctrl, slices, emulate)?;
         d.run_now(ctx, Some(t as u32))?;
         let r = super::gemm_reduce::gemm_reduce(
             k,
