@@ -44,21 +44,58 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let live = ctrl[l].stopped == 0u;
     let bbase = mo + DI + DI + g * N;
     let cbase = mo + DI + DI + G * N + g * N;
-    var acc = 0.0;
 #if VEC4
-    // Four consecutive state columns per lane and step: one 16-byte load and store.
-    for (var n4 = lane; n4 < N / 4u; n4 += TEAM) {
-        let n = 4u * n4;
-        let idx = l * (STATE_LS / 4u) + c * (N / 4u) + n4;
+    // Four consecutive state columns per lane and step (one 16-byte load and store), SPL
+    // steps TEAM vectors apart; all of a lane's state loads go out before its first sum.
+    // The row's sum is the one a team of RTEAM lanes (one step each, the one-token
+    // kernel's) reduces: val[q] is what its lane lane + TEAM·q holds, and the steps of its
+    // butterfly that pair lanes of this invocation run here, in the same order, so a
+    // batch's rows equal their one-token sums bit for bit whatever TEAM is.
+    var val: array<f32, FQ>;
+#for i SPL
+    let n4_{i} = lane + {i}u * TEAM;
+    let idx_{i} = l * (STATE_LS / 4u) + c * (N / 4u) + n4_{i};
+    var s_{i} = vec4<f32>(0.0);
+    if (n4_{i} < N / 4u) {
+        s_{i} = state[idx_{i}];
+    }
+#endfor
+#for i SPL
+    if (n4_{i} < N / 4u) {
+        let n = 4u * n4_{i};
         let bv = vec4<f32>(mix[bbase + n], mix[bbase + n + 1u], mix[bbase + n + 2u], mix[bbase + n + 3u]);
         let cv = vec4<f32>(mix[cbase + n], mix[cbase + n + 1u], mix[cbase + n + 2u], mix[cbase + n + 3u]);
-        let s = alpha * state[idx] + dx * bv;
+        let s = alpha * s_{i} + dx * bv;
         if (live) {
-            state[idx] = s;
+            state[idx_{i}] = s;
         }
-        acc += dot(cv, s);
+        val[{i}u % FQ] += dot(cv, s);
+    }
+#endfor
+    var total = 0.0;
+    if (FQ == 1u) {
+        total = team_sum(val[0], lid);
+    } else {
+        // The one-token team's butterfly steps m ≥ TEAM within its pieces of RSUB lanes.
+        for (var m = RSUB / 2u; m >= TEAM; m /= 2u) {
+            let f = m / TEAM;
+            var nv: array<f32, FQ>;
+            for (var q = 0u; q < FQ; q++) {
+                nv[q] = val[q] + val[q ^ f];
+            }
+            val = nv;
+        }
+        // Its steps below TEAM (this team's own butterfly), then its pieces in order.
+        if (RTEAM == RSUB) {
+            total = team_sum(val[0], lid);
+        } else {
+            for (var k = 0u; k < RTEAM / RSUB; k++) {
+                total += team_sum(val[k * (RSUB / TEAM)], lid);
+            }
+        }
     }
 #else
+    var acc = 0.0;
     for (var n = lane; n < N; n += TEAM) {
         let idx = l * STATE_LS + c * N + n;
         let s = alpha * state[idx] + dx * mix[bbase + n];
@@ -67,8 +104,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         }
         acc += mix[cbase + n] * s;
     }
+    let total = team_sum(acc, lid);
 #endif
-    let out = team_sum(acc, lid) + params[D_OFF + h] * xv;
+    let out = total + params[D_OFF + h] * xv;
 #if GATED
     let v = out * silu(mix[mo + c]);
     if (lane == 0u) {

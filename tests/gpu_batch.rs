@@ -7,6 +7,7 @@
 
 mod common;
 
+use mamba2_wgpu::config::ModelConfig;
 use mamba2_wgpu::gpu::GpuBackend;
 use mamba2_wgpu::gpu::engine::{Engine, EngineOptions, PrefillMode};
 use mamba2_wgpu::gpu::state_store::KvFormat;
@@ -64,6 +65,19 @@ const CASES: &[Case] = &[
         model: || Model::synthetic(tiny_config(2, 16), 9),
         format: WeightFormat::Q6_K,
     },
+    // State rows wider than the batched SSD step's team of lanes (the released models'
+    // N = 128, and N = 48, whose last vectors leave lanes idle): the batch replays the
+    // one-token team's butterfly.
+    Case {
+        name: "mamba2 q8_0, N = 128",
+        model: || Model::synthetic(wide_state(128), 10),
+        format: WeightFormat::Q8_0,
+    },
+    Case {
+        name: "mamba2 f32, N = 48",
+        model: || Model::synthetic(wide_state(48), 11),
+        format: WeightFormat::F32,
+    },
     Case {
         name: "hybrid f32",
         model: || Model::synthetic(tiny_hybrid("M*-M*-", 2), 8),
@@ -75,6 +89,14 @@ const CASES: &[Case] = &[
         format: WeightFormat::Q8_0,
     },
 ];
+
+/// The tiny Mamba2 config with `d_state` state columns.
+fn wide_state(d_state: usize) -> ModelConfig {
+    ModelConfig {
+        d_state,
+        ..tiny_config(2, 16)
+    }
+}
 
 /// A request: prompt length, tokens to sample, how, and the step it joins at.
 struct Req {

@@ -316,11 +316,21 @@ impl Kernels {
         let caps = &self.ctx.caps;
         let mut consts = vec![("TEAM", Const::U32(team))];
         if caps.subgroups && caps.subgroup_min >= 4 {
-            consts.push(("SUB", Const::U32(team.min(caps.subgroup_min))));
+            consts.push(("SUB", Const::U32(self.team_piece(team))));
             (consts, vec!["TEAM_REDUCE", "TEAM_SHUFFLE"])
         } else {
             consts.push(("SUB", Const::U32(team)));
             (consts, vec!["TEAM_REDUCE"])
+        }
+    }
+
+    /// The pieces `team_sum` reduces by one butterfly for teams of `team` lanes (`SUB`).
+    pub fn team_piece(&self, team: u32) -> u32 {
+        let caps = &self.ctx.caps;
+        if caps.subgroups && caps.subgroup_min >= 4 {
+            team.min(caps.subgroup_min)
+        } else {
+            team
         }
     }
 

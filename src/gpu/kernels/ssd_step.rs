@@ -3,6 +3,10 @@
 //! `y [H·P]`; gated: `part [d_inner/CB]`, and with q8 `xq [d_inner/4]`, `xd [d_inner/32]`.
 //! Over `lanes` lanes every buffer holds the lanes' rows side by side (strides from the
 //! buffer sizes; the state one slot per lane) and workgroup row y is the lane.
+//! A state row's team: the one-token step gives a row up to 32 invocations (one 16-byte
+//! state vector each for N = 128); a batch gives it fewer (`lanes_team`), each with
+//! several vectors in flight, and replays the one-token team's reduction tree, so a lane's
+//! y is bitwise its one-token y (`gpu_batch`).
 
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
@@ -77,10 +81,16 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
     // groups of four), within the device's workgroup size.
     let vec4 = c.d_state.is_multiple_of(4);
     let columns = if vec4 { c.d_state / 4 } else { c.d_state };
-    let team = 32
+    let rteam = 32
         .min(columns.next_power_of_two())
         .min(k.max_workgroup() as usize / cb)
         .max(1);
+    let rsub = k.team_piece(rteam as u32) as usize;
+    let team = if vec4 && cap > 1 {
+        lanes_team(rteam, rsub)
+    } else {
+        rteam
+    };
     let u = |v: usize| Const::U32(v as u32);
     let (team_consts, team_flags) = k.team(team as u32);
     let mut consts = vec![
@@ -96,6 +106,10 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         ("D_OFF", u(c.d_off)),
         ("NW_OFF", u(c.nw_off)),
         ("NB", u(c.d_inner / 32)),
+        ("SPL", u(columns.div_ceil(team))),
+        ("FQ", u(rteam / team)),
+        ("RTEAM", u(rteam)),
+        ("RSUB", u(rsub)),
         ("MIX_LS", ls(b.mix)),
         ("STATE_LS", ls(b.state)),
         ("Y_LS", ls(b.y)),
@@ -142,4 +156,53 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
         section: Section::Ssd,
         label: Label::default(),
     })
+}
+
+/// The lanes per state row of the batched step: 16 by default (two 16-byte state vectors
+/// each for N = 128, both issued before the first sum; Codestral q8_0 at 16 lanes, H200,
+/// GPU ms per step: 32 lanes (the one-token team) 3.29–3.52, 16: 2.69, 8: 2.81–2.84, 4:
+/// 3.20, runs 100–102) or `MAMBA2_SSD_LANES_TEAM`, kept to a divisor of the one-token team
+/// `rteam` no larger than its shuffle piece `rsub`, where the one-token butterfly can be
+/// replayed exactly (lavapipe's 8-wide subgroups get 8).
+fn lanes_team(rteam: usize, rsub: usize) -> usize {
+    let want = match std::env::var("MAMBA2_SSD_LANES_TEAM") {
+        // `check_overrides` refused anything but a power of two of 1…32.
+        Ok(s) => parse_lanes_team(&s).unwrap_or(16),
+        Err(_) => 16,
+    };
+    want.min(rsub).min(rteam).max(1)
+}
+
+fn parse_lanes_team(s: &str) -> Result<usize> {
+    match s.trim().parse::<usize>() {
+        Ok(t) if t.is_power_of_two() && t <= 32 => Ok(t),
+        _ => Err(Error::InvalidInput(format!(
+            "MAMBA2_SSD_LANES_TEAM={s}: want 1, 2, 4, 8, 16 or 32 lanes per state row"
+        ))),
+    }
+}
+
+/// The batched step's tuning override (MAMBA2_SSD_LANES_TEAM), checked before a device is
+/// made.
+pub fn check_overrides() -> Result<()> {
+    if let Ok(s) = std::env::var("MAMBA2_SSD_LANES_TEAM") {
+        parse_lanes_team(&s)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_team_override_is_a_power_of_two_up_to_32() {
+        for ok in ["1", "4", " 8", "32"] {
+            assert!(parse_lanes_team(ok).is_ok(), "{ok}");
+        }
+        for bad in ["0", "3", "64", "eight", ""] {
+            let e = parse_lanes_team(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_SSD_LANES_TEAM"), "{bad}: {e}");
+        }
+    }
 }
