@@ -310,25 +310,30 @@ impl Kernels {
         Ok(p)
     }
 
+    /// Whether reductions may shuffle within subgroups (subgroups of at least 4 lanes).
+    fn shuffles(&self) -> bool {
+        let caps = &self.ctx.caps;
+        caps.subgroups && caps.subgroup_min >= 4
+    }
+
     /// Constants and flags of `team_sum` for teams of `team` lanes (a power of two): with
     /// subgroups, shuffles within pieces of `min(team, smallest subgroup)` lanes.
     pub fn team(&self, team: u32) -> (Vec<(&'static str, Const)>, Vec<&'static str>) {
-        let caps = &self.ctx.caps;
-        let mut consts = vec![("TEAM", Const::U32(team))];
-        if caps.subgroups && caps.subgroup_min >= 4 {
-            consts.push(("SUB", Const::U32(self.team_piece(team))));
+        let consts = vec![
+            ("TEAM", Const::U32(team)),
+            ("SUB", Const::U32(self.team_piece(team))),
+        ];
+        if self.shuffles() {
             (consts, vec!["TEAM_REDUCE", "TEAM_SHUFFLE"])
         } else {
-            consts.push(("SUB", Const::U32(team)));
             (consts, vec!["TEAM_REDUCE"])
         }
     }
 
     /// The pieces `team_sum` reduces by one butterfly for teams of `team` lanes (`SUB`).
     pub fn team_piece(&self, team: u32) -> u32 {
-        let caps = &self.ctx.caps;
-        if caps.subgroups && caps.subgroup_min >= 4 {
-            team.min(caps.subgroup_min)
+        if self.shuffles() {
+            team.min(self.ctx.caps.subgroup_min)
         } else {
             team
         }
@@ -337,9 +342,8 @@ impl Kernels {
     /// `q8_chunk`'s shuffle piece (a power of two of 4…32 lanes, at most the smallest
     /// subgroup) as its constant and flag, or none without subgroups of at least 4.
     pub fn q8_shuffle(&self) -> Option<(&'static str, Const)> {
-        let caps = &self.ctx.caps;
-        (caps.subgroups && caps.subgroup_min >= 4)
-            .then(|| ("Q8SUB", Const::U32(caps.subgroup_min.min(32))))
+        self.shuffles()
+            .then(|| ("Q8SUB", Const::U32(self.ctx.caps.subgroup_min.min(32))))
     }
 
     /// The largest workgroup size (a power of two, at most 1024) the device allows.

@@ -165,11 +165,11 @@ pub fn ssd_step(k: &Kernels, name: &str, c: SsdConsts, b: SsdBuffers) -> Result<
 /// `rteam` no larger than its shuffle piece `rsub`, where the one-token butterfly can be
 /// replayed exactly (lavapipe's 8-wide subgroups get 8).
 fn lanes_team(rteam: usize, rsub: usize) -> usize {
-    let want = match std::env::var("MAMBA2_SSD_LANES_TEAM") {
-        // `check_overrides` refused anything but a power of two of 1…32.
-        Ok(s) => parse_lanes_team(&s).unwrap_or(16),
-        Err(_) => 16,
-    };
+    // `check_overrides` refused anything but a power of two of 1…32.
+    let want = std::env::var("MAMBA2_SSD_LANES_TEAM")
+        .ok()
+        .and_then(|s| parse_lanes_team(&s).ok())
+        .unwrap_or(16);
     want.min(rsub).min(rteam).max(1)
 }
 
