@@ -43,6 +43,12 @@ var<workgroup> grp_red: array<f32, WG>;
 
 const NV: u32 = KP / VW;
 
+#if STAGE
+// The staged batch kernel's rows: quants and their scales as f32.
+var<workgroup> wsh: array<vec4<u32>, RR * NV>;
+var<workgroup> dsh: array<f32, RR * (KP / 32u)>;
+#endif
+
 // Σ over 16 q8 values of q_w·q_x: four dot4I8Packed of weight bytes `q` and input `x`.
 fn dot16(q: vec4<u32>, x: vec4<u32>) -> i32 {
     return dot4I8Packed(q.x, x.x) + dot4I8Packed(q.y, x.y) + dot4I8Packed(q.z, x.z) + dot4I8Packed(q.w, x.w);

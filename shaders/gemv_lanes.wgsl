@@ -79,6 +79,61 @@ fn main(
         workgroupBarrier();
     }
 #endif
+#if STAGE
+    // Staged q8_0 (STAGE): the workgroup's RR rows go to workgroup memory first, every
+    // invocation's loads in flight at once, so the weights stream at many workgroups per
+    // multiprocessor instead of the few that a thread's registers for all NL lanes allow.
+    // Then invocation (t, r, g) = (lid % TEAM, row, lane group) sums row r for lanes
+    // g·LPT … g·LPT + LPT − 1 over v ≡ t (mod TEAM) in order: the one-token kernel's team,
+    // stride and expressions, so each lane is bitwise its run alone.
+    let first = (wid.x + wid.y * nwg.x) * RR;
+    for (var i = lid; i < RR * NV; i += WG) {
+        wsh[i] = w[min(first + i / NV, M - 1u) * NV + i % NV];
+    }
+    for (var i = lid; i < RR * (KP / 32u); i += WG) {
+        let si = min(first + i / (KP / 32u), M - 1u) * (KP / 32u) + i % (KP / 32u);
+        dsh[i] = unpack2x16float(ws[si / 2u])[si % 2u];
+    }
+    workgroupBarrier();
+    let t = lid % TEAM;
+    let r = (lid / TEAM) % RR;
+    let g = lid / (TEAM * RR);
+    let row = min(first + r, M - 1u);
+#for j LPT
+    let slot_{j} = g * LPT + {j}u;
+    let lt_{j} = lane_of(wid.z, min(slot_{j}, NL - 1u));
+    var acc_{j} = 0.0;
+#endfor
+    for (var v = t; v < NV; v += TEAM) {
+        let wv = wsh[r * NV + v];
+        let blk = v / 2u;
+        let d = dsh[r * (KP / 32u) + blk];
+#for j LPT
+        {
+            let a = xq[xq_at(lt_{j}) + v];
+            let xs = xd[xd_at(lt_{j}) + blk];
+            let cs = col_scale(min(slot_{j}, NL - 1u), blk * 32u);
+            acc_{j} += f32(dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w)) * (d * xs * cs);
+        }
+#endfor
+    }
+#for j LPT
+    {
+        let total = team_sum(acc_{j}, lid);
+        if (t == 0u && first + r < M && slot_{j} < NL && wid.z * NL + slot_{j} < LANES) {
+#if O_STORE
+            dst[lt_{j} * DST_LS + row] = total;
+#endif
+#if O_ADD
+            dst[lt_{j} * DST_LS + row] += total;
+#endif
+#if O_MIXER
+            mixer_row(lt_{j}, row, total);
+#endif
+        }
+    }
+#endfor
+#else
     let lane = lid % TEAM;
     // This team's RT consecutive rows (each reduced exactly as the one-token kernel reduces
     // a row: the same team size, stride and order); each lane's input is loaded once for
@@ -259,4 +314,5 @@ fn main(
     }
 #endfor
 #endfor
+#endif
 }

@@ -264,12 +264,22 @@ fn gemv_every_format_and_shape() {
 #[test]
 fn gemv_lanes_equal_the_one_token_kernel_bitwise() {
     let Some(g) = Gpu::new() else { return };
-    let (n, cap) = (3, 5);
-    let lanes = Lanes::new(n, cap);
-    for (rows, cols, grouped) in [(37, 256, true), (2051, 256, true), (129, 1000, false)] {
+    // q8_0 takes the staged kernel on small matrices (3 lanes: one lane group per row; 9:
+    // three, the last short) and the register kernel on 16448 rows with the group norm
+    // (257 of its workgroups; `gemv::staging` says where each goes).
+    let all = &WeightFormat::ALL[..];
+    for (n, cap, rows, cols, grouped, formats) in [
+        (3, 5, 37, 256, true, all),
+        (3, 5, 2051, 256, true, all),
+        (3, 5, 129, 1000, false, all),
+        (9, 10, 37, 256, true, all),
+        (9, 10, 129, 1000, false, all),
+        (3, 5, 16448, 256, true, &[WeightFormat::Q8_0][..]),
+    ] {
+        let lanes = Lanes::new(n, cap);
         let w = rand(3, rows * cols, -1.0, 1.0);
         let (groups, bpg) = (2, 4);
-        for format in WeightFormat::ALL {
+        for &format in formats {
             let p = pack(format, &w, rows, cols);
             let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
             // Each lane's input: f32 rows and q8 blocks, lanes W values apart.
@@ -354,7 +364,7 @@ fn gemv_lanes_equal_the_one_token_kernel_bitwise() {
                     assert_eq!(
                         lane[r].to_bits(),
                         want[r].to_bits(),
-                        "{} [{rows},{cols}] grouped {grouped}: lane {l} row {r}: {} vs {}",
+                        "{} [{rows},{cols}] grouped {grouped}, {n} lanes: lane {l} row {r}: {} vs {}",
                         format.name(),
                         lane[r],
                         want[r]

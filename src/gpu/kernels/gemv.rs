@@ -76,6 +76,80 @@ pub fn lane_tiling(
     (nl, rt.min(rows.max(1)))
 }
 
+/// Lanes each invocation of the staged batch kernel sums.
+const STAGE_LANES_PER_THREAD: usize = 4;
+
+/// The most bytes of q8_0 quants (and their f32 scales) the staged batch kernel keeps in
+/// workgroup memory for its rows (less where the device's limit leaves less).
+const STAGE_BYTES: usize = 9 * 1024;
+
+/// Where the staged kernel takes over: plain inputs whose register kernel launches fewer
+/// than this many workgroups per group of NL lanes (its x extent).
+const STAGE_PLAIN_BELOW: usize = 1024;
+
+/// … and group-norm inputs whose register kernel launches fewer than this many in all:
+/// every staged workgroup repeats the norm prologue for its NL lanes.
+const STAGE_GROUP_BELOW: usize = 128;
+
+/// How a batch GEMV's register kernel would be laid out: its workgroups along the rows
+/// (per group of NL lanes) and along the lanes, and whether it runs the group norm first.
+#[derive(Clone, Copy, Debug)]
+pub struct RegisterGrid {
+    pub rows: usize,
+    pub lanes: usize,
+    pub grouped: bool,
+}
+
+/// The staged batch kernel's rows per workgroup and lanes per invocation, or none (the
+/// register kernel). Measured on the H200 (runs 108–109, q8_0, GPU ms per step of the
+/// register → the staged kernel at 16 and 64 lanes):
+///
+/// | matrix | register workgroups, 16 lanes | 16 lanes | 64 lanes |
+/// |---|---|---|---|
+/// | 130m in_proj | 105 | 0.774 → 0.398 | 1.003 → 0.779 |
+/// | 130m out_proj (group norm) | 48 | 0.705 → 0.491 | 0.843 → 1.021 |
+/// | 2.7b in_proj | 661 | 4.396 → 3.716 | 12.17 → 11.36 |
+/// | 2.7b out_proj (group norm) | 320 | 3.088 → 5.481 | 8.31 → 18.54 |
+/// | Codestral in_proj | 2320 | 8.01 → 8.24 | 26.54 → 30.67 |
+/// | Codestral out_proj (group norm) | 512 | 3.97 → 8.69 | |
+///
+/// So q8_0 rows that fit `budget` bytes (at most `STAGE_BYTES`) are staged where the
+/// register kernel leaves the GPU short of workgroups: plain inputs below
+/// `STAGE_PLAIN_BELOW` per lane group, group-norm ones below `STAGE_GROUP_BELOW` in all.
+/// MAMBA2_BATCH_STAGE=0 never stages, =1 stages wherever the rows fit (for measuring).
+pub fn staging(
+    format: WeightFormat,
+    team: u32,
+    nl: usize,
+    kp: usize,
+    grid: RegisterGrid,
+    budget: usize,
+) -> Result<Option<(usize, usize)>> {
+    let always = match std::env::var("MAMBA2_BATCH_STAGE").as_deref() {
+        Err(_) => false,
+        Ok("1") => true,
+        Ok("0") => return Ok(None),
+        Ok(s) => {
+            return Err(Error::InvalidInput(format!(
+                "MAMBA2_BATCH_STAGE={s}: want 0 (never stage rows) or 1 (wherever they fit)"
+            )));
+        }
+    };
+    let short = if grid.grouped {
+        grid.rows * grid.lanes < STAGE_GROUP_BELOW
+    } else {
+        grid.rows < STAGE_PLAIN_BELOW
+    };
+    if format != WeightFormat::Q8_0 || !(always || short) {
+        return Ok(None);
+    }
+    let lpt = STAGE_LANES_PER_THREAD.min(nl);
+    let groups = nl.div_ceil(lpt);
+    let rr = WG as usize / (team as usize * groups).max(1);
+    let row_bytes = kp + kp / 32 * 4;
+    Ok((rr >= 1 && rr * row_bytes <= budget.min(STAGE_BYTES)).then_some((rr, lpt)))
+}
+
 /// What the GEMV's input vector is.
 #[derive(Clone, Copy, Debug)]
 pub enum GemvInput {
@@ -286,9 +360,30 @@ fn parse_unroll(s: &str) -> Result<u32> {
     }
 }
 
-/// The GEMVs' tuning overrides (MAMBA2_GEMV_UNROLL, MAMBA2_GEMV_WG), checked before a
-/// device is made.
+/// Lanes per row of every GEMV, one-token and batched alike (so a lane still equals its run
+/// alone): MAMBA2_GEMV_TEAM=T (a power of two of 4…256, for tuning), else `team_size`.
+pub fn team_override() -> Result<Option<u32>> {
+    match std::env::var("MAMBA2_GEMV_TEAM") {
+        Err(_) => Ok(None),
+        Ok(s) => match s.trim().parse::<u32>() {
+            Ok(n) if (4..=WG).contains(&n) && n.is_power_of_two() => Ok(Some(n)),
+            _ => Err(Error::InvalidInput(format!(
+                "MAMBA2_GEMV_TEAM={s}: want a power of two of 4…{WG} lanes per row"
+            ))),
+        },
+    }
+}
+
+/// The GEMVs' tuning overrides (MAMBA2_GEMV_UNROLL, MAMBA2_GEMV_WG, MAMBA2_GEMV_TEAM,
+/// MAMBA2_BATCH_STAGE), checked before a device is made.
 pub fn check_overrides() -> Result<()> {
+    team_override()?;
+    let grid = RegisterGrid {
+        rows: 1,
+        lanes: 1,
+        grouped: false,
+    };
+    staging(WeightFormat::Q8_0, 32, 1, 32, grid, 0)?;
     if let Ok(s) = std::env::var("MAMBA2_GEMV_UNROLL") {
         parse_unroll(&s)?;
     }
@@ -330,7 +425,10 @@ pub fn gemv(
             w.kp
         )));
     }
-    let team = team_size(m, w.kp / vector_width(w.format));
+    let team = match team_override()? {
+        Some(t) => t,
+        None => team_size(m, w.kp / vector_width(w.format)),
+    };
     let wg = if cap > 1 {
         WG
     } else {
@@ -341,6 +439,24 @@ pub fn gemv(
         one_token_wg(k, kind)?.max(team)
     };
     let rows_per_wg = wg / team;
+    let stage = if cap > 1 {
+        // Workgroup memory besides the rows: the team sums, the group norm's rstd and tree.
+        let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
+        let others = 4 * WG as usize
+            + match input {
+                GemvInput::Group { groups, .. } => 4 * (groups * nl + WG as usize),
+                GemvInput::Plain => 0,
+            };
+        let budget = limit.saturating_sub(others);
+        let grid = RegisterGrid {
+            rows: m.div_ceil(rows_per_wg as usize * rt),
+            lanes: n.div_ceil(nl),
+            grouped: matches!(input, GemvInput::Group { .. }),
+        };
+        staging(w.format, team, nl, w.kp, grid, budget)?
+    } else {
+        None
+    };
     let u = |v: usize| Const::U32(v as u32);
     let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
@@ -358,6 +474,12 @@ pub fn gemv(
     consts.extend(team_consts);
     let mut flags = w.flags();
     flags.extend(team_flags);
+    // (The preprocessor unrolls the staged kernel's `#for` even where STAGE is off.)
+    let (rr, lpt) = stage.unwrap_or((1, 1));
+    consts.extend([("RR", u(rr)), ("LPT", u(lpt))]);
+    if stage.is_some() {
+        flags.push("STAGE");
+    }
     let mut entries = w.bindings();
     if w.format.reads_q8() {
         let (q, d) = b.q8.ok_or_else(|| missing("q8 activation"))?;
@@ -454,7 +576,11 @@ pub fn gemv(
         pipeline,
         bind_group,
         workgroups: {
-            let (x, y, _) = grid((m as u32).div_ceil(rows_per_wg * rt as u32));
+            let groups = match stage {
+                Some((rr, _)) => (m as u32).div_ceil(rr as u32),
+                None => (m as u32).div_ceil(rows_per_wg * rt as u32),
+            };
+            let (x, y, _) = grid(groups);
             (x, y, n.div_ceil(nl) as u32)
         },
         name: name.to_string(),
@@ -468,6 +594,99 @@ pub fn gemv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_q8_matrices_take_the_staged_batch_kernel() {
+        let q8 = WeightFormat::Q8_0;
+        let plain = |rows, lanes| RegisterGrid {
+            rows,
+            lanes,
+            grouped: false,
+        };
+        let grouped = |rows, lanes| RegisterGrid {
+            rows,
+            lanes,
+            grouped: true,
+        };
+        let kib16 = 1 << 14;
+        // gpu_kernels' cases: 37 rows of 256 (teams of 8, one register workgroup) stage 32
+        // rows per workgroup with 3 lanes per invocation and, with 9 lanes, 10 rows in
+        // three lane groups; 16448 rows (257 register workgroups) stage plain but not
+        // grouped; f16 never.
+        let team = team_size(37, 16);
+        assert_eq!(team, 8);
+        assert_eq!(
+            staging(q8, team, 3, 256, grouped(1, 1), kib16).unwrap(),
+            Some((32, 3))
+        );
+        assert_eq!(
+            staging(q8, team, 9, 256, plain(1, 1), kib16).unwrap(),
+            Some((10, 4))
+        );
+        assert_eq!(team_size(16448, 16), 8);
+        assert_eq!(
+            staging(q8, 8, 3, 256, plain(257, 1), kib16).unwrap(),
+            Some((32, 3))
+        );
+        assert_eq!(
+            staging(q8, 8, 3, 256, grouped(257, 1), kib16).unwrap(),
+            None
+        );
+        assert_eq!(staging(q8, 8, 3, 256, plain(1028, 1), kib16).unwrap(), None);
+        let f16 = WeightFormat::F16;
+        assert_eq!(
+            staging(f16, team, 3, 256, plain(1, 1), kib16).unwrap(),
+            None
+        );
+        // The H200's shapes at 16 (and 64) lanes, as in `staging`'s table.
+        assert_eq!(
+            staging(q8, 16, 16, 768, plain(105, 1), kib16).unwrap(),
+            Some((4, 4))
+        );
+        assert_eq!(
+            staging(q8, 16, 16, 768, plain(105, 4), kib16).unwrap(),
+            Some((4, 4))
+        );
+        assert_eq!(
+            staging(q8, 32, 16, 1536, grouped(48, 1), kib16).unwrap(),
+            Some((2, 4))
+        );
+        assert_eq!(
+            staging(q8, 32, 16, 1536, grouped(48, 4), kib16).unwrap(),
+            None
+        );
+        assert_eq!(
+            staging(q8, 32, 16, 2560, plain(661, 1), kib16).unwrap(),
+            Some((2, 4))
+        );
+        assert_eq!(
+            staging(q8, 64, 16, 5120, grouped(320, 1), kib16).unwrap(),
+            None
+        );
+        assert_eq!(
+            staging(q8, 32, 16, 4096, plain(2320, 1), kib16).unwrap(),
+            None
+        );
+        assert_eq!(
+            staging(q8, 64, 16, 8192, grouped(512, 1), kib16).unwrap(),
+            None
+        );
+        // Rows that do not fit: 8192 columns stage one row, 16384 none; a device leaving
+        // 8 KiB for rows takes one row of 2048 but not 32 of 256.
+        assert_eq!(
+            staging(q8, 64, 16, 8192, grouped(64, 1), kib16).unwrap(),
+            Some((1, 4))
+        );
+        assert_eq!(
+            staging(q8, 32, 16, 16384, plain(1, 1), kib16).unwrap(),
+            None
+        );
+        assert_eq!(
+            staging(q8, 64, 16, 2048, plain(1, 1), 8192).unwrap(),
+            Some((1, 4))
+        );
+        assert_eq!(staging(q8, team, 3, 256, plain(1, 1), 8192).unwrap(), None);
+    }
 
     #[test]
     fn workgroup_override_names_the_variable() {
