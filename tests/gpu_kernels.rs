@@ -274,11 +274,13 @@ fn gemv_lanes_equal_the_one_token_kernel_bitwise() {
         (3, 5, 129, 1000, false, all),
         (9, 10, 37, 256, true, all),
         (9, 10, 129, 1000, false, all),
+        (3, 5, 129, 1024, true, all),
         (3, 5, 16448, 256, true, &[WeightFormat::Q8_0][..]),
     ] {
         let lanes = Lanes::new(n, cap);
         let w = rand(3, rows * cols, -1.0, 1.0);
-        let (groups, bpg) = (2, 4);
+        // 300 blocks per group: more than a 256-invocation prologue's share.
+        let (groups, bpg) = (2, if cols == 1024 { 300 } else { 4 });
         for &format in formats {
             let p = pack(format, &w, rows, cols);
             let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();

@@ -260,6 +260,18 @@ pub fn group_unit(format: WeightFormat) -> usize {
     if format.reads_q8() { 32 } else { 4 }
 }
 
+/// Invocations summing each group's partials in the group-norm prologue: a power of two,
+/// at most `WG`/G and about BPG. Both kernels take this one (the one-token kernel's
+/// workgroup grows to hold it), so a lane's rstd, and with it its sum, is bitwise its run
+/// alone whatever the one-token workgroup size (it once followed that size: 512 against
+/// the batch's 256 would have split groups of more than 256 blocks differently).
+pub fn group_lanes(groups: usize, blocks_per_group: usize) -> usize {
+    let g = (WG as usize / groups.max(1))
+        .min(blocks_per_group.max(1))
+        .next_power_of_two();
+    if g * groups > WG as usize { g / 2 } else { g }
+}
+
 /// Lanes per row: 32, more for matrices with few rows (so enough loads are in flight to
 /// fill the memory system: about 2^18 lanes), fewer for short rows; each lane keeps at
 /// least a few vector loads.
@@ -429,6 +441,22 @@ pub fn gemv(
         Some(t) => t,
         None => team_size(m, w.kp / vector_width(w.format)),
     };
+    // The group-norm prologue's lanes, the same for both kernels (see `group_lanes`).
+    let prologue = match input {
+        GemvInput::Group {
+            groups,
+            blocks_per_group,
+            ..
+        } => {
+            if groups == 0 || groups > WG as usize {
+                return Err(Error::Gpu(format!(
+                    "{name}: {groups} groups (1…{WG} fit a workgroup's norm prologue)"
+                )));
+            }
+            group_lanes(groups, blocks_per_group) * groups
+        }
+        GemvInput::Plain => 0,
+    };
     let wg = if cap > 1 {
         WG
     } else {
@@ -436,7 +464,7 @@ pub fn gemv(
             GemvInput::Group { .. } => WgKind::Group,
             GemvInput::Plain => WgKind::Plain,
         };
-        one_token_wg(k, kind)?.max(team)
+        one_token_wg(k, kind)?.max(team).max(prologue as u32)
     };
     let rows_per_wg = wg / team;
     let stage = if cap > 1 {
@@ -522,20 +550,7 @@ pub fn gemv(
             part,
             cap * groups * blocks_per_group,
         )?;
-        if groups == 0 || groups > wg as usize {
-            return Err(Error::Gpu(format!(
-                "{name}: {groups} groups (1…{wg} fit a workgroup's norm prologue)"
-            )));
-        }
-        // Lanes summing each group's partials: a power of two, at most wg/G and BPG.
-        let gsub = (wg as usize / groups)
-            .min(blocks_per_group.max(1))
-            .next_power_of_two();
-        let gsub = if gsub * groups > wg as usize {
-            gsub / 2
-        } else {
-            gsub
-        };
+        let gsub = group_lanes(groups, blocks_per_group);
         flags.push("X_GROUP");
         consts.extend([
             ("GSUB", u(gsub)),
