@@ -173,27 +173,22 @@ fn main(
 ) {
 #if X_GROUP
     // rstd per group from the per-block sums of squares of v (BPG blocks per group): GSUB
-    // lanes per group sum strided shares, then a tree in workgroup memory (one lane summing
-    // a group's BPG partials alone cost 2.7b's out_proj more than its weights).
-    var s = 0.0;
-    if (lid < G * GSUB) {
+    // invocations per group sum strided shares, then `group_sum` (one invocation summing a
+    // group's BPG partials alone cost 2.7b's out_proj more than its weights).
+    {
         let g = lid / GSUB;
-        for (var i = lid % GSUB; i < BPG; i += GSUB) {
-            s += part[g * BPG + i];
+        var s = 0.0;
+        if (g < G) {
+            for (var i = lid % GSUB; i < BPG; i += GSUB) {
+                s += part[g * BPG + i];
+            }
         }
-    }
-    grp_red[lid] = s;
-    workgroupBarrier();
-    for (var st = GSUB / 2u; st > 0u; st /= 2u) {
-        if (lid % GSUB < st) {
-            grp_red[lid] += grp_red[lid + st];
+        let t = group_sum(s, lid);
+        if (g < G && lid % GSUB == 0u) {
+            grp_rstd[g] = inverseSqrt(t / f32(GS) + EPS);
         }
         workgroupBarrier();
     }
-    if (lid < G) {
-        grp_rstd[lid] = inverseSqrt(grp_red[lid * GSUB] / f32(GS) + EPS);
-    }
-    workgroupBarrier();
 #endif
     let lane = lid % TEAM;
     let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;

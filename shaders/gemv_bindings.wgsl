@@ -43,6 +43,50 @@ var<workgroup> grp_red: array<f32, WG>;
 
 const NV: u32 = KP / VW;
 
+#if X_GROUP
+// Σ over the GSUB consecutive invocations of lid's group-norm share (GSUB a power of two);
+// the first of them gets it. As `team_sum` sums a team: with TEAM_SHUFFLE a butterfly of
+// subgroupShuffleXor over pieces of GPIECE lanes (inside one subgroup), the GSUB/GPIECE
+// pieces then summed in order in workgroup memory; otherwise a workgroup-memory tree.
+// Every invocation of the workgroup must call it (uniform control flow).
+fn group_sum(v: f32, lid: u32) -> f32 {
+#if TEAM_SHUFFLE
+    var s = v;
+    for (var o = GPIECE / 2u; o > 0u; o /= 2u) {
+        s += subgroupShuffleXor(s, o);
+    }
+    if (GSUB == GPIECE) {
+        return s;
+    }
+    if (lid % GPIECE == 0u) {
+        grp_red[lid / GPIECE] = s;
+    }
+    workgroupBarrier();
+    var t = 0.0;
+    if (lid % GSUB == 0u) {
+        let first = lid / GPIECE;
+        for (var i = 0u; i < GSUB / GPIECE; i++) {
+            t += grp_red[first + i];
+        }
+    }
+    workgroupBarrier();
+    return t;
+#else
+    grp_red[lid] = v;
+    workgroupBarrier();
+    for (var o = GSUB / 2u; o > 0u; o /= 2u) {
+        if ((lid % GSUB) < o) {
+            grp_red[lid] += grp_red[lid + o];
+        }
+        workgroupBarrier();
+    }
+    let t = grp_red[lid - lid % GSUB];
+    workgroupBarrier();
+    return t;
+#endif
+}
+#endif
+
 #if STAGE
 // The staged batch kernel's rows: quants and their scales as f32.
 var<workgroup> wsh: array<vec4<u32>, RR * NV>;

@@ -54,30 +54,24 @@ fn main(
 #endfor
 #if X_GROUP
     // rstd per group from the per-block sums of squares of v (BPG blocks per group), for
-    // each lane exactly as gemv.wgsl's prologue: GSUB lanes per group sum strided shares,
-    // then a tree in workgroup memory.
-    for (var j = 0u; j < NL; j++) {
-        let l = lane_of(wid.z, j);
+    // each lane exactly as gemv.wgsl's prologue (GSUB invocations per group sum strided
+    // shares, then `group_sum`), WG / (G·GSUB) lanes at a time.
+    for (var j0 = 0u; j0 < NL; j0 += WG / (G * GSUB)) {
+        let j = j0 + lid / (G * GSUB);
+        let g = (lid / GSUB) % G;
         var s = 0.0;
-        if (lid < G * GSUB) {
-            let g = lid / GSUB;
+        if (j < NL) {
+            let l = lane_of(wid.z, j);
             for (var i = lid % GSUB; i < BPG; i += GSUB) {
                 s += part[l * PART_LS + g * BPG + i];
             }
         }
-        grp_red[lid] = s;
-        workgroupBarrier();
-        for (var st = GSUB / 2u; st > 0u; st /= 2u) {
-            if (lid % GSUB < st) {
-                grp_red[lid] += grp_red[lid + st];
-            }
-            workgroupBarrier();
+        let t = group_sum(s, lid);
+        if (j < NL && lid % GSUB == 0u) {
+            grp_rstd[j * G + g] = inverseSqrt(t / f32(GS) + EPS);
         }
-        if (lid < G) {
-            grp_rstd[j * G + lid] = inverseSqrt(grp_red[lid * GSUB] / f32(GS) + EPS);
-        }
-        workgroupBarrier();
     }
+    workgroupBarrier();
 #endif
 #if STAGE
     // Staged q8_0 (STAGE): the workgroup's RR rows go to workgroup memory first, every

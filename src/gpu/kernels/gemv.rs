@@ -554,6 +554,7 @@ pub fn gemv(
         flags.push("X_GROUP");
         consts.extend([
             ("GSUB", u(gsub)),
+            ("GPIECE", Const::U32(k.team_piece(gsub as u32))),
             ("G", u(groups)),
             ("GS", u(group_size)),
             ("BPG", u(blocks_per_group)),
