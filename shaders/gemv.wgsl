@@ -209,8 +209,7 @@ fn main(
 #endfor
 #for u UNROLL
         if (v0 + {u}u * TEAM < NV) {
-            let idot = dot4I8Packed(wv{u}.x, a{u}.x) + dot4I8Packed(wv{u}.y, a{u}.y) + dot4I8Packed(wv{u}.z, a{u}.z) + dot4I8Packed(wv{u}.w, a{u}.w);
-            acc += f32(idot) * (unpack2x16float(dw{u})[si{u} % 2u] * dx{u} * col_scale((v{u} / 2u) * 32u));
+            acc += f32(dot16(wv{u}, a{u})) * (unpack2x16float(dw{u})[si{u} % 2u] * dx{u} * col_scale((v{u} / 2u) * 32u));
         }
 #endfor
     }
@@ -257,14 +256,6 @@ fn main(
 #endif
     let total = team_sum(acc, lid);
     if (lane == 0u && row_raw < M) {
-#if O_STORE
-        dst[row] = total;
-#endif
-#if O_ADD
-        dst[row] += total;
-#endif
-#if O_MIXER
-        mixer_row(0u, row, total);
-#endif
+        emit(0u, row, total);
     }
 }

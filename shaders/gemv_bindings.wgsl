@@ -93,6 +93,20 @@ var<workgroup> wsh: array<vec4<u32>, RR * NV>;
 var<workgroup> dsh: array<f32, RR * (KP / 32u)>;
 #endif
 
+// Lane l's total of row `row` to its output (O_STORE | O_ADD | O_MIXER; lane 0 for the
+// one-token kernel).
+fn emit(l: u32, row: u32, total: f32) {
+#if O_STORE
+    dst[l * DST_LS + row] = total;
+#endif
+#if O_ADD
+    dst[l * DST_LS + row] += total;
+#endif
+#if O_MIXER
+    mixer_row(l, row, total);
+#endif
+}
+
 // Σ over 16 q8 values of q_w·q_x: four dot4I8Packed of weight bytes `q` and input `x`.
 fn dot16(q: vec4<u32>, x: vec4<u32>) -> i32 {
     return dot4I8Packed(q.x, x.x) + dot4I8Packed(q.y, x.y) + dot4I8Packed(q.z, x.z) + dot4I8Packed(q.w, x.w);

@@ -107,7 +107,7 @@ fn main(
             let a = xq[xq_at(lt_{j}) + v];
             let xs = xd[xd_at(lt_{j}) + blk];
             let cs = col_scale(min(slot_{j}, NL - 1u), blk * 32u);
-            acc_{j} += f32(dot4I8Packed(wv.x, a.x) + dot4I8Packed(wv.y, a.y) + dot4I8Packed(wv.z, a.z) + dot4I8Packed(wv.w, a.w)) * (d * xs * cs);
+            acc_{j} += f32(dot16(wv, a)) * (d * xs * cs);
         }
 #endfor
     }
@@ -115,15 +115,7 @@ fn main(
     {
         let total = team_sum(acc_{j}, lid);
         if (t == 0u && first + r < M && slot_{j} < NL && wid.z * NL + slot_{j} < LANES) {
-#if O_STORE
-            dst[lt_{j} * DST_LS + row] = total;
-#endif
-#if O_ADD
-            dst[lt_{j} * DST_LS + row] += total;
-#endif
-#if O_MIXER
-            mixer_row(lt_{j}, row, total);
-#endif
+            emit(lt_{j}, row, total);
         }
     }
 #endfor
@@ -254,7 +246,7 @@ fn main(
             let xs = xd[xd_at(ln_{j}) + blk];
             let cs = col_scale({j}u, blk * 32u);
 #for r RT
-            acc_{r}_{j} += f32(dot4I8Packed(w_{r}.x, a.x) + dot4I8Packed(w_{r}.y, a.y) + dot4I8Packed(w_{r}.z, a.z) + dot4I8Packed(w_{r}.w, a.w)) * (d_{r} * xs * cs);
+            acc_{r}_{j} += f32(dot16(w_{r}, a)) * (d_{r} * xs * cs);
 #endfor
         }
 #endfor
@@ -295,15 +287,7 @@ fn main(
     {
         let total = team_sum(acc_{r}_{j}, lid);
         if (lane == 0u && first + {r}u < M && wid.z * NL + {j}u < LANES) {
-#if O_STORE
-            dst[ln_{j} * DST_LS + row_{r}] = total;
-#endif
-#if O_ADD
-            dst[ln_{j} * DST_LS + row_{r}] += total;
-#endif
-#if O_MIXER
-            mixer_row(ln_{j}, row_{r}, total);
-#endif
+            emit(ln_{j}, row_{r}, total);
         }
     }
 #endfor

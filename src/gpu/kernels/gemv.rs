@@ -125,15 +125,10 @@ pub fn staging(
     grid: RegisterGrid,
     budget: usize,
 ) -> Result<Option<(usize, usize)>> {
-    let always = match std::env::var("MAMBA2_BATCH_STAGE").as_deref() {
-        Err(_) => false,
-        Ok("1") => true,
-        Ok("0") => return Ok(None),
-        Ok(s) => {
-            return Err(Error::InvalidInput(format!(
-                "MAMBA2_BATCH_STAGE={s}: want 0 (never stage rows) or 1 (wherever they fit)"
-            )));
-        }
+    let always = match stage_override()? {
+        None => false,
+        Some(true) => true,
+        Some(false) => return Ok(None),
     };
     let short = if grid.grouped {
         grid.rows * grid.lanes < STAGE_GROUP_BELOW
@@ -148,6 +143,19 @@ pub fn staging(
     let rr = WG as usize / (team as usize * groups).max(1);
     let row_bytes = kp + kp / 32 * 4;
     Ok((rr >= 1 && rr * row_bytes <= budget.min(STAGE_BYTES)).then_some((rr, lpt)))
+}
+
+/// MAMBA2_BATCH_STAGE: 0 (never stage rows), 1 (wherever they fit), or unset (`staging`
+/// chooses).
+fn stage_override() -> Result<Option<bool>> {
+    match std::env::var("MAMBA2_BATCH_STAGE").as_deref() {
+        Err(_) => Ok(None),
+        Ok("1") => Ok(Some(true)),
+        Ok("0") => Ok(Some(false)),
+        Ok(s) => Err(Error::InvalidInput(format!(
+            "MAMBA2_BATCH_STAGE={s}: want 0 (never stage rows) or 1 (wherever they fit)"
+        ))),
+    }
 }
 
 /// What the GEMV's input vector is.
@@ -390,12 +398,7 @@ pub fn team_override() -> Result<Option<u32>> {
 /// MAMBA2_BATCH_STAGE), checked before a device is made.
 pub fn check_overrides() -> Result<()> {
     team_override()?;
-    let grid = RegisterGrid {
-        rows: 1,
-        lanes: 1,
-        grouped: false,
-    };
-    staging(WeightFormat::Q8_0, 32, 1, 32, grid, 0)?;
+    stage_override()?;
     if let Ok(s) = std::env::var("MAMBA2_GEMV_UNROLL") {
         parse_unroll(&s)?;
     }
@@ -441,8 +444,9 @@ pub fn gemv(
         Some(t) => t,
         None => team_size(m, w.kp / vector_width(w.format)),
     };
-    // The group-norm prologue's lanes, the same for both kernels (see `group_lanes`).
-    let prologue = match input {
+    // The group-norm prologue's invocations per group, the same for both kernels (see
+    // `group_lanes`).
+    let gsub = match input {
         GemvInput::Group {
             groups,
             blocks_per_group,
@@ -453,7 +457,7 @@ pub fn gemv(
                     "{name}: {groups} groups (1…{WG} fit a workgroup's norm prologue)"
                 )));
             }
-            group_lanes(groups, blocks_per_group) * groups
+            group_lanes(groups, blocks_per_group)
         }
         GemvInput::Plain => 0,
     };
@@ -464,7 +468,7 @@ pub fn gemv(
             GemvInput::Group { .. } => WgKind::Group,
             GemvInput::Plain => WgKind::Plain,
         };
-        one_token_wg(k, kind)?.max(team).max(prologue as u32)
+        one_token_wg(k, kind)?.max(team).max((gsub * groups) as u32)
     };
     let rows_per_wg = wg / team;
     let stage = if cap > 1 {
@@ -550,7 +554,6 @@ pub fn gemv(
             part,
             cap * groups * blocks_per_group,
         )?;
-        let gsub = group_lanes(groups, blocks_per_group);
         flags.push("X_GROUP");
         consts.extend([
             ("GSUB", u(gsub)),
