@@ -133,7 +133,16 @@ fn team_sum(v: f32, lid: u32) -> f32 {
 // multiple of 32) of a row that starts at element `base` (a multiple of 32), the way the
 // q8_0 GEMV reads them: d = amax/127, q = round(v/d) (ties to even), four int8 per u32
 // (model::quant mirrors it). Every invocation calls it with its own element's value (0
-// past the end); blocks from NB on (in the row) are not written.
+// past the end); blocks from NB on (in the row) are not written, nor (Q8_ROWS, the expert
+// up projection's folded activation) elements from R on: the next workgroup's rows.
+fn q8_live(lid: u32) -> bool {
+#if Q8_ROWS
+    return lid < R;
+#else
+    return true;
+#endif
+}
+
 #if Q8_SHUFFLE
 // Each block's absmax by shuffles within pieces of Q8SUB lanes (a power of two, 4…32, at
 // most the smallest subgroup), the pieces of a block (32 / Q8SUB) combined in workgroup
@@ -167,7 +176,7 @@ fn q8_chunk(v: f32, lid: u32, first: u32, base: u32) {
     let q1 = subgroupShuffleXor(q, 1u);
     let q2 = subgroupShuffleXor(q, 2u);
     let q3 = subgroupShuffleXor(q, 3u);
-    if ((first + lid) / 32u < NB) {
+    if ((first + lid) / 32u < NB && q8_live(lid)) {
         if (lid % 32u == 0u) {
             xd[(base + first + lid) / 32u] = d;
         }
@@ -195,12 +204,12 @@ fn q8_chunk(v: f32, lid: u32, first: u32, base: u32) {
             inv = 1.0 / d;
         }
         q8_inv[lid] = inv;
-        if (blk < NB) {
+        if (blk < NB && q8_live(32u * lid)) {
             xd[base / 32u + blk] = d;
         }
     }
     workgroupBarrier();
-    if (lid % 4u == 0u && (first + lid) / 32u < NB) {
+    if (lid % 4u == 0u && (first + lid) / 32u < NB && q8_live(lid)) {
         let f = vec4<f32>(q8_vals[lid], q8_vals[lid + 1u], q8_vals[lid + 2u], q8_vals[lid + 3u]) * q8_inv[lid / 32u];
         xq[(base + first + lid) / 4u] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
     }

@@ -27,8 +27,8 @@ const VW: u32 = 8u;
 const VW: u32 = 16u;
 #endif
 #if Q8_IN
-@group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
-@group(0) @binding(4) var<storage, read> xd: array<f32>;
+@group(0) @binding(3) var<storage, read> xq_in: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> xd_in: array<f32>;
 #else
 @group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
 #endif
@@ -36,8 +36,20 @@ const VW: u32 = 16u;
 @group(0) @binding(6) var<storage, read> ids: array<u32>;
 #if DOWN
 @group(0) @binding(7) var<storage, read> wts: array<f32>;
+var<workgroup> down_id: array<u32, K>;
+var<workgroup> down_w: array<f32, K>;
 #else
 var<workgroup> slot_id: u32;
+#endif
+#if ACT
+// The folded activation's output: rows of XM values (M rounded up to 32), and with Q8_OUT
+// their q8 blocks (what the down pass reads).
+@group(0) @binding(8) var<storage, read_write> mid: array<f32>;
+#if Q8_OUT
+@group(0) @binding(9) var<storage, read_write> xq: array<u32>;
+@group(0) @binding(10) var<storage, read_write> xd: array<f32>;
+#endif
+var<workgroup> act_rows: array<f32, R>;
 #endif
 
 const NV: u32 = KP / VW;
@@ -54,7 +66,7 @@ struct Q8Pair {
 
 fn q8_load(row: u32, x: u32, v: u32) -> Q8Pair {
     let si = row * (KP / 32u) + v / 2u;
-    return Q8Pair(w[row * NV + v], xq[x * NV + v], ws[si / 2u], xd[x * (KP / 32u) + v / 2u]);
+    return Q8Pair(w[row * NV + v], xq_in[x * NV + v], ws[si / 2u], xd_in[x * (KP / 32u) + v / 2u]);
 }
 
 fn q8_dot(l: Q8Pair, row: u32, v: u32) -> f32 {
@@ -131,16 +143,44 @@ fn main(
     let row = min(row_raw, M - 1u);
 #if DOWN
     let t = wid.z;
+    // The token's choices and weights, read once (each load of a weight vector then
+    // waits for no other load).
+    if (lid < K) {
+        down_id[lid] = ids[t * K + lid];
+        down_w[lid] = wts[t * K + lid];
+    }
+    workgroupBarrier();
     // The team's lanes stride over every (choice, vector) pair of the row: all K choices'
     // loads in flight together, none of the lanes idle at the end of one choice.
     var acc = 0.0;
+#if Q8_IN
+    // UNROLL pairs per round, every load issued before the first product (the sum keeps
+    // the order of one pair at a time); a choice in another bank loads its bank's first
+    // expert and adds nothing.
+    for (var i0 = lane; i0 < K * NV; i0 += UNROLL * TEAM) {
+#for u UNROLL
+        let i{u} = min(i0 + {u}u * TEAM, K * NV - 1u);
+        let s{u} = i{u} / NV;
+        let id{u} = down_id[s{u}];
+        let in{u} = id{u} >= E0 && id{u} < E0 + NE;
+        let r{u} = select(0u, id{u} - E0, in{u}) * M + row;
+        let l{u} = q8_load(r{u}, t * K + s{u}, i{u} % NV);
+#endfor
+#for u UNROLL
+        if (i0 + {u}u * TEAM < K * NV && in{u}) {
+            acc += down_w[s{u}] * q8_dot(l{u}, r{u}, i{u} % NV);
+        }
+#endfor
+    }
+#else
     for (var i = lane; i < K * NV; i += TEAM) {
         let s = i / NV;
-        let id = ids[t * K + s];
+        let id = down_id[s];
         if (id >= E0 && id < E0 + NE) {
-            acc += wts[t * K + s] * vec_dot((id - E0) * M + row, t * K + s, i % NV);
+            acc += down_w[s] * vec_dot((id - E0) * M + row, t * K + s, i % NV);
         }
     }
+#endif
     let total = team_sum(acc, lid);
     if (lane == 0u && row_raw < M) {
 #if STORE
@@ -159,8 +199,29 @@ fn main(
         return;
     }
     let total = team_sum(lane_dot((id - E0) * M + row, z / K, lane), lid);
+#if ACT
+    // relu(u)² of the workgroup's R rows (a multiple of 32: whole q8 blocks, zero past M),
+    // as the activation kernel would write them: the dispatch between the passes is gone.
+    if (lane == 0u) {
+        act_rows[lid / TEAM] = total;
+    }
+    workgroupBarrier();
+    let r0 = (wid.x + wid.y * nwg.x) * R;
+    var a = 0.0;
+    if (lid < R && r0 + lid < M) {
+        let r = max(act_rows[lid], 0.0);
+        a = r * r;
+    }
+    if (lid < R && r0 + lid < XM) {
+        mid[z * XM + r0 + lid] = a;
+    }
+#if Q8_OUT
+    q8_chunk(a, lid, r0, z * XM);
+#endif
+#else
     if (lane == 0u && row_raw < M) {
         dst[z * M + row] = total;
     }
+#endif
 #endif
 }

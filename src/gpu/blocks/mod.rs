@@ -112,7 +112,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
             }
             (DeviceMixer::Moe(m), DeviceLayerState::Stateless) => {
                 moe_index += 1;
-                moe::decode(b, m, &layer.params, moe_index - 1)?
+                moe::decode(b, m, &layer.params, moe_index - 1, fused)?
             }
             _ => unreachable!("the state store is built from the same blocks"),
         });

@@ -1,16 +1,17 @@
 //! The MoE block's dispatches, all static (the host never sees the routing):
 //! router GEMV (f32) → `moe_route` (ids, weights, expert load) → per bank the chosen experts'
-//! up projections → the activation over the `K` choices (with their q8 blocks) → per bank the
-//! weighted down projections added into the residual → the shared expert as an MLP.
+//! up projections → the activation over the `K` choices (with their q8 blocks; fused, for
+//! non-gated experts, in the up pass's epilogue instead) → per bank the weighted down
+//! projections added into the residual → the shared expert as an MLP.
 //! Prefill: the router as a GEMM, the same routing kernel over the block's tokens, then the
 //! (token, choice) pairs sorted by expert (`moe_sort`), grouped GEMMs per bank over whole
 //! tiles of one expert's rows, the activation, and `moe_combine` back into the residual.
 
 use super::{BlockCtx, mlp};
-use crate::config::{MlpConfig, MoeConfig};
+use crate::config::{MlpAct, MlpConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gpu::device_weights::DeviceMoe;
-use crate::gpu::kernels::expert_gemv::{Bank, ExpertBuffers, ExpertPass, expert_gemv};
+use crate::gpu::kernels::expert_gemv::{ActFold, Bank, ExpertBuffers, ExpertPass, expert_gemv};
 use crate::gpu::kernels::gemm::{GemmOutput, SortedRows, TILE, expert_gemm, gemm, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::{ActBuffers, mlp_act};
@@ -44,12 +45,14 @@ fn expert_shape(m: &MoeConfig) -> MlpConfig {
 }
 
 /// One decode token through an MoE block (after the pre-norm into `h` and its q8 blocks);
-/// `index` counts the MoE layers before this one (its row of the expert-load counters).
+/// `index` counts the MoE layers before this one (its row of the expert-load counters);
+/// `fused` folds what can be folded (the experts' activation).
 pub fn decode(
     b: &BlockCtx,
     w: &DeviceMoe,
     params: &wgpu::Buffer,
     index: usize,
+    fused: bool,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let m = shape(b)?;
@@ -89,7 +92,7 @@ pub fn decode(
         store: false,
     };
     match &w.latent {
-        None => d.extend(experts(b, w, stage)?),
+        None => d.extend(experts(b, w, stage, fused)?),
         // Latent MoE: the experts read fc1·h (f32) and their sum goes through fc2.
         Some((fc1, fc2)) => {
             d.push(moe_section(gemv::gemv(
@@ -110,6 +113,7 @@ pub fn decode(
                     store: true,
                     ..stage
                 },
+                fused,
             )?);
             d.push(moe_section(gemv::gemv(
                 k,
@@ -341,10 +345,12 @@ struct Stage<'a> {
 }
 
 /// The routed experts of one decode token: up per bank, the activation of every choice,
-/// down per bank into the residual.
-fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage) -> Result<Vec<Dispatch>> {
+/// down per bank into the residual. Fused, non-gated experts take `relu(u)²` in the up
+/// pass's epilogue (one dispatch fewer per layer).
+fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Dispatch>> {
     let k = b.k;
     let m = shape(b)?;
+    let fold = fused && m.act == MlpAct::Relu2;
     // The chosen experts and the shared expert's slices alike.
     let top_k = m.slots();
     let mut d = Vec::new();
@@ -368,25 +374,31 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage) -> Result<Vec<Dispatch>> {
                 ids: st.ids,
                 weights: None,
                 store: false,
+                act: fold.then_some(ActFold {
+                    mid: st.mid,
+                    q8: st.mid_q8,
+                }),
             },
         )?);
     }
     let e = expert_shape(m);
-    let act = mlp_act(
-        k,
-        "experts.act",
-        e.act,
-        e.intermediate,
-        m.up_rows(),
-        top_k,
-        ActBuffers {
-            src: st.up,
-            dst: st.mid,
-            q8: st.mid_q8,
-        },
-        None,
-    )?;
-    d.push(moe_section(act));
+    if !fold {
+        let act = mlp_act(
+            k,
+            "experts.act",
+            e.act,
+            e.intermediate,
+            m.up_rows(),
+            top_k,
+            ActBuffers {
+                src: st.up,
+                dst: st.mid,
+                q8: st.mid_q8,
+            },
+            None,
+        )?;
+        d.push(moe_section(act));
+    }
     for (first, count, _, down) in w.banks() {
         d.push(expert_gemv(
             k,
@@ -408,6 +420,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage) -> Result<Vec<Dispatch>> {
                 weights: Some(st.weights),
                 // The first bank writes a latent sum, the others add to it.
                 store: st.store && first == 0,
+                act: None,
             },
         )?);
     }
