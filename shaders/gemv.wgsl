@@ -10,7 +10,9 @@
 // (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
 // 6-bit ones as 4·(q−32).
 // Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
-// step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
+// step's per-block Σv²: the gated group norm folded in) | X_NORM (f32 weights: x is the
+// residual through the block's RMS pre-norm, made in the prologue);  O_STORE | O_ADD |
+// O_MIXER.
 
 // The group-norm factor of input column k (1 without X_GROUP).
 fn col_scale(k: u32) -> f32 {
@@ -165,12 +167,57 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
 }
 #endif
 
+#if W_F32
+// Input vector v (four columns) as the f32 products take it.
+fn x_vec4(v: u32) -> vec4<f32> {
+#if X_NORM
+    // (x·rstd)·w per column, as the pre-norm kernel writes it; zero past D.
+    var r = vec4<f32>(0.0);
+    let x = src[v];
+    for (var c = 0u; c < 4u; c++) {
+        let k = 4u * v + c;
+        if (k < D) {
+            r[c] = x[c] * nrm_rstd * nparams[NW_OFF + k];
+        }
+    }
+    return r;
+#else
+    return src[v] * col_scale(v * 4u);
+#endif
+}
+#endif
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(local_invocation_index) lid: u32,
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
+#if SUBGROUP
+    @builtin(subgroup_invocation_id) sg_lane: u32,
+    @builtin(subgroup_size) sg_size: u32,
+#endif
 ) {
+#if X_NORM
+#if !SUBGROUP
+    let sg_lane = 0u;
+    let sg_size = 1u;
+#endif
+    // Every workgroup sums the whole residual (a few KB from cache), the pre-norm kernel's
+    // way; the first ones write its output chunks (WG values each) and their q8 blocks.
+    nrm_rstd = norm_rstd(0u, lid, sg_lane, sg_size);
+    let wlin = wid.x + wid.y * nwg.x;
+    for (var first = wlin * WG; first < D; first += WG * nwg.x * nwg.y) {
+        let k = first + lid;
+        var v = 0.0;
+        if (k < D) {
+            v = norm_x(k) * nrm_rstd * nparams[NW_OFF + k];
+            h_out[k] = v;
+        }
+#if Q8_OUT
+        q8_chunk(v, lid, first, 0u);
+#endif
+    }
+#endif
 #if X_GROUP
     // rstd per group from the per-block sums of squares of v (BPG blocks per group): GSUB
     // invocations per group sum strided shares, then `group_sum` (one invocation summing a
@@ -248,7 +295,7 @@ fn main(
     for (var v = lane; v < NV; v += TEAM) {
 #if W_F32
         let wv = w[base + v];
-        acc += dot(wv, src[v] * col_scale(v * 4u));
+        acc += dot(wv, x_vec4(v));
 #endif
     }
 #endif

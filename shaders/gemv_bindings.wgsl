@@ -35,6 +35,22 @@ const VW: u32 = 64u;
 @group(0) @binding(7) var<storage, read> ctrl: array<Ctrl>;
 @group(0) @binding(8) var<storage, read> params: array<f32>;
 #endif
+#if X_NORM
+// The block's pre-norm folded in (f32 weights, one token): `src` is the residual, the norm
+// weights sit at NW_OFF of `nparams`; the first workgroups write the normed vector and its
+// q8 blocks for the GEMVs after this one.
+@group(0) @binding(8) var<storage, read> nparams: array<f32>;
+@group(0) @binding(10) var<storage, read_write> h_out: array<f32>;
+#if Q8_OUT
+@group(0) @binding(11) var<storage, read_write> xq: array<u32>;
+@group(0) @binding(12) var<storage, read_write> xd: array<f32>;
+#endif
+var<private> nrm_rstd: f32;
+
+fn norm_x(i: u32) -> f32 {
+    return src[i / 4u][i % 4u];
+}
+#endif
 #if X_GROUP
 @group(0) @binding(9) var<storage, read> part: array<f32>;
 var<workgroup> grp_rstd: array<f32, G * NL>;

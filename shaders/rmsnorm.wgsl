@@ -18,6 +18,12 @@
 @group(0) @binding(4) var<storage, read_write> xd: array<f32>;
 #endif
 
+#if !VEC4
+fn norm_x(i: u32) -> f32 {
+    return src[i];
+}
+#endif
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(local_invocation_index) lid: u32,
@@ -35,8 +41,8 @@ fn main(
     let t = wid.y;
     let sbase = t * D;
     let dbase = t * KP;
-    var ss: array<f32, RV>;
 #if VEC4
+    var ss: array<f32, RV>;
     for (var k4 = lid; k4 < D / 4u; k4 += WG) {
         let v = src[sbase / 4u + k4];
         ss[0] += dot(v, v);
@@ -59,17 +65,7 @@ fn main(
         x0 = src[sbase + k0];
         w0 = params[NW_OFF + k0];
     }
-#for j SSL
-    {
-        let k = lid + {j}u * WG;
-        if (k < D) {
-            let x = src[sbase + k];
-            ss[0] += x * x;
-        }
-    }
-#endfor
-    let tot = wg_sum(ss, lid, sg_lane, sg_size);
-    let rstd = inverseSqrt(tot[0] / f32(D) + EPS);
+    let rstd = norm_rstd(sbase, lid, sg_lane, sg_size);
     // One element per invocation per chunk of WG; a token's workgroups share its chunks
     // (one workgroup per token in prefill, many per token in decode).
     for (var first = wid.x * WG; first < D; first += WG * nwg.x) {

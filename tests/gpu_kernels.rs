@@ -10,7 +10,9 @@ use std::sync::Arc;
 use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::gated_norm::{Batch, GatedNormBuffers};
-use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, MixerConsts, gemv};
+use mamba2_wgpu::gpu::kernels::gemv::{
+    GemvBuffers, GemvInput, GemvOutput, MixerConsts, NormOut, gemv,
+};
 use mamba2_wgpu::gpu::kernels::rmsnorm::NormBuffers;
 use mamba2_wgpu::gpu::kernels::ssd_step::{SsdBuffers, SsdConsts, ssd_step};
 use mamba2_wgpu::gpu::kernels::{
@@ -399,6 +401,71 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
                 .to_vec();
         let s = g.read(&xd, d.div_ceil(32));
         assert_q8_of(&format!("rmsnorm d = {d}"), &q, &s, &got);
+    }
+}
+
+/// The MoE router's GEMV with the block's pre-norm in its prologue: its rows equal the norm
+/// kernel followed by the plain GEMV bit for bit (the same sum order, the same team per
+/// row), its normed vector and q8 blocks equal the norm kernel's, and the rows match the
+/// CPU reference; widths that are not multiples of 32, and rows spread over many
+/// workgroups (2688: Nemotron 3 Nano's 11 norm chunks over the router's 64 workgroups).
+#[test]
+fn gemv_with_the_pre_norm_folded_in() {
+    let Some(g) = Gpu::new() else { return };
+    for (d, rows) in [(300usize, 37usize), (2688, 128), (48, 5)] {
+        let kp = d.next_multiple_of(32);
+        let nb = d.div_ceil(32);
+        let x = rand(50, d, -3.0, 3.0);
+        let params = [vec![0.0; 7], rand(51, d, 0.5, 1.5)].concat();
+        let w = rand(52, rows * d, -0.5, 0.5);
+        let (m, deq) = matrix(&g, WeightFormat::F32, &w, rows, d);
+        let (src, pbuf) = (g.buf(&x), g.buf(&params));
+        // The norm kernel, then the plain GEMV.
+        let (h0, q0, d0, y0) = (g.zeros(kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(rows));
+        let nb_ = NormBuffers {
+            src: &src,
+            params: &pbuf,
+            dst: &h0,
+            q8: Some((&q0, &d0)),
+        };
+        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, nb_).unwrap());
+        let plain = gemv(
+            &g.k,
+            "t",
+            &m,
+            GemvInput::Plain,
+            GemvOutput::Store,
+            gemv_buffers(&h0, None, &y0),
+        );
+        g.run(&plain.unwrap());
+        // The folded GEMV.
+        let (h1, q1, d1, y1) = (g.zeros(kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(rows));
+        let b = GemvBuffers {
+            params: Some(&pbuf),
+            norm_out: Some(NormOut {
+                h: &h1,
+                q8: Some((&q1, &d1)),
+            }),
+            ..gemv_buffers(&src, None, &y1)
+        };
+        let input = GemvInput::Norm {
+            d,
+            eps: 1e-5,
+            nw_off: 7,
+        };
+        g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
+        let bits = |b: &wgpu::Buffer, n: usize| -> Vec<u32> {
+            bytemuck::cast_slice(&g.ctx().read(b, 4 * n as u64).unwrap()).to_vec()
+        };
+        let what = format!("pre-norm gemv d {d}, {rows} rows");
+        assert_eq!(bits(&y1, rows), bits(&y0, rows), "{what}: rows");
+        assert_eq!(bits(&h1, kp), bits(&h0, kp), "{what}: normed vector");
+        assert_eq!(bits(&q1, nb * 8), bits(&q0, nb * 8), "{what}: q8 quants");
+        assert_eq!(bits(&d1, nb), bits(&d0, nb), "{what}: q8 scales");
+        let mut want = vec![0f32; rows];
+        let xn = ref_rmsnorm(&x, &params[7..], 1e-5);
+        matvec(&deq, &xn, &mut want);
+        assert_nmse(&what, &g.read(&y1, rows), &want, 1e-7);
     }
 }
 

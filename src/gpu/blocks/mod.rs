@@ -74,12 +74,14 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
     )?];
     let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
-        let mut ds = vec![pre_norm(
-            b,
-            &layer.params,
-            layer.norm_offset(b.layout),
-            None,
-        )?];
+        // Fused, an MoE block's router takes its pre-norm in its prologue.
+        let norm_off = layer.norm_offset(b.layout);
+        let fold_norm = fused && !batch && matches!(layer.mixer, DeviceMixer::Moe(_));
+        let mut ds = if fold_norm {
+            Vec::new()
+        } else {
+            vec![pre_norm(b, &layer.params, norm_off, None)?]
+        };
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
                 let l = mamba2::MambaLayer::new(in_proj, out_proj, &layer.params, conv, ssm);
@@ -112,7 +114,13 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
             }
             (DeviceMixer::Moe(m), DeviceLayerState::Stateless) => {
                 moe_index += 1;
-                moe::decode(b, m, &layer.params, moe_index - 1, fused)?
+                moe::decode(
+                    b,
+                    m,
+                    &layer.params,
+                    moe_index - 1,
+                    fused.then_some(norm_off),
+                )?
             }
             _ => unreachable!("the state store is built from the same blocks"),
         });

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::gpu::device_weights::DeviceMoe;
 use crate::gpu::kernels::expert_gemv::{ActFold, Bank, ExpertBuffers, ExpertPass, expert_gemv};
 use crate::gpu::kernels::gemm::{GemmOutput, SortedRows, TILE, expert_gemm, gemm, projection};
-use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, NormOut};
 use crate::gpu::kernels::mlp_act::{ActBuffers, mlp_act};
 use crate::gpu::kernels::moe_combine::{CombineBuffers, moe_combine};
 use crate::gpu::kernels::moe_route::{RouteBuffers, moe_route};
@@ -44,27 +44,49 @@ fn expert_shape(m: &MoeConfig) -> MlpConfig {
     }
 }
 
-/// One decode token through an MoE block (after the pre-norm into `h` and its q8 blocks);
-/// `index` counts the MoE layers before this one (its row of the expert-load counters);
-/// `fused` folds what can be folded (the experts' activation).
+/// One decode token through an MoE block; `index` counts the MoE layers before this one
+/// (its row of the expert-load counters). Unfused, after the pre-norm into `h` and its q8
+/// blocks. Fused (`pre_norm`: the norm weights' offset in `params`), the router GEMV
+/// makes the pre-norm in its prologue and writes `h` for the experts, and non-gated
+/// experts take their activation in the up pass: two dispatches fewer.
 pub fn decode(
     b: &BlockCtx,
     w: &DeviceMoe,
     params: &wgpu::Buffer,
     index: usize,
-    fused: bool,
+    pre_norm: Option<usize>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let m = shape(b)?;
     let q8 = b.q8();
-    let mut d = vec![moe_section(gemv::gemv(
-        k,
-        "router",
-        &w.router,
-        GemvInput::Plain,
-        GemvOutput::Store,
-        GemvBuffers::plain(&s.h, None, &s.router_logits),
-    )?)];
+    let fused = pre_norm.is_some();
+    let router = match pre_norm {
+        None => gemv::gemv(
+            k,
+            "router",
+            &w.router,
+            GemvInput::Plain,
+            GemvOutput::Store,
+            GemvBuffers::plain(&s.h, None, &s.router_logits),
+        )?,
+        Some(nw_off) => gemv::gemv(
+            k,
+            "norm+router",
+            &w.router,
+            GemvInput::Norm {
+                d: b.c.d_model,
+                eps: b.c.norm_eps,
+                nw_off,
+            },
+            GemvOutput::Store,
+            GemvBuffers {
+                params: Some(params),
+                norm_out: Some(NormOut { h: &s.h, q8 }),
+                ..GemvBuffers::plain(&s.resid, None, &s.router_logits)
+            },
+        )?,
+    };
+    let mut d = vec![moe_section(router)];
     d.push(moe_route(
         k,
         "route",

@@ -12,7 +12,7 @@
 //! activation dispatch between the passes wrote (its formula, bit for bit). A workgroup
 //! then owns whole q8 blocks of rows (R a multiple of 32).
 
-use super::gemv::team_size;
+use super::gemv::{team_for_lanes, team_size};
 use super::{Dispatch, Kernels, Label, Section, check_len, grid};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
@@ -59,11 +59,24 @@ pub struct ActFold<'a> {
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
 }
 
-/// The team and workgroup size of an expert pass: `team_size`'s team and the expert
-/// GEMVs' workgroup; with the activation folded, a workgroup of 32 teams at least (whole
-/// q8 blocks of rows) of at most 512 invocations, the team halved to fit.
-fn team_and_wg(k: &Kernels, m: usize, per_row: usize, fold: bool) -> Result<(u32, u32)> {
-    let mut team = team_size(m, per_row);
+/// The team and workgroup size of an expert pass: `team_size`'s team (the down pass over
+/// q8 blocks, whose lanes issue `unroll` loads at once, aims at that many times fewer
+/// lanes) and the expert GEMVs' workgroup; with the activation folded, a workgroup of 32
+/// teams at least (whole q8 blocks of rows) of at most 512 invocations, the team halved
+/// to fit.
+fn team_and_wg(
+    k: &Kernels,
+    m: usize,
+    per_row: usize,
+    fold: bool,
+    unroll: Option<u32>,
+) -> Result<(u32, u32)> {
+    // (Nano's q8_0 down pass on the H200, run 118: teams of 64 0.440 ms, 128 0.473, 32
+    // 0.493; f16, one load at a time, keeps 128: 0.782 against 0.998 with 32.)
+    let mut team = match unroll {
+        Some(u) => team_for_lanes(m, per_row, (1usize << 18) / u.max(1) as usize),
+        None => team_size(m, per_row),
+    };
     let max = k.max_workgroup();
     let mut wg = super::gemv::one_token_wg(k, super::gemv::WgKind::Expert)?.max(team);
     if fold {
@@ -134,7 +147,10 @@ pub fn expert_gemv(
             "{name}: only the up pass folds the activation"
         )));
     }
-    let (team, wg) = team_and_wg(k, m, per_row, fold.is_some())?;
+    let unroll = super::gemv::gemv_unroll(w.format)?;
+    let q8_in = b.q8.is_some() && w.format == WeightFormat::Q8_0;
+    let down_unroll = (pass == ExpertPass::Down && q8_in).then_some(unroll);
+    let (team, wg) = team_and_wg(k, m, per_row, fold.is_some(), down_unroll)?;
     // Input vectors are padded to 32 values (what norms and activations write).
     let xs = w.cols.next_multiple_of(32);
     let u = |v: usize| Const::U32(v as u32);
@@ -148,7 +164,7 @@ pub fn expert_gemv(
         ("K", u(top_k)),
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),
-        ("UNROLL", Const::U32(super::gemv::gemv_unroll(w.format)?)),
+        ("UNROLL", Const::U32(unroll)),
     ];
     consts.extend(team_consts);
     let mut flags = vec![w.flag()];

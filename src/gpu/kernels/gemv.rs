@@ -21,6 +21,15 @@ const SOURCES: super::Sources = &[
     include_str!("../../../shaders/gemv.wgsl"),
 ];
 
+/// The one-token kernel with the block's pre-norm in its prologue (`GemvInput::Norm`).
+const NORM_SOURCES: super::Sources = &[
+    include_str!("../../../shaders/mixer_row.wgsl"),
+    include_str!("../../../shaders/block_quant.wgsl"),
+    include_str!("../../../shaders/norm_sum.wgsl"),
+    include_str!("../../../shaders/gemv_bindings.wgsl"),
+    include_str!("../../../shaders/gemv.wgsl"),
+];
+
 /// The batch's kernel: the same team, stride and per-lane expressions as `gemv.wgsl` (so a
 /// lane's sum is bitwise the one-token kernel's), the weights read once for NL lanes. The
 /// one-token kernel stays separate: the lane arrays cost it 7% on the H200 (Codestral q8_0
@@ -171,6 +180,12 @@ pub enum GemvInput {
         blocks_per_group: usize,
         eps: f64,
     },
+    /// `x = src / rms(src) ⊙ params[nw_off..nw_off + d]`: the block's RMS pre-norm in the
+    /// prologue (f32 matrices, one token: the MoE router). Every workgroup sums all of
+    /// src² the norm kernel's way (256 invocations, `norm_rstd`: the same rstd bit for
+    /// bit) and the first ones also write what that kernel would (`GemvBuffers::norm_out`)
+    /// for the GEMVs after this one, so the norm's own dispatch goes.
+    Norm { d: usize, eps: f64, nw_off: usize },
 }
 
 /// What happens to each output row.
@@ -227,6 +242,16 @@ pub struct GemvBuffers<'a> {
     pub ctrl: Option<&'a wgpu::Buffer>,
     /// Lanes side by side in every buffer (`Lanes::ONE`: one token).
     pub lanes: super::Lanes,
+    /// `GemvInput::Norm`: where the normed vector (and its q8 blocks) go.
+    pub norm_out: Option<NormOut<'a>>,
+}
+
+/// The pre-norm's output a `GemvInput::Norm` GEMV writes besides its rows: `h [KP]` (zero
+/// past d, as it was) and optionally its q8 blocks.
+#[derive(Clone, Copy)]
+pub struct NormOut<'a> {
+    pub h: &'a wgpu::Buffer,
+    pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
 }
 
 impl<'a> GemvBuffers<'a> {
@@ -245,6 +270,7 @@ impl<'a> GemvBuffers<'a> {
             conv_state: None,
             ctrl: None,
             lanes: super::Lanes::ONE,
+            norm_out: None,
         }
     }
 }
@@ -284,9 +310,14 @@ pub fn group_lanes(groups: usize, blocks_per_group: usize) -> usize {
 /// fill the memory system: about 2^18 lanes), fewer for short rows; each lane keeps at
 /// least a few vector loads.
 pub fn team_size(rows: usize, vectors_per_row: usize) -> u32 {
-    const LANES_IN_FLIGHT: usize = 1 << 18;
+    team_for_lanes(rows, vectors_per_row, 1 << 18)
+}
+
+/// `team_size` aiming at `lanes` lanes in flight (fewer where each lane issues several
+/// loads at once).
+pub fn team_for_lanes(rows: usize, vectors_per_row: usize, lanes: usize) -> u32 {
     let mut team = 32;
-    while team < WG as usize && rows * team < LANES_IN_FLIGHT && vectors_per_row / (2 * team) >= 4 {
+    while team < WG as usize && rows * team < lanes && vectors_per_row / (2 * team) >= 4 {
         team *= 2;
     }
     while team > 4 && vectors_per_row < 2 * team {
@@ -424,7 +455,7 @@ pub fn gemv(
     check_len(&format!("{name}: dst"), b.dst, cap * m)?;
     let groups = match input {
         GemvInput::Group { groups, .. } => groups,
-        GemvInput::Plain => 1,
+        GemvInput::Plain | GemvInput::Norm { .. } => 1,
     };
     let (nl, rt) = lane_tiling(n, groups, m, w.format);
     // The batch kernel's teams own `rt` rows each (the one-token kernel's one).
@@ -459,14 +490,24 @@ pub fn gemv(
             }
             group_lanes(groups, blocks_per_group)
         }
-        GemvInput::Plain => 0,
+        GemvInput::Plain | GemvInput::Norm { .. } => 0,
     };
+    let norm = matches!(input, GemvInput::Norm { .. });
+    if norm && (cap > 1 || w.format != WeightFormat::F32) {
+        return Err(Error::Gpu(format!(
+            "{name}: the pre-norm folds into one-token f32 GEMVs only, not {} over {cap} lanes",
+            w.format.name()
+        )));
+    }
     let wg = if cap > 1 {
         WG
+    } else if norm {
+        // The norm kernel's workgroup: its sum's order.
+        super::rmsnorm::CHUNK as u32
     } else {
         let kind = match input {
             GemvInput::Group { .. } => WgKind::Group,
-            GemvInput::Plain => WgKind::Plain,
+            GemvInput::Plain | GemvInput::Norm { .. } => WgKind::Plain,
         };
         one_token_wg(k, kind)?.max(team).max((gsub * groups) as u32)
     };
@@ -477,7 +518,7 @@ pub fn gemv(
         let others = 4 * WG as usize
             + match input {
                 GemvInput::Group { groups, .. } => 4 * (groups * nl + WG as usize),
-                GemvInput::Plain => 0,
+                GemvInput::Plain | GemvInput::Norm { .. } => 0,
             };
         let budget = limit.saturating_sub(others);
         let grid = RegisterGrid {
@@ -528,11 +569,12 @@ pub fn gemv(
         entries.extend([(3, q), (4, d)]);
         flags.push("X_Q8");
     } else {
-        check_len(
-            &format!("{name}: src"),
-            b.src,
-            (cap - 1) * x_ls as usize + w.kp,
-        )?;
+        // (The pre-norm's src is the residual: d values; columns past d read as zero.)
+        let need = match input {
+            GemvInput::Norm { d, .. } => d,
+            _ => (cap - 1) * x_ls as usize + w.kp,
+        };
+        check_len(&format!("{name}: src"), b.src, need)?;
         entries.push((2, b.src));
     }
     if let GemvInput::Group {
@@ -566,6 +608,38 @@ pub fn gemv(
         ]);
         entries.push((9, part));
     }
+    if let GemvInput::Norm { d, eps, nw_off } = input {
+        let out = b.norm_out.ok_or_else(|| missing("pre-norm output"))?;
+        let params = b.params.ok_or_else(|| missing("params"))?;
+        if d > w.kp || matches!(output, GemvOutput::Mixer(_)) {
+            return Err(Error::Gpu(format!(
+                "{name}: a pre-norm of {d} values before {} columns, or with the mixer epilogue",
+                w.kp
+            )));
+        }
+        check_len(&format!("{name}: params"), params, nw_off + d)?;
+        check_len(&format!("{name}: h"), out.h, d)?;
+        flags.extend(["X_NORM", "NORM_SUM", "REDUCE"]);
+        consts.extend([
+            ("D", u(d)),
+            ("SSL", u(d.div_ceil(wg as usize))),
+            ("RV", u(1)),
+            ("NW_OFF", u(nw_off)),
+            ("EPS", Const::F32(eps as f32)),
+            ("NB", u(d.div_ceil(32))),
+        ]);
+        entries.extend([(8, params), (10, out.h)]);
+        if let Some((q, s)) = out.q8 {
+            check_len(&format!("{name}: xq"), q, d.next_multiple_of(32) / 4)?;
+            check_len(&format!("{name}: xd"), s, d.div_ceil(32))?;
+            flags.push("Q8_OUT");
+            if let Some(piece) = k.q8_shuffle() {
+                flags.push("Q8_SHUFFLE");
+                consts.push(piece);
+            }
+            entries.extend([(11, q), (12, s)]);
+        }
+    }
     entries.push((5, b.dst));
     match output {
         GemvOutput::Store => flags.push("O_STORE"),
@@ -588,7 +662,9 @@ pub fn gemv(
     let pipeline = if cap > 1 {
         k.pipeline("gemv_lanes", LANE_SOURCES, &consts, &flags, false)?
     } else {
-        k.pipeline("gemv", SOURCES, &consts, &flags, false)?
+        // (The pre-norm's sum takes subgroup sums where there are subgroups.)
+        let sources = if norm { NORM_SOURCES } else { SOURCES };
+        k.pipeline("gemv", sources, &consts, &flags, norm)?
     };
     let bind_group = k.bind(&pipeline, name, &entries);
     Ok(Dispatch {

@@ -9,7 +9,10 @@ use crate::gpu::shader::Const;
 /// Elements each workgroup writes (one per invocation; whole q8 blocks), in every norm.
 pub(super) const CHUNK: usize = 256;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/rmsnorm.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/norm_sum.wgsl"),
+    include_str!("../../../shaders/rmsnorm.wgsl"),
+];
 
 /// Buffers of a norm: input, parameters, f32 output and optional q8 output.
 pub struct NormBuffers<'a> {
@@ -121,7 +124,7 @@ fn rows(
     ];
     let entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
     let shader = ("rmsnorm", SOURCES);
-    let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &[] };
+    let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &["NORM_SUM"] };
     norm_dispatch_flags(
         k,
         name,
