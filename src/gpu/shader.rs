@@ -187,6 +187,41 @@ fn default_checks(backend: wgpu::Backend, name: &str) -> wgpu::ShaderRuntimeChec
     }
 }
 
+/// MAMBA2_SHADER_DUMP=DIR: every kernel specialization a run compiles also goes to
+/// `DIR/NAME-HASH.wgsl` (the text wgpu gets, after a first line saying whether its
+/// bounds checks are on), for offline tools such as `examples/pipeline_stats.rs` (the
+/// driver's register and spill counts per kernel). A file that cannot be written is
+/// reported once and the run goes on.
+fn dump(name: &str, text: &str, checks: &wgpu::ShaderRuntimeChecks) {
+    let Some(dir) = std::env::var_os("MAMBA2_SHADER_DUMP") else {
+        return;
+    };
+    if let Err(e) = dump_to(std::path::Path::new(&dir), name, text, checks.bounds_checks) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| tracing::warn!("MAMBA2_SHADER_DUMP={}: {e}", dir.to_string_lossy()));
+    }
+}
+
+/// Writes one dumped kernel (see `dump`); returns its path.
+fn dump_to(
+    dir: &std::path::Path,
+    name: &str,
+    text: &str,
+    bounds: bool,
+) -> std::io::Result<std::path::PathBuf> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut h);
+    let path = dir.join(format!("{name}-{:016x}.wgsl", h.finish()));
+    let checks = if bounds { "bounds" } else { "none" };
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        &path,
+        format!("// mamba2 kernel {name}; checks: {checks}\n{text}"),
+    )?;
+    Ok(path)
+}
+
 /// Compiles a kernel into a compute pipeline (entry point `main`, layout from the shader).
 pub fn pipeline(
     device: &wgpu::Device,
@@ -196,6 +231,8 @@ pub fn pipeline(
     flags: &[&str],
 ) -> Result<wgpu::ComputePipeline> {
     let text = assemble(name, sources, consts, flags)?;
+    let checks = runtime_checks(device.adapter_info().backend, name);
+    dump(name, &text, &checks);
     // One compile at a time in the process, whatever the device: with several devices
     // compiling at once (test threads), NVIDIA's driver (580) crashed or hung.
     static COMPILE: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -206,10 +243,7 @@ pub fn pipeline(
         source: wgpu::ShaderSource::Wgsl(text.into()),
     };
     // SAFETY: `runtime_checks` says which checks go and why these kernels need none of them.
-    let module = unsafe {
-        device
-            .create_shader_module_trusted(desc, runtime_checks(device.adapter_info().backend, name))
-    };
+    let module = unsafe { device.create_shader_module_trusted(desc, checks) };
     let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(name),
         layout: None,
@@ -232,6 +266,21 @@ pub fn pipeline(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dumped_kernel_is_its_text_after_a_header() {
+        let dir = std::env::temp_dir().join(format!("mamba2-dump-{}", std::process::id()));
+        let text = "@compute @workgroup_size(1)\nfn main() {}\n";
+        let path = dump_to(&dir, "k", text, true).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("k-") && name.ends_with(".wgsl"), "{name}");
+        let got = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(got, format!("// mamba2 kernel k; checks: bounds\n{text}"));
+        // The same text lands in the same file; another in another.
+        assert_eq!(dump_to(&dir, "k", text, true).unwrap(), path);
+        assert_ne!(dump_to(&dir, "k", "// other\n", false).unwrap(), path);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn loop_counters_go_everywhere_and_clamps_only_in_the_checked_kernels() {
