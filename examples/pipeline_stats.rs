@@ -8,9 +8,9 @@
 //!     cargo run --release --example pipeline_stats -- /tmp/wgsl [NAME_FILTER] [--device SUBSTR]
 //!
 //! Each dumped WGSL goes through naga to SPIR-V the way wgpu's Vulkan backend writes it for
-//! this engine (SPIR-V 1.6, array clamps where the dump's first line says `checks: bounds`,
-//! buffer accesses to the driver's robustness, no loop counters, division guards or
-//! workgroup zeroing), then into a compute pipeline on its own Vulkan device (every feature
+//! this engine (SPIR-V 1.6; array clamps, loop counters and division guards where the
+//! dump's first line names `bounds`, `loops` and `divisions`; buffer accesses to the
+//! driver's robustness; no workgroup zeroing), then into a compute pipeline on its own Vulkan device (every feature
 //! the GPU has turned on) with statistics captured.
 
 use std::ffi::CStr;
@@ -116,18 +116,14 @@ impl Gpu {
                     want.map(|w| format!(" named *{w}*")).unwrap_or_default()
                 )
             })?;
-            let have: Vec<String> = instance
-                .enumerate_device_extension_properties(pd)?
-                .iter()
-                .map(|e| {
-                    CStr::from_ptr(e.extension_name.as_ptr())
-                        .to_string_lossy()
-                        .into_owned()
-                })
-                .collect();
+            let have = instance.enumerate_device_extension_properties(pd)?;
+            let has = |ext: &CStr| {
+                have.iter()
+                    .any(|e| CStr::from_ptr(e.extension_name.as_ptr()) == ext)
+            };
             let exec_name = ash::khr::pipeline_executable_properties::NAME;
             let mut probe = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
-            let with_stats = have.iter().any(|e| e.as_bytes() == exec_name.to_bytes()) && {
+            let with_stats = has(exec_name) && {
                 instance.get_physical_device_features2(
                     pd,
                     &mut vk::PhysicalDeviceFeatures2::default().push_next(&mut probe),
@@ -139,7 +135,7 @@ impl Gpu {
                 extensions.push(exec_name.as_ptr());
             }
             let coop_name = ash::khr::cooperative_matrix::NAME;
-            let coop = have.iter().any(|e| e.as_bytes() == coop_name.to_bytes());
+            let coop = has(coop_name);
             if coop {
                 extensions.push(coop_name.as_ptr());
             }
@@ -193,11 +189,14 @@ impl Gpu {
     /// statistic.
     fn stats(&self, path: &Path) -> Result<Vec<String>> {
         let text = std::fs::read_to_string(path)?;
-        let bounds = text
+        // The header `// mamba2 kernel NAME; checks: bounds loops divisions` (or `none`).
+        let checks: Vec<&str> = text
             .lines()
             .next()
-            .is_some_and(|l| l.contains("checks: bounds"));
-        let (spirv, bindings) = spirv(&text, bounds)?;
+            .and_then(|l| l.split_once("checks: "))
+            .map(|(_, c)| c.split_whitespace().collect())
+            .unwrap_or_default();
+        let (spirv, bindings) = spirv(&text, |c| checks.contains(&c))?;
         // SAFETY: the objects are created from valid descriptions and destroyed before
         // returning; the pipeline is never bound.
         unsafe {
@@ -313,9 +312,9 @@ impl Drop for Gpu {
 /// A kernel's group-0 bindings: (binding, is a uniform buffer).
 type Bindings = Vec<(u32, bool)>;
 
-/// SPIR-V of a dumped kernel as wgpu's Vulkan backend writes it for this engine, and its
-/// bindings.
-fn spirv(text: &str, bounds: bool) -> Result<(Vec<u32>, Bindings)> {
+/// SPIR-V of a dumped kernel as wgpu's Vulkan backend writes it for this engine with the
+/// run-time checks `on` names, and its bindings.
+fn spirv(text: &str, on: impl Fn(&str) -> bool) -> Result<(Vec<u32>, Bindings)> {
     use naga::back::spv;
     use naga::proc::{BoundsCheckPolicies, BoundsCheckPolicy};
     let module =
@@ -326,7 +325,7 @@ fn spirv(text: &str, bounds: bool) -> Result<(Vec<u32>, Bindings)> {
     )
     .validate(&module)
     .map_err(|e| anyhow!("{}", e.emit_to_string(text)))?;
-    let index = if bounds {
+    let index = if on("bounds") {
         BoundsCheckPolicy::Restrict
     } else {
         BoundsCheckPolicy::Unchecked
@@ -340,8 +339,8 @@ fn spirv(text: &str, bounds: bool) -> Result<(Vec<u32>, Bindings)> {
             binding_array: BoundsCheckPolicy::Unchecked,
         },
         zero_initialize_workgroup_memory: spv::ZeroInitializeWorkgroupMemoryMode::None,
-        force_loop_bounding: false,
-        emit_int_div_checks: false,
+        force_loop_bounding: on("loops"),
+        emit_int_div_checks: on("divisions"),
         ..spv::Options::default()
     };
     let pipeline = spv::PipelineOptions {

@@ -188,15 +188,15 @@ fn default_checks(backend: wgpu::Backend, name: &str) -> wgpu::ShaderRuntimeChec
 }
 
 /// MAMBA2_SHADER_DUMP=DIR: every kernel specialization a run compiles also goes to
-/// `DIR/NAME-HASH.wgsl` (the text wgpu gets, after a first line saying whether its
-/// bounds checks are on), for offline tools such as `examples/pipeline_stats.rs` (the
+/// `DIR/NAME-HASH.wgsl` (the text wgpu gets, after a first line naming the run-time
+/// checks it is compiled with), for offline tools such as `examples/pipeline_stats.rs` (the
 /// driver's register and spill counts per kernel). A file that cannot be written is
 /// reported once and the run goes on.
 fn dump(name: &str, text: &str, checks: &wgpu::ShaderRuntimeChecks) {
     let Some(dir) = std::env::var_os("MAMBA2_SHADER_DUMP") else {
         return;
     };
-    if let Err(e) = dump_to(std::path::Path::new(&dir), name, text, checks.bounds_checks) {
+    if let Err(e) = dump_to(std::path::Path::new(&dir), name, text, checks) {
         static WARNED: std::sync::Once = std::sync::Once::new();
         WARNED.call_once(|| tracing::warn!("MAMBA2_SHADER_DUMP={}: {e}", dir.to_string_lossy()));
     }
@@ -207,13 +207,26 @@ fn dump_to(
     dir: &std::path::Path,
     name: &str,
     text: &str,
-    bounds: bool,
+    checks: &wgpu::ShaderRuntimeChecks,
 ) -> std::io::Result<std::path::PathBuf> {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     text.hash(&mut h);
     let path = dir.join(format!("{name}-{:016x}.wgsl", h.finish()));
-    let checks = if bounds { "bounds" } else { "none" };
+    // The checks that change the SPIR-V a compute kernel gets, by name.
+    let on: Vec<&str> = [
+        (checks.bounds_checks, "bounds"),
+        (checks.force_loop_bounding, "loops"),
+        (checks.int_div_checks, "divisions"),
+    ]
+    .into_iter()
+    .filter_map(|(on, what)| on.then_some(what))
+    .collect();
+    let checks = if on.is_empty() {
+        "none".to_string()
+    } else {
+        on.join(" ")
+    };
     std::fs::create_dir_all(dir)?;
     std::fs::write(
         &path,
@@ -271,14 +284,35 @@ mod tests {
     fn a_dumped_kernel_is_its_text_after_a_header() {
         let dir = std::env::temp_dir().join(format!("mamba2-dump-{}", std::process::id()));
         let text = "@compute @workgroup_size(1)\nfn main() {}\n";
-        let path = dump_to(&dir, "k", text, true).unwrap();
+        let path = dump_to(&dir, "k", text, &bounds_only()).unwrap();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         assert!(name.starts_with("k-") && name.ends_with(".wgsl"), "{name}");
         let got = std::fs::read_to_string(&path).unwrap();
         assert_eq!(got, format!("// mamba2 kernel k; checks: bounds\n{text}"));
         // The same text lands in the same file; another in another.
-        assert_eq!(dump_to(&dir, "k", text, true).unwrap(), path);
-        assert_ne!(dump_to(&dir, "k", "// other\n", false).unwrap(), path);
+        assert_eq!(dump_to(&dir, "k", text, &bounds_only()).unwrap(), path);
+        let other = dump_to(
+            &dir,
+            "k",
+            "// other\n",
+            &wgpu::ShaderRuntimeChecks::checked(),
+        );
+        let other = std::fs::read_to_string(other.unwrap()).unwrap();
+        assert!(
+            other.starts_with("// mamba2 kernel k; checks: bounds loops divisions\n"),
+            "{other}"
+        );
+        let none = dump_to(
+            &dir,
+            "k",
+            "// none\n",
+            &wgpu::ShaderRuntimeChecks::unchecked(),
+        );
+        let none = std::fs::read_to_string(none.unwrap()).unwrap();
+        assert!(
+            none.starts_with("// mamba2 kernel k; checks: none\n"),
+            "{none}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
