@@ -111,14 +111,20 @@ fn main(
         }
 #endfor
     }
+    // Total j goes out from lane j of the team (LPT ≤ TEAM), all of them at once.
+    var out = 0.0;
 #for j LPT
     {
         let total = team_sum(acc_{j}, lid);
-        if (t == 0u && first + r < M && slot_{j} < NL && wid.z * NL + slot_{j} < LANES) {
-            emit(lt_{j}, row, total);
-        }
+        out = select(out, total, t == {j}u);
     }
 #endfor
+    {
+        let slot = g * LPT + t;
+        if (t < LPT && first + r < M && slot < NL && wid.z * NL + slot < LANES) {
+            emit(lane_of(wid.z, min(slot, NL - 1u)), row, out);
+        }
+    }
 #else
     let lane = lid % TEAM;
     // This team's RT consecutive rows (each reduced exactly as the one-token kernel reduces
@@ -282,15 +288,30 @@ fn main(
 #endfor
 #endif
     }
+    // The team's RT·NL totals go out from its lanes side by side (total o from lane o %
+    // TEAM, in ER rounds): the epilogues' loads and stores (the residual's add, the mixer's
+    // conv state) then wait on memory once per round, not once per total.
+#for q ER
+    var out_{q} = 0.0;
+#endfor
 #for r RT
 #for j NL
     {
         let total = team_sum(acc_{r}_{j}, lid);
-        if (lane == 0u && first + {r}u < M && wid.z * NL + {j}u < LANES) {
-            emit(ln_{j}, row_{r}, total);
-        }
+#for q ER
+        out_{q} = select(out_{q}, total, {r}u * NL + {j}u == {q}u * TEAM + lane);
+#endfor
     }
 #endfor
+#endfor
+#for q ER
+    {
+        let o = {q}u * TEAM + lane;
+        let j = o % NL;
+        if (o < RT * NL && first + o / NL < M && wid.z * NL + j < LANES) {
+            emit(lane_of(wid.z, j), first + o / NL, out_{q});
+        }
+    }
 #endfor
 #endif
 }

@@ -543,6 +543,8 @@ pub fn gemv(
         ("X_LS", Const::U32(x_ls)),
         ("DST_LS", Const::U32(super::lane_stride(b.dst, lanes))),
         ("UNROLL", Const::U32(gemv_unroll(w.format)?)),
+        // Rounds in which a batch team's lanes write its RT·NL totals.
+        ("ER", u((rt * nl).div_ceil(team as usize))),
     ];
     consts.extend(team_consts);
     let mut flags = w.flags();
