@@ -83,8 +83,10 @@ fn wg_sum(v: array<f32, RV>, lid: u32, sg_lane: u32, sg_size: u32) -> array<f32,
 #endif
 
 #if TEAM_REDUCE
-// Sum over a team of TEAM consecutive invocations (TEAM a power of two); every lane of the
-// team gets the total. With TEAM_SHUFFLE, groups of SUB lanes (SUB ≤ the subgroup size,
+// Sum over a team of TEAM consecutive invocations (TEAM a power of two); the team's first
+// lane gets the total, every lane of it with TEAM_ALL (the batch GEMV, whose lanes write
+// the totals side by side; the one-token kernels' totals go out from one lane, and its
+// extra sums cost Codestral's one-token decode 1 %, run 124). With TEAM_SHUFFLE, groups of SUB lanes (SUB ≤ the subgroup size,
 // so each lies inside one subgroup) reduce by a butterfly of subgroupShuffleXor, and the
 // TEAM/SUB partials of a team meet in workgroup memory. Otherwise a workgroup-memory tree.
 // Every invocation of the workgroup must call it (uniform control flow).
@@ -103,12 +105,18 @@ fn team_sum(v: f32, lid: u32) -> f32 {
         team_red[lid / SUB] = s;
     }
     workgroupBarrier();
-    // Every lane of the team sums the pieces (in order), so every lane gets the total.
+    // The pieces summed in order (by every lane with TEAM_ALL).
     var t = 0.0;
-    let first = (lid / TEAM) * (TEAM / SUB);
-    for (var i = 0u; i < TEAM / SUB; i++) {
-        t += team_red[first + i];
+#if !TEAM_ALL
+    if (lid % TEAM == 0u) {
+#endif
+        let first = (lid / TEAM) * (TEAM / SUB);
+        for (var i = 0u; i < TEAM / SUB; i++) {
+            t += team_red[first + i];
+        }
+#if !TEAM_ALL
     }
+#endif
     workgroupBarrier();
     return t;
 #else

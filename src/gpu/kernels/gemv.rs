@@ -662,6 +662,8 @@ pub fn gemv(
         }
     }
     let pipeline = if cap > 1 {
+        // Every lane of a team gets its totals (they go out side by side).
+        flags.push("TEAM_ALL");
         k.pipeline("gemv_lanes", LANE_SOURCES, &consts, &flags, false)?
     } else {
         // (The pre-norm's sum takes subgroup sums where there are subgroups.)
