@@ -110,7 +110,11 @@ fn team_sum(v: f32, lid: u32) -> f32 {
 #if !TEAM_ALL
     if (lid % TEAM == 0u) {
 #endif
+#if TEAM_ALL
         let first = (lid / TEAM) * (TEAM / SUB);
+#else
+        let first = lid / SUB;
+#endif
         for (var i = 0u; i < TEAM / SUB; i++) {
             t += team_red[first + i];
         }
