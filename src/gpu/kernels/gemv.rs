@@ -56,14 +56,16 @@ pub const MAX_LANES: usize = 16;
 /// 11.02 / 6.43 (registers), 8 × 2 8.01 / 4.49, 8 × 4 8.33 / 4.92, 4 × 4 8.93 / 3.86,
 /// 4 × 8 8.93 / 4.06; the old out_proj choice, 8 × 8, 5.76. The block formats decode their
 /// weights per row and keep one.
-/// Since the totals go out from all of a team's lanes at once (run 123), q8_0 in_proj
-/// (the mixer epilogue) of `cols` ≥ `WIDE_IN_PROJ` at 16 lanes or more takes 8 lanes × 4
-/// rows: each activation load then serves four rows, and the weights are read once per 8
-/// lanes (run 125, ms per step at 4 / 16 / 64 lanes with 8 × 4 for every plain-input
-/// GEMV: Codestral 4.745 → 4.863 / 11.060 → 10.626 / 41.58 → 37.74 (in_proj 5.70 → 5.36,
-/// 20.56 → 17.15 GPU ms), mamba2-2.7b 2.634 → 2.673 / 6.624 → 5.826 / 22.40 → 18.78;
-/// mamba2-130m (768 columns) 0.585 → 0.602 / 0.822 → 0.869 / 1.828 → 2.011, and the
-/// lm_heads no better: hence in_proj only, wide rows only, 16 lanes or more).
+/// Since the totals go out from all of a team's lanes at once (run 123), q8_0 matrices of
+/// `WIDE` columns or more at 16 lanes or more take other tiles (`BatchRole`): in_proj (the
+/// mixer epilogue) 8 lanes × 4 rows, so each activation load serves four rows and the
+/// weights are read once per 8 lanes (run 125, ms per step at 4 / 16 / 64 lanes with 8 × 4
+/// for every plain-input GEMV: Codestral 4.745 → 4.863 / 11.060 → 10.626 / 41.58 → 37.74,
+/// in_proj 5.70 → 5.36 and 20.56 → 17.15 GPU ms; mamba2-2.7b 2.634 → 2.673 / 6.624 →
+/// 5.826 / 22.40 → 18.78; mamba2-130m (768 columns) 0.585 → 0.602 / 0.822 → 0.869 / 1.828
+/// → 2.011, and the lm_heads no better); out_proj (the group-norm input) 4 × 4 (run 127,
+/// GPU ms at 16 / 64 lanes against 16 × 2: Codestral 3.42 → 3.25 / 10.91 → 9.90, 2.7b
+/// 2.26 → 2.09 / 6.61 → 5.37; 4 × 8, 8 × 2, 2 × 8 and 8 × 8 measured too).
 /// `MAMBA2_BATCH_LANES` and `MAMBA2_BATCH_ROWS` override both (for tuning: the results
 /// are bitwise the same whatever they are).
 pub fn lane_tiling(
@@ -71,7 +73,7 @@ pub fn lane_tiling(
     groups: usize,
     rows: usize,
     format: WeightFormat,
-    wide_in_proj: bool,
+    role: BatchRole,
 ) -> (usize, usize) {
     let env = |name: &str| {
         std::env::var(name)
@@ -82,10 +84,11 @@ pub fn lane_tiling(
         format,
         WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 | WeightFormat::Q8_0
     );
-    let (nl, rt) = if wide_in_proj && format == WeightFormat::Q8_0 && lanes >= MAX_LANES {
-        (8, 4)
-    } else {
-        (MAX_LANES, 2)
+    let (nl, rt) = match role {
+        _ if format != WeightFormat::Q8_0 || lanes < MAX_LANES => (MAX_LANES, 2),
+        BatchRole::WideInProj => (8, 4),
+        BatchRole::WideGroupNorm => (4, 4),
+        BatchRole::Other => (MAX_LANES, 2),
     };
     let nl = env("MAMBA2_BATCH_LANES").unwrap_or(nl).clamp(1, 64);
     let rt = if simple {
@@ -98,8 +101,30 @@ pub fn lane_tiling(
     (nl, rt.min(rows.max(1)))
 }
 
-/// Columns from which a batch's q8_0 in_proj takes 8 lanes × 4 rows (`lane_tiling`).
-pub const WIDE_IN_PROJ: usize = 2048;
+/// Columns from which a batch's q8_0 in_proj and out_proj take their own tiles
+/// (`lane_tiling`).
+pub const WIDE: usize = 2048;
+
+/// What a batched GEMV's matrix is, for its tiles (`lane_tiling`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchRole {
+    /// A Mamba2 in_proj (the mixer epilogue) of `WIDE` columns or more.
+    WideInProj,
+    /// An out_proj (the gated group norm in its prologue) of `WIDE` columns or more.
+    WideGroupNorm,
+    Other,
+}
+
+impl BatchRole {
+    pub fn of(cols: usize, input: GemvInput, output: GemvOutput) -> Self {
+        match (input, output) {
+            _ if cols < WIDE => BatchRole::Other,
+            (GemvInput::Group { .. }, _) => BatchRole::WideGroupNorm,
+            (_, GemvOutput::Mixer(_)) => BatchRole::WideInProj,
+            _ => BatchRole::Other,
+        }
+    }
+}
 
 /// Lanes each invocation of the staged batch kernel sums.
 const STAGE_LANES_PER_THREAD: usize = 4;
@@ -473,8 +498,8 @@ pub fn gemv(
         GemvInput::Group { groups, .. } => groups,
         GemvInput::Plain | GemvInput::Norm { .. } => 1,
     };
-    let wide_in_proj = matches!(output, GemvOutput::Mixer(_)) && w.cols >= WIDE_IN_PROJ;
-    let (nl, rt) = lane_tiling(n, groups, m, w.format, wide_in_proj);
+    let role = BatchRole::of(w.cols, input, output);
+    let (nl, rt) = lane_tiling(n, groups, m, w.format, role);
     // The batch kernel's teams own `rt` rows each (the one-token kernel's one).
     let rt = if cap > 1 { rt } else { 1 };
     // A lane's input row: the whole of a one-lane buffer, a multiple of 256 values else.
