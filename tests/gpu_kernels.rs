@@ -969,15 +969,18 @@ struct ActCase {
     gated: bool,
     bias: bool,
     tokens: usize,
+    /// Decode (one token, or a batch's lanes): the q8 blocks of every row too.
+    q8: bool,
 }
 
-const ACT_CASES: [ActCase; 6] = [
+const ACT_CASES: [ActCase; 7] = [
     ActCase {
         name: "nemotron-h-8b relu² (decode, I 21504)",
         intermediate: 21504,
         gated: false,
         bias: false,
         tokens: 1,
+        q8: true,
     },
     ActCase {
         name: "nemotron-nano-9b-v2 relu² (prefill, I 15680, 3 tokens)",
@@ -985,6 +988,7 @@ const ACT_CASES: [ActCase; 6] = [
         gated: false,
         bias: false,
         tokens: 3,
+        q8: false,
     },
     ActCase {
         name: "granite-4.0-h-tiny shared MLP silu-gated (decode, I 1024)",
@@ -992,6 +996,7 @@ const ACT_CASES: [ActCase; 6] = [
         gated: true,
         bias: false,
         tokens: 1,
+        q8: true,
     },
     ActCase {
         name: "odd relu² with biases (decode, I 40)",
@@ -999,6 +1004,7 @@ const ACT_CASES: [ActCase; 6] = [
         gated: false,
         bias: true,
         tokens: 1,
+        q8: true,
     },
     ActCase {
         name: "odd silu-gated with biases (prefill, I 70, 5 tokens)",
@@ -1006,6 +1012,7 @@ const ACT_CASES: [ActCase; 6] = [
         gated: true,
         bias: true,
         tokens: 5,
+        q8: false,
     },
     ActCase {
         name: "odd relu² (prefill, I 33, 2 tokens)",
@@ -1013,6 +1020,15 @@ const ACT_CASES: [ActCase; 6] = [
         gated: false,
         bias: false,
         tokens: 2,
+        q8: false,
+    },
+    ActCase {
+        name: "nemotron-h-8b relu² (16 batched lanes, I 21504: more than 2^16 values)",
+        intermediate: 21504,
+        gated: false,
+        bias: true,
+        tokens: 16,
+        q8: true,
     },
 ];
 
@@ -1049,7 +1065,7 @@ fn mlp_activation_every_form() {
         let b = ActBuffers {
             src: &sbuf,
             dst: &dst,
-            q8: (c.tokens == 1).then_some((&xq, &xd)),
+            q8: c.q8.then_some((&xq, &xd)),
         };
         g.run(&mlp_act(&g.k, "t", act, n, stride, c.tokens, b, bias).unwrap());
         let got = g.read(&dst, c.tokens * kp);
@@ -1085,10 +1101,19 @@ fn mlp_activation_every_form() {
             &resid,
             1e-14,
         );
-        if c.tokens == 1 {
-            let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, kp as u64).unwrap()).to_vec();
+        if c.q8 {
+            let q: Vec<u32> =
+                bytemuck::cast_slice(&g.ctx().read(&xq, (c.tokens * kp) as u64).unwrap()).to_vec();
+            let scales = g.read(&xd, c.tokens * kp / 32);
             // The blocks of the kernel's own f32 output (ggml's rule, as the host packs it).
-            assert_q8_of(c.name, &q, &g.read(&xd, kp / 32), &got[..n]);
+            for t in 0..c.tokens {
+                assert_q8_of(
+                    &format!("{} token {t}", c.name),
+                    &q[t * kp / 4..(t + 1) * kp / 4],
+                    &scales[t * kp / 32..(t + 1) * kp / 32],
+                    &got[t * kp..t * kp + n],
+                );
+            }
         }
     }
 }
