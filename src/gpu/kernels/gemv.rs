@@ -105,10 +105,19 @@ pub fn lane_tiling(
 /// (`lane_tiling`).
 pub const WIDE: usize = 2048;
 
+/// Columns from which any batched q8_0 GEMV with a plain input takes in_proj's tiles: 16
+/// lanes' q8 inputs then fill 256 KiB, an H200 multiprocessor's L1, and 8 lanes halve that.
+/// Measured on the H200 (run 130, 8 × 4 for every plain-input GEMV of 2048 columns or
+/// more, GPU ms per step at 16 / 64 lanes): Nemotron-H 8B's MLP down_proj (21504 columns)
+/// 3.23 → 2.74 / 10.36 → 8.30, while its up_proj (4096 columns) 1.85 → 2.04 / 6.11 →
+/// 6.25, qkv 0.174 → 0.201 and o_proj 0.149 → 0.163 lost, and the lm_heads did not move.
+pub const VERY_WIDE: usize = 16384;
+
 /// What a batched GEMV's matrix is, for its tiles (`lane_tiling`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BatchRole {
-    /// A Mamba2 in_proj (the mixer epilogue) of `WIDE` columns or more.
+    /// A Mamba2 in_proj (the mixer epilogue) of `WIDE` columns or more, or any plain-input
+    /// GEMV of `VERY_WIDE` columns or more (an MLP's down_proj).
     WideInProj,
     /// An out_proj (the gated group norm in its prologue) of `WIDE` columns or more.
     WideGroupNorm,
@@ -121,6 +130,7 @@ impl BatchRole {
             _ if cols < WIDE => BatchRole::Other,
             (GemvInput::Group { .. }, _) => BatchRole::WideGroupNorm,
             (_, GemvOutput::Mixer(_)) => BatchRole::WideInProj,
+            _ if cols >= VERY_WIDE => BatchRole::WideInProj,
             _ => BatchRole::Other,
         }
     }
