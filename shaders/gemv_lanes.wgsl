@@ -48,9 +48,24 @@ fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
+    // Workgroup (row group rg of RGN, lane group zg of LG). LANES_SIDE: lane group fastest,
+    // so the LG workgroups that read one row group's weights run side by side and those
+    // weights come from DRAM once, from L2 for the other lane groups; else row group
+    // fastest, each lane group sweeping the whole matrix in turn.
+    let lin = wid.x + wid.y * nwg.x;
+#if LANES_SIDE
+    let zg = lin % LG;
+    let rg = lin / LG;
+#else
+    let rg = lin % RGN;
+    let zg = lin / RGN;
+#endif
+    if (rg >= RGN || zg >= LG) {
+        return;
+    }
     // Slots past LANES repeat the last lane and write nothing.
 #for j NL
-    let ln_{j} = lane_of(wid.z, {j}u);
+    let ln_{j} = lane_of(zg, {j}u);
 #endfor
 #if X_GROUP
     // rstd per group from the per-block sums of squares of v (BPG blocks per group), for
@@ -61,7 +76,7 @@ fn main(
         let g = (lid / GSUB) % G;
         var s = 0.0;
         if (j < NL) {
-            let l = lane_of(wid.z, j);
+            let l = lane_of(zg, j);
             for (var i = lid % GSUB; i < BPG; i += GSUB) {
                 s += part[l * PART_LS + g * BPG + i];
             }
@@ -80,7 +95,7 @@ fn main(
     // Then invocation (t, r, g) = (lid % TEAM, row, lane group) sums row r for lanes
     // g·LPT … g·LPT + LPT − 1 over v ≡ t (mod TEAM) in order: the one-token kernel's team,
     // stride and expressions, so each lane is bitwise its run alone.
-    let first = (wid.x + wid.y * nwg.x) * RR;
+    let first = rg * RR;
     for (var i = lid; i < RR * NV; i += WG) {
         wsh[i] = w[min(first + i / NV, M - 1u) * NV + i % NV];
     }
@@ -95,7 +110,7 @@ fn main(
     let row = min(first + r, M - 1u);
 #for j LPT
     let slot_{j} = g * LPT + {j}u;
-    let lt_{j} = lane_of(wid.z, min(slot_{j}, NL - 1u));
+    let lt_{j} = lane_of(zg, min(slot_{j}, NL - 1u));
     var acc_{j} = 0.0;
 #endfor
     for (var v = t; v < NV; v += TEAM) {
@@ -121,8 +136,8 @@ fn main(
 #endfor
     {
         let slot = g * LPT + t;
-        if (t < LPT && first + r < M && slot < NL && wid.z * NL + slot < LANES) {
-            emit(lane_of(wid.z, min(slot, NL - 1u)), row, out);
+        if (t < LPT && first + r < M && slot < NL && zg * NL + slot < LANES) {
+            emit(lane_of(zg, min(slot, NL - 1u)), row, out);
         }
     }
 #else
@@ -130,7 +145,7 @@ fn main(
     // This team's RT consecutive rows (each reduced exactly as the one-token kernel reduces
     // a row: the same team size, stride and order); each lane's input is loaded once for
     // all RT rows. Straight-line code (#for): every accumulator is its own variable.
-    let first = ((wid.x + wid.y * nwg.x) * R + lid / TEAM) * RT;
+    let first = (rg * R + lid / TEAM) * RT;
 #for r RT
     let row_{r} = min(first + {r}u, M - 1u);
 #for j NL
@@ -308,8 +323,8 @@ fn main(
     {
         let o = {q}u * TEAM + lane;
         let j = o % NL;
-        if (o < RT * NL && first + o / NL < M && wid.z * NL + j < LANES) {
-            emit(lane_of(wid.z, j), first + o / NL, out_{q});
+        if (o < RT * NL && first + o / NL < M && zg * NL + j < LANES) {
+            emit(lane_of(zg, j), first + o / NL, out_{q});
         }
     }
 #endfor

@@ -327,12 +327,19 @@ fn pipelined_steps_and_a_lane_stopped_early_hand_back_the_exact_state() {
 
 #[test]
 fn more_lanes_than_a_workgroup_sums_stay_exact() {
+    // 19 lanes: two lane groups of 16, one after the other; 40: three, side by side
+    // (`gemv::side_by_side`).
+    for lanes in [19, 40] {
+        more_lanes_exact(lanes);
+    }
+}
+
+fn more_lanes_exact(lanes: usize) {
     let model = Model::synthetic(tiny_config(2, 16), 12);
     let vocab = model.config.vocab_size;
     let Some(mut be) = backend(&model, WeightFormat::Q8_0) else {
         return;
     };
-    let lanes = 19;
     let greedy = Sampling::greedy();
     let mut alone = Vec::new();
     for lane in 0..lanes {
