@@ -780,6 +780,55 @@ mod tests {
     use super::*;
 
     #[test]
+    fn wide_batch_matrices_take_their_tiles_and_order() {
+        use WeightFormat::{F16, Q8_0};
+        let group = GemvInput::Group {
+            groups: 8,
+            group_size: 1024,
+            blocks_per_group: 32,
+            eps: 1e-5,
+        };
+        let mixer = GemvOutput::Mixer(MixerConsts {
+            d_inner: 8192,
+            conv_dim: 10240,
+            heads: 128,
+            kernel: 4,
+            cw_off: 0,
+            cb_off: 0,
+            dtb_off: 0,
+            dt_limit: (0.0, f64::INFINITY),
+        });
+        let plain = GemvInput::Plain;
+        // Codestral's in_proj and out_proj, an MLP's down_proj, its up_proj, 130m's in_proj.
+        let in_proj = BatchRole::of(4096, plain, mixer);
+        let out_proj = BatchRole::of(8192, group, GemvOutput::Add);
+        let down = BatchRole::of(21504, plain, GemvOutput::Add);
+        assert_eq!(in_proj, BatchRole::WideInProj);
+        assert_eq!(out_proj, BatchRole::WideGroupNorm);
+        assert_eq!(down, BatchRole::WideInProj);
+        assert_eq!(
+            BatchRole::of(4096, plain, GemvOutput::Store),
+            BatchRole::Other
+        );
+        assert_eq!(BatchRole::of(768, plain, mixer), BatchRole::Other);
+        if std::env::var("MAMBA2_BATCH_LANES").is_err()
+            && std::env::var("MAMBA2_BATCH_ROWS").is_err()
+        {
+            assert_eq!(lane_tiling(16, 1, 18560, Q8_0, in_proj), (8, 4));
+            assert_eq!(lane_tiling(64, 8, 4096, Q8_0, out_proj), (4, 4));
+            // Fewer than 16 lanes, other formats and other matrices: 16 × 2.
+            assert_eq!(lane_tiling(4, 1, 18560, Q8_0, in_proj), (4, 2));
+            assert_eq!(lane_tiling(16, 1, 18560, F16, in_proj), (16, 2));
+            assert_eq!(lane_tiling(64, 1, 4096, Q8_0, BatchRole::Other), (16, 2));
+        }
+        // Two lane groups go side by side only over matrices no L2 holds; three always.
+        assert!(!side_by_side(1, 1 << 30));
+        assert!(!side_by_side(2, 29 << 20));
+        assert!(side_by_side(2, SIDE_BYTES));
+        assert!(side_by_side(3, 1 << 20));
+    }
+
+    #[test]
     fn small_q8_matrices_take_the_staged_batch_kernel() {
         let q8 = WeightFormat::Q8_0;
         let plain = |rows, lanes| RegisterGrid {
