@@ -9,13 +9,14 @@
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
 // (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
 // 6-bit ones as 4·(q−32).
-// Lanes (batched decode): workgroup z takes lanes z·NL … z·NL + NL − 1 (those below LANES)
-// and reads each weight once for all of them; lane l's input starts at l·X_LS (f32) or
+// Lanes (batched decode): the workgroup of lane group z (of LG) takes lanes z·NL … z·NL +
+// NL − 1 (those below LANES) and reads each weight once for all of them; lane l's input starts at l·X_LS (f32) or
 // l·X_LS/16 (xq vectors), l·X_LS/32 (q8 block scales), its output at l·DST_LS, its norm partials at l·PART_LS.
 // Each lane's sum runs in exactly the order of a one-lane GEMV (the same team, stride and
 // expressions), so a lane's result is bitwise the one it gets alone.
 // Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
-// step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER.
+// step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER;
+// LANES_SIDE (the workgroup order, see main); TEAM_ALL (team_sum's total in every lane).
 
 // The group-norm factor of input column k for lane slot j (1 without X_GROUP).
 fn col_scale(j: u32, k: u32) -> f32 {
@@ -26,7 +27,7 @@ fn col_scale(j: u32, k: u32) -> f32 {
 #endif
 }
 
-// Lane slot j's lane: the workgroup's z-th group of NL, the last lane repeated past LANES.
+// Lane slot j's lane in lane group z (of NL lanes), the last lane repeated past LANES.
 fn lane_of(z: u32, j: u32) -> u32 {
     return min(z * NL + j, LANES - 1u);
 }

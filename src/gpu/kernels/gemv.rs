@@ -731,8 +731,8 @@ pub fn gemv(
             entries.push((8, b.params.ok_or_else(|| missing("params"))?));
         }
     }
-    // Row groups; a batch's workgroups take (row group, lane group) pairs, lane group
-    // fastest (`gemv_lanes.wgsl`).
+    // Row groups; a batch's workgroups take (row group, lane group) pairs from one linear
+    // index, in the order `side_by_side` picks (`gemv_lanes.wgsl`).
     let row_groups = match stage {
         Some((rr, _)) => m.div_ceil(rr),
         None => m.div_ceil(rows_per_wg as usize * rt),
