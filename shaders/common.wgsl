@@ -86,8 +86,8 @@ fn wg_sum(v: array<f32, RV>, lid: u32, sg_lane: u32, sg_size: u32) -> array<f32,
 // Sum over a team of TEAM consecutive invocations (TEAM a power of two); the team's first
 // lane gets the total, every lane of it with TEAM_ALL (the batch GEMV, whose lanes write
 // the totals side by side; the one-token kernels' totals go out from one lane, and its
-// extra sums cost Codestral's one-token decode 1 %, run 124). With TEAM_SHUFFLE, groups of SUB lanes (SUB ≤ the subgroup size,
-// so each lies inside one subgroup) reduce by a butterfly of subgroupShuffleXor, and the
+// extra sums cost Codestral's one-token decode 1 %, run 124). With TEAM_SHUFFLE, groups
+// of SUB lanes (SUB ≤ the subgroup size, so each lies inside one subgroup) reduce by a butterfly of subgroupShuffleXor, and the
 // TEAM/SUB partials of a team meet in workgroup memory. Otherwise a workgroup-memory tree.
 // Every invocation of the workgroup must call it (uniform control flow).
 var<workgroup> team_red: array<f32, WG>;

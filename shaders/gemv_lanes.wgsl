@@ -138,7 +138,7 @@ fn main(
     {
         let slot = g * LPT + t;
         if (t < LPT && first + r < M && slot < NL && zg * NL + slot < LANES) {
-            emit(lane_of(zg, min(slot, NL - 1u)), row, out);
+            emit(lane_of(zg, slot), row, out);
         }
     }
 #else

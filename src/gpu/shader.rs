@@ -291,28 +291,20 @@ mod tests {
         assert_eq!(got, format!("// mamba2 kernel k; checks: bounds\n{text}"));
         // The same text lands in the same file; another in another.
         assert_eq!(dump_to(&dir, "k", text, &bounds_only()).unwrap(), path);
-        let other = dump_to(
-            &dir,
-            "k",
-            "// other\n",
-            &wgpu::ShaderRuntimeChecks::checked(),
-        );
-        let other = std::fs::read_to_string(other.unwrap()).unwrap();
-        assert!(
-            other.starts_with("// mamba2 kernel k; checks: bounds loops divisions\n"),
-            "{other}"
-        );
-        let none = dump_to(
-            &dir,
-            "k",
-            "// none\n",
-            &wgpu::ShaderRuntimeChecks::unchecked(),
-        );
-        let none = std::fs::read_to_string(none.unwrap()).unwrap();
-        assert!(
-            none.starts_with("// mamba2 kernel k; checks: none\n"),
-            "{none}"
-        );
+        for (body, checks, header) in [
+            (
+                "// other\n",
+                wgpu::ShaderRuntimeChecks::checked(),
+                "bounds loops divisions",
+            ),
+            ("// none\n", wgpu::ShaderRuntimeChecks::unchecked(), "none"),
+        ] {
+            let got = std::fs::read_to_string(dump_to(&dir, "k", body, &checks).unwrap()).unwrap();
+            assert!(
+                got.starts_with(&format!("// mamba2 kernel k; checks: {header}\n")),
+                "{got}"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -86,7 +86,7 @@ pub fn lane_tiling(
     );
     let (nl, rt) = match role {
         _ if format != WeightFormat::Q8_0 || lanes < MAX_LANES => (MAX_LANES, 2),
-        BatchRole::WideInProj => (8, 4),
+        BatchRole::ActivationBound => (8, 4),
         BatchRole::WideGroupNorm => (4, 4),
         BatchRole::Other => (MAX_LANES, 2),
     };
@@ -116,9 +116,10 @@ pub const VERY_WIDE: usize = 16384;
 /// What a batched GEMV's matrix is, for its tiles (`lane_tiling`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BatchRole {
-    /// A Mamba2 in_proj (the mixer epilogue) of `WIDE` columns or more, or any plain-input
-    /// GEMV of `VERY_WIDE` columns or more (an MLP's down_proj).
-    WideInProj,
+    /// Bound by its activation loads, so fewer lanes and more rows per team pay: a Mamba2
+    /// in_proj (the mixer epilogue) of `WIDE` columns or more, or any plain-input GEMV of
+    /// `VERY_WIDE` columns or more (an MLP's down_proj).
+    ActivationBound,
     /// An out_proj (the gated group norm in its prologue) of `WIDE` columns or more.
     WideGroupNorm,
     Other,
@@ -129,8 +130,8 @@ impl BatchRole {
         match (input, output) {
             _ if cols < WIDE => BatchRole::Other,
             (GemvInput::Group { .. }, _) => BatchRole::WideGroupNorm,
-            (_, GemvOutput::Mixer(_)) => BatchRole::WideInProj,
-            _ if cols >= VERY_WIDE => BatchRole::WideInProj,
+            (_, GemvOutput::Mixer(_)) => BatchRole::ActivationBound,
+            _ if cols >= VERY_WIDE => BatchRole::ActivationBound,
             _ => BatchRole::Other,
         }
     }
@@ -803,9 +804,9 @@ mod tests {
         let in_proj = BatchRole::of(4096, plain, mixer);
         let out_proj = BatchRole::of(8192, group, GemvOutput::Add);
         let down = BatchRole::of(21504, plain, GemvOutput::Add);
-        assert_eq!(in_proj, BatchRole::WideInProj);
+        assert_eq!(in_proj, BatchRole::ActivationBound);
         assert_eq!(out_proj, BatchRole::WideGroupNorm);
-        assert_eq!(down, BatchRole::WideInProj);
+        assert_eq!(down, BatchRole::ActivationBound);
         assert_eq!(
             BatchRole::of(4096, plain, GemvOutput::Store),
             BatchRole::Other

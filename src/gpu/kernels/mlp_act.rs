@@ -4,7 +4,7 @@
 //! past I), with `q8` also the q8 blocks `xq [T][KP/4]`, `xd [T][KP/32]` for a q8_0 down
 //! projection.
 
-use super::rmsnorm::{CHUNK, norm_dispatch_flags, workgroups_per_token};
+use super::rmsnorm::{CHUNK, norm_dispatch_flags};
 use super::{Dispatch, Section, check_len};
 use crate::config::MlpAct;
 use crate::error::{Error, Result};
@@ -119,20 +119,20 @@ pub fn mlp_act_rows(
     let mut d = norm_dispatch_flags(
         k, name, shader, &consts, entries, b.q8, kp, tokens, flags, &tail,
     )?;
-    d.workgroups.0 = act_workgroups(kp, tokens) as u32;
+    if d.workgroups.0 == 1 {
+        d.workgroups.0 = spread(kp, tokens) as u32;
+    }
     d.section = Section::Mlp;
     Ok(d)
 }
 
-/// Workgroups per token of the activation (its values are independent, so any split gives
-/// the same bits): the norms' spread where it applies (`workgroups_per_token`), else
-/// about 1024 workgroups in all. The norms give a token one workgroup past 2¹⁶ values,
-/// which left Nemotron-H 8B's batched activation (16 lanes × 21504 values) on 16
-/// workgroups: 1.32 GPU ms per step (run 128).
-fn act_workgroups(width: usize, tokens: usize) -> usize {
-    let chunks = width.div_ceil(CHUNK).max(1);
-    match workgroups_per_token(width, tokens) {
-        1 => chunks.min((1024 / tokens.max(1)).max(1)),
-        n => n,
-    }
+/// Workgroups per token of the activation where the norms' spread (`workgroups_per_token`)
+/// gives a token one, past 2¹⁶ values: about 1024 in all (its values are independent, so
+/// any split gives the same bits). One per token left Nemotron-H 8B's batched activation
+/// (16 lanes × 21504 values) on 16 workgroups: 1.32 GPU ms per step (run 128).
+fn spread(width: usize, tokens: usize) -> usize {
+    width
+        .div_ceil(CHUNK)
+        .min((1024 / tokens.max(1)).max(1))
+        .max(1)
 }
