@@ -16,7 +16,13 @@
 // expressions), so a lane's result is bitwise the one it gets alone.
 // Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER;
-// LANES_SIDE (the workgroup order, see main); TEAM_ALL (team_sum's total in every lane).
+// LANES_SIDE (the workgroup order, see main); TEAM_ALL (team_sum's total in every lane);
+// TEAM_SCATTER, TEAM_WIDE, EMIT_ROUNDS (how the totals are summed and go out, see the end).
+
+#if TEAM_WIDE
+// The reduce-scatter's piece totals (WG / SUB pieces of NT), for teams wider than a piece.
+var<workgroup> scat: array<f32, (WG / SUB) * NT>;
+#endif
 
 // The group-norm factor of input column k for lane slot j (1 without X_GROUP).
 fn col_scale(j: u32, k: u32) -> f32 {
@@ -304,9 +310,83 @@ fn main(
 #endfor
 #endif
     }
-    // The team's RT·NL totals go out from its lanes side by side (total o from lane o %
-    // TEAM, in ER rounds): the epilogues' loads and stores (the residual's add, the mixer's
-    // conv state) then wait on memory once per round, not once per total.
+    // The team's RT·NL totals go out from its lanes side by side: the epilogues' loads and
+    // stores (the residual's add, the mixer's conv state) then wait on memory once per
+    // round, not once per total.
+#if TEAM_SCATTER
+    // The RT·NL sums (NT: padded with zeros to a power of two) by one reduce-scatter butterfly over the pieces of SUB lanes: at
+    // the level of offset o each lane keeps half of the totals it still holds, sends the
+    // other half to lane ^ o and adds what it gets back — for every total the additions of
+    // `team_sum`'s butterfly (its own value + the partner's, the same pairs in the same
+    // order), so each total is bitwise team_sum's, for ~NT shuffles in all instead of
+    // log2(SUB) per total (run 135: Codestral's 16-lane in_proj spent 7 % of its time in
+    // them). Piece lane s then holds totals (s / REP)·PER + k, k < PER.
+    var tot: array<f32, NT>;
+#for r RT
+#for j NL
+    tot[{r}u * NL + {j}u] = acc_{r}_{j};
+#endfor
+#endfor
+    let sl = lid % SUB;
+#for l 7
+    {
+        // Offset O; HELD totals held before the level, H after it (SUB ≤ 128: 7 levels).
+        const O = SUB >> ({l}u + 1u);
+        const HELD = max(NT >> {l}u, 1u);
+        const H = max(NT >> ({l}u + 1u), 1u);
+        if (O >= 1u) {
+            if (HELD >= 2u) {
+                let up = (sl & O) != 0u;
+#for k NTH
+                if ({k}u < H) {
+                    let lo = tot[{k}u];
+                    let hi = tot[min({k}u + H, NT - 1u)];
+                    tot[{k}u] = select(lo, hi, up) + subgroupShuffleXor(select(hi, lo, up), O);
+                }
+#endfor
+            } else {
+                tot[0] += subgroupShuffleXor(tot[0], O);
+            }
+        }
+    }
+#endfor
+#if TEAM_WIDE
+    // Teams wider than a piece: the pieces' totals meet in workgroup memory and total o
+    // (o ≡ lane mod TEAM, ER rounds) is summed over them in order, as `team_sum` does.
+    if (sl % REP == 0u) {
+#for k PER
+        scat[(lid / SUB) * NT + (sl / REP) * PER + {k}u] = tot[{k}u];
+#endfor
+    }
+    workgroupBarrier();
+#for q ER
+    var out_{q} = 0.0;
+    {
+        let o = {q}u * TEAM + lane;
+        if (o < RT * NL) {
+            let piece = (lid / TEAM) * (TEAM / SUB);
+            for (var i = 0u; i < TEAM / SUB; i++) {
+                out_{q} += scat[(piece + i) * NT + o];
+            }
+        }
+    }
+#endfor
+#else
+    // Teams of one piece: each total goes out from the lane holding it.
+    if (sl % REP == 0u) {
+#for k PER
+        {
+            let o = (sl / REP) * PER + {k}u;
+            let j = o % NL;
+            if (o < RT * NL && first + o / NL < M && zg * NL + j < LANES) {
+                emit(lane_of(zg, j), first + o / NL, tot[{k}u]);
+            }
+        }
+#endfor
+    }
+#endif
+#else
+    // Total o from lane o % TEAM, in ER rounds.
 #for q ER
     var out_{q} = 0.0;
 #endfor
@@ -320,6 +400,8 @@ fn main(
     }
 #endfor
 #endfor
+#endif
+#if EMIT_ROUNDS
 #for q ER
     {
         let o = {q}u * TEAM + lane;
@@ -329,5 +411,6 @@ fn main(
         }
     }
 #endfor
+#endif
 #endif
 }

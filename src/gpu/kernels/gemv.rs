@@ -66,6 +66,12 @@ pub const MAX_LANES: usize = 16;
 /// → 2.011, and the lm_heads no better); out_proj (the group-norm input) 4 × 4 (run 127,
 /// GPU ms at 16 / 64 lanes against 16 × 2: Codestral 3.42 → 3.25 / 10.91 → 9.90, 2.7b
 /// 2.26 → 2.09 / 6.61 → 5.37; 4 × 8, 8 × 2, 2 × 8 and 8 × 8 measured too).
+/// Once a team's totals are summed by one reduce-scatter (run 136, every GEMV forced to one
+/// tile, Codestral GPU ms per step of in_proj / out_proj at 16 and 64 lanes): 8 × 4 4.94 /
+/// 3.26 and 12.89 / 9.86; 4 × 8 4.41 / 2.67 and 13.88 / 7.29; 4 × 4 4.84 / 2.70 and 14.91 /
+/// 7.83; 16 × 2 5.46 / 2.94 and 17.94 / 9.55; 8 × 8 5.54 / 3.68; 16 × 4 7.09 / 3.68. So
+/// an activation-bound GEMV of `SPREAD` columns or more takes 4 × 8 at 16 lanes (four lane
+/// groups side by side), 8 × 4 past them and below `SPREAD`; out_proj 4 × 8.
 /// `MAMBA2_BATCH_LANES` and `MAMBA2_BATCH_ROWS` override both (for tuning: the results
 /// are bitwise the same whatever they are).
 pub fn lane_tiling(
@@ -86,8 +92,9 @@ pub fn lane_tiling(
     );
     let (nl, rt) = match role {
         _ if format != WeightFormat::Q8_0 || lanes < MAX_LANES => (MAX_LANES, 2),
-        BatchRole::ActivationBound => (8, 4),
-        BatchRole::WideGroupNorm => (4, 4),
+        BatchRole::ActivationBound { spread: true } if lanes <= MAX_LANES => (4, 8),
+        BatchRole::ActivationBound { .. } => (8, 4),
+        BatchRole::WideGroupNorm => (4, 8),
         BatchRole::Other => (MAX_LANES, 2),
     };
     let nl = env("MAMBA2_BATCH_LANES").unwrap_or(nl).clamp(1, 64);
@@ -113,13 +120,23 @@ pub const WIDE: usize = 2048;
 /// 6.25, qkv 0.174 → 0.201 and o_proj 0.149 → 0.163 lost, and the lm_heads did not move.
 pub const VERY_WIDE: usize = 16384;
 
+/// Columns from which an `ActivationBound` GEMV at 16 lanes takes 4 lanes × 8 rows (four
+/// lane groups side by side) rather than 8 × 4. Measured on the H200 (runs 136–137, GPU ms
+/// per 16-lane step): Codestral's in_proj (4096 columns) 4.94 → 4.46, Nemotron-H 8B's
+/// in_proj (4096) 1.83 → 1.64 and MLP down_proj (21504) 2.25 → 1.71, but mamba2-2.7b's
+/// in_proj (2560) 2.38 → 2.51.
+pub const SPREAD: usize = 4096;
+
 /// What a batched GEMV's matrix is, for its tiles (`lane_tiling`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BatchRole {
     /// Bound by its activation loads, so fewer lanes and more rows per team pay: a Mamba2
     /// in_proj (the mixer epilogue) of `WIDE` columns or more, or any plain-input GEMV of
     /// `VERY_WIDE` columns or more (an MLP's down_proj).
-    ActivationBound,
+    /// `spread`: `SPREAD` columns or more, whose 16 lanes go in four groups of 4.
+    ActivationBound {
+        spread: bool,
+    },
     /// An out_proj (the gated group norm in its prologue) of `WIDE` columns or more.
     WideGroupNorm,
     Other,
@@ -130,8 +147,12 @@ impl BatchRole {
         match (input, output) {
             _ if cols < WIDE => BatchRole::Other,
             (GemvInput::Group { .. }, _) => BatchRole::WideGroupNorm,
-            (_, GemvOutput::Mixer(_)) => BatchRole::ActivationBound,
-            _ if cols >= VERY_WIDE => BatchRole::ActivationBound,
+            (_, GemvOutput::Mixer(_)) => BatchRole::ActivationBound {
+                spread: cols >= SPREAD,
+            },
+            _ if cols >= VERY_WIDE => BatchRole::ActivationBound {
+                spread: cols >= SPREAD,
+            },
             _ => BatchRole::Other,
         }
     }
@@ -757,6 +778,35 @@ pub fn gemv(
     let pipeline = if cap > 1 {
         // Every lane of a team gets its totals (they go out side by side).
         flags.push("TEAM_ALL");
+        // The reduce-scatter's totals, padded to a power of two (zeros past RT·NL).
+        let (nt, piece) = ((rt * nl).next_power_of_two() as u32, k.team_piece(team));
+        // The team sums by one reduce-scatter (`TEAM_SCATTER`, gemv_lanes.wgsl) for q8_0's
+        // register kernel: Codestral at 16 lanes 10.22 → 9.71 ms/step, 64 lanes 32.44 →
+        // 30.69 (run 136). Its f16 batch lost (16 lanes 26.19 → 29.45, in_proj 13.36 →
+        // 16.98: the f16 loop already holds more registers), so the other formats keep a
+        // butterfly per total. Teams wider than a piece gather the pieces' totals in
+        // workgroup memory (≤ 16 KB).
+        let scatter = stage.is_none()
+            && w.format == WeightFormat::Q8_0
+            && k.shuffles()
+            && piece <= 128
+            && (team == piece || (WG / piece) * nt <= 4096);
+        // (The preprocessor unrolls the `#for` blocks of every path, so all get the counts.)
+        consts.extend([
+            ("NT", Const::U32(nt)),
+            ("NTH", Const::U32((nt / 2).max(1))),
+            ("PER", Const::U32((nt / piece).max(1))),
+            ("REP", Const::U32((piece / nt).max(1))),
+        ]);
+        if scatter {
+            flags.push("TEAM_SCATTER");
+            if team > piece {
+                flags.push("TEAM_WIDE");
+            }
+        }
+        if !scatter || team > piece {
+            flags.push("EMIT_ROUNDS");
+        }
         k.pipeline("gemv_lanes", LANE_SOURCES, &consts, &flags, false)?
     } else {
         // (The pre-norm's sum takes subgroup sums where there are subgroups.)
@@ -804,9 +854,12 @@ mod tests {
         let in_proj = BatchRole::of(4096, plain, mixer);
         let out_proj = BatchRole::of(8192, group, GemvOutput::Add);
         let down = BatchRole::of(21504, plain, GemvOutput::Add);
-        assert_eq!(in_proj, BatchRole::ActivationBound);
+        assert_eq!(in_proj, BatchRole::ActivationBound { spread: true });
         assert_eq!(out_proj, BatchRole::WideGroupNorm);
-        assert_eq!(down, BatchRole::ActivationBound);
+        assert_eq!(down, BatchRole::ActivationBound { spread: true });
+        // mamba2-2.7b's in_proj (2560 columns) keeps 8 × 4 at 16 lanes.
+        let narrow = BatchRole::of(2560, plain, mixer);
+        assert_eq!(narrow, BatchRole::ActivationBound { spread: false });
         assert_eq!(
             BatchRole::of(4096, plain, GemvOutput::Store),
             BatchRole::Other
@@ -815,8 +868,10 @@ mod tests {
         if std::env::var("MAMBA2_BATCH_LANES").is_err()
             && std::env::var("MAMBA2_BATCH_ROWS").is_err()
         {
-            assert_eq!(lane_tiling(16, 1, 18560, Q8_0, in_proj), (8, 4));
-            assert_eq!(lane_tiling(64, 8, 4096, Q8_0, out_proj), (4, 4));
+            assert_eq!(lane_tiling(16, 1, 18560, Q8_0, in_proj), (4, 8));
+            assert_eq!(lane_tiling(17, 1, 18560, Q8_0, in_proj), (8, 4));
+            assert_eq!(lane_tiling(16, 1, 10576, Q8_0, narrow), (8, 4));
+            assert_eq!(lane_tiling(64, 8, 4096, Q8_0, out_proj), (4, 8));
             // Fewer than 16 lanes, other formats and other matrices: 16 × 2.
             assert_eq!(lane_tiling(4, 1, 18560, Q8_0, in_proj), (4, 2));
             assert_eq!(lane_tiling(16, 1, 18560, F16, in_proj), (16, 2));

@@ -311,7 +311,7 @@ impl Kernels {
     }
 
     /// Whether reductions may shuffle within subgroups (subgroups of at least 4 lanes).
-    fn shuffles(&self) -> bool {
+    pub fn shuffles(&self) -> bool {
         let caps = &self.ctx.caps;
         caps.subgroups && caps.subgroup_min >= 4
     }
