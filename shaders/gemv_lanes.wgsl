@@ -314,13 +314,14 @@ fn main(
     // stores (the residual's add, the mixer's conv state) then wait on memory once per
     // round, not once per total.
 #if TEAM_SCATTER
-    // The RT·NL sums (NT: padded with zeros to a power of two) by one reduce-scatter butterfly over the pieces of SUB lanes: at
-    // the level of offset o each lane keeps half of the totals it still holds, sends the
-    // other half to lane ^ o and adds what it gets back — for every total the additions of
-    // `team_sum`'s butterfly (its own value + the partner's, the same pairs in the same
-    // order), so each total is bitwise team_sum's, for ~NT shuffles in all instead of
-    // log2(SUB) per total (run 135: Codestral's 16-lane in_proj spent 7 % of its time in
-    // them). Piece lane s then holds totals (s / REP)·PER + k, k < PER.
+    // The RT·NL sums (NT: padded with zeros to a power of two) by one reduce-scatter
+    // butterfly over the pieces of SUB lanes: at the level of offset o each lane keeps half
+    // of the totals it still holds, sends the other half to lane ^ o and adds what it gets
+    // back — for every total the additions of `team_sum`'s butterfly (its own value + the
+    // partner's, the same pairs in the same order), so each total is bitwise team_sum's,
+    // for ~NT shuffles in all instead of log2(SUB) per total (run 135: Codestral's 16-lane
+    // in_proj spent 7 % of its time in them). Piece lane s then holds totals
+    // (s / REP)·PER + k, k < PER.
     var tot: array<f32, NT>;
 #for r RT
 #for j NL
@@ -330,17 +331,17 @@ fn main(
     let sl = lid % SUB;
 #for l 7
     {
-        // Offset O; HELD totals held before the level, H after it (SUB ≤ 128: 7 levels).
+        // Offset O; HELD totals held before the level, KEPT after it (SUB ≤ 128: 7 levels).
         const O = SUB >> ({l}u + 1u);
         const HELD = max(NT >> {l}u, 1u);
-        const H = max(NT >> ({l}u + 1u), 1u);
+        const KEPT = max(NT >> ({l}u + 1u), 1u);
         if (O >= 1u) {
             if (HELD >= 2u) {
                 let up = (sl & O) != 0u;
 #for k NTH
-                if ({k}u < H) {
+                if ({k}u < KEPT) {
                     let lo = tot[{k}u];
-                    let hi = tot[min({k}u + H, NT - 1u)];
+                    let hi = tot[min({k}u + KEPT, NT - 1u)];
                     tot[{k}u] = select(lo, hi, up) + subgroupShuffleXor(select(hi, lo, up), O);
                 }
 #endfor

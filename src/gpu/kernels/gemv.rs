@@ -126,6 +126,7 @@ pub const VERY_WIDE: usize = 16384;
 /// in_proj (4096) 1.83 → 1.64 and MLP down_proj (21504) 2.25 → 1.71, but mamba2-2.7b's
 /// in_proj (2560) 2.38 → 2.51.
 pub const SPREAD: usize = 4096;
+const _: () = assert!(VERY_WIDE >= SPREAD);
 
 /// What a batched GEMV's matrix is, for its tiles (`lane_tiling`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,9 +151,7 @@ impl BatchRole {
             (_, GemvOutput::Mixer(_)) => BatchRole::ActivationBound {
                 spread: cols >= SPREAD,
             },
-            _ if cols >= VERY_WIDE => BatchRole::ActivationBound {
-                spread: cols >= SPREAD,
-            },
+            _ if cols >= VERY_WIDE => BatchRole::ActivationBound { spread: true },
             _ => BatchRole::Other,
         }
     }
@@ -602,15 +601,19 @@ pub fn gemv(
         one_token_wg(k, kind)?.max(team).max((gsub * groups) as u32)
     };
     let rows_per_wg = wg / team;
-    let stage = if cap > 1 {
-        // Workgroup memory besides the rows: the team sums, the group norm's rstd and tree.
+    // A batch workgroup's memory besides its staged rows or gathered totals: the team sums,
+    // the group norm's rstd and tree.
+    let wg_budget = {
         let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
         let others = 4 * WG as usize
             + match input {
                 GemvInput::Group { groups, .. } => 4 * (groups * nl + WG as usize),
                 GemvInput::Plain | GemvInput::Norm { .. } => 0,
             };
-        let budget = limit.saturating_sub(others);
+        limit.saturating_sub(others)
+    };
+    let stage = if cap > 1 {
+        let budget = wg_budget;
         let grid = RegisterGrid {
             rows: m.div_ceil(rows_per_wg as usize * rt),
             lanes: n.div_ceil(nl),
@@ -785,12 +788,12 @@ pub fn gemv(
         // 30.69 (run 136). Its f16 batch lost (16 lanes 26.19 → 29.45, in_proj 13.36 →
         // 16.98: the f16 loop already holds more registers), so the other formats keep a
         // butterfly per total. Teams wider than a piece gather the pieces' totals in
-        // workgroup memory (≤ 16 KB).
+        // workgroup memory, within the device's limit.
         let scatter = stage.is_none()
             && w.format == WeightFormat::Q8_0
             && k.shuffles()
             && piece <= 128
-            && (team == piece || (WG / piece) * nt <= 4096);
+            && (team == piece || 4 * (WG / piece) as usize * nt as usize <= wg_budget);
         // (The preprocessor unrolls the `#for` blocks of every path, so all get the counts.)
         consts.extend([
             ("NT", Const::U32(nt)),
