@@ -404,6 +404,61 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
     }
 }
 
+/// The batched decode norm past 2¹⁶ values (20 lanes of 4096, spread over many workgroups
+/// per lane): every lane's output and q8 blocks equal the one-lane norm's, bit for bit.
+#[test]
+fn rmsnorm_lanes_equal_each_lane_alone() {
+    let Some(g) = Gpu::new() else { return };
+    let (d, n, w) = (4096, 20, 4096);
+    let x = rand(32, n * d, -3.0, 3.0);
+    let params = [vec![0.0; 7], rand(33, d, 0.5, 1.5)].concat();
+    let (src, pbuf) = (g.buf(&x), g.buf(&params));
+    let dst = g.buf(&vec![f32::NAN; n * w]);
+    let (xq, xd) = (g.zeros(n * w / 4), g.zeros(n * w / 32));
+    let b = NormBuffers {
+        src: &src,
+        params: &pbuf,
+        dst: &dst,
+        q8: Some((&xq, &xd)),
+    };
+    let lanes = Lanes { n, cap: n };
+    g.run(&rmsnorm::rmsnorm_lanes(&g.k, "t", d, 1e-5, 7, lanes, b).unwrap());
+    let got = g.read(&dst, n * w);
+    let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, (n * w) as u64).unwrap()).to_vec();
+    let s = g.read(&xd, n * w / 32);
+    for l in 0..n {
+        let one = g.buf(&x[l * d..(l + 1) * d]);
+        let (dst1, xq1, xd1) = (g.zeros(d), g.zeros(d / 4), g.zeros(d / 32));
+        let b1 = NormBuffers {
+            src: &one,
+            params: &pbuf,
+            dst: &dst1,
+            q8: Some((&xq1, &xd1)),
+        };
+        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, b1).unwrap());
+        let want = g.read(&dst1, d);
+        assert_nmse(
+            &format!("lane {l}"),
+            &want,
+            &ref_rmsnorm(&x[l * d..(l + 1) * d], &params[7..], 1e-5),
+            1e-7,
+        );
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got[l * w..l * w + d]), bits(&want), "lane {l}'s norm");
+        let q1: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq1, d as u64).unwrap()).to_vec();
+        assert_eq!(
+            &q[l * w / 4..l * w / 4 + d / 4],
+            &q1[..],
+            "lane {l}'s q8 values"
+        );
+        assert_eq!(
+            bits(&s[l * w / 32..l * w / 32 + d / 32]),
+            bits(&g.read(&xd1, d / 32)),
+            "lane {l}'s q8 scales"
+        );
+    }
+}
+
 /// The MoE router's GEMV with the block's pre-norm in its prologue: its rows equal the norm
 /// kernel followed by the plain GEMV bit for bit (the same sum order, the same team per
 /// row), its normed vector and q8 blocks equal the norm kernel's, and the rows match the

@@ -4,7 +4,7 @@
 //! past I), with `q8` also the q8 blocks `xq [T][KP/4]`, `xd [T][KP/32]` for a q8_0 down
 //! projection.
 
-use super::rmsnorm::{CHUNK, norm_dispatch_flags};
+use super::rmsnorm::{CHUNK, norm_dispatch_flags, spread};
 use super::{Dispatch, Section, check_len};
 use crate::config::MlpAct;
 use crate::error::{Error, Result};
@@ -124,15 +124,4 @@ pub fn mlp_act_rows(
     }
     d.section = Section::Mlp;
     Ok(d)
-}
-
-/// Workgroups per token of the activation where the norms' spread (`workgroups_per_token`)
-/// gives a token one, past 2¹⁶ values: about 1024 in all (its values are independent, so
-/// any split gives the same bits). One per token left Nemotron-H 8B's batched activation
-/// (16 lanes × 21504 values) on 16 workgroups: 1.32 GPU ms per step (run 128).
-fn spread(width: usize, tokens: usize) -> usize {
-    width
-        .div_ceil(CHUNK)
-        .min((1024 / tokens.max(1)).max(1))
-        .max(1)
 }
