@@ -385,23 +385,27 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
     for d in [300, 48, 4096] {
         let x = rand(30, d, -3.0, 3.0);
         let params = [vec![0.0; 7], rand(31, d, 0.5, 1.5)].concat();
-        let (src, pbuf, dst) = (g.buf(&x), g.buf(&params), g.zeros(d.next_multiple_of(32)));
-        let (xq, xd) = (g.zeros(d.div_ceil(32) * 8), g.zeros(d.div_ceil(32)));
-        let b = NormBuffers {
-            src: &src,
-            params: &pbuf,
-            dst: &dst,
-            q8: Some((&xq, &xd)),
-        };
-        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, b).unwrap());
-        let got = g.read(&dst, d);
+        let (got, q, s) = one_lane_norm(&g, &x, &g.buf(&params));
         assert_nmse("rmsnorm", &got, &ref_rmsnorm(&x, &params[7..], 1e-5), 1e-7);
-        let q: Vec<u32> =
-            bytemuck::cast_slice(&g.ctx().read(&xq, 4 * (d.div_ceil(32) * 8) as u64).unwrap())
-                .to_vec();
-        let s = g.read(&xd, d.div_ceil(32));
         assert_q8_of(&format!("rmsnorm d = {d}"), &q, &s, &got);
     }
+}
+
+/// The one-lane norm of `x` (weights at 7 in `params`, eps 1e-5): its output, q8 values and
+/// q8 scales (padded to whole blocks).
+fn one_lane_norm(g: &Gpu, x: &[f32], params: &wgpu::Buffer) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+    let (d, kp) = (x.len(), x.len().next_multiple_of(32));
+    let (src, dst) = (g.buf(x), g.zeros(kp));
+    let (xq, xd) = (g.zeros(kp / 4), g.zeros(kp / 32));
+    let b = NormBuffers {
+        src: &src,
+        params,
+        dst: &dst,
+        q8: Some((&xq, &xd)),
+    };
+    g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, b).unwrap());
+    let q = bytemuck::cast_slice(&g.ctx().read(&xq, kp as u64).unwrap()).to_vec();
+    (g.read(&dst, d), q, g.read(&xd, kp / 32))
 }
 
 /// The batched decode norm past 2¹⁶ values (20 lanes of 4096, spread over many workgroups
@@ -426,26 +430,17 @@ fn rmsnorm_lanes_equal_each_lane_alone() {
     let got = g.read(&dst, n * w);
     let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, (n * w) as u64).unwrap()).to_vec();
     let s = g.read(&xd, n * w / 32);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for l in 0..n {
-        let one = g.buf(&x[l * d..(l + 1) * d]);
-        let (dst1, xq1, xd1) = (g.zeros(d), g.zeros(d / 4), g.zeros(d / 32));
-        let b1 = NormBuffers {
-            src: &one,
-            params: &pbuf,
-            dst: &dst1,
-            q8: Some((&xq1, &xd1)),
-        };
-        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, b1).unwrap());
-        let want = g.read(&dst1, d);
+        let lane = &x[l * d..(l + 1) * d];
+        let (want, q1, s1) = one_lane_norm(&g, lane, &pbuf);
         assert_nmse(
             &format!("lane {l}"),
             &want,
-            &ref_rmsnorm(&x[l * d..(l + 1) * d], &params[7..], 1e-5),
+            &ref_rmsnorm(lane, &params[7..], 1e-5),
             1e-7,
         );
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got[l * w..l * w + d]), bits(&want), "lane {l}'s norm");
-        let q1: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq1, d as u64).unwrap()).to_vec();
         assert_eq!(
             &q[l * w / 4..l * w / 4 + d / 4],
             &q1[..],
@@ -453,7 +448,7 @@ fn rmsnorm_lanes_equal_each_lane_alone() {
         );
         assert_eq!(
             bits(&s[l * w / 32..l * w / 32 + d / 32]),
-            bits(&g.read(&xd1, d / 32)),
+            bits(&s1),
             "lane {l}'s q8 scales"
         );
     }
