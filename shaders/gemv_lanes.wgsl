@@ -38,6 +38,15 @@ fn lane_of(z: u32, j: u32) -> u32 {
     return min(z * NL + j, LANES - 1u);
 }
 
+// Total o of the register kernel's team whose rows start at `first` in lane group z (row
+// first + o / NL, lane slot o % NL) to its output, unless it is padding or past M or LANES.
+fn emit_total(z: u32, first: u32, o: u32, total: f32) {
+    let j = o % NL;
+    if (o < RT * NL && first + o / NL < M && z * NL + j < LANES) {
+        emit(lane_of(z, j), first + o / NL, total);
+    }
+}
+
 // A lane's first q8 input word and block scale, and its first f32 input vector.
 fn xq_at(l: u32) -> u32 {
     return l * (X_LS / 16u);
@@ -376,13 +385,7 @@ fn main(
     // Teams of one piece: each total goes out from the lane holding it.
     if (sl % REP == 0u) {
 #for k PER
-        {
-            let o = (sl / REP) * PER + {k}u;
-            let j = o % NL;
-            if (o < RT * NL && first + o / NL < M && zg * NL + j < LANES) {
-                emit(lane_of(zg, j), first + o / NL, tot[{k}u]);
-            }
-        }
+        emit_total(zg, first, (sl / REP) * PER + {k}u, tot[{k}u]);
 #endfor
     }
 #endif
@@ -404,13 +407,7 @@ fn main(
 #endif
 #if EMIT_ROUNDS
 #for q ER
-    {
-        let o = {q}u * TEAM + lane;
-        let j = o % NL;
-        if (o < RT * NL && first + o / NL < M && zg * NL + j < LANES) {
-            emit(lane_of(zg, j), first + o / NL, out_{q});
-        }
-    }
+    emit_total(zg, first, {q}u * TEAM + lane, out_{q});
 #endfor
 #endif
 #endif

@@ -613,13 +613,12 @@ pub fn gemv(
         limit.saturating_sub(others)
     };
     let stage = if cap > 1 {
-        let budget = wg_budget;
         let grid = RegisterGrid {
             rows: m.div_ceil(rows_per_wg as usize * rt),
             lanes: n.div_ceil(nl),
             grouped: matches!(input, GemvInput::Group { .. }),
         };
-        staging(w.format, team, nl, w.kp, grid, budget)?
+        staging(w.format, team, nl, w.kp, grid, wg_budget)?
     } else {
         None
     };

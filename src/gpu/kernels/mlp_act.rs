@@ -119,9 +119,7 @@ pub fn mlp_act_rows(
     let mut d = norm_dispatch_flags(
         k, name, shader, &consts, entries, b.q8, kp, tokens, flags, &tail,
     )?;
-    if d.workgroups.0 == 1 {
-        d.workgroups.0 = spread(kp, tokens) as u32;
-    }
+    spread(&mut d, kp, tokens);
     d.section = Section::Mlp;
     Ok(d)
 }

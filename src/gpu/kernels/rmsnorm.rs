@@ -98,9 +98,7 @@ pub fn rmsnorm_lanes(
     // Past 2¹⁶ values one workgroup per lane normalized a whole lane: Codestral's 64 lanes
     // took 18 µs per norm on 64 workgroups (run 142). Every workgroup of a lane sums the
     // whole lane and writes its own chunks, so any grid gives the same bits.
-    if dispatch.workgroups.0 == 1 {
-        dispatch.workgroups.0 = spread(d, lanes.n) as u32;
-    }
+    spread(&mut dispatch, d, lanes.n);
     Ok(dispatch)
 }
 
@@ -158,16 +156,18 @@ pub(super) fn workgroups_per_token(width: usize, tokens: usize) -> usize {
     }
 }
 
-/// Workgroups per token where `workgroups_per_token` gives a token one (past 2¹⁶ values):
-/// about 1024 in all, for the batched decode norms and MLP activations whose work is split
-/// in chunks of CHUNK by a grid-stride loop (any split gives the same bits). One per token
-/// left Nemotron-H 8B's batched activation (16 lanes × 21504 values) on 16 workgroups: 1.32
-/// GPU ms per step (run 128).
-pub(super) fn spread(width: usize, tokens: usize) -> usize {
-    width
-        .div_ceil(CHUNK)
-        .min((1024 / tokens.max(1)).max(1))
-        .max(1)
+/// Widens a grid where `workgroups_per_token` gives each token one (past 2¹⁶ values) to
+/// about 1024 workgroups in all, for the batched decode norms and MLP activations, whose
+/// work is split in chunks of CHUNK by a grid-stride loop (any split gives the same bits).
+/// One per token left Nemotron-H 8B's batched activation (16 lanes × 21504 values) on 16
+/// workgroups: 1.32 GPU ms per step (run 128).
+pub(super) fn spread(d: &mut Dispatch, width: usize, tokens: usize) {
+    if d.workgroups.0 == 1 {
+        d.workgroups.0 = width
+            .div_ceil(CHUNK)
+            .min((1024 / tokens.max(1)).max(1))
+            .max(1) as u32;
+    }
 }
 
 /// What every norm shares after its own checks: the optional q8 output (bound right after
