@@ -146,6 +146,20 @@ fn team_sum(v: f32, lid: u32) -> f32 {
 // (model::quant mirrors it). Every invocation calls it with its own element's value (0
 // past the end); blocks from NB on (in the row) are not written, nor (Q8_ROWS, the expert
 // up projection's folded activation) elements from R on: the next workgroup's rows.
+// Word i of the q8 values and scale b of the blocks: to the output buffers, or (X_LOCAL,
+// the pre-norm folded into a GEMV) to the workgroup's own vec4 words.
+fn q8_put(i: u32, word: u32) {
+#if X_LOCAL
+    xq[i / 4u][i % 4u] = word;
+#else
+    xq[i] = word;
+#endif
+}
+
+fn q8_put_d(b: u32, d: f32) {
+    xd[b] = d;
+}
+
 fn q8_live(lid: u32) -> bool {
 #if Q8_ROWS
     return lid < R;
@@ -189,10 +203,10 @@ fn q8_chunk(v: f32, lid: u32, first: u32, base: u32) {
     let q3 = subgroupShuffleXor(q, 3u);
     if ((first + lid) / 32u < NB && q8_live(lid)) {
         if (lid % 32u == 0u) {
-            xd[(base + first + lid) / 32u] = d;
+            q8_put_d((base + first + lid) / 32u, d);
         }
         if (lid % 4u == 0u) {
-            xq[(base + first + lid) / 4u] = pack4xI8(vec4<i32>(q, q1, q2, q3));
+            q8_put((base + first + lid) / 4u, pack4xI8(vec4<i32>(q, q1, q2, q3)));
         }
     }
 }
@@ -216,13 +230,13 @@ fn q8_chunk(v: f32, lid: u32, first: u32, base: u32) {
         }
         q8_inv[lid] = inv;
         if (blk < NB && q8_live(32u * lid)) {
-            xd[base / 32u + blk] = d;
+            q8_put_d(base / 32u + blk, d);
         }
     }
     workgroupBarrier();
     if (lid % 4u == 0u && (first + lid) / 32u < NB && q8_live(lid)) {
         let f = vec4<f32>(q8_vals[lid], q8_vals[lid + 1u], q8_vals[lid + 2u], q8_vals[lid + 3u]) * q8_inv[lid / 32u];
-        xq[(base + first + lid) / 4u] = pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127)));
+        q8_put((base + first + lid) / 4u, pack4xI8(clamp(vec4<i32>(round(f)), vec4<i32>(-127), vec4<i32>(127))));
     }
 }
 #endif

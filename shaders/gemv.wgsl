@@ -177,7 +177,7 @@ fn x_vec4(v: u32) -> vec4<f32> {
     for (var c = 0u; c < 4u; c++) {
         let k = 4u * v + c;
         if (k < D) {
-            r[c] = x[c] * nrm_rstd * nparams[NW_OFF + k];
+            r[c] = x[c] * nrm_rstd * norm_w(k);
         }
     }
     return r;
@@ -197,26 +197,54 @@ fn main(
     @builtin(subgroup_size) sg_size: u32,
 #endif
 ) {
+    let lane = lid % TEAM;
+    let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
+    let row = min(row_raw, M - 1u);
+    let base = row * NV;
+#if X_LOCAL
+#if W_Q8
+    // The first round's weights and scales go out before the prologue, which they do not
+    // depend on: its latency hides behind theirs (on a narrow model, most of the row).
+#for u UNROLL
+    let pw{u} = w[base + min(lane + {u}u * TEAM, NV - 1u)];
+    let pd{u} = ws[(row * (KP / 32u) + min(lane + {u}u * TEAM, NV - 1u) / 2u) / 2u];
+#endfor
+#endif
+#endif
 #if X_NORM
 #if !SUBGROUP
     let sg_lane = 0u;
     let sg_size = 1u;
 #endif
     // Every workgroup sums the whole residual (a few KB from cache), the pre-norm kernel's
-    // way; the first ones write its output chunks (WG values each) and their q8 blocks.
+    // way.
     nrm_rstd = norm_rstd(0u, lid, sg_lane, sg_size);
+#if X_LOCAL
+    // All of the normed vector's q8 blocks, in this workgroup's memory (zero past D).
+    for (var first = 0u; first < KP; first += WG) {
+        let k = first + lid;
+        var v = 0.0;
+        if (k < D) {
+            v = norm_x(k) * nrm_rstd * norm_w(k);
+        }
+        q8_chunk(v, lid, first, 0u);
+    }
+    workgroupBarrier();
+#else
+    // The first workgroups write its output chunks (WG values each) and their q8 blocks.
     let wlin = wid.x + wid.y * nwg.x;
     for (var first = wlin * WG; first < D; first += WG * nwg.x * nwg.y) {
         let k = first + lid;
         var v = 0.0;
         if (k < D) {
-            v = norm_x(k) * nrm_rstd * nparams[NW_OFF + k];
+            v = norm_x(k) * nrm_rstd * norm_w(k);
             h_out[k] = v;
         }
 #if Q8_OUT
         q8_chunk(v, lid, first, 0u);
 #endif
     }
+#endif
 #endif
 #if X_GROUP
     // rstd per group from the per-block sums of squares of v (BPG blocks per group): GSUB
@@ -237,10 +265,6 @@ fn main(
         workgroupBarrier();
     }
 #endif
-    let lane = lid % TEAM;
-    let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
-    let row = min(row_raw, M - 1u);
-    let base = row * NV;
     var acc = 0.0;
 #if W_Q8
     // UNROLL vectors per lane and round, every load issued before the first product; the
@@ -248,10 +272,19 @@ fn main(
     for (var v0 = lane; v0 < NV; v0 += UNROLL * TEAM) {
 #for u UNROLL
         let v{u} = min(v0 + {u}u * TEAM, NV - 1u);
-        let wv{u} = w[base + v{u}];
-        let a{u} = xq[v{u}];
         let si{u} = row * (KP / 32u) + v{u} / 2u;
+#if X_LOCAL
+        var wv{u} = pw{u};
+        var dw{u} = pd{u};
+        if (v0 != lane) {
+            wv{u} = w[base + v{u}];
+            dw{u} = ws[si{u} / 2u];
+        }
+#else
+        let wv{u} = w[base + v{u}];
         let dw{u} = ws[si{u} / 2u];
+#endif
+        let a{u} = xq[v{u}];
         let dx{u} = xd[v{u} / 2u];
 #endfor
 #for u UNROLL

@@ -24,8 +24,17 @@ const VW: u32 = 32u;
 const VW: u32 = 64u;
 #endif
 #if X_Q8
+#if X_LOCAL
+// The block's pre-norm folded into a one-token GEMV of quantized weights: `src` is the
+// residual, and every workgroup makes the q8 blocks of the normed vector in its own
+// memory (the norm kernel's values, bit for bit), where the products read them.
+@group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
+var<workgroup> xq: array<vec4<u32>, KP / 16u>;
+var<workgroup> xd: array<f32, KP / 32u>;
+#else
 @group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> xd: array<f32>;
+#endif
 #else
 @group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
 #endif
@@ -36,14 +45,26 @@ const VW: u32 = 64u;
 @group(0) @binding(8) var<storage, read> params: array<f32>;
 #endif
 #if X_NORM
-// The block's pre-norm folded in (f32 weights, one token): `src` is the residual, the norm
-// weights sit at NW_OFF of `nparams`; the first workgroups write the normed vector and its
-// q8 blocks for the GEMVs after this one.
+// The block's pre-norm folded in (one token): `src` is the residual, the norm weights sit
+// at NW_OFF of the parameters (the mixer epilogue's, where there is one). f32 weights:
+// the first workgroups write the normed vector and its q8 blocks for the GEMVs after this
+// one; quantized ones (X_LOCAL): the q8 blocks go to workgroup memory only.
+#if O_MIXER
+fn norm_w(k: u32) -> f32 {
+    return params[NW_OFF + k];
+}
+#else
 @group(0) @binding(8) var<storage, read> nparams: array<f32>;
+fn norm_w(k: u32) -> f32 {
+    return nparams[NW_OFF + k];
+}
+#endif
+#if !X_LOCAL
 @group(0) @binding(10) var<storage, read_write> h_out: array<f32>;
 #if Q8_OUT
 @group(0) @binding(11) var<storage, read_write> xq: array<u32>;
 @group(0) @binding(12) var<storage, read_write> xd: array<f32>;
+#endif
 #endif
 var<private> nrm_rstd: f32;
 

@@ -519,6 +519,76 @@ fn gemv_with_the_pre_norm_folded_in() {
     }
 }
 
+/// A quantized GEMV (Mamba2's one-token in_proj) with the block's pre-norm in its
+/// prologue, its q8 blocks made in each workgroup's memory: rows bit for bit those of the
+/// norm kernel followed by the plain GEMV, in every format that reads q8 blocks; widths
+/// that are not multiples of 32 (the padding past d is zero) or of a k-quant's 256, and a
+/// 130m-wide row over many workgroups.
+#[test]
+fn quantized_gemv_with_the_pre_norm_folded_in() {
+    let Some(g) = Gpu::new() else { return };
+    for (d, rows) in [(768usize, 200usize), (300, 37), (2688, 21)] {
+        let x = rand(60, d, -3.0, 3.0);
+        let params = [vec![0.0; 5], rand(61, d, 0.5, 1.5)].concat();
+        let w = rand(62, rows * d, -0.5, 0.5);
+        let (src, pbuf) = (g.buf(&x), g.buf(&params));
+        for format in [
+            WeightFormat::Q8_0,
+            WeightFormat::Q4_0,
+            WeightFormat::Q4_K,
+            WeightFormat::Q6_K,
+        ] {
+            let (m, _) = matrix(&g, format, &w, rows, d);
+            let nb = m.kp / 32;
+            // The norm kernel (its q8 blocks zero past d, as the scratch buffers are), then
+            // the plain GEMV.
+            let (h0, q0, d0, y0) = (g.zeros(m.kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(rows));
+            let nb_ = NormBuffers {
+                src: &src,
+                params: &pbuf,
+                dst: &h0,
+                q8: Some((&q0, &d0)),
+            };
+            g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 5, 1, nb_).unwrap());
+            let plain = gemv(
+                &g.k,
+                "t",
+                &m,
+                GemvInput::Plain,
+                GemvOutput::Store,
+                gemv_buffers(&h0, Some((&q0, &d0)), &y0),
+            );
+            g.run(&plain.unwrap());
+            // The folded GEMV reads the residual itself.
+            let y1 = g.zeros(rows);
+            let b = GemvBuffers {
+                params: Some(&pbuf),
+                ..gemv_buffers(&src, None, &y1)
+            };
+            let input = GemvInput::Norm {
+                d,
+                eps: 1e-5,
+                nw_off: 5,
+            };
+            g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
+            let bits = |b: &wgpu::Buffer| -> Vec<u32> {
+                bytemuck::cast_slice(&g.ctx().read(b, 4 * rows as u64).unwrap()).to_vec()
+            };
+            assert_eq!(
+                bits(&y1),
+                bits(&y0),
+                "{} pre-norm gemv d {d}, {rows} rows",
+                format.name()
+            );
+            assert!(
+                g.read(&y0, rows).iter().any(|v| *v != 0.0),
+                "{}: the rows are not all zero",
+                format.name()
+            );
+        }
+    }
+}
+
 /// The prefill block's norm (four values per load where D is a multiple of 4, scalar
 /// otherwise): every token's row, written at its KP stride.
 #[test]

@@ -1,4 +1,5 @@
-//! The Mamba2 block's dispatches. Decode, fused (4): the pre-norm (+ q8 of its output),
+//! The Mamba2 block's dispatches. Decode, fused (4): the pre-norm (+ q8 of its output;
+//! for narrow quantized in_proj matrices folded into in_proj's prologue, `gemv::folds_norm`),
 //! in_proj with the conv step and dt softplus in its epilogue, the SSD step with the gate
 //! and the per-block Σv², out_proj with the group norm in its prologue and the residual
 //! add in its epilogue. Unfused (7, the parity baseline): rmsnorm, gemv, conv_step,
@@ -87,8 +88,15 @@ pub fn fusable(c: &ModelConfig, format: crate::model::quant::WeightFormat) -> bo
         .is_multiple_of(crate::gpu::kernels::gemv::group_unit(format))
 }
 
-/// One decode token through the layer (after the pre-norm).
-pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>> {
+/// One decode token through the layer, after the pre-norm, or (fused, `pre_norm`: the
+/// norm weights' offset in the layer's parameters) with the pre-norm folded into in_proj's
+/// prologue, which reads the residual (`gemv::folds_norm` says where it can).
+pub fn decode(
+    b: &BlockCtx,
+    l: &MambaLayer,
+    fused: bool,
+    pre_norm: Option<usize>,
+) -> Result<Vec<Dispatch>> {
     let (k, c, s) = (b.k, b.c, b.s);
     let eps = c.norm_eps;
     let ssd = ssd_consts(c, b.layout);
@@ -96,17 +104,29 @@ pub fn decode(b: &BlockCtx, l: &MambaLayer, fused: bool) -> Result<Vec<Dispatch>
     let gemv_in = |src| b.gemv_in(src, &s.mix);
     let mut d = Vec::new();
     if fused {
+        let (name, input, src) = match pre_norm {
+            None => ("in_proj+conv", GemvInput::Plain, &s.h),
+            Some(nw_off) => (
+                "norm+in_proj+conv",
+                GemvInput::Norm {
+                    d: c.d_model,
+                    eps,
+                    nw_off,
+                },
+                &s.resid,
+            ),
+        };
         d.push(gemv::gemv(
             k,
-            "in_proj+conv",
+            name,
             l.in_proj,
-            GemvInput::Plain,
+            input,
             GemvOutput::Mixer(mixer_consts(c, b.layout)),
             GemvBuffers {
                 params: Some(l.params),
                 conv_state: Some(l.conv_state),
                 ctrl: Some(&s.ctrl),
-                ..gemv_in(&s.h)
+                ..gemv_in(src)
             },
         )?);
         d.push(ssd_step::ssd_step(

@@ -74,9 +74,18 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
     )?];
     let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
-        // Fused, an MoE block's router takes its pre-norm in its prologue.
+        // Fused, an MoE block's router takes its pre-norm in its prologue, and so does a
+        // Mamba2 block's quantized in_proj where `gemv::folds_norm` allows.
         let norm_off = layer.norm_offset(b.layout);
-        let fold_norm = fused && !batch && matches!(layer.mixer, DeviceMixer::Moe(_));
+        let fold_norm = fused
+            && !batch
+            && match &layer.mixer {
+                DeviceMixer::Moe(_) => true,
+                DeviceMixer::Mamba2 { in_proj, .. } => {
+                    mamba2::fusable(c, b.format) && gemv::folds_norm(k, in_proj)?
+                }
+                _ => false,
+            };
         let mut ds = if fold_norm {
             Vec::new()
         } else {
@@ -95,7 +104,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                         b.format.name()
                     )));
                 }
-                mamba2::decode(b, &l, fuse)?
+                mamba2::decode(b, &l, fuse, fold_norm.then_some(norm_off))?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
                 attention::decode(b, qkv, o, kc, vc)?

@@ -513,10 +513,61 @@ pub fn team_override() -> Result<Option<u32>> {
     }
 }
 
+/// MAMBA2_NORM_FOLD=0|1 (for measuring): whether a Mamba2 block's one-token in_proj takes
+/// the pre-norm in its prologue (`folds_norm`), against the default.
+fn norm_fold_override() -> Result<Option<bool>> {
+    match std::env::var("MAMBA2_NORM_FOLD") {
+        Err(_) => Ok(None),
+        Ok(s) => match s.trim() {
+            "0" => Ok(Some(false)),
+            "1" => Ok(Some(true)),
+            _ => Err(Error::InvalidInput(format!(
+                "MAMBA2_NORM_FOLD={s}: want 0 (the pre-norm as its own dispatch) or 1 (folded \
+                 into in_proj where it can be)"
+            ))),
+        },
+    }
+}
+
+/// The most bytes of residual and norm weights a folded pre-norm's workgroups may read
+/// between them (`folds_norm`). Each of them reads all of both (8 bytes a column) from
+/// cache, and on the H200 those reads cost about what the matrix's own bytes would (run
+/// 144, Mamba2 in_proj, q8_0 ms/token without → with the fold): mamba2-130m, 210
+/// workgroups × 6 KB, 0.427 → 0.392 (in_proj 1.1 µs slower, the norm's dispatch gone);
+/// mamba2-2.7b, 1322 × 20 KB, 1.911 → 2.354 (10.4 µs slower); Codestral, 2320 × 32 KB,
+/// 3.321 → 4.488 (q4_k 2.632 → 4.124); Nemotron 3 Nano, 1320 × 21 KB, 1.904 → 2.085.
+/// About 0.6 µs + 0.36 µs per MB against the 2.4 µs a 130m norm dispatch cost (run 115):
+/// even at ~5 MB.
+pub const FOLD_READS: usize = 4 << 20;
+
+/// Whether the block's pre-norm folds into this one-token GEMV (`GemvInput::Norm`) of a
+/// quantized matrix: every workgroup then makes the q8 blocks of the whole normed input in
+/// its own memory (KP bytes and KP/32 scales, which must fit the device's workgroup
+/// memory beside the q8 kernel's maxima) and the norm's own dispatch goes. Only for
+/// narrow matrices, whose workgroups' reads of the input stay under `FOLD_READS`, unless
+/// MAMBA2_NORM_FOLD says otherwise.
+pub fn folds_norm(k: &Kernels, w: &DeviceMatrix) -> Result<bool> {
+    let fits = w.format.reads_q8() && {
+        let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
+        w.kp + w.kp / 8 + 4 * super::rmsnorm::CHUNK <= limit
+    };
+    let narrow = || {
+        let team = team_override()
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| team_size(w.rows, w.kp / vector_width(w.format)))
+            as usize;
+        let rows_per_wg = (super::rmsnorm::CHUNK / team).max(1);
+        w.rows.div_ceil(rows_per_wg) * 8 * w.kp <= FOLD_READS
+    };
+    Ok(fits && norm_fold_override()?.unwrap_or_else(narrow))
+}
+
 /// The GEMVs' tuning overrides (MAMBA2_GEMV_UNROLL, MAMBA2_GEMV_WG, MAMBA2_GEMV_TEAM,
-/// MAMBA2_BATCH_STAGE), checked before a device is made.
+/// MAMBA2_BATCH_STAGE, MAMBA2_NORM_FOLD), checked before a device is made.
 pub fn check_overrides() -> Result<()> {
     team_override()?;
+    norm_fold_override()?;
     stage_override()?;
     if let Ok(s) = std::env::var("MAMBA2_GEMV_UNROLL") {
         parse_unroll(&s)?;
@@ -582,9 +633,12 @@ pub fn gemv(
         GemvInput::Plain | GemvInput::Norm { .. } => 0,
     };
     let norm = matches!(input, GemvInput::Norm { .. });
-    if norm && (cap > 1 || w.format != WeightFormat::F32) {
+    // Quantized weights take the folded pre-norm's q8 blocks from workgroup memory.
+    let local = norm && w.format.reads_q8();
+    if norm && (cap > 1 || !(local || w.format == WeightFormat::F32)) {
         return Err(Error::Gpu(format!(
-            "{name}: the pre-norm folds into one-token f32 GEMVs only, not {} over {cap} lanes",
+            "{name}: the pre-norm folds into one-token f32 and quantized GEMVs only, not {} \
+             over {cap} lanes",
             w.format.name()
         )));
     }
@@ -650,7 +704,9 @@ pub fn gemv(
         flags.push("STAGE");
     }
     let mut entries = w.bindings();
-    if w.format.reads_q8() {
+    if local {
+        flags.extend(["X_Q8", "X_LOCAL"]);
+    } else if w.format.reads_q8() {
         let (q, d) = b.q8.ok_or_else(|| missing("q8 activation"))?;
         check_len(
             &format!("{name}: xq"),
@@ -671,6 +727,13 @@ pub fn gemv(
             _ => (cap - 1) * x_ls as usize + w.kp,
         };
         check_len(&format!("{name}: src"), b.src, need)?;
+        entries.push((2, b.src));
+    }
+    if local {
+        let GemvInput::Norm { d, .. } = input else {
+            unreachable!("only a pre-norm input is local")
+        };
+        check_len(&format!("{name}: src"), b.src, d)?;
         entries.push((2, b.src));
     }
     if let GemvInput::Group {
@@ -705,16 +768,17 @@ pub fn gemv(
         entries.push((9, part));
     }
     if let GemvInput::Norm { d, eps, nw_off } = input {
-        let out = b.norm_out.ok_or_else(|| missing("pre-norm output"))?;
         let params = b.params.ok_or_else(|| missing("params"))?;
-        if d > w.kp || matches!(output, GemvOutput::Mixer(_)) {
+        let mixer = matches!(output, GemvOutput::Mixer(_));
+        if d > w.kp || (mixer && !local) {
             return Err(Error::Gpu(format!(
-                "{name}: a pre-norm of {d} values before {} columns, or with the mixer epilogue",
-                w.kp
+                "{name}: a pre-norm of {d} values before {} columns, or with the mixer epilogue \
+                 on {} weights",
+                w.kp,
+                w.format.name()
             )));
         }
         check_len(&format!("{name}: params"), params, nw_off + d)?;
-        check_len(&format!("{name}: h"), out.h, d)?;
         flags.extend(["X_NORM", "NORM_SUM", "REDUCE"]);
         consts.extend([
             ("D", u(d)),
@@ -722,9 +786,33 @@ pub fn gemv(
             ("RV", u(1)),
             ("NW_OFF", u(nw_off)),
             ("EPS", Const::F32(eps as f32)),
-            ("NB", u(d.div_ceil(32))),
         ]);
-        entries.extend([(8, params), (10, out.h)]);
+        // (The mixer epilogue binds the same parameters.)
+        if !mixer {
+            entries.push((8, params));
+        }
+        if local {
+            if b.norm_out.is_some() {
+                return Err(Error::Gpu(format!(
+                    "{name}: a {} GEMV keeps its folded pre-norm in workgroup memory and \
+                     writes no normed vector",
+                    w.format.name()
+                )));
+            }
+            // Every block of the KP columns, zeros past d.
+            consts.push(("NB", u(w.kp / 32)));
+            flags.push("Q8_OUT");
+            if let Some(piece) = k.q8_shuffle() {
+                flags.push("Q8_SHUFFLE");
+                consts.push(piece);
+            }
+        }
+    }
+    if let (GemvInput::Norm { d, .. }, false) = (input, local) {
+        let out = b.norm_out.ok_or_else(|| missing("pre-norm output"))?;
+        check_len(&format!("{name}: h"), out.h, d)?;
+        consts.push(("NB", u(d.div_ceil(32))));
+        entries.push((10, out.h));
         if let Some((q, s)) = out.q8 {
             check_len(&format!("{name}: xq"), q, d.next_multiple_of(32) / 4)?;
             check_len(&format!("{name}: xd"), s, d.div_ceil(32))?;
