@@ -11,8 +11,9 @@
 // 6-bit ones as 4·(q−32).
 // Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in) | X_NORM (f32 weights: x is the
-// residual through the block's RMS pre-norm, made in the prologue);  O_STORE | O_ADD |
-// O_MIXER.
+// residual through the block's RMS pre-norm, made in the prologue; X_LOCAL, quantized
+// weights: its q8 blocks in workgroup memory) | EARLY (q8_0 with the folded pre-norm:
+// the first weights loaded before it);  O_STORE | O_ADD | O_MIXER.
 
 // The group-norm factor of input column k (1 without X_GROUP).
 fn col_scale(k: u32) -> f32 {
@@ -201,15 +202,14 @@ fn main(
     let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
     let row = min(row_raw, M - 1u);
     let base = row * NV;
-#if X_LOCAL
-#if W_Q8
-    // The first round's weights and scales go out before the prologue, which they do not
-    // depend on: its latency hides behind theirs (on a narrow model, most of the row).
+#if EARLY
+    // (q8_0 with the folded pre-norm.) The first round's weights
+    // and scales go out before the prologue, which they do not depend on: its latency
+    // hides behind theirs (on a narrow model, most of the row).
 #for u UNROLL
     let pw{u} = w[base + min(lane + {u}u * TEAM, NV - 1u)];
     let pd{u} = ws[(row * (KP / 32u) + min(lane + {u}u * TEAM, NV - 1u) / 2u) / 2u];
 #endfor
-#endif
 #endif
 #if X_NORM
 #if !SUBGROUP
@@ -273,7 +273,7 @@ fn main(
 #for u UNROLL
         let v{u} = min(v0 + {u}u * TEAM, NV - 1u);
         let si{u} = row * (KP / 32u) + v{u} / 2u;
-#if X_LOCAL
+#if EARLY
         var wv{u} = pw{u};
         var dw{u} = pd{u};
         if (v0 != lane) {

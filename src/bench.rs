@@ -245,6 +245,7 @@ mod tests {
             sections_ms: Vec::new(),
             kernels_ms: Vec::new(),
             gpu_ms: 0.0,
+            host_ms: (0.0, 0.0),
             host_encode_ms: 0.0,
             host_submit_ms: 0.0,
             anchors: Vec::new(),
@@ -483,6 +484,9 @@ pub struct DecodeReport {
     /// Median GPU time per kernel kind (name without the layer prefix), summed over layers.
     pub kernels_ms: Vec<(String, f64)>,
     pub gpu_ms: f64,
+    /// Median host time per timed token recording and submitting its dispatches (no
+    /// timestamps): the token rate's bound where the GPU is faster.
+    pub host_ms: (f64, f64),
     pub host_encode_ms: f64,
     pub host_submit_ms: f64,
     pub anchors: Vec<(Anchor, f64)>,
@@ -523,10 +527,19 @@ pub fn decode(
     let greedy = Sampling::greedy();
     let first = backend.prefill_sample(&[1], &greedy, 1)?;
     let mut arrivals: Vec<Instant> = Vec::with_capacity(warmup + tokens);
-    backend.decode(first, 2, warmup + tokens + 1, &greedy, &[], &mut |_| {
+    backend.host_times = Some(Vec::with_capacity(warmup + tokens + 1));
+    let run = backend.decode(first, 2, warmup + tokens + 1, &greedy, &[], &mut |_| {
         arrivals.push(Instant::now());
         true
-    })?;
+    });
+    let host = backend.host_times.take().unwrap_or_default();
+    run?;
+    let skip = warmup.min(host.len());
+    let host_ms = |f: fn(&(f64, f64)) -> f64| {
+        let mut v: Vec<f64> = host[skip..].iter().map(f).collect();
+        median(&mut v) / 1e6
+    };
+    let host_ms = (host_ms(|h| h.0), host_ms(|h| h.1));
     let mut gaps = gaps_ms(&arrivals, warmup);
     let (p10, p90) = (quantile(&mut gaps, 0.1), quantile(&mut gaps, 0.9));
     let med = median(&mut gaps);
@@ -596,6 +609,7 @@ pub fn decode(
         dispatches_per_token: engine.graph(crate::gpu::graph::Tail::Greedy).len(),
         sections_ms,
         kernels_ms,
+        host_ms,
         gpu_ms: if profiles.is_empty() {
             f64::NAN
         } else {
@@ -919,6 +933,10 @@ impl DecodeReport {
             self.bytes_per_token as f64 / 1e6,
             self.gb_per_s,
             self.dispatches_per_token,
+        );
+        s += &format!(
+            "  host per token: {:.3} ms recording the dispatches, {:.3} ms submitting them\n",
+            self.host_ms.0, self.host_ms.1
         );
         if !self.sections_ms.is_empty() {
             s += &format!(

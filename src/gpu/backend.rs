@@ -38,6 +38,9 @@ pub struct GpuBackend {
     pub profiles: Vec<TokenProfile>,
     /// The batched-decode store, when sequences decode together (`enable_batch`).
     pub batch: Option<crate::gpu::batch::Batch>,
+    /// When set, each unprofiled decode token's host times (recording its dispatches,
+    /// submitting them; ns) are appended: what bounds the token rate where the GPU is faster.
+    pub host_times: Option<Vec<(f64, f64)>>,
 }
 
 impl GpuBackend {
@@ -59,6 +62,7 @@ impl GpuBackend {
             profiler: None,
             profiles: Vec::new(),
             batch: None,
+            host_times: None,
         })
     }
 
@@ -288,13 +292,14 @@ impl GpuBackend {
     ) -> Result<wgpu::SubmissionIndex> {
         let ctx = self.engine.ctx().clone();
         let t0 = Instant::now();
-        let mut enc = ctx.device.create_command_encoder(&Default::default());
         let rows = Some(rows as u32);
+        let graph = self.engine.graph(tail);
+        let mut enc = ctx.device.create_command_encoder(&Default::default());
         match &self.profiler {
-            Some(p) => p.record(&mut enc, self.engine.graph(tail), rows)?,
+            Some(p) => p.record(&mut enc, graph, rows)?,
             None => {
                 let mut pass = enc.begin_compute_pass(&Default::default());
-                self.engine.graph(tail).record(&mut pass, None, rows);
+                graph.record(&mut pass, None, rows);
             }
         }
         enc.copy_buffer_to_buffer(&self.engine.scratch.ctrl, 0, &self.ring[slot], 0, Some(64));
@@ -302,6 +307,11 @@ impl GpuBackend {
         let t1 = Instant::now();
         let index = ctx.queue.submit([cmd]);
         let t2 = Instant::now();
+        if self.profiler.is_none()
+            && let Some(v) = &mut self.host_times
+        {
+            v.push(((t1 - t0).as_nanos() as f64, (t2 - t1).as_nanos() as f64));
+        }
         if let Some(p) = &self.profiler {
             let kernels = p.read(&ctx, self.engine.graph(tail))?;
             self.profiles.push(TokenProfile {

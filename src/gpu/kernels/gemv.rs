@@ -703,6 +703,13 @@ pub fn gemv(
     if stage.is_some() {
         flags.push("STAGE");
     }
+    // q8_0 with the folded pre-norm issues its first weight loads before that prologue.
+    // The group-norm prologue does not take it (run 146, out_proj's first round issued
+    // early: mamba2-130m 0.401 → 0.394 ms/token, but 2.7b 1.917 → 1.939 and Codestral
+    // 3.324 → 3.425, its out_proj 1.17 → 1.29 GPU ms: registers held across the prologue).
+    if local && w.format == WeightFormat::Q8_0 {
+        flags.push("EARLY");
+    }
     let mut entries = w.bindings();
     if local {
         flags.extend(["X_Q8", "X_LOCAL"]);
