@@ -537,8 +537,9 @@ fn norm_fold_override() -> Result<Option<bool>> {
 /// mamba2-2.7b, 1322 × 20 KB, 1.911 → 2.354 (10.4 µs slower); Codestral, 2320 × 32 KB,
 /// 3.321 → 4.488 (q4_k 2.632 → 4.124); Nemotron 3 Nano, 1320 × 21 KB, 1.904 → 2.085.
 /// About 0.6 µs + 0.36 µs per MB against the 2.4 µs a 130m norm dispatch cost (run 115):
-/// even at ~5 MB.
-pub const FOLD_READS: usize = 4 << 20;
+/// even at ~5 MB. Run 148: mamba2-370m (548 × 8 KB) 0.844 → 0.836, 780m (806 × 12 KB)
+/// 0.987 → 1.145, 1.3b 1.128 → 1.348.
+pub const FOLD_READS: usize = 5 << 20;
 
 /// Whether the block's pre-norm folds into this one-token GEMV (`GemvInput::Norm`) of a
 /// quantized matrix: every workgroup then makes the q8 blocks of the whole normed input in
