@@ -454,6 +454,40 @@ fn rmsnorm_lanes_equal_each_lane_alone() {
     }
 }
 
+/// The decode graph's unfolded way: the norm kernel (weights at `nw_off` of `params`) into
+/// `h` and its q8 blocks (zero past d, as the scratch buffers are), then the plain GEMV
+/// (reading the q8 blocks for the quantized formats). Returns (h, xq, xd, y).
+fn norm_then_gemv(
+    g: &Gpu,
+    m: &DeviceMatrix,
+    d: usize,
+    nw_off: usize,
+    src: &wgpu::Buffer,
+    params: &wgpu::Buffer,
+) -> (wgpu::Buffer, wgpu::Buffer, wgpu::Buffer, wgpu::Buffer) {
+    let kp = m.kp.max(d.next_multiple_of(32));
+    let nb = kp / 32;
+    let (h, q, s, y) = (g.zeros(kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(m.rows));
+    let norm = NormBuffers {
+        src,
+        params,
+        dst: &h,
+        q8: Some((&q, &s)),
+    };
+    g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, nw_off, 1, norm).unwrap());
+    let q8 = m.format.reads_q8().then_some((&q, &s));
+    let plain = gemv(
+        &g.k,
+        "t",
+        m,
+        GemvInput::Plain,
+        GemvOutput::Store,
+        gemv_buffers(&h, q8, &y),
+    );
+    g.run(&plain.unwrap());
+    (h, q, s, y)
+}
+
 /// The MoE router's GEMV with the block's pre-norm in its prologue: its rows equal the norm
 /// kernel followed by the plain GEMV bit for bit (the same sum order, the same team per
 /// row), its normed vector and q8 blocks equal the norm kernel's, and the rows match the
@@ -470,24 +504,7 @@ fn gemv_with_the_pre_norm_folded_in() {
         let w = rand(52, rows * d, -0.5, 0.5);
         let (m, deq) = matrix(&g, WeightFormat::F32, &w, rows, d);
         let (src, pbuf) = (g.buf(&x), g.buf(&params));
-        // The norm kernel, then the plain GEMV.
-        let (h0, q0, d0, y0) = (g.zeros(kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(rows));
-        let nb_ = NormBuffers {
-            src: &src,
-            params: &pbuf,
-            dst: &h0,
-            q8: Some((&q0, &d0)),
-        };
-        g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, nb_).unwrap());
-        let plain = gemv(
-            &g.k,
-            "t",
-            &m,
-            GemvInput::Plain,
-            GemvOutput::Store,
-            gemv_buffers(&h0, None, &y0),
-        );
-        g.run(&plain.unwrap());
+        let (h0, q0, d0, y0) = norm_then_gemv(&g, &m, d, 7, &src, &pbuf);
         // The folded GEMV.
         let (h1, q1, d1, y1) = (g.zeros(kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(rows));
         let b = GemvBuffers {
@@ -539,26 +556,7 @@ fn quantized_gemv_with_the_pre_norm_folded_in() {
             WeightFormat::Q6_K,
         ] {
             let (m, _) = matrix(&g, format, &w, rows, d);
-            let nb = m.kp / 32;
-            // The norm kernel (its q8 blocks zero past d, as the scratch buffers are), then
-            // the plain GEMV.
-            let (h0, q0, d0, y0) = (g.zeros(m.kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(rows));
-            let nb_ = NormBuffers {
-                src: &src,
-                params: &pbuf,
-                dst: &h0,
-                q8: Some((&q0, &d0)),
-            };
-            g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 5, 1, nb_).unwrap());
-            let plain = gemv(
-                &g.k,
-                "t",
-                &m,
-                GemvInput::Plain,
-                GemvOutput::Store,
-                gemv_buffers(&h0, Some((&q0, &d0)), &y0),
-            );
-            g.run(&plain.unwrap());
+            let (_, _, _, y0) = norm_then_gemv(&g, &m, d, 5, &src, &pbuf);
             // The folded GEMV reads the residual itself.
             let y1 = g.zeros(rows);
             let b = GemvBuffers {
