@@ -9,7 +9,7 @@ pub mod mamba2;
 pub mod mlp;
 pub mod moe;
 
-use crate::config::{BlockKind, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::gpu::device_weights::{DeviceMixer, DeviceWeights, ParamLayout};
 use crate::gpu::graph::{Graph, Tail};
@@ -316,15 +316,4 @@ fn pre_norm(
         )?
         .per_token(1, 1, 1),
     })
-}
-
-/// How many dispatches a block kind adds to a decode token (for `info` and the docs).
-pub fn decode_dispatches(kind: BlockKind, fused: bool) -> usize {
-    match kind {
-        BlockKind::Mamba2 if fused => 4,
-        BlockKind::Mamba2 => 7,
-        BlockKind::Attention => 6,
-        BlockKind::Mlp => 4,
-        BlockKind::Moe => 9,
-    }
 }
