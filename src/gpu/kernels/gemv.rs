@@ -269,10 +269,12 @@ pub enum GemvInput {
         eps: f64,
     },
     /// `x = src / rms(src) ⊙ params[nw_off..nw_off + d]`: the block's RMS pre-norm in the
-    /// prologue (f32 matrices, one token: the MoE router). Every workgroup sums all of
+    /// prologue (one token), so the norm's own dispatch goes. Every workgroup sums all of
     /// src² the norm kernel's way (256 invocations, `norm_rstd`: the same rstd bit for
-    /// bit) and the first ones also write what that kernel would (`GemvBuffers::norm_out`)
-    /// for the GEMVs after this one, so the norm's own dispatch goes.
+    /// bit). f32 matrices (the MoE router): the first workgroups also write what that
+    /// kernel would (`GemvBuffers::norm_out`) for the GEMVs after this one. Quantized ones
+    /// (a narrow Mamba2 in_proj, `folds_norm`): every workgroup makes the q8 blocks of the
+    /// whole normed vector in its own memory, the norm kernel's bits, and writes no vector.
     Norm { d: usize, eps: f64, nw_off: usize },
 }
 
