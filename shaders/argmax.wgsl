@@ -3,7 +3,13 @@
 // One workgroup of WG threads per lane (workgroup x; `logits [lane][V]`, `ctrl[lane]`), each
 // keeping LPT independent loads in flight per round.
 
+// PARTS (one token): the lm_head GEMV's per-workgroup winners `parts [NP]` (bits of the
+// value, id, non-finite flag, 0) instead of the logits: the same token, the same flag.
+#if PARTS
+@group(0) @binding(0) var<storage, read> parts: array<vec4<u32>>;
+#else
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
+#endif
 @group(0) @binding(1) var<storage, read_write> ctrl: array<Ctrl>;
 
 var<workgroup> best_v: array<f32, WG>;
@@ -29,6 +35,26 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     var bad = false;
     // LPT loads per invocation and round, all issued before the first compare (straight-line
     // variables: a round is one memory latency, not LPT of them).
+#if PARTS
+    for (var base = 0u; base < NP; base += LPT * WG) {
+#for j LPT
+        let k{j} = base + {j}u * WG + lid;
+        var p{j} = vec4<u32>(0u, 0xffffffffu, 0u, 0u);
+        if (k{j} < NP) {
+            p{j} = parts[k{j}];
+        }
+#endfor
+#for j LPT
+        if (k{j} < NP) {
+            bad = bad || p{j}.z != 0u;
+            if (better(bitcast<f32>(p{j}.x), p{j}.y, bv, bi)) {
+                bv = bitcast<f32>(p{j}.x);
+                bi = p{j}.y;
+            }
+        }
+#endfor
+    }
+#else
     for (var base = 0u; base < V; base += LPT * WG) {
 #for j LPT
         let k{j} = base + {j}u * WG + lid;
@@ -47,6 +73,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         }
 #endfor
     }
+#endif
     if (bad) {
         atomicOr(&any_bad, 1u);
     }

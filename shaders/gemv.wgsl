@@ -13,7 +13,8 @@
 // step's per-block Σv²: the gated group norm folded in) | X_NORM (f32 weights: x is the
 // residual through the block's RMS pre-norm, made in the prologue; X_LOCAL, quantized
 // weights: its q8 blocks in workgroup memory) | EARLY (q8_0 with the folded pre-norm:
-// the first weights loaded before it);  O_STORE | O_ADD | O_MIXER.
+// the first weights loaded before it);  O_STORE | O_ADD | O_MIXER; O_ARGMAX (with
+// O_STORE, one token: each workgroup's best row for the greedy argmax).
 
 // The group-norm factor of input column k (1 without X_GROUP).
 fn col_scale(k: u32) -> f32 {
@@ -338,4 +339,29 @@ fn main(
     if (lane == 0u && row_raw < M) {
         emit(0u, row, total);
     }
+#if O_ARGMAX
+    if (lane == 0u) {
+        amax_rows[lid / TEAM] = total;
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        let first = (wid.x + wid.y * nwg.x) * R;
+        var bv = -3.4e38;
+        var bi = 0xffffffffu;
+        var bad = 0u;
+        for (var r = 0u; r < R; r++) {
+            if (first + r < M) {
+                let v = amax_rows[r];
+                if ((bitcast<u32>(v) & 0x7f800000u) == 0x7f800000u) {
+                    bad = 1u;
+                }
+                if (row_better(v, first + r, bv, bi)) {
+                    bv = v;
+                    bi = first + r;
+                }
+            }
+        }
+        amax_part[wid.x + wid.y * nwg.x] = vec4<u32>(bitcast<u32>(bv), bi, bad, 0u);
+    }
+#endif
 }

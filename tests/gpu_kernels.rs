@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
+use mamba2_wgpu::gpu::kernels::argmax::ArgmaxInput;
 use mamba2_wgpu::gpu::kernels::gated_norm::{Batch, GatedNormBuffers};
 use mamba2_wgpu::gpu::kernels::gemv::{
     GemvBuffers, GemvInput, GemvOutput, MixerConsts, NormOut, gemv,
@@ -1002,7 +1003,17 @@ fn argmax_and_sampling_follow_the_host_rule() {
         stop_ids: [123, 0, 0, 0],
         ..Default::default()
     });
-    g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, &lb, &ctrl).unwrap());
+    g.run(
+        &argmax::argmax(
+            &g.k,
+            vocab,
+            Lanes::ONE,
+            false,
+            ArgmaxInput::Logits(&lb),
+            &ctrl,
+        )
+        .unwrap(),
+    );
     let c = g.read_ctrl(&ctrl);
     assert_eq!((c.token, c.pos, c.stopped), (ref_argmax(&logits), 6, 1));
     assert_eq!(c.token, 123);
@@ -1013,7 +1024,17 @@ fn argmax_and_sampling_follow_the_host_rule() {
         let check = |logits: &[f32], want: usize| {
             let lb = g.buf(logits);
             let ctrl = g.ctrl(&Ctrl::default());
-            g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, &lb, &ctrl).unwrap());
+            g.run(
+                &argmax::argmax(
+                    &g.k,
+                    vocab,
+                    Lanes::ONE,
+                    false,
+                    ArgmaxInput::Logits(&lb),
+                    &ctrl,
+                )
+                .unwrap(),
+            );
             let got = g.read_ctrl(&ctrl).token;
             assert_eq!(got as usize, ref_argmax(logits) as usize, "vocab {vocab}");
             assert_eq!(got as usize, want, "vocab {vocab}");
@@ -1074,9 +1095,95 @@ fn argmax_and_sampling_follow_the_host_rule() {
         let t = g.read_ctrl(&ctrl).token;
         assert!((t as usize) < vocab, "sampled id {t} from {bad} logits");
         let ctrl = g.ctrl(&Ctrl::default());
-        g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, &lb, &ctrl).unwrap());
+        g.run(
+            &argmax::argmax(
+                &g.k,
+                vocab,
+                Lanes::ONE,
+                false,
+                ArgmaxInput::Logits(&lb),
+                &ctrl,
+            )
+            .unwrap(),
+        );
         let t = g.read_ctrl(&ctrl).token;
         assert!((t as usize) < vocab, "argmax id {t} from {bad} logits");
+    }
+}
+
+/// The greedy lm_head's per-workgroup winners (`GemvBuffers::argmax_part`) reduced by the
+/// argmax: the token the argmax over the same GEMV's logits picks, the lowest id among
+/// equal logits (identical rows in one workgroup and in two), NaN rows never chosen but
+/// flagged, in f32, f16 and q8_0 and vocabularies over one or many of the argmax's rounds.
+#[test]
+fn argmax_over_the_lm_head_partials() {
+    let Some(g) = Gpu::new() else { return };
+    let cols = 64;
+    for (vocab, format) in [
+        (4_099usize, WeightFormat::F32),
+        (50_280, WeightFormat::Q8_0),
+        (20_011, WeightFormat::F16),
+    ] {
+        let mut w = rand(vocab as u64, vocab * cols, -1.0, 1.0);
+        // Rows 7 and 9 (one workgroup) and 5000 % vocab (another) equal row 3000 % vocab,
+        // whose logit is made the largest below.
+        let best = 3000 % vocab;
+        let row = |w: &mut Vec<f32>, r: usize, from: usize| {
+            let v: Vec<f32> = w[from * cols..(from + 1) * cols].to_vec();
+            w[r * cols..(r + 1) * cols].copy_from_slice(&v);
+        };
+        let x: Vec<f32> = rand(3, cols, -1.0, 1.0);
+        for (c, xv) in x.iter().enumerate() {
+            w[best * cols + c] = 2.0 * xv.signum();
+        }
+        for r in [7, 9, 5000 % vocab] {
+            row(&mut w, r, best);
+        }
+        let nan = format == WeightFormat::F32;
+        if nan {
+            w[11 * cols] = f32::NAN;
+        }
+        let (m, _) = matrix(&g, format, &w, vocab, cols);
+        let (src, logits) = (g.buf(&padded(&x)), g.zeros(vocab));
+        let q8 = format.reads_q8().then(|| {
+            let (q, d) = q8_blocks(&x);
+            (
+                g.ctx()
+                    .storage_with("xq", bytemuck::cast_slice(&q))
+                    .unwrap(),
+                g.buf(&d),
+            )
+        });
+        let parts = g.zeros(4 * (vocab + 65_535));
+        let head = gemv(
+            &g.k,
+            "t",
+            &m,
+            GemvInput::Plain,
+            GemvOutput::Store,
+            GemvBuffers {
+                argmax_part: Some(&parts),
+                ..gemv_buffers(&src, q8.as_ref().map(|(q, d)| (q, d)), &logits)
+            },
+        )
+        .unwrap();
+        let (gx, gy, gz) = head.workgroups;
+        g.run(&head);
+        let ctrl = g.ctrl(&Ctrl::default());
+        let input = ArgmaxInput::Parts(&parts, gx * gy * gz);
+        g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, input, &ctrl).unwrap());
+        let c = g.read_ctrl(&ctrl);
+        let l = g.read(&logits, vocab);
+        let what = format!("{} vocab {vocab}", format.name());
+        assert_eq!(c.token, ref_argmax(&l), "{what}");
+        assert_eq!(c.token, 7, "{what}: the lowest of the tied ids");
+        assert_eq!(c.nonfinite != 0, nan, "{what}: the NaN row's flag");
+        // The same through the logits.
+        let ctrl2 = g.ctrl(&Ctrl::default());
+        let all = ArgmaxInput::Logits(&logits);
+        g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, all, &ctrl2).unwrap());
+        let c2 = g.read_ctrl(&ctrl2);
+        assert_eq!((c.token, c.nonfinite), (c2.token, c2.nonfinite), "{what}");
     }
 }
 

@@ -59,6 +59,10 @@ pub struct Scratch {
     pub latent: wgpu::Buffer,
     pub latent_sum: wgpu::Buffer,
     pub logits: wgpu::Buffer,
+    /// One-token greedy decode: each lm_head workgroup's best logit, its id and whether
+    /// any of its logits was NaN or ±Inf (`[workgroups]` of 4 u32; at most one per row,
+    /// plus a 2-D grid's spare workgroups), which the argmax reduces instead of the logits.
+    pub argmax_part: wgpu::Buffer,
     pub probs: wgpu::Buffer,
     pub ctrl: wgpu::Buffer,
     pub prompt: wgpu::Buffer,
@@ -177,6 +181,10 @@ impl Scratch {
             latent: ctx.storage_zeroed("moe latent", single(latent))?,
             latent_sum: ctx.storage_zeroed("moe latent sum", single(latent))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
+            argmax_part: ctx.storage_zeroed(
+                "argmax partials",
+                16 * (c.vocab_size as u64 + crate::gpu::kernels::GRID_X as u64),
+            )?,
             probs: ctx.storage_zeroed("probs", f32s(c.vocab_size))?,
             ctrl: ctx.storage_zeroed("ctrl", (lanes * std::mem::size_of::<Ctrl>()) as u64)?,
             prompt: ctx.storage_zeroed("prompt", single(PROMPT_WINDOW))?,
@@ -211,6 +219,7 @@ impl Scratch {
             &self.latent,
             &self.latent_sum,
             &self.logits,
+            &self.argmax_part,
             &self.probs,
             &self.ctrl,
             &self.prompt,

@@ -13,6 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::gpu::device_weights::{DeviceMixer, DeviceWeights, ParamLayout};
 use crate::gpu::graph::{Graph, Tail};
+use crate::gpu::kernels::argmax::ArgmaxInput;
 use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gemm::{GemmOutput, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
@@ -150,19 +151,33 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 q8: b.q8(),
             },
         )?);
-        d.push(gemv::gemv(
+    }
+    // One greedy token: the lm_head leaves each workgroup's winner, and the argmax reduces
+    // those instead of every logit.
+    let parts = !batch && tail == Tail::Greedy;
+    let mut argmax_in = ArgmaxInput::Logits(&s.logits);
+    if tail != Tail::Feed {
+        let head = gemv::gemv(
             k,
             "lm_head",
             w.head(),
             GemvInput::Plain,
             GemvOutput::Store,
-            b.gemv_in(&s.h, &s.logits),
-        )?);
+            GemvBuffers {
+                argmax_part: parts.then_some(&s.argmax_part),
+                ..b.gemv_in(&s.h, &s.logits)
+            },
+        )?;
+        if parts {
+            let (x, y, z) = head.workgroups;
+            argmax_in = ArgmaxInput::Parts(&s.argmax_part, x * y * z);
+        }
+        d.push(head);
     }
     let v = c.vocab_size;
     let mixed = tail == Tail::Mixed;
     if matches!(tail, Tail::Greedy | Tail::Mixed) {
-        d.push(argmax::argmax(k, v, b.lanes, mixed, &s.logits, &s.ctrl)?);
+        d.push(argmax::argmax(k, v, b.lanes, mixed, argmax_in, &s.ctrl)?);
     }
     if matches!(tail, Tail::Sample | Tail::Mixed) {
         d.push(sample::sample(

@@ -334,6 +334,9 @@ pub struct GemvBuffers<'a> {
     pub lanes: super::Lanes,
     /// `GemvInput::Norm`: where the normed vector (and its q8 blocks) go.
     pub norm_out: Option<NormOut<'a>>,
+    /// One-token `Store` (the greedy lm_head): each workgroup's best row for the argmax
+    /// (`argmax_parts` says how many), 4 u32 per workgroup.
+    pub argmax_part: Option<&'a wgpu::Buffer>,
 }
 
 /// The pre-norm's output a `GemvInput::Norm` GEMV writes besides its rows: `h [KP]` (zero
@@ -361,6 +364,7 @@ impl<'a> GemvBuffers<'a> {
             ctrl: None,
             lanes: super::Lanes::ONE,
             norm_out: None,
+            argmax_part: None,
         }
     }
 }
@@ -875,6 +879,21 @@ pub fn gemv(
     } else {
         grid(row_groups as u32)
     };
+    if let Some(part) = b.argmax_part {
+        if cap > 1 || !matches!(output, GemvOutput::Store) {
+            return Err(Error::Gpu(format!(
+                "{name}: argmax partials come from a one-token stored GEMV, not {cap} lanes"
+            )));
+        }
+        let (x, y, z) = workgroups;
+        check_len(
+            &format!("{name}: argmax partials"),
+            part,
+            4 * (x * y * z) as usize,
+        )?;
+        flags.push("O_ARGMAX");
+        entries.push((13, part));
+    }
     let pipeline = if cap > 1 {
         // Every lane of a team gets its totals (they go out side by side).
         flags.push("TEAM_ALL");

@@ -395,13 +395,15 @@ pub fn check_len(what: &str, buffer: &wgpu::Buffer, count: usize) -> Result<()> 
 
 /// A workgroup grid covering `n` workgroups, folded into 2-D past the 65535 limit.
 pub fn grid(n: u32) -> (u32, u32, u32) {
-    const MAX: u32 = 65535;
-    if n <= MAX {
+    if n <= GRID_X {
         (n.max(1), 1, 1)
     } else {
-        (MAX, n.div_ceil(MAX), 1)
+        (GRID_X, n.div_ceil(GRID_X), 1)
     }
 }
+
+/// The widest grid row `grid` makes (the spare workgroups of its last row are fewer).
+pub const GRID_X: u32 = 65535;
 
 /// The smallest power of two ≥ n, clamped to [lo, hi].
 pub fn pow2_clamp(n: usize, lo: u32, hi: u32) -> u32 {
