@@ -989,6 +989,11 @@ fn gated_norm_residual_and_embedding() {
     }
 }
 
+/// The one-lane greedy argmax of `input` into `ctrl`.
+fn run_argmax(g: &Gpu, vocab: usize, input: ArgmaxInput, ctrl: &wgpu::Buffer) {
+    g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, input, ctrl).unwrap());
+}
+
 #[test]
 fn argmax_and_sampling_follow_the_host_rule() {
     let Some(g) = Gpu::new() else { return };
@@ -1003,17 +1008,7 @@ fn argmax_and_sampling_follow_the_host_rule() {
         stop_ids: [123, 0, 0, 0],
         ..Default::default()
     });
-    g.run(
-        &argmax::argmax(
-            &g.k,
-            vocab,
-            Lanes::ONE,
-            false,
-            ArgmaxInput::Logits(&lb),
-            &ctrl,
-        )
-        .unwrap(),
-    );
+    run_argmax(&g, vocab, ArgmaxInput::Logits(&lb), &ctrl);
     let c = g.read_ctrl(&ctrl);
     assert_eq!((c.token, c.pos, c.stopped), (ref_argmax(&logits), 6, 1));
     assert_eq!(c.token, 123);
@@ -1024,17 +1019,7 @@ fn argmax_and_sampling_follow_the_host_rule() {
         let check = |logits: &[f32], want: usize| {
             let lb = g.buf(logits);
             let ctrl = g.ctrl(&Ctrl::default());
-            g.run(
-                &argmax::argmax(
-                    &g.k,
-                    vocab,
-                    Lanes::ONE,
-                    false,
-                    ArgmaxInput::Logits(&lb),
-                    &ctrl,
-                )
-                .unwrap(),
-            );
+            run_argmax(&g, vocab, ArgmaxInput::Logits(&lb), &ctrl);
             let got = g.read_ctrl(&ctrl).token;
             assert_eq!(got as usize, ref_argmax(logits) as usize, "vocab {vocab}");
             assert_eq!(got as usize, want, "vocab {vocab}");
@@ -1095,17 +1080,7 @@ fn argmax_and_sampling_follow_the_host_rule() {
         let t = g.read_ctrl(&ctrl).token;
         assert!((t as usize) < vocab, "sampled id {t} from {bad} logits");
         let ctrl = g.ctrl(&Ctrl::default());
-        g.run(
-            &argmax::argmax(
-                &g.k,
-                vocab,
-                Lanes::ONE,
-                false,
-                ArgmaxInput::Logits(&lb),
-                &ctrl,
-            )
-            .unwrap(),
-        );
+        run_argmax(&g, vocab, ArgmaxInput::Logits(&lb), &ctrl);
         let t = g.read_ctrl(&ctrl).token;
         assert!((t as usize) < vocab, "argmax id {t} from {bad} logits");
     }
@@ -1171,7 +1146,7 @@ fn argmax_over_the_lm_head_partials() {
         g.run(&head);
         let ctrl = g.ctrl(&Ctrl::default());
         let input = ArgmaxInput::Parts(&parts, gx * gy * gz);
-        g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, input, &ctrl).unwrap());
+        run_argmax(&g, vocab, input, &ctrl);
         let c = g.read_ctrl(&ctrl);
         let l = g.read(&logits, vocab);
         let what = format!("{} vocab {vocab}", format.name());
@@ -1181,7 +1156,7 @@ fn argmax_over_the_lm_head_partials() {
         // The same through the logits.
         let ctrl2 = g.ctrl(&Ctrl::default());
         let all = ArgmaxInput::Logits(&logits);
-        g.run(&argmax::argmax(&g.k, vocab, Lanes::ONE, false, all, &ctrl2).unwrap());
+        run_argmax(&g, vocab, all, &ctrl2);
         let c2 = g.read_ctrl(&ctrl2);
         assert_eq!((c.token, c.nonfinite), (c2.token, c2.nonfinite), "{what}");
     }
