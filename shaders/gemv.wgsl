@@ -204,9 +204,9 @@ fn main(
     let row = min(row_raw, M - 1u);
     let base = row * NV;
 #if EARLY
-    // (q8_0 with the folded pre-norm.) The first round's weights
-    // and scales go out before the prologue, which they do not depend on: its latency
-    // hides behind theirs (on a narrow model, most of the row).
+    // q8_0 with the folded pre-norm: the first round's weights and scales go out before the
+    // prologue, which they do not depend on, so its latency hides behind theirs (on a
+    // narrow model they are most of the row).
 #for u UNROLL
     let pw{u} = w[base + min(lane + {u}u * TEAM, NV - 1u)];
     let pd{u} = ws[(row * (KP / 32u) + min(lane + {u}u * TEAM, NV - 1u) / 2u) / 2u];
