@@ -16,10 +16,29 @@ var<workgroup> best_v: array<f32, WG>;
 var<workgroup> best_i: array<u32, WG>;
 var<workgroup> any_bad: atomic<u32>; // a NaN or ±Inf logit was seen
 
-// Is (v, i) better than (bv, bi)?
-fn better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
-    return v > bv || (v == bv && i < bi);
+// Candidate k as loaded, nothing computed on it yet (so a round's loads all go out before
+// its first compare): a logit (its id k) or, with PARTS, a workgroup's winner (its id and
+// non-finite flag as the lm_head wrote them). N candidates in all.
+struct Cand {
+    v: f32,
+    i: u32,
+    flag: u32,
 }
+
+#if PARTS
+const N: u32 = NP;
+
+fn cand(k: u32) -> Cand {
+    let p = parts[k];
+    return Cand(bitcast<f32>(p.x), p.y, p.z);
+}
+#else
+const N: u32 = V;
+
+fn cand(k: u32) -> Cand {
+    return Cand(logits[lo + k], k, 0u);
+}
+#endif
 
 @compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
@@ -35,45 +54,25 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     var bad = false;
     // LPT loads per invocation and round, all issued before the first compare (straight-line
     // variables: a round is one memory latency, not LPT of them).
-#if PARTS
-    for (var base = 0u; base < NP; base += LPT * WG) {
+    for (var base = 0u; base < N; base += LPT * WG) {
 #for j LPT
         let k{j} = base + {j}u * WG + lid;
-        var p{j} = vec4<u32>(0u, 0xffffffffu, 0u, 0u);
-        if (k{j} < NP) {
-            p{j} = parts[k{j}];
+        var c{j} = Cand(-3.4e38, 0xffffffffu, 0u);
+        if (k{j} < N) {
+            c{j} = cand(k{j});
         }
 #endfor
 #for j LPT
-        if (k{j} < NP) {
-            bad = bad || p{j}.z != 0u;
-            if (better(bitcast<f32>(p{j}.x), p{j}.y, bv, bi)) {
-                bv = bitcast<f32>(p{j}.x);
-                bi = p{j}.y;
+        if (k{j} < N) {
+            // (A partial's winner is non-finite only where its flag is set already.)
+            bad = bad || c{j}.flag != 0u || is_nonfinite(c{j}.v);
+            if (token_better(c{j}.v, c{j}.i, bv, bi)) {
+                bv = c{j}.v;
+                bi = c{j}.i;
             }
         }
 #endfor
     }
-#else
-    for (var base = 0u; base < V; base += LPT * WG) {
-#for j LPT
-        let k{j} = base + {j}u * WG + lid;
-        var v{j} = -3.4e38;
-        if (k{j} < V) {
-            v{j} = logits[lo + k{j}];
-        }
-#endfor
-#for j LPT
-        if (k{j} < V) {
-            bad = bad || is_nonfinite(v{j});
-            if (better(v{j}, k{j}, bv, bi)) {
-                bv = v{j};
-                bi = k{j};
-            }
-        }
-#endfor
-    }
-#endif
     if (bad) {
         atomicOr(&any_bad, 1u);
     }
@@ -81,7 +80,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     best_i[lid] = bi;
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid < stride && better(best_v[lid + stride], best_i[lid + stride], best_v[lid], best_i[lid])) {
+        if (lid < stride && token_better(best_v[lid + stride], best_i[lid + stride], best_v[lid], best_i[lid])) {
             best_v[lid] = best_v[lid + stride];
             best_i[lid] = best_i[lid + stride];
         }

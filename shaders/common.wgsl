@@ -5,6 +5,17 @@ fn silu(x: f32) -> f32 {
     return x / (1.0 + exp(-x));
 }
 
+// NaN or ±Inf, tested on the bits: a compiler may assume float values are finite.
+fn is_nonfinite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+// The greedy rule: is logit v of token i better than bv of token bi? The higher value,
+// then the lower id; NaN never wins (argmax.wgsl, and the lm_head's per-workgroup winners).
+fn token_better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
+    return v > bv || (v == bv && i < bi);
+}
+
 // log(1 + e^x), and x itself above 20, as every Mamba2 implementation does.
 fn softplus(x: f32) -> f32 {
     if (x > 20.0) {

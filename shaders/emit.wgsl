@@ -65,8 +65,3 @@ fn uniform01(key: u32, pos: u32) -> f32 {
     let h = pcg_hash(key ^ pcg_hash(pos ^ pcg_hash(0u)));
     return f32(h >> 8u) * (1.0 / 16777216.0);
 }
-
-// NaN or ±Inf, tested on the bits: a compiler may assume float values are finite.
-fn is_nonfinite(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7f800000u) == 0x7f800000u;
-}

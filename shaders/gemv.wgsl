@@ -352,10 +352,10 @@ fn main(
         for (var r = 0u; r < R; r++) {
             if (first + r < M) {
                 let v = amax_rows[r];
-                if ((bitcast<u32>(v) & 0x7f800000u) == 0x7f800000u) {
+                if (is_nonfinite(v)) {
                     bad = 1u;
                 }
-                if (row_better(v, first + r, bv, bi)) {
+                if (token_better(v, first + r, bv, bi)) {
                     bv = v;
                     bi = first + r;
                 }

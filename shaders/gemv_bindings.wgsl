@@ -82,14 +82,10 @@ const NV: u32 = KP / VW;
 
 #if O_ARGMAX
 // One-token greedy lm_head: per workgroup (linear index), its best row as (bits of the
-// value, row, any row NaN or ±Inf, 0) by argmax.wgsl's rule (higher value, then lower
-// id; NaN never wins), which the argmax then reduces instead of every logit.
+// value, row, any row NaN or ±Inf, 0) by `token_better`, which the argmax then reduces
+// instead of every logit.
 @group(0) @binding(13) var<storage, read_write> amax_part: array<vec4<u32>>;
 var<workgroup> amax_rows: array<f32, R>;
-
-fn row_better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
-    return v > bv || (v == bv && i < bi);
-}
 #endif
 
 #if X_GROUP

@@ -1168,12 +1168,7 @@ pub fn batch(
     } else {
         backend.enable_batch(batch)?;
         warm_up_batch(backend, batch, &prompt)?;
-        for lane in 0..batch {
-            backend.reset()?;
-            let first = backend.prefill_sample(&[prompt(lane)], &greedy, 1)?;
-            let b = backend.batch.as_mut().ok_or_else(no_batch)?;
-            b.join(&backend.engine, lane, first, 2, &greedy, &[])?;
-        }
+        join_lanes(backend, batch, &prompt)?;
         let mut got: Vec<Vec<u32>> = alone.iter().map(|a| a[..1].to_vec()).collect();
         got.resize(batch, Vec::new());
         let mut times = Vec::new();
@@ -1259,13 +1254,7 @@ fn warm_up_batch(
     prompt: &dyn Fn(usize) -> u32,
 ) -> Result<()> {
     const CHUNK: usize = 16;
-    let greedy = Sampling::greedy();
-    for lane in 0..batch {
-        backend.reset()?;
-        let first = backend.prefill_sample(&[prompt(lane)], &greedy, 1)?;
-        let b = backend.batch.as_mut().ok_or_else(no_batch)?;
-        b.join(&backend.engine, lane, first, 2, &greedy, &[])?;
-    }
+    join_lanes(backend, batch, prompt)?;
     // (Each lane holds 2 positions after joining; every step adds one.)
     let room = if backend.engine.state.kv_bytes() > 0 {
         backend.engine.context().saturating_sub(2)
@@ -1284,6 +1273,18 @@ fn warm_up_batch(
         b.leave(&mut backend.engine, lane, false)?;
     }
     backend.reset()
+}
+
+/// Joins `batch` greedy lanes to the batch, lane l after its one-token prompt `prompt(l)`.
+fn join_lanes(backend: &mut GpuBackend, batch: usize, prompt: &dyn Fn(usize) -> u32) -> Result<()> {
+    let greedy = Sampling::greedy();
+    for lane in 0..batch {
+        backend.reset()?;
+        let first = backend.prefill_sample(&[prompt(lane)], &greedy, 1)?;
+        let b = backend.batch.as_mut().ok_or_else(no_batch)?;
+        b.join(&backend.engine, lane, first, 2, &greedy, &[])?;
+    }
+    Ok(())
 }
 
 fn no_batch() -> Error {

@@ -718,9 +718,7 @@ pub fn gemv(
         flags.push("EARLY");
     }
     let mut entries = w.bindings();
-    if local {
-        flags.extend(["X_Q8", "X_LOCAL"]);
-    } else if w.format.reads_q8() {
+    if w.format.reads_q8() && !local {
         let (q, d) = b.q8.ok_or_else(|| missing("q8 activation"))?;
         check_len(
             &format!("{name}: xq"),
@@ -735,19 +733,15 @@ pub fn gemv(
         entries.extend([(3, q), (4, d)]);
         flags.push("X_Q8");
     } else {
+        if local {
+            flags.extend(["X_Q8", "X_LOCAL"]);
+        }
         // (The pre-norm's src is the residual: d values; columns past d read as zero.)
         let need = match input {
             GemvInput::Norm { d, .. } => d,
             _ => (cap - 1) * x_ls as usize + w.kp,
         };
         check_len(&format!("{name}: src"), b.src, need)?;
-        entries.push((2, b.src));
-    }
-    if local {
-        let GemvInput::Norm { d, .. } = input else {
-            unreachable!("only a pre-norm input is local")
-        };
-        check_len(&format!("{name}: src"), b.src, d)?;
         entries.push((2, b.src));
     }
     if let GemvInput::Group {
