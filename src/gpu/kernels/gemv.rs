@@ -334,8 +334,8 @@ pub struct GemvBuffers<'a> {
     pub lanes: super::Lanes,
     /// `GemvInput::Norm`: where the normed vector (and its q8 blocks) go.
     pub norm_out: Option<NormOut<'a>>,
-    /// One-token `Store` (the greedy lm_head): each workgroup's best row for the argmax
-    /// (`argmax_parts` says how many), 4 u32 per workgroup.
+    /// One-token `Store` (the greedy lm_head): each workgroup's best row for the argmax,
+    /// 4 u32 per workgroup of the dispatch's grid (its `workgroups`, spare ones included).
     pub argmax_part: Option<&'a wgpu::Buffer>,
 }
 
