@@ -3,10 +3,12 @@
 // experts starting at expert E0: [NE·M, KP] in f32, f16 or q8_0, expert e's M rows at
 // (e − E0)·M. Teams of TEAM invocations own a row, as in gemv.wgsl. Input vectors are XS
 // (KP rounded up to 32) values apart, as the norms and activations write them.
-// UP (grid z = t·K + s, the token's s-th choice): dst[(t·K + s)·M + row] = W_id[row] · x_t
+// UP (grid z = t·KS + s, the token's s-th slot): dst[(t·KS + s)·M + row] = W_id[row] · x_t
 //   where x_t is the token's normed input (f32 `src [T][KP]` or q8 blocks); a workgroup whose
-//   expert lives in another bank returns at once.
-// DOWN (grid z = t): dst[t·M + row] += Σ_s w[t·K + s] · W_id(s)[row] · x_(t·K + s), the
+//   expert lives in another bank returns at once. With ROUTE (decode) the pass routes the
+//   token in its prologue (route_select.wgsl, the routing kernel's code) instead of
+//   reading the ids, and writes the ids and weights for the down pass.
+// DOWN (grid z = t): dst[t·M + row] += Σ_s w[t·KS + s] · W_id(s)[row] · x_(t·KS + s), the
 //   slots' activations as inputs: the weighted sum of the experts goes straight into the
 //   residual (each bank adds the slots it holds); STORE (the first bank of a latent MoE)
 //   writes instead of adding.
@@ -33,13 +35,25 @@ const VW: u32 = 16u;
 @group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
 #endif
 @group(0) @binding(5) var<storage, read_write> dst: array<f32>;
+#if ROUTE
+@group(0) @binding(6) var<storage, read_write> ids: array<u32>;
+@group(0) @binding(7) var<storage, read_write> wts: array<f32>;
+@group(0) @binding(11) var<storage, read> logits: array<f32>;
+#if GROUPED
+@group(0) @binding(12) var<storage, read> params: array<f32>;
+#endif
+#if COUNT
+@group(0) @binding(13) var<storage, read_write> counts: array<atomic<u32>>;
+#endif
+#else
 @group(0) @binding(6) var<storage, read> ids: array<u32>;
+#endif
 #if DOWN
 @group(0) @binding(7) var<storage, read> wts: array<f32>;
-var<workgroup> down_id: array<u32, K>;
-var<workgroup> down_w: array<f32, K>;
+var<workgroup> down_id: array<u32, KS>;
+var<workgroup> down_w: array<f32, KS>;
 #else
-var<workgroup> slot_id: u32;
+var<workgroup> up_id: u32;
 #endif
 #if ACT
 // The folded activation's output: rows of XM values (M rounded up to 32), and with Q8_OUT
@@ -145,9 +159,9 @@ fn main(
     let t = wid.z;
     // The token's choices and weights, read once (each load of a weight vector then
     // waits for no other load).
-    if (lid < K) {
-        down_id[lid] = ids[t * K + lid];
-        down_w[lid] = wts[t * K + lid];
+    if (lid < KS) {
+        down_id[lid] = ids[t * KS + lid];
+        down_w[lid] = wts[t * KS + lid];
     }
     workgroupBarrier();
     // The team's lanes stride over every (choice, vector) pair of the row: all K choices'
@@ -157,27 +171,27 @@ fn main(
     // UNROLL pairs per round, every load issued before the first product (the sum keeps
     // the order of one pair at a time); a choice in another bank loads its bank's first
     // expert and adds nothing.
-    for (var i0 = lane; i0 < K * NV; i0 += UNROLL * TEAM) {
+    for (var i0 = lane; i0 < KS * NV; i0 += UNROLL * TEAM) {
 #for u UNROLL
-        let i{u} = min(i0 + {u}u * TEAM, K * NV - 1u);
+        let i{u} = min(i0 + {u}u * TEAM, KS * NV - 1u);
         let s{u} = i{u} / NV;
         let id{u} = down_id[s{u}];
         let in{u} = id{u} >= E0 && id{u} < E0 + NE;
         let r{u} = select(0u, id{u} - E0, in{u}) * M + row;
-        let l{u} = q8_load(r{u}, t * K + s{u}, i{u} % NV);
+        let l{u} = q8_load(r{u}, t * KS + s{u}, i{u} % NV);
 #endfor
 #for u UNROLL
-        if (i0 + {u}u * TEAM < K * NV && in{u}) {
+        if (i0 + {u}u * TEAM < KS * NV && in{u}) {
             acc += down_w[s{u}] * q8_dot(l{u}, r{u}, i{u} % NV);
         }
 #endfor
     }
 #else
-    for (var i = lane; i < K * NV; i += TEAM) {
+    for (var i = lane; i < KS * NV; i += TEAM) {
         let s = i / NV;
         let id = down_id[s];
         if (id >= E0 && id < E0 + NE) {
-            acc += down_w[s] * vec_dot((id - E0) * M + row, t * K + s, i % NV);
+            acc += down_w[s] * vec_dot((id - E0) * M + row, t * KS + s, i % NV);
         }
     }
 #endif
@@ -191,14 +205,31 @@ fn main(
     }
 #else
     let z = wid.z;
-    if (lid == 0u) {
-        slot_id = ids[z];
+#if ROUTE
+    // The token's routing, redone by every workgroup of a chosen slot (on the H200 that
+    // costs the pass less than a routing dispatch before it costs the token); the first
+    // workgroup of the token's first slot writes it out for the down pass and the expert
+    // load. The shared expert's slots need none.
+    let s = z % KS;
+    if (s < K) {
+        route_select(z / KS, lid);
     }
-    let id = workgroupUniformLoad(&slot_id);
+    if (s == 0u && wid.x == 0u && wid.y == 0u) {
+        route_write(z / KS, lid);
+    }
+    if (lid == 0u) {
+        up_id = select(E + s - K, rt_slot_id[min(s, K - 1u)], s < K);
+    }
+#else
+    if (lid == 0u) {
+        up_id = ids[z];
+    }
+#endif
+    let id = workgroupUniformLoad(&up_id);
     if (id < E0 || id >= E0 + NE) {
         return;
     }
-    let total = team_sum(lane_dot((id - E0) * M + row, z / K, lane), lid);
+    let total = team_sum(lane_dot((id - E0) * M + row, z / KS, lane), lid);
 #if ACT
     // relu(u)² of the workgroup's R rows (a multiple of 32: whole q8 blocks, zero past M),
     // as the activation kernel would write them: the dispatch between the passes is gone.

@@ -12,7 +12,8 @@
 // Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in) | X_NORM (f32 weights: x is the
 // residual through the block's RMS pre-norm, made in the prologue; X_LOCAL, quantized
-// weights: its q8 blocks in workgroup memory) | EARLY (q8_0 with the folded pre-norm:
+// weights: its q8 blocks in workgroup memory) | EARLY_F32 (f32 with the folded pre-norm:
+// the lane's NVT weight vectors loaded before the prologue) | EARLY (q8_0 with the folded pre-norm:
 // the first weights loaded before it);  O_STORE | O_ADD | O_MIXER; O_ARGMAX (with
 // O_STORE, one token: each workgroup's best row for the greedy argmax).
 
@@ -212,6 +213,13 @@ fn main(
     let pd{u} = ws[(row * (KP / 32u) + min(lane + {u}u * TEAM, NV - 1u) / 2u) / 2u];
 #endfor
 #endif
+#if EARLY_F32
+    // f32 with the folded pre-norm (the MoE router): all of the lane's NVT weight vectors
+    // go out before the prologue.
+#for u NVT
+    let pw{u} = w[base + min(lane + {u}u * TEAM, NV - 1u)];
+#endfor
+#endif
 #if X_NORM
 #if !SUBGROUP
     let sg_lane = 0u;
@@ -326,12 +334,21 @@ fn main(
 #endfor
     }
 #else
+#if EARLY_F32
+    // (The loop's order: one vector after the other.)
+#for u NVT
+    if (lane + {u}u * TEAM < NV) {
+        acc += dot(pw{u}, x_vec4(lane + {u}u * TEAM));
+    }
+#endfor
+#else
     for (var v = lane; v < NV; v += TEAM) {
 #if W_F32
         let wv = w[base + v];
         acc += dot(wv, x_vec4(v));
 #endif
     }
+#endif
 #endif
 #endif
 #endif

@@ -1,5 +1,6 @@
 //! Mixture-of-experts blocks on the GPU (lavapipe in CI): the routing kernel against the CPU
-//! router (the same ids, bit for bit) and transformers' own choices; whole MoE models —
+//! router (the same ids, bit for bit) and transformers' own choices, and the decode up pass
+//! that routes in its prologue against the routing kernel (ids and weights bit for bit); whole MoE models —
 //! Nemotron-H's grouped sigmoid router with relu² experts, Granite's softmax top-k with gated
 //! experts and µP multipliers — decode and prefill against the CPU reference, with the
 //! experts split over several banks; the expert-load counters against the oracle's routing.
@@ -12,10 +13,15 @@ use mamba2_wgpu::config::{MlpAct, MoeConfig, Router};
 use mamba2_wgpu::gpu::GpuBackend;
 use mamba2_wgpu::gpu::engine::{Engine, EngineOptions, PrefillMode};
 use mamba2_wgpu::gpu::graph::Ctrl;
+use mamba2_wgpu::gpu::kernels::Kernels;
+use mamba2_wgpu::gpu::kernels::expert_gemv::{
+    Bank, ExpertBuffers, ExpertPass, RouteFold, expert_gemv,
+};
 use mamba2_wgpu::gpu::kernels::moe_route::{RouteBuffers, moe_route};
 use mamba2_wgpu::gpu::state_store::KvFormat;
+use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::Model;
-use mamba2_wgpu::model::quant::WeightFormat;
+use mamba2_wgpu::model::quant::{WeightFormat, pack};
 use mamba2_wgpu::model::synthetic::{tiny_latent_moe, tiny_moe};
 use mamba2_wgpu::reference::model::route;
 use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
@@ -116,7 +122,111 @@ fn gpu_route(
     let block = run(t.max(2), Some(&ctrl));
     let single = run(1, None);
     assert_eq!(single[0], block[0], "the decode and prefill routers agree");
+    let (ids, w) = up_pass_routing(&k, m, &l, &p);
+    let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        (&ids, bits(&w)),
+        (&single[0].0, bits(&single[0].1)),
+        "the up pass routing in its prologue writes the routing kernel's ids and weights"
+    );
     Some(block.into_iter().take(t).collect())
+}
+
+/// The decode up pass that routes its token (the first row of `logits`) in its prologue
+/// over a bank of random f32 experts: checks its outputs are the chosen experts' rows times
+/// the input and its expert-load counts one per choice; returns the ids and weights it wrote
+/// (the `K` chosen; the shared slices are checked here).
+fn up_pass_routing(
+    k: &Kernels,
+    m: &MoeConfig,
+    logits: &wgpu::Buffer,
+    bias: &wgpu::Buffer,
+) -> (Vec<u32>, Vec<f32>) {
+    let ctx = k.ctx.clone();
+    let (rows, cols, slots) = (5, 40, m.slots());
+    let stored = m.stored_experts();
+    let w: Vec<f32> = (0..stored * rows * cols)
+        .map(|i| uniform(11, i as u64) - 0.5)
+        .collect();
+    let bank = DeviceMatrix::upload(
+        &ctx,
+        "bank",
+        &pack(WeightFormat::F32, &w, stored * rows, cols),
+    )
+    .unwrap();
+    let mut x: Vec<f32> = (0..cols).map(|i| uniform(12, i as u64) - 0.5).collect();
+    x.resize(cols.next_multiple_of(32), 0.0);
+    let src = ctx.storage_with("x", bytemuck::cast_slice(&x)).unwrap();
+    let zeros = |n: usize| ctx.storage_zeroed("test", 4 * n as u64).unwrap();
+    let (ids, wts, dst, counts) = (
+        zeros(slots),
+        zeros(slots),
+        zeros(slots * rows),
+        zeros(m.experts),
+    );
+    let d = expert_gemv(
+        k,
+        "route+up",
+        &bank,
+        Bank {
+            first: 0,
+            count: stored,
+            rows_per_expert: rows,
+        },
+        ExpertPass::Up,
+        1,
+        slots,
+        ExpertBuffers {
+            src: &src,
+            q8: None,
+            dst: &dst,
+            ids: &ids,
+            weights: Some(&wts),
+            store: false,
+            act: None,
+            route: Some(RouteFold {
+                moe: m,
+                logits,
+                params: m.has_correction_bias().then_some((bias, 0)),
+                counts: Some((&counts, 0)),
+            }),
+        },
+    )
+    .unwrap();
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        d.record_tokens(&mut pass, Some(1));
+    }
+    ctx.queue.submit([enc.finish()]);
+    ctx.wait().unwrap();
+    let u32s = |b: &wgpu::Buffer, n: usize| -> Vec<u32> {
+        bytemuck::cast_slice(&ctx.read(b, 4 * n as u64).unwrap()[..4 * n]).to_vec()
+    };
+    let got_ids = u32s(&ids, slots);
+    let got_w = ctx.read_f32(&wts, slots).unwrap();
+    let out = ctx.read_f32(&dst, slots * rows).unwrap();
+    for (s, &id) in got_ids.iter().enumerate() {
+        if s >= m.top_k {
+            let want = (m.experts + s - m.top_k) as u32;
+            assert_eq!((id, got_w[s]), (want, 1.0), "shared slice {s}");
+        }
+        for r in 0..rows {
+            let row = &w[(id as usize * rows + r) * cols..][..cols];
+            let want: f32 = row.iter().zip(&x).map(|(a, b)| a * b).sum();
+            let got = out[s * rows + r];
+            assert!(
+                (got - want).abs() <= 1e-5,
+                "slot {s} (expert {id}) row {r}: {got} vs {want}"
+            );
+        }
+    }
+    let mut want_counts = vec![0u32; m.experts];
+    for &id in &got_ids[..m.top_k] {
+        want_counts[id as usize] += 1;
+    }
+    assert_eq!(u32s(&counts, m.experts), want_counts, "expert load");
+    (got_ids[..m.top_k].to_vec(), got_w[..m.top_k].to_vec())
 }
 
 /// The GPU router's choices equal the CPU router's exactly, in order; weights to f32 rounding.

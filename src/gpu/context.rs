@@ -317,8 +317,10 @@ impl GpuContext {
         // device exists (`EngineOptions::context_for`).
         limits.max_buffer_size = al.max_buffer_size.max(*size);
         limits.max_storage_buffer_binding_size = al.max_storage_buffer_binding_size.max(*size);
+        // Up to 16 where the adapter has them (the MoE up pass that routes its token binds
+        // 12; with fewer the routing keeps its own dispatch).
         limits.max_storage_buffers_per_shader_stage =
-            limits.max_storage_buffers_per_shader_stage.max(check(
+            al.max_storage_buffers_per_shader_stage.min(16).max(check(
                 "storage buffers per stage",
                 needs.storage_buffers_per_stage,
                 al.max_storage_buffers_per_shader_stage,

@@ -11,15 +11,23 @@
 //! `mid [T·K][XM]` (XM = M rounded up to 32, zero past M) and their q8 blocks, what the
 //! activation dispatch between the passes wrote (its formula, bit for bit). A workgroup
 //! then owns whole q8 blocks of rows (R a multiple of 32).
+//!
+//! `Up` with a `RouteFold` (decode) routes the token in its prologue from the router's
+//! logits (`route_select.wgsl`, the routing kernel's code: the same ids and weights bit for
+//! bit) instead of reading `ids`, and writes `ids`, `weights` and the expert load.
 
 use super::gemv::{team_for_lanes, team_size};
 use super::{Dispatch, Kernels, Label, Section, check_len, grid};
+use crate::config::MoeConfig;
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 use crate::gpu::weights::DeviceMatrix;
 use crate::model::quant::WeightFormat;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/expert_gemv.wgsl")];
+const EXPERT_GEMV: &str = include_str!("../../../shaders/expert_gemv.wgsl");
+const SOURCES: super::Sources = &[EXPERT_GEMV];
+/// The up pass that routes its token itself.
+const ROUTED: super::Sources = &[super::moe_route::ROUTE_SELECT, EXPERT_GEMV];
 
 /// Which projection of the experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +58,20 @@ pub struct ExpertBuffers<'a> {
     pub store: bool,
     /// `Up`: the activation folded into the epilogue (`dst` is then not written).
     pub act: Option<ActFold<'a>>,
+    /// `Up`: the routing folded into the prologue (`ids` and `weights` are then written).
+    pub route: Option<RouteFold<'a>>,
+}
+
+/// What the up pass needs to route its token itself (`route_select.wgsl`, the routing
+/// kernel's code): the router's shape, its logits `[T][E]`, the correction bias
+/// (`params [off..off + E]`, grouped routers) and the expert-load counters (`[off..off + E]`).
+/// The routing dispatch before the pass goes; every workgroup of a chosen slot routes, and
+/// one per token writes `ids` and `weights` for the down pass.
+pub struct RouteFold<'a> {
+    pub moe: &'a MoeConfig,
+    pub logits: &'a wgpu::Buffer,
+    pub params: Option<(&'a wgpu::Buffer, usize)>,
+    pub counts: Option<(&'a wgpu::Buffer, usize)>,
 }
 
 /// Where the up pass's folded `relu(u)²` goes: `mid [T·K][XM]` and optionally its q8 blocks
@@ -161,7 +183,7 @@ pub fn expert_gemv(
         ("M", u(m)),
         ("KP", u(w.kp)),
         ("XS", u(xs)),
-        ("K", u(top_k)),
+        ("KS", u(top_k)),
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),
         ("UNROLL", Const::U32(unroll)),
@@ -208,6 +230,32 @@ pub fn expert_gemv(
             entries.extend([(9, q), (10, d)]);
         }
     }
+    if let Some(r) = &b.route {
+        if pass != ExpertPass::Up || r.moe.slots() != top_k {
+            return Err(Error::Gpu(format!(
+                "{name}: only an up pass over the router's {} slots routes",
+                r.moe.slots()
+            )));
+        }
+        check_len(&format!("{name}: logits"), r.logits, tokens * r.moe.experts)?;
+        let wt = b
+            .weights
+            .ok_or_else(|| Error::Gpu(format!("{name}: no routing weights given")))?;
+        check_len(&format!("{name}: weights"), wt, tokens * top_k)?;
+        let (route_consts, route_flags) =
+            super::moe_route::route_spec(name, r.moe, wg, r.params, r.counts)?;
+        // (`KS` is already the pass's slots.)
+        consts.extend(route_consts.into_iter().filter(|(c, _)| *c != "KS"));
+        flags.push("ROUTE");
+        entries.extend([(7, wt), (11, r.logits)]);
+        if let (Some((p, _)), true) = (r.params, route_flags.contains(&"GROUPED")) {
+            entries.push((12, p));
+        }
+        if let Some((c, _)) = r.counts {
+            entries.push((13, c));
+        }
+        flags.extend(route_flags);
+    }
     if pass == ExpertPass::Down {
         let wt = b
             .weights
@@ -216,7 +264,8 @@ pub fn expert_gemv(
         flags.push("DOWN");
         entries.push((7, wt));
     }
-    let pipeline = k.pipeline("expert_gemv", SOURCES, &consts, &flags, false)?;
+    let sources = if b.route.is_some() { ROUTED } else { SOURCES };
+    let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, false)?;
     let bind_group = k.bind(&pipeline, name, &entries);
     let (gx, gy, _) = grid((m as u32).div_ceil(wg / team));
     let d = Dispatch {

@@ -420,6 +420,45 @@ pub fn team_for_lanes(rows: usize, vectors_per_row: usize, lanes: usize) -> u32 
     team as u32
 }
 
+/// Lanes per row of a GEMV of `w` (one-token and batched alike, so a lane still equals its
+/// run alone; `mixer`: the in_proj with the conv step in its epilogue): MAMBA2_GEMV_TEAM,
+/// else `small_f32_team` for small f32 matrices (the MoE routers), else `team_size`, at most
+/// 16 for the in_proj unless it is q8_0 of 4096 columns or more. (On the H200, run 158,
+/// teams of 16 against 32, in_proj GPU ms per token: mamba2-2.7b q8_0 1.159 → 1.031, q4_k
+/// 1.046 → 0.905, f16 1.809 → 1.638; Codestral f16 3.330 → 3.186, q4_k 1.646 → 1.616,
+/// q8_0 2.124 → 2.138; Nemotron-H-8B q8_0 0.768 → 0.778, f16 1.258 → 1.206; Nemotron 3
+/// Nano q8_0 0.415 → 0.374 (run 157). The other GEMVs lost with 16: Codestral's out_proj
+/// 1.179 → 1.422.)
+pub fn gemv_team(w: &DeviceMatrix, mixer: bool) -> Result<u32> {
+    let vpr = w.kp / vector_width(w.format);
+    Ok(match team_override()? {
+        Some(t) => t,
+        None if w.format == WeightFormat::F32 && w.rows * vpr <= SMALL_F32 => small_f32_team(vpr),
+        None if mixer && !(w.format == WeightFormat::Q8_0 && w.cols >= 4096) => {
+            team_size(w.rows, vpr).min(16)
+        }
+        None => team_size(w.rows, vpr),
+    })
+}
+
+/// The most 4-value vectors an f32 matrix may hold to take `small_f32_team`: the MoE
+/// routers (Nemotron 3 Nano's 128 × 2688 is 86016), read by few workgroups, whose latency
+/// (not their bytes) is their time.
+pub const SMALL_F32: usize = 1 << 17;
+
+/// Lanes per row of a small f32 matrix: up to a workgroup's `WG` while every lane keeps two
+/// vectors, so rows spread over as many workgroups as they can and each lane's loads are
+/// few (Nemotron 3 Nano's router on the H200, every GEMV's team forced to 256 against
+/// `team_size`'s 64 for it: norm+router 0.267 → 0.239 GPU ms per token over 23 layers,
+/// run 155).
+pub fn small_f32_team(vectors_per_row: usize) -> u32 {
+    let mut team = WG as usize;
+    while team > 4 && vectors_per_row < 2 * team {
+        team /= 2;
+    }
+    team as u32
+}
+
 /// Vector loads a lane of the one-token q8_0 and f16/bf16 kernels (and the q8_0 expert
 /// GEMVs) issues together before summing them: MAMBA2_GEMV_UNROLL (1, 2, 4 or 8, for
 /// tuning) or what the H200 measured best (BENCHMARKS.md, "Decode GEMVs with their loads
@@ -559,11 +598,8 @@ pub fn folds_norm(k: &Kernels, w: &DeviceMatrix) -> Result<bool> {
         w.kp + w.kp / 8 + 4 * super::rmsnorm::CHUNK <= limit
     };
     let narrow = || {
-        let team = team_override()
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| team_size(w.rows, w.kp / vector_width(w.format)))
-            as usize;
+        // (Folded pre-norms go into the in_proj, whose epilogue is the mixer's.)
+        let team = gemv_team(w, true).unwrap_or(WG) as usize;
         let rows_per_wg = (super::rmsnorm::CHUNK / team).max(1);
         w.rows.div_ceil(rows_per_wg) * 8 * w.kp <= FOLD_READS
     };
@@ -618,10 +654,8 @@ pub fn gemv(
             w.kp
         )));
     }
-    let team = match team_override()? {
-        Some(t) => t,
-        None => team_size(m, w.kp / vector_width(w.format)),
-    };
+    let vpr = w.kp / vector_width(w.format);
+    let team = gemv_team(w, matches!(output, GemvOutput::Mixer(_)))?;
     // The group-norm prologue's invocations per group, the same for both kernels (see
     // `group_lanes`).
     let gsub = match input {
@@ -717,6 +751,13 @@ pub fn gemv(
     if local && w.format == WeightFormat::Q8_0 {
         flags.push("EARLY");
     }
+    // f32 with the folded pre-norm (the MoE router) issues all its weight loads before that
+    // prologue where a lane has a few.
+    let nvt = vpr.div_ceil(team as usize);
+    if norm && w.format == WeightFormat::F32 && nvt <= 4 {
+        flags.push("EARLY_F32");
+    }
+    consts.push(("NVT", u(nvt.min(4))));
     let mut entries = w.bindings();
     if w.format.reads_q8() && !local {
         let (q, d) = b.q8.ok_or_else(|| missing("q8 activation"))?;

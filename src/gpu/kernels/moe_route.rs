@@ -10,7 +10,13 @@ use crate::config::{MoeConfig, Router};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/moe_route.wgsl")];
+/// The routing itself (`route_select.wgsl`), which the decode up pass also includes.
+pub const ROUTE_SELECT: &str = include_str!("../../../shaders/route_select.wgsl");
+
+const SOURCES: super::Sources = &[
+    ROUTE_SELECT,
+    include_str!("../../../shaders/moe_route.wgsl"),
+];
 
 /// The router's buffers.
 pub struct RouteBuffers<'a> {
@@ -33,60 +39,22 @@ pub fn moe_route(
     tokens: usize,
     b: RouteBuffers,
 ) -> Result<Dispatch> {
-    m.check()
-        .map_err(|(field, msg)| Error::Gpu(format!("{name}: `{field}`: {msg}")))?;
-    let (e, top, slots) = (m.experts, m.top_k, m.slots());
+    let (e, slots) = (m.experts, m.slots());
     check_len(&format!("{name}: logits"), b.logits, tokens * e)?;
     check_len(&format!("{name}: ids"), b.ids, tokens * slots)?;
     check_len(&format!("{name}: weights"), b.weights, tokens * slots)?;
-    let u = |v: usize| Const::U32(v as u32);
     // Eight invocations per candidate where the device allows (each counts the rivals of
     // its slice: the rank loop is the kernel's latency), at least 256 invocations.
     let wg = k
         .max_workgroup()
         .min((8 * e.next_power_of_two()).max(256) as u32);
-    if slots > wg as usize {
-        return Err(Error::Gpu(format!(
-            "{name}: {slots} expert slots per token, but a workgroup holds {wg} invocations"
-        )));
-    }
-    // Invocations per candidate: the workgroup over the experts, a power of two.
-    let tpc = (wg as usize / e.next_power_of_two()).max(1);
-    let mut consts = vec![
-        ("WG", Const::U32(wg)),
-        ("E", u(e)),
-        ("K", u(top)),
-        ("KS", u(slots)),
-        ("TPC", u(tpc)),
-    ];
-    let mut flags = Vec::new();
+    let (mut consts, mut flags) = route_spec(name, m, wg, b.params, b.counts)?;
+    consts.push(("WG", Const::U32(wg)));
     let mut entries = vec![(0, b.logits), (2, b.ids), (3, b.weights)];
-    if let Router::Grouped {
-        n_group,
-        topk_group,
-        norm_topk_prob,
-        routed_scaling_factor,
-    } = m.router
-    {
-        let (params, off) = b
-            .params
-            .ok_or_else(|| Error::Gpu(format!("{name}: no correction bias buffer given")))?;
-        check_len(&format!("{name}: params"), params, off + e)?;
-        flags.push("GROUPED");
-        consts.extend([
-            ("NG", u(n_group)),
-            ("GS", u(e / n_group)),
-            ("TG", u(topk_group)),
-            ("NORM", u(norm_topk_prob as usize)),
-            ("RSF", Const::F32(routed_scaling_factor as f32)),
-            ("BIAS_OFF", u(off)),
-        ]);
+    if let (Some((params, _)), true) = (b.params, flags.contains(&"GROUPED")) {
         entries.push((1, params));
     }
-    if let Some((c, off)) = b.counts {
-        check_len(&format!("{name}: counts"), c, off + e)?;
-        flags.push("COUNT");
-        consts.push(("COUNT_OFF", u(off)));
+    if let Some((c, _)) = b.counts {
         entries.push((4, c));
     }
     if let Some(c) = b.ctrl {
@@ -106,4 +74,63 @@ pub fn moe_route(
         label: Label::default(),
     };
     Ok(if tokens > 1 { d.per_token(0, 1, 1) } else { d })
+}
+
+/// A kernel's compile-time constants and flags.
+pub type Specialization = (Vec<(&'static str, Const)>, Vec<&'static str>);
+
+/// The constants and flags of `route_select.wgsl` for a workgroup of `wg` invocations (the
+/// includer adds `WG` and binds the buffers): checks the router's shape, that the `KS` slots
+/// fit the workgroup, and the correction bias and counters' lengths.
+pub fn route_spec(
+    name: &str,
+    m: &MoeConfig,
+    wg: u32,
+    params: Option<(&wgpu::Buffer, usize)>,
+    counts: Option<(&wgpu::Buffer, usize)>,
+) -> Result<Specialization> {
+    m.check()
+        .map_err(|(field, msg)| Error::Gpu(format!("{name}: `{field}`: {msg}")))?;
+    let (e, top, slots) = (m.experts, m.top_k, m.slots());
+    if slots > wg as usize {
+        return Err(Error::Gpu(format!(
+            "{name}: {slots} expert slots per token, but a workgroup holds {wg} invocations"
+        )));
+    }
+    // Invocations per candidate: the workgroup over the experts, a power of two.
+    let tpc = (wg as usize / e.next_power_of_two()).max(1);
+    let u = |v: usize| Const::U32(v as u32);
+    let mut consts = vec![
+        ("E", u(e)),
+        ("K", u(top)),
+        ("KS", u(slots)),
+        ("TPC", u(tpc)),
+    ];
+    let mut flags = Vec::new();
+    if let Router::Grouped {
+        n_group,
+        topk_group,
+        norm_topk_prob,
+        routed_scaling_factor,
+    } = m.router
+    {
+        let (params, off) =
+            params.ok_or_else(|| Error::Gpu(format!("{name}: no correction bias buffer given")))?;
+        check_len(&format!("{name}: params"), params, off + e)?;
+        flags.push("GROUPED");
+        consts.extend([
+            ("NG", u(n_group)),
+            ("GS", u(e / n_group)),
+            ("TG", u(topk_group)),
+            ("NORM", u(norm_topk_prob as usize)),
+            ("RSF", Const::F32(routed_scaling_factor as f32)),
+            ("BIAS_OFF", u(off)),
+        ]);
+    }
+    if let Some((c, off)) = counts {
+        check_len(&format!("{name}: counts"), c, off + e)?;
+        flags.push("COUNT");
+        consts.push(("COUNT_OFF", u(off)));
+    }
+    Ok((consts, flags))
 }
