@@ -35,7 +35,7 @@ fn rt_better(a: f32, ia: u32, b: f32, ib: u32) -> bool {
 fn rt_eligible(e: u32) -> bool {
 #if GROUPED
     if (TG < NG) {
-        return rt_group_kept[e / GS] == 1u;
+            return rt_group_kept[e / GS] == 1u;
     }
 #endif
     return true;
@@ -57,29 +57,32 @@ fn route_select(t: u32, lid: u32) {
     }
     workgroupBarrier();
 #if GROUPED
-    for (var g = lid; g < NG && TG < NG; g += WG) {
-        var m1 = -3.4e38;
-        var m2 = -3.4e38;
-        for (var j = 0u; j < GS; j++) {
-            let c = rt_score[g * GS + j];
-            if (c > m1) {
-                m2 = m1;
-                m1 = c;
-            } else if (c > m2) {
-                m2 = c;
+    // (A constant condition: with every group eligible its barriers go too.)
+    if (TG < NG) {
+        for (var g = lid; g < NG; g += WG) {
+            var m1 = -3.4e38;
+            var m2 = -3.4e38;
+            for (var j = 0u; j < GS; j++) {
+                let c = rt_score[g * GS + j];
+                if (c > m1) {
+                    m2 = m1;
+                    m1 = c;
+                } else if (c > m2) {
+                    m2 = c;
+                }
             }
+            rt_group_score[g] = m1 + m2;
         }
-        rt_group_score[g] = m1 + m2;
-    }
-    workgroupBarrier();
-    for (var g = lid; g < NG && TG < NG; g += WG) {
-        var rank = 0u;
-        for (var h = 0u; h < NG; h++) {
-            rank += u32(rt_better(rt_group_score[h], h, rt_group_score[g], g));
+        workgroupBarrier();
+        for (var g = lid; g < NG; g += WG) {
+            var rank = 0u;
+            for (var h = 0u; h < NG; h++) {
+                rank += u32(rt_better(rt_group_score[h], h, rt_group_score[g], g));
+            }
+            rt_group_kept[g] = u32(rank < TG);
         }
-        rt_group_kept[g] = u32(rank < TG);
+        workgroupBarrier();
     }
-    workgroupBarrier();
 #endif
     // Invocation lid counts, for candidate lid / TPC (and every WG / TPC after it), the
     // candidates j ≡ lid (mod TPC) that beat it.

@@ -103,11 +103,12 @@ fn team_and_wg(
     let mut wg = super::gemv::one_token_wg(k, super::gemv::WgKind::Expert)?.max(team);
     if fold {
         // (32 teams of 16 on the H200, run 116: Nano's up pass 0.471 ms against 0.484 with
-        // teams of 32 and 0.493 with 8.)
+        // teams of 32 and 0.493 with 8.) Workgroups of 1024 where the device allows: Nano's
+        // up pass 0.531 → 0.516 ms against 512 (run 157, the routing in its prologue).
         while team > 1 && 32 * team > max.min(512) {
             team /= 2;
         }
-        wg = wg.max(32 * team).min(max);
+        wg = wg.max(32 * team).max(max.min(1024)).min(max);
     }
     Ok((team, wg))
 }

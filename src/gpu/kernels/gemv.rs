@@ -423,20 +423,20 @@ pub fn team_for_lanes(rows: usize, vectors_per_row: usize, lanes: usize) -> u32 
 /// Lanes per row of a GEMV of `w` (one-token and batched alike, so a lane still equals its
 /// run alone; `mixer`: the in_proj with the conv step in its epilogue): MAMBA2_GEMV_TEAM,
 /// else `small_f32_team` for small f32 matrices (the MoE routers), else `team_size`, at most
-/// 16 for the in_proj unless it is q8_0 of 4096 columns or more. (On the H200, run 158,
-/// teams of 16 against 32, in_proj GPU ms per token: mamba2-2.7b q8_0 1.159 → 1.031, q4_k
-/// 1.046 → 0.905, f16 1.809 → 1.638; Codestral f16 3.330 → 3.186, q4_k 1.646 → 1.616,
-/// q8_0 2.124 → 2.138; Nemotron-H-8B q8_0 0.768 → 0.778, f16 1.258 → 1.206; Nemotron 3
-/// Nano q8_0 0.415 → 0.374 (run 157). The other GEMVs lost with 16: Codestral's out_proj
-/// 1.179 → 1.422.)
+/// 16 for an in_proj with 2^17 lanes or more at 16 a row, unless it is q8_0 of 4096 columns
+/// or more. (On the H200, run 158, teams of 16 against 32, in_proj GPU ms per token:
+/// mamba2-2.7b q8_0 1.159 → 1.031, q4_k 1.046 → 0.905, f16 1.809 → 1.638; Codestral f16
+/// 3.330 → 3.186, q4_k 1.646 → 1.616, q8_0 2.124 → 2.138; Nemotron-H-8B q8_0 0.768 →
+/// 0.778, f16 1.258 → 1.206; Nemotron 3 Nano q8_0 0.415 → 0.374 (run 157). The other GEMVs
+/// lost with 16: Codestral's out_proj 1.179 → 1.422. Run 159: mamba2-370m, whose 4384 rows
+/// make 70k lanes at 16, 0.822 → 0.834 ms/token; 1.3b's 8512 rows 1.113 → 1.101.)
 pub fn gemv_team(w: &DeviceMatrix, mixer: bool) -> Result<u32> {
     let vpr = w.kp / vector_width(w.format);
+    let wide_q8 = w.format == WeightFormat::Q8_0 && w.cols >= 4096;
     Ok(match team_override()? {
         Some(t) => t,
         None if w.format == WeightFormat::F32 && w.rows * vpr <= SMALL_F32 => small_f32_team(vpr),
-        None if mixer && !(w.format == WeightFormat::Q8_0 && w.cols >= 4096) => {
-            team_size(w.rows, vpr).min(16)
-        }
+        None if mixer && !wide_q8 && 16 * w.rows >= 1 << 17 => team_size(w.rows, vpr).min(16),
         None => team_size(w.rows, vpr),
     })
 }
