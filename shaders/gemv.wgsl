@@ -15,7 +15,8 @@
 // weights: its q8 blocks in workgroup memory) | EARLY_F32 (f32 with the folded pre-norm:
 // the lane's NVT weight vectors loaded before the prologue) | EARLY (q8_0 with the folded pre-norm:
 // the first weights loaded before it);  O_STORE | O_ADD | O_MIXER; O_ARGMAX (with
-// O_STORE, one token: each workgroup's best row for the greedy argmax).
+// O_STORE, one token: each workgroup's best row for the greedy argmax); O_KV (with
+// O_STORE, one token: the k and v rows also into the KV caches).
 
 // The group-norm factor of input column k (1 without X_GROUP).
 fn col_scale(k: u32) -> f32 {
@@ -356,6 +357,38 @@ fn main(
     if (lane == 0u && row_raw < M) {
         emit(0u, row, total);
     }
+#if O_KV
+    // The workgroup's rows through workgroup memory: an f16 cache word holds two rows
+    // (R is even and k and v start on even rows, so both are this workgroup's).
+    if (lane == 0u) {
+        kv_rows[lid / TEAM] = total;
+    }
+    workgroupBarrier();
+    {
+        let r = (wid.x + wid.y * nwg.x) * R + lid;
+        let pos = kv_ctrl.kv_len;
+        if (lid < R && r >= KV_Q && r < KV_Q + 2u * KV_N && r < M && kv_ctrl.stopped == 0u && pos < CTX) {
+            let is_v = r >= KV_Q + KV_N;
+            let e = r - KV_Q - select(0u, KV_N, is_v);
+#if KV_F32
+            if (is_v) {
+                v_cache[pos * KV_N + e] = kv_rows[lid];
+            } else {
+                k_cache[pos * KV_N + e] = kv_rows[lid];
+            }
+#else
+            if (e % 2u == 0u) {
+                let packed = pack2x16float(vec2<f32>(kv_rows[lid], kv_rows[lid + 1u]));
+                if (is_v) {
+                    v_cache[(pos * KV_N + e) / 2u] = packed;
+                } else {
+                    k_cache[(pos * KV_N + e) / 2u] = packed;
+                }
+            }
+#endif
+        }
+    }
+#endif
 #if O_ARGMAX
     if (lane == 0u) {
         amax_rows[lid / TEAM] = total;

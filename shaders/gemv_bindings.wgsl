@@ -80,6 +80,22 @@ var<workgroup> grp_red: array<f32, WG>;
 
 const NV: u32 = KP / VW;
 
+#if O_KV
+// One-token qkv GEMV (NoPE attention): the k and v rows (rows KV_Q .. KV_Q + 2·KV_N of
+// [q | k | v]) also go to cache row kv_ctrl.kv_len of k_cache / v_cache ([CTX][KV_N],
+// f32, or f16 two per u32), what the K/V store kernel writes; nothing when the step is
+// stopped or the cache full.
+#if KV_F32
+@group(0) @binding(14) var<storage, read_write> k_cache: array<f32>;
+@group(0) @binding(15) var<storage, read_write> v_cache: array<f32>;
+#else
+@group(0) @binding(14) var<storage, read_write> k_cache: array<u32>;
+@group(0) @binding(15) var<storage, read_write> v_cache: array<u32>;
+#endif
+@group(0) @binding(16) var<storage, read> kv_ctrl: Ctrl;
+var<workgroup> kv_rows: array<f32, R>;
+#endif
+
 #if O_ARGMAX
 // One-token greedy lm_head: per workgroup (linear index), its best row as (bits of the
 // value, row, any row NaN or ±Inf, 0) by `token_better`, which the argmax then reduces

@@ -2,7 +2,8 @@
 //! attention_prefill) against the CPU oracle `reference::attention` in f64, from one table
 //! of cases. The oracle reads the K/V the GPU stored (read back, so f16 caches are compared
 //! on the same rounded values) and the queries rotated on the host. Cache rows past the
-//! ones a case stores hold NaN: a kernel that reads past the length fails.
+//! ones a case stores hold NaN: a kernel that reads past the length fails. The qkv GEMV
+//! that stores K/V itself (fused decode) against the GEMV + kv_store, bit for bit.
 
 mod common;
 
@@ -19,9 +20,11 @@ use mamba2_wgpu::gpu::kernels::attention_decode::{
 use mamba2_wgpu::gpu::kernels::attention_prefill::attention_prefill;
 use mamba2_wgpu::gpu::kernels::attention_prefill_coop::{self, attention_prefill_coop};
 use mamba2_wgpu::gpu::kernels::attn::{AttnBuffers, AttnConsts, KvFormat};
+use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, KvOut, gemv, stores_kv};
 use mamba2_wgpu::gpu::kernels::kv_store::kv_store;
 use mamba2_wgpu::gpu::kernels::{Dispatch, Kernels, Lanes};
-use mamba2_wgpu::model::quant::quantize_activation_block;
+use mamba2_wgpu::gpu::weights::DeviceMatrix;
+use mamba2_wgpu::model::quant::{WeightFormat, pack, quantize_activation_block};
 use mamba2_wgpu::reference::attention::{AttnDims, attend, attend_rounding, rope};
 use mamba2_wgpu::sampling::uniform;
 
@@ -484,6 +487,108 @@ fn kv_store_rows_rope_and_stop() {
                         assert!((gq - w).abs() <= 1e-5, "{what}: qkv[{tk}][{i}] {gq} vs {w}");
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The one-token qkv GEMV that stores the k and v rows itself (NoPE, fused decode) leaves
+/// the caches and `qkv` bit for bit as the GEMV followed by kv_store does, in f32 and f16
+/// caches and f32 / f16 weights: at a middle row, the last row, a full cache (nothing
+/// stored) and a stopped step (nothing stored).
+#[test]
+fn qkv_gemv_stores_kv_as_kv_store_does() {
+    let Some(g) = Gpu::new() else { return };
+    let dims = AttnDims {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+    };
+    let (ctx, kvl, cols) = (10, dims.kv_len(), 40);
+    let rows = dims.q_len() + 2 * kvl;
+    let w = rand(31, rows * cols, -0.5, 0.5);
+    let mut x = rand(32, cols, -1.0, 1.0);
+    x.resize(cols.next_multiple_of(32), 0.0);
+    let xb = g.buf(bytemuck::cast_slice(&x));
+    for wf in [WeightFormat::F32, WeightFormat::F16] {
+        let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, cols)).unwrap();
+        for format in [F32, F16] {
+            let f32 = format == F32;
+            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, f32).unwrap());
+            for (kv_len, stopped) in [(4, 0), (9, 0), (10, 0), (3, 1)] {
+                let what = format!(
+                    "{} weights, {format:?} cache, kv_len {kv_len}, stopped {stopped}",
+                    wf.name()
+                );
+                let ac = AttnConsts {
+                    dims,
+                    ctx,
+                    format,
+                    qkv_stride: rows,
+                    scale: 1.0,
+                    rope: None,
+                };
+                let ctrl = Ctrl {
+                    kv_len,
+                    stopped,
+                    ..Default::default()
+                };
+                let ctrl_buf = g.buf(bytemuck::bytes_of(&ctrl));
+                let sentinel = cache_bytes(format, &[], ctx * kvl);
+                let run = |fold: bool| {
+                    let (qkv, kb, vb) = (g.zeros(rows), g.buf(&sentinel), g.buf(&sentinel));
+                    let gemv_d = gemv(
+                        &g.k,
+                        "qkv",
+                        &m,
+                        GemvInput::Plain,
+                        GemvOutput::Store,
+                        GemvBuffers {
+                            kv: fold.then_some(KvOut {
+                                k_cache: &kb,
+                                v_cache: &vb,
+                                ctrl: &ctrl_buf,
+                                q_rows: dims.q_len(),
+                                kv_rows: kvl,
+                                ctx,
+                                f32,
+                            }),
+                            ..GemvBuffers::plain(&xb, None, &qkv)
+                        },
+                    )
+                    .unwrap();
+                    let b = AttnBuffers {
+                        qkv: &qkv,
+                        k_cache: &kb,
+                        v_cache: &vb,
+                        ctrl: &ctrl_buf,
+                        lanes: Lanes::ONE,
+                    };
+                    if fold {
+                        g.run(&[&gemv_d]);
+                    } else {
+                        g.run(&[&gemv_d, &kv_store(&g.k, "kv_store", ac, None, &b).unwrap()]);
+                    }
+                    let words = if f32 { ctx * kvl } else { ctx * kvl / 2 };
+                    (
+                        g.words(&qkv, rows),
+                        g.words(&kb, words),
+                        g.words(&vb, words),
+                    )
+                };
+                let (want, got) = (run(false), run(true));
+                assert_eq!(got.0, want.0, "{what}: qkv");
+                assert_eq!(got.1, want.1, "{what}: k cache");
+                assert_eq!(got.2, want.2, "{what}: v cache");
+                let stored = stopped == 0 && (kv_len as usize) < ctx;
+                let row =
+                    &cache_values(&g, format, &g.buf(bytemuck::cast_slice(&got.1)), ctx * kvl)
+                        [kv_len as usize % ctx * kvl..][..kvl];
+                assert_eq!(
+                    row.iter().all(|v| v.is_nan()),
+                    !stored,
+                    "{what}: the token's k row stored or not"
+                );
             }
         }
     }

@@ -1,5 +1,6 @@
 //! The attention block's dispatches. Decode (5 after the pre-norm): the `[q|k|v]` GEMV,
-//! `kv_store` (the token's K/V into cache row `ctrl.kv_len`, RoPE when asked), flash-decoding
+//! `kv_store` (the token's K/V into cache row `ctrl.kv_len`, RoPE when asked; fused without
+//! RoPE, the GEMV's epilogue stores them instead: 4), flash-decoding
 //! over the cached rows in segments (`attention_decode`) and the merge of the segments
 //! (`attention_combine`, with the q8 blocks of the heads' output for a q8_0 o_proj), then
 //! o_proj adding into the residual. Prefill: the same with GEMMs, and causal tiled
@@ -13,7 +14,7 @@ use crate::gpu::kernels::attention_decode::{attention_decode, decode_partials_le
 use crate::gpu::kernels::attention_prefill::attention_prefill;
 use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
-use crate::gpu::kernels::gemv::{self, GemvInput, GemvOutput};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, KvOut};
 use crate::gpu::kernels::kv_store::kv_store;
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
@@ -54,13 +55,16 @@ fn attn_section(d: Dispatch) -> Dispatch {
     }
 }
 
-/// One decode token through an attention layer (after the pre-norm into `h`).
+/// One decode token through an attention layer (after the pre-norm into `h`). `fused`, one
+/// token and no RoPE: the qkv GEMV stores the k and v rows into the caches itself (one
+/// dispatch fewer).
 pub fn decode(
     b: &BlockCtx,
     qkv: &DeviceMatrix,
     o: &DeviceMatrix,
     k_cache: &wgpu::Buffer,
     v_cache: &wgpu::Buffer,
+    fused: bool,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let ac = layer_consts(b)?;
@@ -72,16 +76,40 @@ pub fn decode(
         ctrl: &s.ctrl,
         lanes: b.lanes,
     };
-    Ok(vec![
-        attn_section(gemv::gemv(
-            k,
-            "qkv_proj",
-            qkv,
-            GemvInput::Plain,
-            GemvOutput::Store,
-            b.gemv_in(&s.h, &s.qkv),
-        )?),
-        kv_store(k, "kv_store", ac, None, &bufs)?,
+    let d = ac.dims;
+    let f32 = ac.format == KvFormat::F32;
+    let (q_rows, kv_rows) = (d.heads * d.head_dim, d.kv_heads * d.head_dim);
+    let fold = fused
+        && b.lanes.cap == 1
+        && ac.rope.is_none()
+        && gemv::stores_kv(k, qkv, q_rows, kv_rows, f32)?;
+    let mut out = vec![attn_section(gemv::gemv(
+        k,
+        if fold {
+            "qkv_proj+kv_store"
+        } else {
+            "qkv_proj"
+        },
+        qkv,
+        GemvInput::Plain,
+        GemvOutput::Store,
+        GemvBuffers {
+            kv: fold.then_some(KvOut {
+                k_cache,
+                v_cache,
+                ctrl: &s.ctrl,
+                q_rows,
+                kv_rows,
+                ctx: ac.ctx,
+                f32,
+            }),
+            ..b.gemv_in(&s.h, &s.qkv)
+        },
+    )?)];
+    if !fold {
+        out.push(kv_store(k, "kv_store", ac, None, &bufs)?);
+    }
+    out.extend([
         attention_decode(k, "attention", ac, &bufs, &s.attn_part)?,
         attention_combine(
             k,
@@ -101,7 +129,8 @@ pub fn decode(
             GemvOutput::Add,
             b.gemv_in(&s.attn, &s.resid),
         )?),
-    ])
+    ]);
+    Ok(out)
 }
 
 /// A prefill block through an attention layer (after the batched pre-norm into `p.h`).

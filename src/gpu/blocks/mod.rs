@@ -108,7 +108,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 mamba2::decode(b, &l, fuse, fold_norm.then_some(norm_off))?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
-                attention::decode(b, qkv, o, kc, vc)?
+                attention::decode(b, qkv, o, kc, vc, fused)?
             }
             (DeviceMixer::Mlp { up, down, bias }, DeviceLayerState::Stateless) => mlp::decode(
                 b,

@@ -337,6 +337,41 @@ pub struct GemvBuffers<'a> {
     /// One-token `Store` (the greedy lm_head): each workgroup's best row for the argmax,
     /// 4 u32 per workgroup of the dispatch's grid (its `workgroups`, spare ones included).
     pub argmax_part: Option<&'a wgpu::Buffer>,
+    /// One-token `Store` of a NoPE attention layer's `[q | k | v]`: the k and v rows also go
+    /// to the KV caches (the K/V store dispatch then goes).
+    pub kv: Option<KvOut<'a>>,
+}
+
+/// Where a one-token qkv GEMV stores its k and v rows besides `dst`: cache row
+/// `ctrl.kv_len` of `k_cache` and `v_cache` (`[ctx][kv_rows]`, f32 or f16 two per u32, as
+/// `kv_store` writes them; nothing for a stopped step or a full cache). `[q | k | v]`: the
+/// k rows start at `q_rows`, the v rows `kv_rows` later.
+#[derive(Clone, Copy)]
+pub struct KvOut<'a> {
+    pub k_cache: &'a wgpu::Buffer,
+    pub v_cache: &'a wgpu::Buffer,
+    pub ctrl: &'a wgpu::Buffer,
+    pub q_rows: usize,
+    pub kv_rows: usize,
+    pub ctx: usize,
+    pub f32: bool,
+}
+
+/// Whether a one-token GEMV of `w` (a plain-input qkv projection) can store the k and v
+/// rows itself (`GemvBuffers::kv`): an f16 cache word holds two rows, so a workgroup's rows
+/// must come in pairs.
+pub fn stores_kv(
+    k: &Kernels,
+    w: &DeviceMatrix,
+    q_rows: usize,
+    kv_rows: usize,
+    f32: bool,
+) -> Result<bool> {
+    let team = gemv_team(w, false)?;
+    let wg = one_token_wg(k, WgKind::Plain)?.max(team);
+    let pairs =
+        (wg / team).is_multiple_of(2) && q_rows.is_multiple_of(2) && kv_rows.is_multiple_of(2);
+    Ok(q_rows + 2 * kv_rows <= w.rows && (f32 || pairs))
 }
 
 /// The pre-norm's output a `GemvInput::Norm` GEMV writes besides its rows: `h [KP]` (zero
@@ -365,6 +400,7 @@ impl<'a> GemvBuffers<'a> {
             lanes: super::Lanes::ONE,
             norm_out: None,
             argmax_part: None,
+            kv: None,
         }
     }
 }
@@ -928,6 +964,38 @@ pub fn gemv(
         )?;
         flags.push("O_ARGMAX");
         entries.push((13, part));
+    }
+    if let Some(kv) = b.kv {
+        let pairs = rows_per_wg.is_multiple_of(2)
+            && kv.q_rows.is_multiple_of(2)
+            && kv.kv_rows.is_multiple_of(2);
+        if cap > 1
+            || !matches!(output, GemvOutput::Store)
+            || kv.q_rows + 2 * kv.kv_rows > m
+            || !(kv.f32 || pairs)
+        {
+            return Err(Error::Gpu(format!(
+                "{name}: the k and v rows {}..{} go to the caches from a one-token stored GEMV \
+                 of {m} rows whose workgroups hold row pairs (f16 caches), not {cap} lanes of \
+                 {rows_per_wg} rows",
+                kv.q_rows,
+                kv.q_rows + 2 * kv.kv_rows
+            )));
+        }
+        let words = kv.ctx * kv.kv_rows / if kv.f32 { 1 } else { 2 };
+        check_len(&format!("{name}: k cache"), kv.k_cache, words)?;
+        check_len(&format!("{name}: v cache"), kv.v_cache, words)?;
+        check_len(&format!("{name}: ctrl"), kv.ctrl, super::CTRL_WORDS)?;
+        flags.push("O_KV");
+        if kv.f32 {
+            flags.push("KV_F32");
+        }
+        consts.extend([
+            ("KV_Q", u(kv.q_rows)),
+            ("KV_N", u(kv.kv_rows)),
+            ("CTX", u(kv.ctx)),
+        ]);
+        entries.extend([(14, kv.k_cache), (15, kv.v_cache), (16, kv.ctrl)]);
     }
     let pipeline = if cap > 1 {
         // Every lane of a team gets its totals (they go out side by side).
