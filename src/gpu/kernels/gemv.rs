@@ -72,6 +72,12 @@ pub const MAX_LANES: usize = 16;
 /// 7.83; 16 × 2 5.46 / 2.94 and 17.94 / 9.55; 8 × 8 5.54 / 3.68; 16 × 4 7.09 / 3.68. So
 /// an activation-bound GEMV of `SPREAD` columns or more takes 4 × 8 at 16 lanes (four lane
 /// groups side by side), 8 × 4 past them and below `SPREAD`; out_proj 4 × 8.
+/// q8_0 teams of 16 lanes or fewer (the in_proj's, `gemv_team`) at `FEW_LANES` lanes or
+/// fewer own one row each (run 162, every GEMV forced to one row against two, ms per step
+/// at 2 / 4 / 8 lanes: mamba2-2.7b 2.305 / 2.874 / 3.726 → 2.113 / 2.636 / 4.346, its
+/// in_proj 1.289 → 1.201 and 1.596 → 1.454 GPU ms at 2 and 4; mamba2-130m's in_proj 0.256
+/// → 0.246 and 0.301 → 0.285; but the teams of 32 of Codestral's and Nemotron-H-8B's in_proj
+/// lost: 2.726 → 3.219 and 0.973 → 1.190 at 4 lanes).
 /// `MAMBA2_BATCH_LANES` and `MAMBA2_BATCH_ROWS` override both (for tuning: the results
 /// are bitwise the same whatever they are).
 pub fn lane_tiling(
@@ -80,6 +86,7 @@ pub fn lane_tiling(
     rows: usize,
     format: WeightFormat,
     role: BatchRole,
+    team: u32,
 ) -> (usize, usize) {
     let env = |name: &str| {
         std::env::var(name)
@@ -91,6 +98,7 @@ pub fn lane_tiling(
         WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 | WeightFormat::Q8_0
     );
     let (nl, rt) = match role {
+        _ if format == WeightFormat::Q8_0 && lanes <= FEW_LANES && team <= 16 => (MAX_LANES, 1),
         _ if format != WeightFormat::Q8_0 || lanes < MAX_LANES => (MAX_LANES, 2),
         BatchRole::ActivationBound { spread: true } if lanes <= MAX_LANES => (4, 8),
         BatchRole::ActivationBound { .. } => (8, 4),
@@ -107,6 +115,9 @@ pub fn lane_tiling(
     let nl = lanes.clamp(1, nl).min((2048 / groups.max(1)).max(1));
     (nl, rt.min(rows.max(1)))
 }
+
+/// Lanes up to which a q8_0 GEMV of narrow teams takes one row per team (`lane_tiling`).
+pub const FEW_LANES: usize = 4;
 
 /// Columns from which a batch's q8_0 in_proj and out_proj take their own tiles
 /// (`lane_tiling`).
@@ -676,7 +687,8 @@ pub fn gemv(
         GemvInput::Plain | GemvInput::Norm { .. } => 1,
     };
     let role = BatchRole::of(w.cols, input, output);
-    let (nl, rt) = lane_tiling(n, groups, m, w.format, role);
+    let team = gemv_team(w, matches!(output, GemvOutput::Mixer(_)))?;
+    let (nl, rt) = lane_tiling(n, groups, m, w.format, role, team);
     // The batch kernel's teams own `rt` rows each (the one-token kernel's one).
     let rt = if cap > 1 { rt } else { 1 };
     // A lane's input row: the whole of a one-lane buffer, a multiple of 256 values else.
@@ -691,7 +703,6 @@ pub fn gemv(
         )));
     }
     let vpr = w.kp / vector_width(w.format);
-    let team = gemv_team(w, matches!(output, GemvOutput::Mixer(_)))?;
     // The group-norm prologue's invocations per group, the same for both kernels (see
     // `group_lanes`).
     let gsub = match input {
@@ -1090,14 +1101,21 @@ mod tests {
         if std::env::var("MAMBA2_BATCH_LANES").is_err()
             && std::env::var("MAMBA2_BATCH_ROWS").is_err()
         {
-            assert_eq!(lane_tiling(16, 1, 18560, Q8_0, in_proj), (4, 8));
-            assert_eq!(lane_tiling(17, 1, 18560, Q8_0, in_proj), (8, 4));
-            assert_eq!(lane_tiling(16, 1, 10576, Q8_0, narrow), (8, 4));
-            assert_eq!(lane_tiling(64, 8, 4096, Q8_0, out_proj), (4, 8));
+            assert_eq!(lane_tiling(16, 1, 18560, Q8_0, in_proj, 32), (4, 8));
+            assert_eq!(lane_tiling(17, 1, 18560, Q8_0, in_proj, 32), (8, 4));
+            assert_eq!(lane_tiling(16, 1, 10576, Q8_0, narrow, 16), (8, 4));
+            assert_eq!(lane_tiling(64, 8, 4096, Q8_0, out_proj, 64), (4, 8));
             // Fewer than 16 lanes, other formats and other matrices: 16 × 2.
-            assert_eq!(lane_tiling(4, 1, 18560, Q8_0, in_proj), (4, 2));
-            assert_eq!(lane_tiling(16, 1, 18560, F16, in_proj), (16, 2));
-            assert_eq!(lane_tiling(64, 1, 4096, Q8_0, BatchRole::Other), (16, 2));
+            assert_eq!(lane_tiling(4, 1, 18560, Q8_0, in_proj, 32), (4, 2));
+            assert_eq!(lane_tiling(16, 1, 18560, F16, in_proj, 16), (16, 2));
+            assert_eq!(
+                lane_tiling(64, 1, 4096, Q8_0, BatchRole::Other, 32),
+                (16, 2)
+            );
+            // Teams of 16 at 4 lanes or fewer: one row each.
+            assert_eq!(lane_tiling(4, 1, 10576, Q8_0, narrow, 16), (4, 1));
+            assert_eq!(lane_tiling(8, 1, 10576, Q8_0, narrow, 16), (8, 2));
+            assert_eq!(lane_tiling(4, 1, 10576, F16, narrow, 16), (4, 2));
         }
         // Two lane groups go side by side only over matrices no L2 holds; three always.
         assert!(!side_by_side(1, 1 << 30));
