@@ -66,7 +66,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         if (k{j} < N) {
             // (A partial's winner is non-finite only where its flag is set already.)
             bad = bad || c{j}.flag != 0u || is_nonfinite(c{j}.v);
-            if (token_better(c{j}.v, c{j}.i, bv, bi)) {
+            if (ranks_before(c{j}.v, c{j}.i, bv, bi)) {
                 bv = c{j}.v;
                 bi = c{j}.i;
             }
@@ -80,7 +80,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     best_i[lid] = bi;
     workgroupBarrier();
     for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid < stride && token_better(best_v[lid + stride], best_i[lid + stride], best_v[lid], best_i[lid])) {
+        if (lid < stride && ranks_before(best_v[lid + stride], best_i[lid + stride], best_v[lid], best_i[lid])) {
             best_v[lid] = best_v[lid + stride];
             best_i[lid] = best_i[lid + stride];
         }

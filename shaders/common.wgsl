@@ -10,9 +10,11 @@ fn is_nonfinite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7f800000u) == 0x7f800000u;
 }
 
-// The greedy rule: is logit v of token i better than bv of token bi? The higher value,
-// then the lower id; NaN never wins (argmax.wgsl, and the lm_head's per-workgroup winners).
-fn token_better(v: f32, i: u32, bv: f32, bi: u32) -> bool {
+// Does value v of id i rank before bv of id bi? The higher value, then the lower id; NaN
+// never wins. The greedy rule over tokens (argmax.wgsl, the lm_head's per-workgroup
+// winners) and the MoE routers' order of experts and groups (route_select.wgsl), as the CPU
+// reference ranks them.
+fn ranks_before(v: f32, i: u32, bv: f32, bi: u32) -> bool {
     return v > bv || (v == bv && i < bi);
 }
 

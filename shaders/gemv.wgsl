@@ -202,7 +202,10 @@ fn main(
 #endif
 ) {
     let lane = lid % TEAM;
-    let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
+    // The workgroup's linear index (the grid folds into 2-D past 65535) and its first row.
+    let wlin = wid.x + wid.y * nwg.x;
+    let first_row = wlin * R;
+    let row_raw = first_row + lid / TEAM;
     let row = min(row_raw, M - 1u);
     let base = row * NV;
 #if EARLY
@@ -242,7 +245,6 @@ fn main(
     workgroupBarrier();
 #else
     // The first workgroups write its output chunks (WG values each) and their q8 blocks.
-    let wlin = wid.x + wid.y * nwg.x;
     for (var first = wlin * WG; first < D; first += WG * nwg.x * nwg.y) {
         let k = first + lid;
         var v = 0.0;
@@ -365,7 +367,7 @@ fn main(
     }
     workgroupBarrier();
     {
-        let r = (wid.x + wid.y * nwg.x) * R + lid;
+        let r = first_row + lid;
         let pos = kv_ctrl.kv_len;
         if (lid < R && r >= KV_Q && r < KV_Q + 2u * KV_N && r < M && kv_ctrl.stopped == 0u && pos < CTX) {
             let is_v = r >= KV_Q + KV_N;
@@ -395,23 +397,22 @@ fn main(
     }
     workgroupBarrier();
     if (lid == 0u) {
-        let first = (wid.x + wid.y * nwg.x) * R;
         var bv = -3.4e38;
         var bi = 0xffffffffu;
         var bad = 0u;
         for (var r = 0u; r < R; r++) {
-            if (first + r < M) {
+            if (first_row + r < M) {
                 let v = amax_rows[r];
                 if (is_nonfinite(v)) {
                     bad = 1u;
                 }
-                if (token_better(v, first + r, bv, bi)) {
+                if (ranks_before(v, first_row + r, bv, bi)) {
                     bv = v;
-                    bi = first + r;
+                    bi = first_row + r;
                 }
             }
         }
-        amax_part[wid.x + wid.y * nwg.x] = vec4<u32>(bitcast<u32>(bv), bi, bad, 0u);
+        amax_part[wlin] = vec4<u32>(bitcast<u32>(bv), bi, bad, 0u);
     }
 #endif
 }

@@ -98,7 +98,7 @@ var<workgroup> kv_rows: array<f32, R>;
 
 #if O_ARGMAX
 // One-token greedy lm_head: per workgroup (linear index), its best row as (bits of the
-// value, row, any row NaN or ±Inf, 0) by `token_better`, which the argmax then reduces
+// value, row, any row NaN or ±Inf, 0) by `ranks_before`, which the argmax then reduces
 // instead of every logit.
 @group(0) @binding(13) var<storage, read_write> amax_part: array<vec4<u32>>;
 var<workgroup> amax_rows: array<f32, R>;

@@ -10,7 +10,8 @@
 //   eligible; the K best eligible c are chosen; w = s, divided by (Σ w + 1e-20) with NORM,
 //   times RSF.
 // otherwise (softmax top-k): the K best logits, w = softmax over those K.
-// Order: a higher score first, equal scores by the lower id (as the CPU reference ranks).
+// Order: a higher score first, equal scores by the lower id (`ranks_before`, as the CPU
+// reference ranks).
 // Selection without serial rounds: every candidate counts the candidates that beat it —
 // its rank, counted by TPC invocations over slices of the candidates — and the K of
 // rank < K write their slot (ranks are unique: ties go by id). With TG = NG every group is
@@ -28,14 +29,10 @@ var<workgroup> rt_slot_id: array<u32, K>;
 var<workgroup> rt_slot_w: array<f32, K>;
 var<workgroup> rt_total: f32;
 
-fn rt_better(a: f32, ia: u32, b: f32, ib: u32) -> bool {
-    return a > b || (a == b && ia < ib);
-}
-
 fn rt_eligible(e: u32) -> bool {
 #if GROUPED
     if (TG < NG) {
-            return rt_group_kept[e / GS] == 1u;
+        return rt_group_kept[e / GS] == 1u;
     }
 #endif
     return true;
@@ -77,7 +74,7 @@ fn route_select(t: u32, lid: u32) {
         for (var g = lid; g < NG; g += WG) {
             var rank = 0u;
             for (var h = 0u; h < NG; h++) {
-                rank += u32(rt_better(rt_group_score[h], h, rt_group_score[g], g));
+                rank += u32(ranks_before(rt_group_score[h], h, rt_group_score[g], g));
             }
             rt_group_kept[g] = u32(rank < TG);
         }
@@ -91,7 +88,7 @@ fn route_select(t: u32, lid: u32) {
             let c = rt_score[e];
             var beaten_by = 0u;
             for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
-                beaten_by += u32(rt_eligible(j) && rt_better(rt_score[j], j, c, e));
+                beaten_by += u32(rt_eligible(j) && ranks_before(rt_score[j], j, c, e));
             }
             atomicAdd(&rt_rank[e], beaten_by);
         }

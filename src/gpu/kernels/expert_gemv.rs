@@ -243,19 +243,14 @@ pub fn expert_gemv(
             .weights
             .ok_or_else(|| Error::Gpu(format!("{name}: no routing weights given")))?;
         check_len(&format!("{name}: weights"), wt, tokens * top_k)?;
-        let (route_consts, route_flags) =
-            super::moe_route::route_spec(name, r.moe, wg, r.params, r.counts)?;
+        let spec = super::moe_route::route_spec(name, r.moe, wg, r.params, r.counts)?;
         // (`KS` is already the pass's slots.)
-        consts.extend(route_consts.into_iter().filter(|(c, _)| *c != "KS"));
+        consts.extend(spec.consts.into_iter().filter(|(c, _)| *c != "KS"));
         flags.push("ROUTE");
+        flags.extend(spec.flags);
         entries.extend([(7, wt), (11, r.logits)]);
-        if let (Some((p, _)), true) = (r.params, route_flags.contains(&"GROUPED")) {
-            entries.push((12, p));
-        }
-        if let Some((c, _)) = r.counts {
-            entries.push((13, c));
-        }
-        flags.extend(route_flags);
+        entries.extend(spec.bias.map(|p| (12, p)));
+        entries.extend(spec.counts.map(|c| (13, c)));
     }
     if pass == ExpertPass::Down {
         let wt = b

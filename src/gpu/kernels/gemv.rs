@@ -369,8 +369,7 @@ pub struct KvOut<'a> {
 }
 
 /// Whether a one-token GEMV of `w` (a plain-input qkv projection) can store the k and v
-/// rows itself (`GemvBuffers::kv`): an f16 cache word holds two rows, so a workgroup's rows
-/// must come in pairs.
+/// rows itself (`GemvBuffers::kv`; `kv_fits` with its workgroups' rows).
 pub fn stores_kv(
     k: &Kernels,
     w: &DeviceMatrix,
@@ -380,9 +379,16 @@ pub fn stores_kv(
 ) -> Result<bool> {
     let team = gemv_team(w, false)?;
     let wg = one_token_wg(k, WgKind::Plain)?.max(team);
+    Ok(kv_fits(w.rows, (wg / team) as usize, q_rows, kv_rows, f32))
+}
+
+/// Whether a GEMV of `rows` rows, `rows_per_wg` a workgroup, holds the k and v rows of
+/// `[q | k | v]` and, for an f16 cache (a word holds two rows), puts every row pair in one
+/// workgroup.
+fn kv_fits(rows: usize, rows_per_wg: usize, q_rows: usize, kv_rows: usize, f32: bool) -> bool {
     let pairs =
-        (wg / team).is_multiple_of(2) && q_rows.is_multiple_of(2) && kv_rows.is_multiple_of(2);
-    Ok(q_rows + 2 * kv_rows <= w.rows && (f32 || pairs))
+        rows_per_wg.is_multiple_of(2) && q_rows.is_multiple_of(2) && kv_rows.is_multiple_of(2);
+    q_rows + 2 * kv_rows <= rows && (f32 || pairs)
 }
 
 /// The pre-norm's output a `GemvInput::Norm` GEMV writes besides its rows: `h [KP]` (zero
@@ -977,13 +983,9 @@ pub fn gemv(
         entries.push((13, part));
     }
     if let Some(kv) = b.kv {
-        let pairs = rows_per_wg.is_multiple_of(2)
-            && kv.q_rows.is_multiple_of(2)
-            && kv.kv_rows.is_multiple_of(2);
         if cap > 1
             || !matches!(output, GemvOutput::Store)
-            || kv.q_rows + 2 * kv.kv_rows > m
-            || !(kv.f32 || pairs)
+            || !kv_fits(m, rows_per_wg as usize, kv.q_rows, kv.kv_rows, kv.f32)
         {
             return Err(Error::Gpu(format!(
                 "{name}: the k and v rows {}..{} go to the caches from a one-token stored GEMV \

@@ -48,15 +48,16 @@ pub fn moe_route(
     let wg = k
         .max_workgroup()
         .min((8 * e.next_power_of_two()).max(256) as u32);
-    let (mut consts, mut flags) = route_spec(name, m, wg, b.params, b.counts)?;
+    let RouteSpec {
+        mut consts,
+        mut flags,
+        bias,
+        counts,
+    } = route_spec(name, m, wg, b.params, b.counts)?;
     consts.push(("WG", Const::U32(wg)));
     let mut entries = vec![(0, b.logits), (2, b.ids), (3, b.weights)];
-    if let (Some((params, _)), true) = (b.params, flags.contains(&"GROUPED")) {
-        entries.push((1, params));
-    }
-    if let Some((c, _)) = b.counts {
-        entries.push((4, c));
-    }
+    entries.extend(bias.map(|p| (1, p)));
+    entries.extend(counts.map(|c| (4, c)));
     if let Some(c) = b.ctrl {
         flags.push("PROMPT");
         entries.push((5, c));
@@ -76,19 +77,27 @@ pub fn moe_route(
     Ok(if tokens > 1 { d.per_token(0, 1, 1) } else { d })
 }
 
-/// A kernel's compile-time constants and flags.
-pub type Specialization = (Vec<(&'static str, Const)>, Vec<&'static str>);
+/// `route_select.wgsl` specialized for a router: its constants and flags (the includer adds
+/// `WG`), and the buffers it reads (`params` only for a grouped router) for the includer to
+/// bind under its own binding numbers.
+pub struct RouteSpec<'a> {
+    pub consts: Vec<(&'static str, Const)>,
+    pub flags: Vec<&'static str>,
+    /// The parameters holding the correction bias (grouped routers).
+    pub bias: Option<&'a wgpu::Buffer>,
+    /// The expert-load counters.
+    pub counts: Option<&'a wgpu::Buffer>,
+}
 
-/// The constants and flags of `route_select.wgsl` for a workgroup of `wg` invocations (the
-/// includer adds `WG` and binds the buffers): checks the router's shape, that the `KS` slots
-/// fit the workgroup, and the correction bias and counters' lengths.
-pub fn route_spec(
+/// `route_select.wgsl` for a workgroup of `wg` invocations: checks the router's shape, that
+/// the `KS` slots fit the workgroup, and the correction bias and counters' lengths.
+pub fn route_spec<'a>(
     name: &str,
     m: &MoeConfig,
     wg: u32,
-    params: Option<(&wgpu::Buffer, usize)>,
-    counts: Option<(&wgpu::Buffer, usize)>,
-) -> Result<Specialization> {
+    params: Option<(&'a wgpu::Buffer, usize)>,
+    counts: Option<(&'a wgpu::Buffer, usize)>,
+) -> Result<RouteSpec<'a>> {
     m.check()
         .map_err(|(field, msg)| Error::Gpu(format!("{name}: `{field}`: {msg}")))?;
     let (e, top, slots) = (m.experts, m.top_k, m.slots());
@@ -107,6 +116,7 @@ pub fn route_spec(
         ("TPC", u(tpc)),
     ];
     let mut flags = Vec::new();
+    let mut bias = None;
     if let Router::Grouped {
         n_group,
         topk_group,
@@ -118,6 +128,7 @@ pub fn route_spec(
             params.ok_or_else(|| Error::Gpu(format!("{name}: no correction bias buffer given")))?;
         check_len(&format!("{name}: params"), params, off + e)?;
         flags.push("GROUPED");
+        bias = Some(params);
         consts.extend([
             ("NG", u(n_group)),
             ("GS", u(e / n_group)),
@@ -132,5 +143,10 @@ pub fn route_spec(
         flags.push("COUNT");
         consts.push(("COUNT_OFF", u(off)));
     }
-    Ok((consts, flags))
+    Ok(RouteSpec {
+        consts,
+        flags,
+        bias,
+        counts: counts.map(|(c, _)| c),
+    })
 }
