@@ -3,7 +3,8 @@
 //! of cases. The oracle reads the K/V the GPU stored (read back, so f16 caches are compared
 //! on the same rounded values) and the queries rotated on the host. Cache rows past the
 //! ones a case stores hold NaN: a kernel that reads past the length fails. The qkv GEMV
-//! that stores K/V itself (fused decode) against the GEMV + kv_store, bit for bit.
+//! that stores K/V itself (fused decode), with or without the pre-norm in its prologue,
+//! against the norm, the GEMV and kv_store, bit for bit.
 
 mod common;
 
@@ -22,6 +23,7 @@ use mamba2_wgpu::gpu::kernels::attention_prefill_coop::{self, attention_prefill_
 use mamba2_wgpu::gpu::kernels::attn::{AttnBuffers, AttnConsts, KvFormat};
 use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, KvOut, gemv, stores_kv};
 use mamba2_wgpu::gpu::kernels::kv_store::kv_store;
+use mamba2_wgpu::gpu::kernels::rmsnorm::{NormBuffers, rmsnorm};
 use mamba2_wgpu::gpu::kernels::{Dispatch, Kernels, Lanes};
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::quant::{WeightFormat, pack, quantize_activation_block};
@@ -514,7 +516,7 @@ fn qkv_gemv_stores_kv_as_kv_store_does() {
         let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, cols)).unwrap();
         for format in [F32, F16] {
             let f32 = format == F32;
-            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, f32).unwrap());
+            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, f32, false).unwrap());
             for (kv_len, stopped) in [(4, 0), (9, 0), (10, 0), (3, 1)] {
                 let what = format!(
                     "{} weights, {format:?} cache, kv_len {kv_len}, stopped {stopped}",
@@ -589,6 +591,118 @@ fn qkv_gemv_stores_kv_as_kv_store_does() {
                     !stored,
                     "{what}: the token's k row stored or not"
                 );
+            }
+        }
+    }
+}
+
+/// The one-token qkv GEMV of quantized weights with the block's pre-norm folded into its
+/// prologue (it reads the residual) and the K/V store in its epilogue (fused decode where
+/// `folds_norm` allows): `qkv` and the caches bit for bit what the norm kernel, the plain
+/// GEMV and kv_store leave, for a width that is not a multiple of 32, f32 and f16 caches, a
+/// middle row, a full cache and a stopped step.
+#[test]
+fn qkv_gemv_with_the_pre_norm_folded_in_stores_kv_as_the_kernels_do() {
+    let Some(g) = Gpu::new() else { return };
+    let dims = AttnDims {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+    };
+    let (ctx, kvl, d, nw_off) = (10, dims.kv_len(), 300, 5);
+    let rows = dims.q_len() + 2 * kvl;
+    let w = rand(41, rows * d, -0.5, 0.5);
+    let resid = g.buf(bytemuck::cast_slice(&rand(42, d, -3.0, 3.0)));
+    let params = [vec![0.0; nw_off], rand(43, d, 0.5, 1.5)].concat();
+    let pbuf = g.buf(bytemuck::cast_slice(&params));
+    for wf in [WeightFormat::Q8_0, WeightFormat::Q4_K] {
+        let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, d)).unwrap();
+        for format in [F32, F16] {
+            let f32 = format == F32;
+            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, f32, true).unwrap());
+            for (kv_len, stopped) in [(4, 0), (10, 0), (3, 1)] {
+                let what = format!(
+                    "{} weights, {format:?} cache, kv_len {kv_len}, stopped {stopped}",
+                    wf.name()
+                );
+                let ac = AttnConsts {
+                    dims,
+                    ctx,
+                    format,
+                    qkv_stride: rows,
+                    scale: 1.0,
+                    rope: None,
+                };
+                let ctrl = Ctrl {
+                    kv_len,
+                    stopped,
+                    ..Default::default()
+                };
+                let ctrl_buf = g.buf(bytemuck::bytes_of(&ctrl));
+                let sentinel = cache_bytes(format, &[], ctx * kvl);
+                let run = |folded: bool| {
+                    let (qkv, kb, vb) = (g.zeros(rows), g.buf(&sentinel), g.buf(&sentinel));
+                    let kv = KvOut {
+                        k_cache: &kb,
+                        v_cache: &vb,
+                        ctrl: &ctrl_buf,
+                        q_rows: dims.q_len(),
+                        kv_rows: kvl,
+                        ctx,
+                        f32,
+                    };
+                    let b = AttnBuffers {
+                        qkv: &qkv,
+                        k_cache: &kb,
+                        v_cache: &vb,
+                        ctrl: &ctrl_buf,
+                        lanes: Lanes::ONE,
+                    };
+                    if folded {
+                        let input = GemvInput::Norm {
+                            d,
+                            eps: 1e-5,
+                            nw_off,
+                        };
+                        let bufs = GemvBuffers {
+                            params: Some(&pbuf),
+                            kv: Some(kv),
+                            ..GemvBuffers::plain(&resid, None, &qkv)
+                        };
+                        let gemv_d = gemv(&g.k, "qkv", &m, input, GemvOutput::Store, bufs);
+                        g.run(&[&gemv_d.unwrap()]);
+                    } else {
+                        // (A k-quant's columns pad to 256: zero blocks past d.)
+                        let kp = m.kp;
+                        let (h, xq, xd) = (g.zeros(kp), g.zeros(kp / 4), g.zeros(kp / 32));
+                        let nb = NormBuffers {
+                            src: &resid,
+                            params: &pbuf,
+                            dst: &h,
+                            q8: Some((&xq, &xd)),
+                        };
+                        let norm = rmsnorm(&g.k, "norm", d, 1e-5, nw_off, 1, nb).unwrap();
+                        let bufs = GemvBuffers::plain(&h, Some((&xq, &xd)), &qkv);
+                        let gemv_d =
+                            gemv(&g.k, "qkv", &m, GemvInput::Plain, GemvOutput::Store, bufs);
+                        let store = kv_store(&g.k, "kv_store", ac, None, &b).unwrap();
+                        g.run(&[&norm, &gemv_d.unwrap(), &store]);
+                    }
+                    let words = if f32 { ctx * kvl } else { ctx * kvl / 2 };
+                    (
+                        g.words(&qkv, rows),
+                        g.words(&kb, words),
+                        g.words(&vb, words),
+                    )
+                };
+                let (want, got) = (run(false), run(true));
+                assert!(
+                    want.0.iter().any(|v| *v != 0),
+                    "{what}: the rows are not all zero"
+                );
+                assert_eq!(got.0, want.0, "{what}: qkv");
+                assert_eq!(got.1, want.1, "{what}: k cache");
+                assert_eq!(got.2, want.2, "{what}: v cache");
             }
         }
     }

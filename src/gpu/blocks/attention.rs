@@ -55,9 +55,11 @@ fn attn_section(d: Dispatch) -> Dispatch {
     }
 }
 
-/// One decode token through an attention layer (after the pre-norm into `h`). `fused`, one
-/// token and no RoPE: the qkv GEMV stores the k and v rows into the caches itself (one
-/// dispatch fewer).
+/// One decode token through an attention layer, after the pre-norm into `h` or (one token,
+/// `pre_norm`: the layer's parameters and the norm weights' offset in them) with the
+/// pre-norm folded into the qkv GEMV's prologue, which reads the residual
+/// (`gemv::folds_norm` says where it can). `fused`, one token and no RoPE: the qkv GEMV
+/// stores the k and v rows into the caches itself (one dispatch fewer).
 pub fn decode(
     b: &BlockCtx,
     qkv: &DeviceMatrix,
@@ -65,6 +67,7 @@ pub fn decode(
     k_cache: &wgpu::Buffer,
     v_cache: &wgpu::Buffer,
     fused: bool,
+    pre_norm: Option<(&wgpu::Buffer, usize)>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let ac = layer_consts(b)?;
@@ -82,18 +85,33 @@ pub fn decode(
     let fold = fused
         && b.lanes.cap == 1
         && ac.rope.is_none()
-        && gemv::stores_kv(k, qkv, q_rows, kv_rows, f32)?;
+        && gemv::stores_kv(k, qkv, q_rows, kv_rows, f32, pre_norm.is_some())?;
+    let (input, src, params) = match pre_norm {
+        None => (GemvInput::Plain, &s.h, None),
+        Some((params, nw_off)) => (
+            GemvInput::Norm {
+                d: b.c.d_model,
+                eps: b.c.norm_eps,
+                nw_off,
+            },
+            &s.resid,
+            Some(params),
+        ),
+    };
+    let name = match (pre_norm.is_some(), fold) {
+        (false, false) => "qkv_proj",
+        (false, true) => "qkv_proj+kv_store",
+        (true, false) => "norm+qkv_proj",
+        (true, true) => "norm+qkv_proj+kv_store",
+    };
     let mut out = vec![attn_section(gemv::gemv(
         k,
-        if fold {
-            "qkv_proj+kv_store"
-        } else {
-            "qkv_proj"
-        },
+        name,
         qkv,
-        GemvInput::Plain,
+        input,
         GemvOutput::Store,
         GemvBuffers {
+            params,
             kv: fold.then_some(KvOut {
                 k_cache,
                 v_cache,
@@ -103,7 +121,7 @@ pub fn decode(
                 ctx: ac.ctx,
                 f32,
             }),
-            ..b.gemv_in(&s.h, &s.qkv)
+            ..b.gemv_in(src, &s.qkv)
         },
     )?)];
     if !fold {

@@ -75,16 +75,18 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
     )?];
     let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
-        // Fused, an MoE block's router takes its pre-norm in its prologue, and so does a
-        // Mamba2 block's quantized in_proj where `gemv::folds_norm` allows.
+        // Fused, an MoE block's router takes its pre-norm in its prologue, and so do a
+        // Mamba2 block's quantized in_proj and an attention block's quantized qkv
+        // projection where `gemv::folds_norm` allows.
         let norm_off = layer.norm_offset(b.layout);
         let fold_norm = fused
             && !batch
             && match &layer.mixer {
                 DeviceMixer::Moe(_) => true,
                 DeviceMixer::Mamba2 { in_proj, .. } => {
-                    mamba2::fusable(c, b.format) && gemv::folds_norm(k, in_proj)?
+                    mamba2::fusable(c, b.format) && gemv::folds_norm(k, in_proj, true)?
                 }
+                DeviceMixer::Attention { qkv, .. } => gemv::folds_norm(k, qkv, false)?,
                 _ => false,
             };
         let mut ds = if fold_norm {
@@ -108,7 +110,8 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 mamba2::decode(b, &l, fuse, fold_norm.then_some(norm_off))?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
-                attention::decode(b, qkv, o, kc, vc, fused)?
+                let pre_norm = fold_norm.then_some((&layer.params, norm_off));
+                attention::decode(b, qkv, o, kc, vc, fused, pre_norm)?
             }
             (DeviceMixer::Mlp { up, down, bias }, DeviceLayerState::Stateless) => mlp::decode(
                 b,

@@ -368,17 +368,23 @@ pub struct KvOut<'a> {
     pub f32: bool,
 }
 
-/// Whether a one-token GEMV of `w` (a plain-input qkv projection) can store the k and v
-/// rows itself (`GemvBuffers::kv`; `kv_fits` with its workgroups' rows).
+/// Whether a one-token GEMV of `w` (a qkv projection, its input plain or, `folded`, the
+/// pre-norm in its prologue) can store the k and v rows itself (`GemvBuffers::kv`;
+/// `kv_fits` with its workgroups' rows).
 pub fn stores_kv(
     k: &Kernels,
     w: &DeviceMatrix,
     q_rows: usize,
     kv_rows: usize,
     f32: bool,
+    folded: bool,
 ) -> Result<bool> {
     let team = gemv_team(w, false)?;
-    let wg = one_token_wg(k, WgKind::Plain)?.max(team);
+    let wg = if folded {
+        super::rmsnorm::norm_wg(k)? as u32
+    } else {
+        one_token_wg(k, WgKind::Plain)?.max(team)
+    };
     Ok(kv_fits(w.rows, (wg / team) as usize, q_rows, kv_rows, f32))
 }
 
@@ -644,16 +650,17 @@ pub const FOLD_READS: usize = 5 << 20;
 /// its own memory (KP bytes and KP/32 scales, which must fit the device's workgroup
 /// memory beside the q8 kernel's maxima) and the norm's own dispatch goes. Only for
 /// narrow matrices, whose workgroups' reads of the input stay under `FOLD_READS`, unless
-/// MAMBA2_NORM_FOLD says otherwise.
-pub fn folds_norm(k: &Kernels, w: &DeviceMatrix) -> Result<bool> {
+/// MAMBA2_NORM_FOLD says otherwise. `mixer`: the GEMV is a Mamba2 in_proj (its epilogue the
+/// mixer's, its team `gemv_team`'s for it), else an attention block's qkv projection.
+pub fn folds_norm(k: &Kernels, w: &DeviceMatrix, mixer: bool) -> Result<bool> {
+    let norm_wg = super::rmsnorm::norm_wg(k)?;
     let fits = w.format.reads_q8() && {
         let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
-        w.kp + w.kp / 8 + 4 * super::rmsnorm::CHUNK <= limit
+        w.kp + w.kp / 8 + 4 * norm_wg <= limit
     };
     let narrow = || {
-        // (Folded pre-norms go into the in_proj, whose epilogue is the mixer's.)
-        let team = gemv_team(w, true).unwrap_or(WG) as usize;
-        let rows_per_wg = (super::rmsnorm::CHUNK / team).max(1);
+        let team = gemv_team(w, mixer).unwrap_or(WG) as usize;
+        let rows_per_wg = (norm_wg / team).max(1);
         w.rows.div_ceil(rows_per_wg) * 8 * w.kp <= FOLD_READS
     };
     Ok(fits && norm_fold_override()?.unwrap_or_else(narrow))
@@ -664,6 +671,7 @@ pub fn folds_norm(k: &Kernels, w: &DeviceMatrix) -> Result<bool> {
 pub fn check_overrides() -> Result<()> {
     team_override()?;
     norm_fold_override()?;
+    super::rmsnorm::norm_wg_override()?;
     stage_override()?;
     if let Ok(s) = std::env::var("MAMBA2_GEMV_UNROLL") {
         parse_unroll(&s)?;
@@ -740,7 +748,7 @@ pub fn gemv(
         WG
     } else if norm {
         // The norm kernel's workgroup: its sum's order.
-        super::rmsnorm::CHUNK as u32
+        super::rmsnorm::norm_wg(k)? as u32
     } else {
         let kind = match input {
             GemvInput::Group { .. } => WgKind::Group,

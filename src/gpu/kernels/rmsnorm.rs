@@ -6,8 +6,32 @@ use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
 
-/// Elements each workgroup writes (one per invocation; whole q8 blocks), in every norm.
+/// Elements each workgroup writes (one per invocation; whole q8 blocks) in the gated and
+/// MLP-activation norms, and by default in the RMS norms (`norm_wg`).
 pub(super) const CHUNK: usize = 256;
+
+/// Invocations of an RMS norm's workgroups (decode, prefill and final norm alike), and so
+/// of the one-token GEMVs that fold a pre-norm into their prologue (`GemvInput::Norm`),
+/// whose sums must be the norm kernel's bits: MAMBA2_NORM_WG=256|512|1024 (for tuning),
+/// else CHUNK; never more than the device allows.
+pub fn norm_wg(k: &Kernels) -> Result<usize> {
+    Ok(norm_wg_override()?
+        .unwrap_or(CHUNK)
+        .min(k.max_workgroup() as usize))
+}
+
+/// MAMBA2_NORM_WG, checked (`gemv::check_overrides`).
+pub(super) fn norm_wg_override() -> Result<Option<usize>> {
+    match std::env::var("MAMBA2_NORM_WG") {
+        Err(_) => Ok(None),
+        Ok(s) => match s.trim().parse::<usize>() {
+            Ok(n @ (256 | 512 | 1024)) => Ok(Some(n)),
+            _ => Err(crate::error::Error::InvalidInput(format!(
+                "MAMBA2_NORM_WG={s}: want 256, 512 or 1024 invocations per norm workgroup"
+            ))),
+        },
+    }
+}
 
 const SOURCES: super::Sources = &[
     include_str!("../../../shaders/norm_sum.wgsl"),
@@ -99,6 +123,7 @@ pub fn rmsnorm_lanes(
     // took 18 µs per norm on 64 workgroups (run 142). Every workgroup of a lane sums the
     // whole lane and writes its own chunks, so any grid gives the same bits.
     spread(&mut dispatch, d, lanes.n);
+    dispatch.workgroups.0 = dispatch.workgroups.0.min(d.div_ceil(norm_wg(k)?) as u32);
     Ok(dispatch)
 }
 
@@ -117,20 +142,21 @@ fn rows(
     check_len(&format!("{name}: src"), b.src, tokens * d)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d)?;
     check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d)?;
+    let wg = norm_wg(k)?;
     let consts = [
-        ("WG", Const::U32(CHUNK as u32)),
+        ("WG", Const::U32(wg as u32)),
         ("NB", Const::U32(d.div_ceil(32) as u32)),
         ("KP", Const::U32(kp as u32)),
         ("RV", Const::U32(1)),
         ("D", Const::U32(d as u32)),
-        ("SSL", Const::U32(d.div_ceil(CHUNK) as u32)),
+        ("SSL", Const::U32(d.div_ceil(wg) as u32)),
         ("NW_OFF", Const::U32(nw_off as u32)),
         ("EPS", Const::F32(eps as f32)),
     ];
     let entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
     let shader = ("rmsnorm", SOURCES);
     let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &["NORM_SUM"] };
-    norm_dispatch_flags(
+    let mut dispatch = norm_dispatch_flags(
         k,
         name,
         shader,
@@ -141,7 +167,12 @@ fn rows(
         tokens,
         extra,
         &[],
-    )
+    )?;
+    // One workgroup per `wg` channels where a token spreads over several.
+    if dispatch.workgroups.0 > 1 {
+        dispatch.workgroups.0 = d.div_ceil(wg) as u32;
+    }
+    Ok(dispatch)
 }
 
 /// How many workgroups of CHUNK share one token's `width` channels: decode spreads one
