@@ -181,9 +181,15 @@ impl Scratch {
             latent: ctx.storage_zeroed("moe latent", single(latent))?,
             latent_sum: ctx.storage_zeroed("moe latent sum", single(latent))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
+            // (Only a one-token greedy lm_head writes its workgroups' winners; batches read
+            // the logits.)
             argmax_part: ctx.storage_zeroed(
                 "argmax partials",
-                16 * (c.vocab_size as u64 + crate::gpu::kernels::GRID_X as u64),
+                if lanes > 1 {
+                    16
+                } else {
+                    16 * (c.vocab_size as u64 + crate::gpu::kernels::GRID_X as u64)
+                },
             )?,
             probs: ctx.storage_zeroed("probs", f32s(c.vocab_size))?,
             ctrl: ctx.storage_zeroed("ctrl", (lanes * std::mem::size_of::<Ctrl>()) as u64)?,
