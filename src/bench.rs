@@ -236,6 +236,7 @@ mod tests {
             fused: true,
             tokens: 10,
             median_ms,
+            mean_ms: median_ms,
             p10_ms: median_ms,
             p90_ms: median_ms,
             tokens_per_s: 1000.0 / median_ms,
@@ -472,6 +473,9 @@ pub struct DecodeReport {
     pub fused: bool,
     pub tokens: usize,
     pub median_ms: f64,
+    /// The timed tokens' wall time over their count: what a throughput figure (llama.cpp's
+    /// tokens/s) measures, slow tokens included, where the median does not see them.
+    pub mean_ms: f64,
     pub p10_ms: f64,
     pub p90_ms: f64,
     pub tokens_per_s: f64,
@@ -541,6 +545,7 @@ pub fn decode(
     };
     let host_ms = (host_ms(|h| h.0), host_ms(|h| h.1));
     let mut gaps = gaps_ms(&arrivals, warmup);
+    let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
     let (p10, p90) = (quantile(&mut gaps, 0.1), quantile(&mut gaps, 0.9));
     let med = median(&mut gaps);
     let mut profiles: Vec<TokenProfile> = Vec::new();
@@ -601,6 +606,7 @@ pub fn decode(
         fused: engine.fused,
         tokens,
         median_ms: med,
+        mean_ms: mean,
         p10_ms: p10,
         p90_ms: p90,
         tokens_per_s: 1e3 / med,
@@ -915,7 +921,7 @@ impl DecodeReport {
     /// A human-readable summary.
     pub fn text(&self) -> String {
         let mut s = format!(
-            "{} {} on {} ({}{})\n  decode: {:.3} ms/token median (p10 {:.3}, p90 {:.3}) over {} tokens = {:.1} tok/s\n  traffic: {:.1} MB/token → {:.0} GB/s\n  dispatches/token: {}\n",
+            "{} {} on {} ({}{})\n  decode: {:.3} ms/token median (mean {:.3}, p10 {:.3}, p90 {:.3}) over {} tokens = {:.1} tok/s\n  traffic: {:.1} MB/token → {:.0} GB/s\n  dispatches/token: {}\n",
             self.config,
             self.format,
             self.device,
@@ -926,6 +932,7 @@ impl DecodeReport {
                 String::new()
             },
             self.median_ms,
+            self.mean_ms,
             self.p10_ms,
             self.p90_ms,
             self.tokens,
