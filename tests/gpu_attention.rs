@@ -23,7 +23,7 @@ use mamba2_wgpu::gpu::kernels::attention_prefill_coop::{self, attention_prefill_
 use mamba2_wgpu::gpu::kernels::attn::{AttnBuffers, AttnConsts, KvFormat};
 use mamba2_wgpu::gpu::kernels::gemv::{GemvBuffers, GemvInput, GemvOutput, KvOut, gemv, stores_kv};
 use mamba2_wgpu::gpu::kernels::kv_store::kv_store;
-use mamba2_wgpu::gpu::kernels::rmsnorm::{NormBuffers, rmsnorm};
+use mamba2_wgpu::gpu::kernels::rmsnorm::{self, NormBuffers, rmsnorm};
 use mamba2_wgpu::gpu::kernels::{Dispatch, Kernels, Lanes};
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::quant::{WeightFormat, pack, quantize_activation_block};
@@ -615,14 +615,22 @@ fn qkv_gemv_with_the_pre_norm_folded_in_stores_kv_as_the_kernels_do() {
     let resid = g.buf(bytemuck::cast_slice(&rand(42, d, -3.0, 3.0)));
     let params = [vec![0.0; nw_off], rand(43, d, 0.5, 1.5)].concat();
     let pbuf = g.buf(bytemuck::cast_slice(&params));
+    // The norm's workgroup sizes: the default and the largest (`MAMBA2_NORM_WG` picks).
+    let wgs = [rmsnorm::CHUNK, (g.k.max_workgroup() as usize).min(1024)];
     for wf in [WeightFormat::Q8_0, WeightFormat::Q4_K] {
         let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, d)).unwrap();
         for format in [F32, F16] {
             let f32 = format == F32;
             assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, f32, true).unwrap());
-            for (kv_len, stopped) in [(4, 0), (10, 0), (3, 1)] {
+            for (kv_len, stopped, wg) in [
+                (4, 0, wgs[0]),
+                (10, 0, wgs[0]),
+                (3, 1, wgs[0]),
+                (4, 0, wgs[1]),
+            ] {
                 let what = format!(
-                    "{} weights, {format:?} cache, kv_len {kv_len}, stopped {stopped}",
+                    "{} weights, {format:?} cache, kv_len {kv_len}, stopped {stopped}, \
+                     norm workgroups of {wg}",
                     wf.name()
                 );
                 let ac = AttnConsts {
@@ -663,6 +671,7 @@ fn qkv_gemv_with_the_pre_norm_folded_in_stores_kv_as_the_kernels_do() {
                             d,
                             eps: 1e-5,
                             nw_off,
+                            wg,
                         };
                         let bufs = GemvBuffers {
                             params: Some(&pbuf),
@@ -681,7 +690,7 @@ fn qkv_gemv_with_the_pre_norm_folded_in_stores_kv_as_the_kernels_do() {
                             dst: &h,
                             q8: Some((&xq, &xd)),
                         };
-                        let norm = rmsnorm(&g.k, "norm", d, 1e-5, nw_off, 1, nb).unwrap();
+                        let norm = rmsnorm(&g.k, "norm", d, 1e-5, nw_off, 1, wg, nb).unwrap();
                         let bufs = GemvBuffers::plain(&h, Some((&xq, &xd)), &qkv);
                         let gemv_d =
                             gemv(&g.k, "qkv", &m, GemvInput::Plain, GemvOutput::Store, bufs);

@@ -386,15 +386,30 @@ fn rmsnorm_writes_f32_and_q8_inputs() {
     for d in [300, 48, 4096] {
         let x = rand(30, d, -3.0, 3.0);
         let params = [vec![0.0; 7], rand(31, d, 0.5, 1.5)].concat();
-        let (got, q, s) = one_lane_norm(&g, &x, &g.buf(&params));
-        assert_nmse("rmsnorm", &got, &ref_rmsnorm(&x, &params[7..], 1e-5), 1e-7);
-        assert_q8_of(&format!("rmsnorm d = {d}"), &q, &s, &got);
+        for wg in norm_wgs(&g) {
+            let (got, q, s) = one_lane_norm(&g, &x, &g.buf(&params), wg);
+            assert_nmse("rmsnorm", &got, &ref_rmsnorm(&x, &params[7..], 1e-5), 1e-7);
+            assert_q8_of(&format!("rmsnorm d = {d}, wg {wg}"), &q, &s, &got);
+        }
     }
 }
 
-/// The one-lane norm of `x` (weights at 7 in `params`, eps 1e-5): its output, q8 values and
-/// q8 scales (padded to whole blocks).
-fn one_lane_norm(g: &Gpu, x: &[f32], params: &wgpu::Buffer) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+/// The norms' workgroup sizes to test: the default and the largest the device allows (up to
+/// 1024; `MAMBA2_NORM_WG` picks among such for the Mamba2 and attention pre-norms).
+fn norm_wgs(g: &Gpu) -> Vec<usize> {
+    let mut v = vec![rmsnorm::CHUNK, (g.k.max_workgroup() as usize).min(1024)];
+    v.dedup();
+    v
+}
+
+/// The one-lane norm of `x` (weights at 7 in `params`, eps 1e-5, workgroups of `wg`): its
+/// output, q8 values and q8 scales (padded to whole blocks).
+fn one_lane_norm(
+    g: &Gpu,
+    x: &[f32],
+    params: &wgpu::Buffer,
+    wg: usize,
+) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
     let (d, kp) = (x.len(), x.len().next_multiple_of(32));
     let (src, dst) = (g.buf(x), g.zeros(kp));
     let (xq, xd) = (g.zeros(kp / 4), g.zeros(kp / 32));
@@ -404,13 +419,14 @@ fn one_lane_norm(g: &Gpu, x: &[f32], params: &wgpu::Buffer) -> (Vec<f32>, Vec<u3
         dst: &dst,
         q8: Some((&xq, &xd)),
     };
-    g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, b).unwrap());
+    g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, 7, 1, wg, b).unwrap());
     let q = bytemuck::cast_slice(&g.ctx().read(&xq, kp as u64).unwrap()).to_vec();
     (g.read(&dst, d), q, g.read(&xd, kp / 32))
 }
 
 /// The batched decode norm past 2¹⁶ values (20 lanes of 4096, spread over many workgroups
-/// per lane): every lane's output and q8 blocks equal the one-lane norm's, bit for bit.
+/// per lane): every lane's output and q8 blocks equal the one-lane norm's, bit for bit, with workgroups
+/// of every size `norm_wgs` gives.
 #[test]
 fn rmsnorm_lanes_equal_each_lane_alone() {
     let Some(g) = Gpu::new() else { return };
@@ -418,40 +434,43 @@ fn rmsnorm_lanes_equal_each_lane_alone() {
     let x = rand(32, n * d, -3.0, 3.0);
     let params = [vec![0.0; 7], rand(33, d, 0.5, 1.5)].concat();
     let (src, pbuf) = (g.buf(&x), g.buf(&params));
-    let dst = g.buf(&vec![f32::NAN; n * w]);
-    let (xq, xd) = (g.zeros(n * w / 4), g.zeros(n * w / 32));
-    let b = NormBuffers {
-        src: &src,
-        params: &pbuf,
-        dst: &dst,
-        q8: Some((&xq, &xd)),
-    };
-    let lanes = Lanes { n, cap: n };
-    g.run(&rmsnorm::rmsnorm_lanes(&g.k, "t", d, 1e-5, 7, lanes, b).unwrap());
-    let got = g.read(&dst, n * w);
-    let q: Vec<u32> = bytemuck::cast_slice(&g.ctx().read(&xq, (n * w) as u64).unwrap()).to_vec();
-    let s = g.read(&xd, n * w / 32);
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for l in 0..n {
-        let lane = &x[l * d..(l + 1) * d];
-        let (want, q1, s1) = one_lane_norm(&g, lane, &pbuf);
-        assert_nmse(
-            &format!("lane {l}"),
-            &want,
-            &ref_rmsnorm(lane, &params[7..], 1e-5),
-            1e-7,
-        );
-        assert_eq!(bits(&got[l * w..l * w + d]), bits(&want), "lane {l}'s norm");
-        assert_eq!(
-            &q[l * w / 4..l * w / 4 + d / 4],
-            &q1[..],
-            "lane {l}'s q8 values"
-        );
-        assert_eq!(
-            bits(&s[l * w / 32..l * w / 32 + d / 32]),
-            bits(&s1),
-            "lane {l}'s q8 scales"
-        );
+    for wg in norm_wgs(&g) {
+        let dst = g.buf(&vec![f32::NAN; n * w]);
+        let (xq, xd) = (g.zeros(n * w / 4), g.zeros(n * w / 32));
+        let b = NormBuffers {
+            src: &src,
+            params: &pbuf,
+            dst: &dst,
+            q8: Some((&xq, &xd)),
+        };
+        let lanes = Lanes { n, cap: n };
+        g.run(&rmsnorm::rmsnorm_lanes(&g.k, "t", d, 1e-5, 7, lanes, wg, b).unwrap());
+        let got = g.read(&dst, n * w);
+        let q: Vec<u32> =
+            bytemuck::cast_slice(&g.ctx().read(&xq, (n * w) as u64).unwrap()).to_vec();
+        let s = g.read(&xd, n * w / 32);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for l in 0..n {
+            let lane = &x[l * d..(l + 1) * d];
+            let (want, q1, s1) = one_lane_norm(&g, lane, &pbuf, wg);
+            assert_nmse(
+                &format!("lane {l}, workgroups of {wg}"),
+                &want,
+                &ref_rmsnorm(lane, &params[7..], 1e-5),
+                1e-7,
+            );
+            assert_eq!(bits(&got[l * w..l * w + d]), bits(&want), "lane {l}'s norm");
+            assert_eq!(
+                &q[l * w / 4..l * w / 4 + d / 4],
+                &q1[..],
+                "lane {l}'s q8 values"
+            );
+            assert_eq!(
+                bits(&s[l * w / 32..l * w / 32 + d / 32]),
+                bits(&s1),
+                "lane {l}'s q8 scales"
+            );
+        }
     }
 }
 
@@ -461,8 +480,7 @@ fn rmsnorm_lanes_equal_each_lane_alone() {
 fn norm_then_gemv(
     g: &Gpu,
     m: &DeviceMatrix,
-    d: usize,
-    nw_off: usize,
+    (d, nw_off, wg): (usize, usize, usize),
     src: &wgpu::Buffer,
     params: &wgpu::Buffer,
 ) -> (wgpu::Buffer, wgpu::Buffer, wgpu::Buffer, wgpu::Buffer) {
@@ -475,7 +493,7 @@ fn norm_then_gemv(
         dst: &h,
         q8: Some((&q, &s)),
     };
-    g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, nw_off, 1, norm).unwrap());
+    g.run(&rmsnorm::rmsnorm(&g.k, "t", d, 1e-5, nw_off, 1, wg, norm).unwrap());
     let q8 = m.format.reads_q8().then_some((&q, &s));
     let plain = gemv(
         &g.k,
@@ -505,7 +523,8 @@ fn gemv_with_the_pre_norm_folded_in() {
         let w = rand(52, rows * d, -0.5, 0.5);
         let (m, deq) = matrix(&g, WeightFormat::F32, &w, rows, d);
         let (src, pbuf) = (g.buf(&x), g.buf(&params));
-        let (h0, q0, d0, y0) = norm_then_gemv(&g, &m, d, 7, &src, &pbuf);
+        let wg = rmsnorm::CHUNK;
+        let (h0, q0, d0, y0) = norm_then_gemv(&g, &m, (d, 7, wg), &src, &pbuf);
         // The folded GEMV.
         let (h1, q1, d1, y1) = (g.zeros(kp), g.zeros(nb * 8), g.zeros(nb), g.zeros(rows));
         let b = GemvBuffers {
@@ -520,6 +539,7 @@ fn gemv_with_the_pre_norm_folded_in() {
             d,
             eps: 1e-5,
             nw_off: 7,
+            wg,
         };
         g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
         let bits = |b: &wgpu::Buffer, n: usize| -> Vec<u32> {
@@ -541,7 +561,7 @@ fn gemv_with_the_pre_norm_folded_in() {
 /// prologue, its q8 blocks made in each workgroup's memory: rows bit for bit those of the
 /// norm kernel followed by the plain GEMV, in every format that reads q8 blocks; widths
 /// that are not multiples of 32 (the padding past d is zero) or of a k-quant's 256, and a
-/// 130m-wide row over many workgroups.
+/// 130m-wide row over many workgroups; every norm workgroup size `norm_wgs` gives.
 #[test]
 fn quantized_gemv_with_the_pre_norm_folded_in() {
     let Some(g) = Gpu::new() else { return };
@@ -557,33 +577,36 @@ fn quantized_gemv_with_the_pre_norm_folded_in() {
             WeightFormat::Q6_K,
         ] {
             let (m, _) = matrix(&g, format, &w, rows, d);
-            let (_, _, _, y0) = norm_then_gemv(&g, &m, d, 5, &src, &pbuf);
-            // The folded GEMV reads the residual itself.
-            let y1 = g.zeros(rows);
-            let b = GemvBuffers {
-                params: Some(&pbuf),
-                ..gemv_buffers(&src, None, &y1)
-            };
-            let input = GemvInput::Norm {
-                d,
-                eps: 1e-5,
-                nw_off: 5,
-            };
-            g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
-            let bits = |b: &wgpu::Buffer| -> Vec<u32> {
-                bytemuck::cast_slice(&g.ctx().read(b, 4 * rows as u64).unwrap()).to_vec()
-            };
-            assert_eq!(
-                bits(&y1),
-                bits(&y0),
-                "{} pre-norm gemv d {d}, {rows} rows",
-                format.name()
-            );
-            assert!(
-                g.read(&y0, rows).iter().any(|v| *v != 0.0),
-                "{}: the rows are not all zero",
-                format.name()
-            );
+            for wg in norm_wgs(&g) {
+                let (_, _, _, y0) = norm_then_gemv(&g, &m, (d, 5, wg), &src, &pbuf);
+                // The folded GEMV reads the residual itself.
+                let y1 = g.zeros(rows);
+                let b = GemvBuffers {
+                    params: Some(&pbuf),
+                    ..gemv_buffers(&src, None, &y1)
+                };
+                let input = GemvInput::Norm {
+                    d,
+                    eps: 1e-5,
+                    nw_off: 5,
+                    wg,
+                };
+                g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Store, b).unwrap());
+                let bits = |b: &wgpu::Buffer| -> Vec<u32> {
+                    bytemuck::cast_slice(&g.ctx().read(b, 4 * rows as u64).unwrap()).to_vec()
+                };
+                assert_eq!(
+                    bits(&y1),
+                    bits(&y0),
+                    "{} pre-norm gemv d {d}, {rows} rows, workgroups of {wg}",
+                    format.name()
+                );
+                assert!(
+                    g.read(&y0, rows).iter().any(|v| *v != 0.0),
+                    "{}: the rows are not all zero",
+                    format.name()
+                );
+            }
         }
     }
 }

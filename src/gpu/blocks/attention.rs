@@ -16,6 +16,7 @@ use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, KvOut};
 use crate::gpu::kernels::kv_store::kv_store;
+use crate::gpu::kernels::rmsnorm;
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
 use crate::gpu::state_store::KvFormat;
@@ -93,6 +94,7 @@ pub fn decode(
                 d: b.c.d_model,
                 eps: b.c.norm_eps,
                 nw_off,
+                wg: rmsnorm::norm_wg(k)?,
             },
             &s.resid,
             Some(params),

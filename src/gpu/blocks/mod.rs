@@ -92,7 +92,13 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
         let mut ds = if fold_norm {
             Vec::new()
         } else {
-            vec![pre_norm(b, &layer.params, norm_off, None)?]
+            vec![pre_norm(
+                b,
+                &layer.params,
+                norm_off,
+                None,
+                norm_wg(k, &layer.mixer)?,
+            )?]
         };
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
@@ -147,6 +153,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
             c.norm_eps,
             0,
             b.lanes,
+            rmsnorm::CHUNK,
             NormBuffers {
                 src: &s.resid,
                 params: &w.final_params,
@@ -223,6 +230,7 @@ pub fn prefill_graph(
             &layer.params,
             layer.norm_offset(b.layout),
             Some((p, t)),
+            rmsnorm::CHUNK,
         )?];
         ds.extend(match (&layer.mixer, st) {
             (DeviceMixer::Mamba2 { in_proj, out_proj }, DeviceLayerState::Mamba2 { conv, ssm }) => {
@@ -295,12 +303,25 @@ fn mlp_bias<'a>(
     })
 }
 
-/// The pre-norm of any block: decode writes `h` (and its q8 blocks), prefill `p.h` rows.
+/// The decode pre-norm's workgroup size for a block: `rmsnorm::norm_wg` where a one-token
+/// GEMV may fold the norm in (Mamba2's in_proj, attention's qkv; a batch's norm kernel must
+/// sum in the same order as the runs alone), the norm's default elsewhere (the MoE router
+/// folds its pre-norm with that size).
+fn norm_wg(k: &Kernels, mixer: &DeviceMixer) -> Result<usize> {
+    match mixer {
+        DeviceMixer::Mamba2 { .. } | DeviceMixer::Attention { .. } => rmsnorm::norm_wg(k),
+        _ => Ok(rmsnorm::CHUNK),
+    }
+}
+
+/// The pre-norm of any block: decode writes `h` (and its q8 blocks) with workgroups of `wg`,
+/// prefill `p.h` rows.
 fn pre_norm(
     b: &BlockCtx,
     params: &wgpu::Buffer,
     offset: usize,
     prefill: Option<(&Prefill, usize)>,
+    wg: usize,
 ) -> Result<Dispatch> {
     let c = b.c;
     Ok(match prefill {
@@ -311,6 +332,7 @@ fn pre_norm(
             c.norm_eps,
             offset,
             b.lanes,
+            wg,
             NormBuffers {
                 src: &b.s.resid,
                 params,

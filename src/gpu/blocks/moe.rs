@@ -22,6 +22,7 @@ use crate::gpu::kernels::mlp_act::{ActBuffers, mlp_act};
 use crate::gpu::kernels::moe_combine::{CombineBuffers, moe_combine};
 use crate::gpu::kernels::moe_route::{RouteBuffers, moe_route};
 use crate::gpu::kernels::moe_sort::{SortBuffers, moe_sort, sorted_rows};
+use crate::gpu::kernels::rmsnorm;
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
 use crate::model::quant::WeightFormat;
@@ -82,6 +83,7 @@ pub fn decode(
                 d: b.c.d_model,
                 eps: b.c.norm_eps,
                 nw_off,
+                wg: rmsnorm::CHUNK,
             },
             GemvOutput::Store,
             GemvBuffers {

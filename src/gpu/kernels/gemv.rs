@@ -286,7 +286,14 @@ pub enum GemvInput {
     /// kernel would (`GemvBuffers::norm_out`) for the GEMVs after this one. Quantized ones
     /// (a narrow Mamba2 in_proj, `folds_norm`): every workgroup makes the q8 blocks of the
     /// whole normed vector in its own memory, the norm kernel's bits, and writes no vector.
-    Norm { d: usize, eps: f64, nw_off: usize },
+    /// `wg`: the norm kernel's workgroup size (`rmsnorm::rmsnorm`), which this GEMV's
+    /// workgroups take to sum in its order.
+    Norm {
+        d: usize,
+        eps: f64,
+        nw_off: usize,
+        wg: usize,
+    },
 }
 
 /// What happens to each output row.
@@ -746,9 +753,15 @@ pub fn gemv(
     }
     let wg = if cap > 1 {
         WG
-    } else if norm {
+    } else if let GemvInput::Norm { wg, .. } = input {
         // The norm kernel's workgroup: its sum's order.
-        super::rmsnorm::norm_wg(k)? as u32
+        super::rmsnorm::check_wg(k, name, wg)?;
+        if wg < team as usize {
+            return Err(Error::Gpu(format!(
+                "{name}: a pre-norm workgroup of {wg} holds no team of {team}"
+            )));
+        }
+        wg as u32
     } else {
         let kind = match input {
             GemvInput::Group { .. } => WgKind::Group,
@@ -877,7 +890,7 @@ pub fn gemv(
         ]);
         entries.push((9, part));
     }
-    if let GemvInput::Norm { d, eps, nw_off } = input {
+    if let GemvInput::Norm { d, eps, nw_off, .. } = input {
         let params = b.params.ok_or_else(|| missing("params"))?;
         let mixer = matches!(output, GemvOutput::Mixer(_));
         if d > w.kp || (mixer && !local) {

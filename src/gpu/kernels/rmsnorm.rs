@@ -7,17 +7,31 @@ use crate::error::Result;
 use crate::gpu::shader::Const;
 
 /// Elements each workgroup writes (one per invocation; whole q8 blocks) in the gated and
-/// MLP-activation norms, and by default in the RMS norms (`norm_wg`).
-pub(super) const CHUNK: usize = 256;
+/// MLP-activation norms, the prefill and final RMS norms, and the decode pre-norms of the
+/// blocks other than Mamba2 and attention (`norm_wg` for those).
+pub const CHUNK: usize = 256;
 
-/// Invocations of an RMS norm's workgroups (decode, prefill and final norm alike), and so
-/// of the one-token GEMVs that fold a pre-norm into their prologue (`GemvInput::Norm`),
-/// whose sums must be the norm kernel's bits: MAMBA2_NORM_WG=256|512|1024 (for tuning),
-/// else CHUNK; never more than the device allows.
+/// Invocations per workgroup of the Mamba2 and attention blocks' decode pre-norms, and so
+/// of the one-token GEMVs that fold those into their prologue (in_proj, qkv:
+/// `GemvInput::Norm`), whose sums must be the norm kernel's bits (a batch's lanes take the
+/// kernel, their runs alone the fold): MAMBA2_NORM_WG=256|512|1024 (for tuning), else
+/// CHUNK; never more than the device allows. Larger workgroups make fewer folding ones,
+/// each reading the whole residual (`gemv::folds_norm`).
 pub fn norm_wg(k: &Kernels) -> Result<usize> {
     Ok(norm_wg_override()?
         .unwrap_or(CHUNK)
         .min(k.max_workgroup() as usize))
+}
+
+/// A norm's workgroup size: a power of two of 32 (a q8 block) up to the device's limit.
+pub(super) fn check_wg(k: &Kernels, name: &str, wg: usize) -> Result<()> {
+    if !wg.is_power_of_two() || wg < 32 || wg > k.max_workgroup() as usize {
+        return Err(crate::error::Error::Gpu(format!(
+            "{name}: a norm workgroup of {wg} invocations (a power of two of 32 to {})",
+            k.max_workgroup()
+        )));
+    }
+    Ok(())
 }
 
 /// MAMBA2_NORM_WG, checked (`gemv::check_overrides`).
@@ -46,6 +60,9 @@ pub struct NormBuffers<'a> {
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
 }
 
+/// `wg` invocations per workgroup (a power of two of 32 up to the device's limit): the
+/// order of the sum of squares, which a GEMV folding the same norm in must share.
+#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm(
     k: &Kernels,
     name: &str,
@@ -53,6 +70,7 @@ pub fn rmsnorm(
     eps: f64,
     nw_off: usize,
     tokens: usize,
+    wg: usize,
     b: NormBuffers,
 ) -> Result<Dispatch> {
     rows(
@@ -63,6 +81,7 @@ pub fn rmsnorm(
         nw_off,
         tokens,
         d.next_multiple_of(32),
+        wg,
         b,
         false,
     )
@@ -89,6 +108,7 @@ pub fn rmsnorm_block(
         nw_off,
         tokens,
         d.next_multiple_of(32),
+        CHUNK,
         b,
         vec4,
     )
@@ -96,7 +116,8 @@ pub fn rmsnorm_block(
 
 /// The decode norm of `lanes` lanes: `src [L][D]`, `dst [L][W]` and the q8 blocks
 /// `xq [L][W/4]`, `xd [L][W/32]` with W the lane stride of `dst` (the one every GEMV input
-/// of a batch shares).
+/// of a batch shares); `wg` as for `rmsnorm`.
+#[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_lanes(
     k: &Kernels,
     name: &str,
@@ -104,10 +125,11 @@ pub fn rmsnorm_lanes(
     eps: f64,
     nw_off: usize,
     lanes: super::Lanes,
+    wg: usize,
     b: NormBuffers,
 ) -> Result<Dispatch> {
     if lanes.cap <= 1 {
-        return rmsnorm(k, name, d, eps, nw_off, 1, b);
+        return rmsnorm(k, name, d, eps, nw_off, 1, wg, b);
     }
     let w = super::lane_stride(b.dst, lanes) as usize;
     if let Some((q, s)) = b.q8
@@ -118,12 +140,12 @@ pub fn rmsnorm_lanes(
             "{name}: the q8 blocks' lane strides do not match the output's {w} values"
         )));
     }
-    let mut dispatch = rows(k, name, d, eps, nw_off, lanes.n, w, b, false)?;
+    let mut dispatch = rows(k, name, d, eps, nw_off, lanes.n, w, wg, b, false)?;
     // Past 2¹⁶ values one workgroup per lane normalized a whole lane: Codestral's 64 lanes
     // took 18 µs per norm on 64 workgroups (run 142). Every workgroup of a lane sums the
     // whole lane and writes its own chunks, so any grid gives the same bits.
     spread(&mut dispatch, d, lanes.n);
-    dispatch.workgroups.0 = dispatch.workgroups.0.min(d.div_ceil(norm_wg(k)?) as u32);
+    dispatch.workgroups.0 = dispatch.workgroups.0.min(d.div_ceil(wg) as u32);
     Ok(dispatch)
 }
 
@@ -136,13 +158,14 @@ fn rows(
     nw_off: usize,
     tokens: usize,
     kp: usize,
+    wg: usize,
     b: NormBuffers,
     vec4: bool,
 ) -> Result<Dispatch> {
     check_len(&format!("{name}: src"), b.src, tokens * d)?;
     check_len(&format!("{name}: params"), b.params, nw_off + d)?;
     check_len(&format!("{name}: dst"), b.dst, (tokens - 1) * kp + d)?;
-    let wg = norm_wg(k)?;
+    check_wg(k, name, wg)?;
     let consts = [
         ("WG", Const::U32(wg as u32)),
         ("NB", Const::U32(d.div_ceil(32) as u32)),
