@@ -247,6 +247,8 @@ mod tests {
             kernels_ms: Vec::new(),
             gpu_ms: 0.0,
             host_ms: (0.0, 0.0),
+            host_p90_ms: (0.0, 0.0),
+            slow_tokens: 0,
             host_encode_ms: 0.0,
             host_submit_ms: 0.0,
             anchors: Vec::new(),
@@ -491,6 +493,11 @@ pub struct DecodeReport {
     /// Median host time per timed token recording and submitting its dispatches (no
     /// timestamps): the token rate's bound where the GPU is faster.
     pub host_ms: (f64, f64),
+    /// The same times' 90th percentiles: slow tokens whose recording or submitting was
+    /// slow too point at the host.
+    pub host_p90_ms: (f64, f64),
+    /// Timed tokens that arrived more than 1.5× the median after the one before.
+    pub slow_tokens: usize,
     pub host_encode_ms: f64,
     pub host_submit_ms: f64,
     pub anchors: Vec<(Anchor, f64)>,
@@ -539,15 +546,17 @@ pub fn decode(
     let host = backend.host_times.take().unwrap_or_default();
     run?;
     let skip = warmup.min(host.len());
-    let host_ms = |f: fn(&(f64, f64)) -> f64| {
+    let host_q = |f: fn(&(f64, f64)) -> f64, q: f64| {
         let mut v: Vec<f64> = host[skip..].iter().map(f).collect();
-        median(&mut v) / 1e6
+        quantile(&mut v, q) / 1e6
     };
-    let host_ms = (host_ms(|h| h.0), host_ms(|h| h.1));
+    let host_ms = (host_q(|h| h.0, 0.5), host_q(|h| h.1, 0.5));
+    let host_p90_ms = (host_q(|h| h.0, 0.9), host_q(|h| h.1, 0.9));
     let mut gaps = gaps_ms(&arrivals, warmup);
     let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
     let (p10, p90) = (quantile(&mut gaps, 0.1), quantile(&mut gaps, 0.9));
     let med = median(&mut gaps);
+    let slow_tokens = gaps.iter().filter(|g| **g > 1.5 * med).count();
     let mut profiles: Vec<TokenProfile> = Vec::new();
     if profiled > 0 && backend.set_profiling(true)? {
         backend.profiles.clear();
@@ -616,6 +625,8 @@ pub fn decode(
         sections_ms,
         kernels_ms,
         host_ms,
+        host_p90_ms,
+        slow_tokens,
         gpu_ms: if profiles.is_empty() {
             f64::NAN
         } else {
@@ -942,8 +953,13 @@ impl DecodeReport {
             self.dispatches_per_token,
         );
         s += &format!(
-            "  host per token: {:.3} ms recording the dispatches, {:.3} ms submitting them\n",
-            self.host_ms.0, self.host_ms.1
+            "  host per token: {:.3} ms recording the dispatches, {:.3} ms submitting them (p90 {:.3}, {:.3}); {} of {} tokens over 1.5× the median\n",
+            self.host_ms.0,
+            self.host_ms.1,
+            self.host_p90_ms.0,
+            self.host_p90_ms.1,
+            self.slow_tokens,
+            self.tokens
         );
         if !self.sections_ms.is_empty() {
             s += &format!(
