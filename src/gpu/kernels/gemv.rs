@@ -280,14 +280,14 @@ pub enum GemvInput {
         eps: f64,
     },
     /// `x = src / rms(src) ⊙ params[nw_off..nw_off + d]`: the block's RMS pre-norm in the
-    /// prologue (one token), so the norm's own dispatch goes. Every workgroup sums all of
-    /// src² the norm kernel's way (256 invocations, `norm_rstd`: the same rstd bit for
-    /// bit). f32 matrices (the MoE router): the first workgroups also write what that
-    /// kernel would (`GemvBuffers::norm_out`) for the GEMVs after this one. Quantized ones
-    /// (a narrow Mamba2 in_proj, `folds_norm`): every workgroup makes the q8 blocks of the
-    /// whole normed vector in its own memory, the norm kernel's bits, and writes no vector.
-    /// `wg`: the norm kernel's workgroup size (`rmsnorm::rmsnorm`), which this GEMV's
-    /// workgroups take to sum in its order.
+    /// prologue (one token), so the norm's own dispatch goes. Every workgroup, of `wg`
+    /// invocations as the norm kernel's (`rmsnorm::rmsnorm`), sums all of src² that
+    /// kernel's way (`norm_rstd`: the same rstd bit for bit). f32 matrices (the MoE
+    /// router): the first workgroups also write what that kernel would
+    /// (`GemvBuffers::norm_out`) for the GEMVs after this one. Quantized ones (a narrow
+    /// Mamba2 in_proj or attention qkv projection, `folds_norm`): every workgroup makes the
+    /// q8 blocks of the whole normed vector in its own memory, the norm kernel's bits, and
+    /// writes no vector.
     Norm {
         d: usize,
         eps: f64,
