@@ -36,14 +36,19 @@ pub(super) fn check_wg(k: &Kernels, name: &str, wg: usize) -> Result<()> {
 
 /// MAMBA2_NORM_WG, checked (`gemv::check_overrides`).
 pub(super) fn norm_wg_override() -> Result<Option<usize>> {
-    match std::env::var("MAMBA2_NORM_WG") {
-        Err(_) => Ok(None),
-        Ok(s) => match s.trim().parse::<usize>() {
-            Ok(n @ (256 | 512 | 1024)) => Ok(Some(n)),
-            _ => Err(crate::error::Error::InvalidInput(format!(
-                "MAMBA2_NORM_WG={s}: want 256, 512 or 1024 invocations per norm workgroup"
-            ))),
-        },
+    std::env::var("MAMBA2_NORM_WG")
+        .ok()
+        .map(|s| parse_norm_wg(&s))
+        .transpose()
+}
+
+/// A MAMBA2_NORM_WG value: 256, 512 or 1024.
+fn parse_norm_wg(s: &str) -> Result<usize> {
+    match s.trim().parse::<usize>() {
+        Ok(n @ (256 | 512 | 1024)) => Ok(n),
+        _ => Err(crate::error::Error::InvalidInput(format!(
+            "MAMBA2_NORM_WG={s}: want 256, 512 or 1024 invocations per norm workgroup"
+        ))),
     }
 }
 
@@ -267,4 +272,19 @@ pub(super) fn norm_dispatch_flags<'a>(
         section: Section::Norm,
         label: Label::default(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workgroup_override_names_the_variable() {
+        assert_eq!(parse_norm_wg(" 1024").unwrap(), 1024);
+        assert_eq!(parse_norm_wg("256").unwrap(), 256);
+        for bad in ["", "128", "2048", "300", "big"] {
+            let e = parse_norm_wg(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_NORM_WG"), "{e}");
+        }
+    }
 }
