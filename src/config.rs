@@ -1457,6 +1457,21 @@ mod tests {
         ModelConfig::from_json_str(text, Path::new("config.json"))
     }
 
+    /// A value written back by `to_hf_json` reads back with the same bits: serde_json's
+    /// default float parser is off by an ulp on long mantissas such as this epsilon (the
+    /// config fuzz target's find), hence its `float_roundtrip` feature.
+    #[test]
+    fn floats_round_trip_through_to_hf_json() {
+        let c = parse(
+            r#"{"model_type":"mamba2","hidden_size":64,"num_hidden_layers":2,"vocab_size":100,
+            "num_heads":8,"head_dim":16,"state_size":16,"layer_norm_epsilon":0.00018446744073709554}"#,
+        )
+        .unwrap();
+        let back = parse(&c.to_hf_json().to_string()).unwrap();
+        assert_eq!(back.norm_eps.to_bits(), c.norm_eps.to_bits());
+        assert_eq!(c.norm_eps, 0.00018446744073709554);
+    }
+
     #[test]
     fn infinity_spellings() {
         let base = r#"{"model_type":"mamba2","hidden_size":64,"num_hidden_layers":2,"vocab_size":100,

@@ -89,8 +89,36 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     })
 }
 
-/// The most instructions a chat template may run for one rendering.
-const TEMPLATE_FUEL: u64 = 10_000_000;
+/// The most bytes a chat template's rendering may write (or four times the messages' bytes,
+/// if more): a real template writes the conversation and some markup.
+const TEMPLATE_OUTPUT: usize = 16 << 20;
+
+/// Where a chat template renders: an error once it would hold more than `cap` bytes.
+struct CappedOutput {
+    bytes: Vec<u8>,
+    cap: usize,
+    over: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + b.len() > self.cap {
+            self.over = true;
+            return Err(std::io::Error::other("chat template output cap"));
+        }
+        self.bytes.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The work a chat template may do for one rendering, in minijinja's fuel: one per
+/// instruction, one per 64 bytes it writes or makes. 1M bounds a hostile template to ~64 MB
+/// written or made (10M let a template build ~640 MB); a real template renders a long
+/// conversation in a few thousand.
+const TEMPLATE_FUEL: u64 = 1_000_000;
 
 /// A model's tokenizer plus what `tokenizer_config.json` says about it.
 #[derive(Clone)]
@@ -233,9 +261,35 @@ impl Tokenizer {
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         };
-        env.render_str(template, ctx)
+        // The output goes through a capped writer: fuel is charged for what an instruction
+        // wrote only after it ran, so one `{{ … }}` of a huge value would otherwise be
+        // written whole first.
+        let cap = TEMPLATE_OUTPUT.max(
+            4 * messages
+                .iter()
+                .map(|(r, c)| r.len() + c.len())
+                .sum::<usize>(),
+        );
+        let mut out = CappedOutput {
+            bytes: Vec::new(),
+            cap,
+            over: false,
+        };
+        let rendered = env
+            .template_from_str(template)
+            .and_then(|t| t.render_captured_to(ctx, &mut out));
+        if out.over {
+            return Err(Error::Tokenizer(format!(
+                "chat template: it writes more than {} MiB for {} messages (a broken or hostile \
+                 template)",
+                cap >> 20,
+                messages.len()
+            )));
+        }
+        rendered.map_err(|e| Error::Tokenizer(format!("chat template: {e}")))?;
+        String::from_utf8(out.bytes)
             .map(Some)
-            .map_err(|e| Error::Tokenizer(format!("chat template: {e}")))
+            .map_err(|e| Error::Tokenizer(format!("chat template: its output is not UTF-8: {e}")))
     }
 
     /// A fresh streaming decoder.

@@ -337,6 +337,27 @@ fn a_chat_template_that_never_ends_is_an_error() {
     assert!(start.elapsed() < Duration::from_secs(10));
 }
 
+// One that would write hundreds of MB in one instruction (a repeated list printed: it
+// allocated 268 MB before its fuel was charged; the fuzz harness found it) is stopped at
+// the output cap, one that builds them runs out of fuel.
+#[test]
+fn a_chat_template_that_writes_hundreds_of_megabytes_is_an_error() {
+    let bytes =
+        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tokenizer.json")).unwrap();
+    for template in ["{{ messages * 1000000 }}", "{{ 'x' * 99999999 }}"] {
+        let config = serde_json::json!({ "chat_template": template });
+        let tok = mamba2_wgpu::Tokenizer::from_bytes(&bytes, Some(&config)).unwrap();
+        let e = tok
+            .render_chat(&[("user".into(), "hi".into())], true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("chat template") && (e.contains("fuel") || e.contains("more than 16 MiB")),
+            "{template}: {e}"
+        );
+    }
+}
+
 // Class 3: ids enter every backend through one check, whoever calls it.
 #[test]
 fn ids_outside_the_vocabulary_are_refused_by_every_backend() {

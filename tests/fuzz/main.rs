@@ -1,6 +1,7 @@
 //! A bounded fuzz harness over everything that reads files a user downloads: the config
 //! parser (`ModelConfig::from_json_str`), the safetensors / shard-index loader
-//! (`Model::load`) and the tokenizer wrapper (`Tokenizer`). For any input: no panic, no hang,
+//! (`Model::load`), GGUF files with their metadata-built tokenizers
+//! (`Model::load_with_tokenizer`) and the tokenizer wrapper (`Tokenizer`). For any input: no panic, no hang,
 //! no allocation above a budget; when a config is accepted, every size derived from it
 //! computes exactly (no wrap) and fits in the `u32` the kernels take it as.
 //!
@@ -24,6 +25,7 @@
 //! below), 5 s per case in release (20 s in debug), 60 s before the watchdog calls it a hang.
 
 mod config;
+mod gguf;
 mod safetensors;
 mod shard_index;
 mod special_files;
@@ -638,6 +640,16 @@ fn loader_config() {
 #[test]
 fn loader_special_files() {
     isolated("loader_special_files", special_files::special_files);
+}
+
+#[test]
+fn gguf_metadata() {
+    isolated("gguf_metadata", gguf::fuzz_gguf_metadata);
+}
+
+#[test]
+fn gguf_bytes() {
+    isolated("gguf_bytes", gguf::fuzz_gguf_bytes);
 }
 
 #[test]
