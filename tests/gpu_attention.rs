@@ -494,6 +494,94 @@ fn kv_store_rows_rope_and_stop() {
     }
 }
 
+/// One decode step of the qkv GEMV tests: a cache of `ctx` rows of `kvl` values, `kv_len`
+/// rows in it, the step stopped or not.
+struct KvStep {
+    ac: AttnConsts,
+    ctrl: wgpu::Buffer,
+    /// The caches' bytes before the step: NaN everywhere (rows nothing should write).
+    sentinel: Vec<u8>,
+    rows: usize,
+    kvl: usize,
+}
+
+impl KvStep {
+    fn new(g: &Gpu, dims: AttnDims, ctx: usize, format: KvFormat, step: (u32, u32)) -> Self {
+        let kvl = dims.kv_len();
+        let rows = dims.q_len() + 2 * kvl;
+        let ctrl = Ctrl {
+            kv_len: step.0,
+            stopped: step.1,
+            ..Default::default()
+        };
+        KvStep {
+            ac: AttnConsts {
+                dims,
+                ctx,
+                format,
+                qkv_stride: rows,
+                scale: 1.0,
+                rope: None,
+            },
+            ctrl: g.buf(bytemuck::bytes_of(&ctrl)),
+            sentinel: cache_bytes(format, &[], ctx * kvl),
+            rows,
+            kvl,
+        }
+    }
+
+    /// Runs what `record` makes for fresh buffers (qkv zeroed, NaN caches; the K/V output
+    /// a GEMV stores to, and the same as the attention kernels' view): the words of qkv
+    /// and of both caches after it.
+    fn run(
+        &self,
+        g: &Gpu,
+        record: impl Fn(&wgpu::Buffer, KvOut, &AttnBuffers) -> Vec<Dispatch>,
+    ) -> [Vec<u32>; 3] {
+        let (qkv, kb, vb) = (
+            g.zeros(self.rows),
+            g.buf(&self.sentinel),
+            g.buf(&self.sentinel),
+        );
+        let f32 = self.ac.format == F32;
+        let kv = KvOut {
+            k_cache: &kb,
+            v_cache: &vb,
+            ctrl: &self.ctrl,
+            q_rows: self.ac.dims.q_len(),
+            kv_rows: self.kvl,
+            ctx: self.ac.ctx,
+            f32,
+        };
+        let b = AttnBuffers {
+            qkv: &qkv,
+            k_cache: &kb,
+            v_cache: &vb,
+            ctrl: &self.ctrl,
+            lanes: Lanes::ONE,
+        };
+        let ds = record(&qkv, kv, &b);
+        g.run(&ds.iter().collect::<Vec<_>>());
+        let words = self.ac.ctx * self.kvl / if f32 { 1 } else { 2 };
+        [
+            g.words(&qkv, self.rows),
+            g.words(&kb, words),
+            g.words(&vb, words),
+        ]
+    }
+}
+
+/// `got` and `want` (`KvStep::run`'s) bit for bit, and the rows not all zero.
+fn assert_same_step(what: &str, got: &[Vec<u32>; 3], want: &[Vec<u32>; 3]) {
+    assert!(
+        want[0].iter().any(|v| *v != 0),
+        "{what}: the rows are not all zero"
+    );
+    for (i, part) in ["qkv", "k cache", "v cache"].iter().enumerate() {
+        assert_eq!(got[i], want[i], "{what}: {part}");
+    }
+}
+
 /// The one-token qkv GEMV that stores the k and v rows itself (NoPE, fused decode) leaves
 /// the caches and `qkv` bit for bit as the GEMV followed by kv_store does, in f32 and f16
 /// caches and f32 / f16 weights: at a middle row, the last row, a full cache (nothing
@@ -515,76 +603,33 @@ fn qkv_gemv_stores_kv_as_kv_store_does() {
     for wf in [WeightFormat::F32, WeightFormat::F16] {
         let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, cols)).unwrap();
         for format in [F32, F16] {
-            let f32 = format == F32;
-            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, f32, false).unwrap());
+            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, format == F32, false).unwrap());
             for (kv_len, stopped) in [(4, 0), (9, 0), (10, 0), (3, 1)] {
                 let what = format!(
                     "{} weights, {format:?} cache, kv_len {kv_len}, stopped {stopped}",
                     wf.name()
                 );
-                let ac = AttnConsts {
-                    dims,
-                    ctx,
-                    format,
-                    qkv_stride: rows,
-                    scale: 1.0,
-                    rope: None,
-                };
-                let ctrl = Ctrl {
-                    kv_len,
-                    stopped,
-                    ..Default::default()
-                };
-                let ctrl_buf = g.buf(bytemuck::bytes_of(&ctrl));
-                let sentinel = cache_bytes(format, &[], ctx * kvl);
+                let step = KvStep::new(&g, dims, ctx, format, (kv_len, stopped));
                 let run = |fold: bool| {
-                    let (qkv, kb, vb) = (g.zeros(rows), g.buf(&sentinel), g.buf(&sentinel));
-                    let gemv_d = gemv(
-                        &g.k,
-                        "qkv",
-                        &m,
-                        GemvInput::Plain,
-                        GemvOutput::Store,
-                        GemvBuffers {
-                            kv: fold.then_some(KvOut {
-                                k_cache: &kb,
-                                v_cache: &vb,
-                                ctrl: &ctrl_buf,
-                                q_rows: dims.q_len(),
-                                kv_rows: kvl,
-                                ctx,
-                                f32,
-                            }),
-                            ..GemvBuffers::plain(&xb, None, &qkv)
-                        },
-                    )
-                    .unwrap();
-                    let b = AttnBuffers {
-                        qkv: &qkv,
-                        k_cache: &kb,
-                        v_cache: &vb,
-                        ctrl: &ctrl_buf,
-                        lanes: Lanes::ONE,
-                    };
-                    if fold {
-                        g.run(&[&gemv_d]);
-                    } else {
-                        g.run(&[&gemv_d, &kv_store(&g.k, "kv_store", ac, None, &b).unwrap()]);
-                    }
-                    let words = if f32 { ctx * kvl } else { ctx * kvl / 2 };
-                    (
-                        g.words(&qkv, rows),
-                        g.words(&kb, words),
-                        g.words(&vb, words),
-                    )
+                    step.run(&g, |qkv, kv, b| {
+                        let bufs = GemvBuffers {
+                            kv: fold.then_some(kv),
+                            ..GemvBuffers::plain(&xb, None, qkv)
+                        };
+                        let input = GemvInput::Plain;
+                        let mut ds =
+                            vec![gemv(&g.k, "qkv", &m, input, GemvOutput::Store, bufs).unwrap()];
+                        if !fold {
+                            ds.push(kv_store(&g.k, "kv_store", step.ac, None, b).unwrap());
+                        }
+                        ds
+                    })
                 };
                 let (want, got) = (run(false), run(true));
-                assert_eq!(got.0, want.0, "{what}: qkv");
-                assert_eq!(got.1, want.1, "{what}: k cache");
-                assert_eq!(got.2, want.2, "{what}: v cache");
+                assert_same_step(&what, &got, &want);
                 let stored = stopped == 0 && (kv_len as usize) < ctx;
                 let row =
-                    &cache_values(&g, format, &g.buf(bytemuck::cast_slice(&got.1)), ctx * kvl)
+                    &cache_values(&g, format, &g.buf(bytemuck::cast_slice(&got[1])), ctx * kvl)
                         [kv_len as usize % ctx * kvl..][..kvl];
                 assert_eq!(
                     row.iter().all(|v| v.is_nan()),
@@ -620,8 +665,7 @@ fn qkv_gemv_with_the_pre_norm_folded_in_stores_kv_as_the_kernels_do() {
     for wf in [WeightFormat::Q8_0, WeightFormat::Q4_K] {
         let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, d)).unwrap();
         for format in [F32, F16] {
-            let f32 = format == F32;
-            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, f32, true).unwrap());
+            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, format == F32, true).unwrap());
             for (kv_len, stopped, wg) in [
                 (4, 0, wgs[0]),
                 (10, 0, wgs[0]),
@@ -633,85 +677,40 @@ fn qkv_gemv_with_the_pre_norm_folded_in_stores_kv_as_the_kernels_do() {
                      norm workgroups of {wg}",
                     wf.name()
                 );
-                let ac = AttnConsts {
-                    dims,
-                    ctx,
-                    format,
-                    qkv_stride: rows,
-                    scale: 1.0,
-                    rope: None,
-                };
-                let ctrl = Ctrl {
-                    kv_len,
-                    stopped,
-                    ..Default::default()
-                };
-                let ctrl_buf = g.buf(bytemuck::bytes_of(&ctrl));
-                let sentinel = cache_bytes(format, &[], ctx * kvl);
-                let run = |folded: bool| {
-                    let (qkv, kb, vb) = (g.zeros(rows), g.buf(&sentinel), g.buf(&sentinel));
-                    let kv = KvOut {
-                        k_cache: &kb,
-                        v_cache: &vb,
-                        ctrl: &ctrl_buf,
-                        q_rows: dims.q_len(),
-                        kv_rows: kvl,
-                        ctx,
-                        f32,
+                let step = KvStep::new(&g, dims, ctx, format, (kv_len, stopped));
+                let want = step.run(&g, |qkv, _, b| {
+                    // (A k-quant's columns pad to 256: zero blocks past d.)
+                    let kp = m.kp;
+                    let (h, xq, xd) = (g.zeros(kp), g.zeros(kp / 4), g.zeros(kp / 32));
+                    let nb = NormBuffers {
+                        src: &resid,
+                        params: &pbuf,
+                        dst: &h,
+                        q8: Some((&xq, &xd)),
                     };
-                    let b = AttnBuffers {
-                        qkv: &qkv,
-                        k_cache: &kb,
-                        v_cache: &vb,
-                        ctrl: &ctrl_buf,
-                        lanes: Lanes::ONE,
+                    let bufs = GemvBuffers::plain(&h, Some((&xq, &xd)), qkv);
+                    let input = GemvInput::Plain;
+                    vec![
+                        rmsnorm(&g.k, "norm", d, 1e-5, nw_off, 1, wg, nb).unwrap(),
+                        gemv(&g.k, "qkv", &m, input, GemvOutput::Store, bufs).unwrap(),
+                        kv_store(&g.k, "kv_store", step.ac, None, b).unwrap(),
+                    ]
+                });
+                let got = step.run(&g, |qkv, kv, _| {
+                    let input = GemvInput::Norm {
+                        d,
+                        eps: 1e-5,
+                        nw_off,
+                        wg,
                     };
-                    if folded {
-                        let input = GemvInput::Norm {
-                            d,
-                            eps: 1e-5,
-                            nw_off,
-                            wg,
-                        };
-                        let bufs = GemvBuffers {
-                            params: Some(&pbuf),
-                            kv: Some(kv),
-                            ..GemvBuffers::plain(&resid, None, &qkv)
-                        };
-                        let gemv_d = gemv(&g.k, "qkv", &m, input, GemvOutput::Store, bufs);
-                        g.run(&[&gemv_d.unwrap()]);
-                    } else {
-                        // (A k-quant's columns pad to 256: zero blocks past d.)
-                        let kp = m.kp;
-                        let (h, xq, xd) = (g.zeros(kp), g.zeros(kp / 4), g.zeros(kp / 32));
-                        let nb = NormBuffers {
-                            src: &resid,
-                            params: &pbuf,
-                            dst: &h,
-                            q8: Some((&xq, &xd)),
-                        };
-                        let norm = rmsnorm(&g.k, "norm", d, 1e-5, nw_off, 1, wg, nb).unwrap();
-                        let bufs = GemvBuffers::plain(&h, Some((&xq, &xd)), &qkv);
-                        let gemv_d =
-                            gemv(&g.k, "qkv", &m, GemvInput::Plain, GemvOutput::Store, bufs);
-                        let store = kv_store(&g.k, "kv_store", ac, None, &b).unwrap();
-                        g.run(&[&norm, &gemv_d.unwrap(), &store]);
-                    }
-                    let words = if f32 { ctx * kvl } else { ctx * kvl / 2 };
-                    (
-                        g.words(&qkv, rows),
-                        g.words(&kb, words),
-                        g.words(&vb, words),
-                    )
-                };
-                let (want, got) = (run(false), run(true));
-                assert!(
-                    want.0.iter().any(|v| *v != 0),
-                    "{what}: the rows are not all zero"
-                );
-                assert_eq!(got.0, want.0, "{what}: qkv");
-                assert_eq!(got.1, want.1, "{what}: k cache");
-                assert_eq!(got.2, want.2, "{what}: v cache");
+                    let bufs = GemvBuffers {
+                        params: Some(&pbuf),
+                        kv: Some(kv),
+                        ..GemvBuffers::plain(&resid, None, qkv)
+                    };
+                    vec![gemv(&g.k, "qkv", &m, input, GemvOutput::Store, bufs).unwrap()]
+                });
+                assert_same_step(&what, &got, &want);
             }
         }
     }

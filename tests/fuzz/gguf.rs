@@ -558,9 +558,10 @@ fn describe_gguf(b: &GgufBuilt) -> String {
     )
 }
 
-/// Loads the file with its tokenizer: no panic; where the case must fail, an error; where
-/// it loads, every tensor's bytes match its shape, two tokens run on the CPU reference,
-/// and the tokenizer encodes, decodes and renders its chat template (or refuses cleanly).
+/// Loads the file with its tokenizer: no panic; where the case must fail, an error (naming
+/// the damage where the case says); where it loads, `check_loaded`, two tokens on the CPU
+/// reference, and the tokenizer encodes, decodes and renders its chat template (or
+/// refuses cleanly).
 fn check_gguf_file(path: &Path, must_fail: Option<&Claim>) -> Check {
     match Model::load_with_tokenizer(path) {
         Ok((model, tokenizer)) => {
@@ -570,19 +571,7 @@ fn check_gguf_file(path: &Path, must_fail: Option<&Claim>) -> Check {
                     format!("Model::load accepted a GGUF file where {why}"),
                 ));
             }
-            for t in model.weights.all() {
-                let numel = t
-                    .shape
-                    .iter()
-                    .try_fold(1usize, |a, &b| a.checked_mul(b))
-                    .map(|n| t.dtype.bytes_of(n));
-                if numel != Some(t.bytes().len()) {
-                    return Err(fail(
-                        "[loaded] tensor bytes do not match its shape",
-                        format!("{:?}: {} bytes", t, t.bytes().len()),
-                    ));
-                }
-            }
+            crate::safetensors::check_loaded(&model)?;
             let _ = mamba2_wgpu::reference::CpuModel::<f32>::new(&model.config, &model.weights)
                 .map(|cpu| {
                     cpu.forward(

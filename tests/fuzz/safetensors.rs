@@ -479,22 +479,7 @@ pub(crate) fn check_load(
                     format!("Model::load accepted a directory where {why}"),
                 ));
             }
-            for t in model.weights.all() {
-                let numel = t
-                    .shape
-                    .iter()
-                    .try_fold(1usize, |a, &b| a.checked_mul(b))
-                    .map(|n| t.dtype.bytes_of(n));
-                if numel != Some(t.bytes().len()) {
-                    return Err(fail(
-                        "[loaded] tensor bytes do not match its shape",
-                        format!("{:?}: {} bytes", t, t.bytes().len()),
-                    ));
-                }
-                let _ = t.to_f32();
-            }
-            let _ = (model.param_count(), model.dtype_counts());
-            Ok(())
+            check_loaded(&model)
         }
         Err(e) => {
             let msg = e.to_string();
@@ -509,6 +494,26 @@ pub(crate) fn check_load(
             Ok(())
         }
     }
+}
+
+/// A loaded model: every tensor's bytes match its shape and dequantize; its counts compute.
+pub(crate) fn check_loaded(model: &Model) -> Check {
+    for t in model.weights.all() {
+        let numel = t
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &b| a.checked_mul(b))
+            .map(|n| t.dtype.bytes_of(n));
+        if numel != Some(t.bytes().len()) {
+            return Err(fail(
+                "[loaded] tensor bytes do not match its shape",
+                format!("{:?}: {} bytes", t, t.bytes().len()),
+            ));
+        }
+        let _ = t.to_f32();
+    }
+    let _ = (model.param_count(), model.dtype_counts());
+    Ok(())
 }
 
 fn check_st(b: &StBuilt) -> Check {
