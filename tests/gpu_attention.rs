@@ -603,7 +603,7 @@ fn qkv_gemv_stores_kv_as_kv_store_does() {
     for wf in [WeightFormat::F32, WeightFormat::F16] {
         let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, cols)).unwrap();
         for format in [F32, F16] {
-            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, format == F32, false).unwrap());
+            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, format == F32, None).unwrap());
             for (kv_len, stopped) in [(4, 0), (9, 0), (10, 0), (3, 1)] {
                 let what = format!(
                     "{} weights, {format:?} cache, kv_len {kv_len}, stopped {stopped}",
@@ -665,7 +665,9 @@ fn qkv_gemv_with_the_pre_norm_folded_in_stores_kv_as_the_kernels_do() {
     for wf in [WeightFormat::Q8_0, WeightFormat::Q4_K] {
         let m = DeviceMatrix::upload(g.ctx(), "qkv", &pack(wf, &w, rows, d)).unwrap();
         for format in [F32, F16] {
-            assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, format == F32, true).unwrap());
+            for wg in wgs {
+                assert!(stores_kv(&g.k, &m, dims.q_len(), kvl, format == F32, Some(wg)).unwrap());
+            }
             for (kv_len, stopped, wg) in [
                 (4, 0, wgs[0]),
                 (10, 0, wgs[0]),

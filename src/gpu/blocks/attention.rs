@@ -82,23 +82,26 @@ pub fn decode(
     };
     let d = ac.dims;
     let f32 = ac.format == KvFormat::F32;
-    let (q_rows, kv_rows) = (d.heads * d.head_dim, d.kv_heads * d.head_dim);
+    let (q_rows, kv_rows) = (d.q_len(), d.kv_len());
+    // The folded pre-norm's workgroup size: the norm kernel's, for the K/V check and the
+    // GEMV alike.
+    let norm_wg = pre_norm.map(|_| rmsnorm::norm_wg(k)).transpose()?;
     let fold = fused
         && b.lanes.cap == 1
         && ac.rope.is_none()
-        && gemv::stores_kv(k, qkv, q_rows, kv_rows, f32, pre_norm.is_some())?;
-    let (input, src, params) = match pre_norm {
-        None => (GemvInput::Plain, &s.h, None),
-        Some((params, nw_off)) => (
+        && gemv::stores_kv(k, qkv, q_rows, kv_rows, f32, norm_wg)?;
+    let (input, src, params) = match pre_norm.zip(norm_wg) {
+        Some(((params, nw_off), wg)) => (
             GemvInput::Norm {
                 d: b.c.d_model,
                 eps: b.c.norm_eps,
                 nw_off,
-                wg: rmsnorm::norm_wg(k)?,
+                wg,
             },
             &s.resid,
             Some(params),
         ),
+        None => (GemvInput::Plain, &s.h, None),
     };
     let name = match (pre_norm.is_some(), fold) {
         (false, false) => "qkv_proj",

@@ -71,7 +71,7 @@ pub fn gated_norm(
     // With one workgroup per token, each invocation keeps its channels in registers between
     // the sum and the scaling (up to MAX_HELD vec4s).
     let held = (d_inner / 4).div_ceil(CHUNK);
-    let reg = vec4 && workgroups_per_token(d_inner, tokens) == 1 && held <= MAX_HELD;
+    let reg = vec4 && workgroups_per_token(d_inner, tokens, CHUNK) == 1 && held <= MAX_HELD;
     let extra: &[&'static str] = match (vec4, reg) {
         (true, true) => &["VEC4", "REG"],
         (true, false) => &["VEC4"],
@@ -85,7 +85,7 @@ pub fn gated_norm(
         &consts,
         entries,
         b.q8,
-        d_inner,
+        (d_inner, CHUNK),
         tokens,
         extra,
         &[],

@@ -375,22 +375,21 @@ pub struct KvOut<'a> {
     pub f32: bool,
 }
 
-/// Whether a one-token GEMV of `w` (a qkv projection, its input plain or, `folded`, the
-/// pre-norm in its prologue) can store the k and v rows itself (`GemvBuffers::kv`;
-/// `kv_fits` with its workgroups' rows).
+/// Whether a one-token GEMV of `w` (a qkv projection, its input plain or, `norm_wg`, the
+/// pre-norm folded into its prologue with workgroups of that size) can store the k and v
+/// rows itself (`GemvBuffers::kv`; `kv_fits` with its workgroups' rows).
 pub fn stores_kv(
     k: &Kernels,
     w: &DeviceMatrix,
     q_rows: usize,
     kv_rows: usize,
     f32: bool,
-    folded: bool,
+    norm_wg: Option<usize>,
 ) -> Result<bool> {
     let team = gemv_team(w, false)?;
-    let wg = if folded {
-        super::rmsnorm::norm_wg(k)? as u32
-    } else {
-        one_token_wg(k, WgKind::Plain)?.max(team)
+    let wg = match norm_wg {
+        Some(wg) => wg as u32,
+        None => one_token_wg(k, WgKind::Plain)?.max(team),
     };
     Ok(kv_fits(w.rows, (wg / team) as usize, q_rows, kv_rows, f32))
 }

@@ -117,9 +117,18 @@ pub fn mlp_act_rows(
     }
     let shader = ("mlp_act", SOURCES);
     let mut d = norm_dispatch_flags(
-        k, name, shader, &consts, entries, b.q8, kp, tokens, flags, &tail,
+        k,
+        name,
+        shader,
+        &consts,
+        entries,
+        b.q8,
+        (kp, CHUNK),
+        tokens,
+        flags,
+        &tail,
     )?;
-    spread(&mut d, kp, tokens);
+    spread(&mut d, kp, tokens, CHUNK);
     d.section = Section::Mlp;
     Ok(d)
 }

@@ -149,8 +149,7 @@ pub fn rmsnorm_lanes(
     // Past 2¹⁶ values one workgroup per lane normalized a whole lane: Codestral's 64 lanes
     // took 18 µs per norm on 64 workgroups (run 142). Every workgroup of a lane sums the
     // whole lane and writes its own chunks, so any grid gives the same bits.
-    spread(&mut dispatch, d, lanes.n);
-    dispatch.workgroups.0 = dispatch.workgroups.0.min(d.div_ceil(wg) as u32);
+    spread(&mut dispatch, d, lanes.n, wg);
     Ok(dispatch)
 }
 
@@ -184,32 +183,28 @@ fn rows(
     let entries = vec![(0, b.src), (1, b.params), (2, b.dst)];
     let shader = ("rmsnorm", SOURCES);
     let extra: &[&'static str] = if vec4 { &["VEC4"] } else { &["NORM_SUM"] };
-    let mut dispatch = norm_dispatch_flags(
+    norm_dispatch_flags(
         k,
         name,
         shader,
         &consts,
         entries,
         b.q8,
-        d,
+        (d, wg),
         tokens,
         extra,
         &[],
-    )?;
-    // One workgroup per `wg` channels where a token spreads over several.
-    if dispatch.workgroups.0 > 1 {
-        dispatch.workgroups.0 = d.div_ceil(wg) as u32;
-    }
-    Ok(dispatch)
+    )
 }
 
-/// How many workgroups of CHUNK share one token's `width` channels: decode spreads one
-/// token over the GPU, and a few rows too, such as the MoE activations of a token's chosen
-/// experts (measured on the H200: one workgroup per row made that activation cost as much
-/// as the expert GEMVs); prefill gives each token one workgroup.
-pub(super) fn workgroups_per_token(width: usize, tokens: usize) -> usize {
+/// How many workgroups of `chunk` invocations (one channel each) share one token's `width`
+/// channels: decode spreads one token over the GPU, and a few rows too, such as the MoE
+/// activations of a token's chosen experts (measured on the H200: one workgroup per row
+/// made that activation cost as much as the expert GEMVs); prefill gives each token one
+/// workgroup.
+pub(super) fn workgroups_per_token(width: usize, tokens: usize, chunk: usize) -> usize {
     if tokens * width <= 1 << 16 {
-        width.div_ceil(CHUNK)
+        width.div_ceil(chunk)
     } else {
         1
     }
@@ -217,13 +212,13 @@ pub(super) fn workgroups_per_token(width: usize, tokens: usize) -> usize {
 
 /// Widens a grid where `workgroups_per_token` gives each token one (past 2¹⁶ values) to
 /// about 1024 workgroups in all, for the batched decode norms and MLP activations, whose
-/// work is split in chunks of CHUNK by a grid-stride loop (any split gives the same bits).
-/// One per token left Nemotron-H 8B's batched activation (16 lanes × 21504 values) on 16
-/// workgroups: 1.32 GPU ms per step (run 128).
-pub(super) fn spread(d: &mut Dispatch, width: usize, tokens: usize) {
+/// work is split in chunks of `chunk` by a grid-stride loop (any split gives the same
+/// bits). One per token left Nemotron-H 8B's batched activation (16 lanes × 21504 values)
+/// on 16 workgroups: 1.32 GPU ms per step (run 128).
+pub(super) fn spread(d: &mut Dispatch, width: usize, tokens: usize, chunk: usize) {
     if d.workgroups.0 == 1 {
         d.workgroups.0 = width
-            .div_ceil(CHUNK)
+            .div_ceil(chunk)
             .min((1024 / tokens.max(1)).max(1))
             .max(1) as u32;
     }
@@ -231,7 +226,8 @@ pub(super) fn spread(d: &mut Dispatch, width: usize, tokens: usize) {
 
 /// What every norm shares after its own checks: the optional q8 output (bound right after
 /// `entries`), the kernel's own `extra` flags, `tail` bindings after the q8 ones, the
-/// pipeline, and the grid for `tokens` rows of `width` outputs.
+/// pipeline, and the grid for `tokens` rows of `width` outputs over workgroups of `chunk`
+/// invocations (the kernel's `WG`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn norm_dispatch_flags<'a>(
     k: &Kernels,
@@ -240,7 +236,7 @@ pub(super) fn norm_dispatch_flags<'a>(
     consts: &[(&str, Const)],
     mut entries: Vec<(u32, &'a wgpu::Buffer)>,
     q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
-    width: usize,
+    (width, chunk): (usize, usize),
     tokens: usize,
     extra: &[&'static str],
     tail: &[(u32, &'a wgpu::Buffer)],
@@ -265,7 +261,11 @@ pub(super) fn norm_dispatch_flags<'a>(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &entries),
         pipeline,
-        workgroups: (workgroups_per_token(width, tokens) as u32, tokens as u32, 1),
+        workgroups: (
+            workgroups_per_token(width, tokens, chunk) as u32,
+            tokens as u32,
+            1,
+        ),
         name: name.to_string(),
         per_token: None,
         shorter: Vec::new(),
