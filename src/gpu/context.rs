@@ -245,6 +245,7 @@ impl GpuContext {
         crate::gpu::kernels::gemm_coop::check_overrides()?;
         crate::gpu::kernels::gemv::check_overrides()?;
         crate::gpu::kernels::ssd_step::check_overrides()?;
+        crate::gpu::kernels::attention_decode::check_overrides()?;
         crate::gpu::prefill::check_overrides()?;
         let ctx = Self::create(adapter.clone(), needs, true)?;
         if !ctx.caps.coop_matrix {

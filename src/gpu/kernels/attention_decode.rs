@@ -85,15 +85,57 @@ const TILES: [DecodeTile; 3] = [
 /// V loads each invocation issues before using them.
 const V_IN_FLIGHT: usize = 8;
 
-/// K loads each invocation issues before using them: the most of 16, 8, 4, 2, 1 that
-/// divides the row's `loads` (16: a whole hd-128 row of f16; every measurement of the
-/// final kernel ran so, though run 65 had 8 faster at 32k, 0.436 against 0.500 ms:
-/// BENCHMARKS.md).
+/// K loads each invocation issues before using them: the most of 16, 8, 4, 2, 1 (or of
+/// those up to `MAMBA2_ATTN_KU`) that divides the row's `loads` (16: a whole hd-128 row of
+/// f16; every measurement of the final kernel ran so, though run 65 had 8 faster at 32k,
+/// 0.436 against 0.500 ms: BENCHMARKS.md — the override is there to repeat that A/B).
 fn in_flight(loads: usize) -> usize {
+    let most = knob("MAMBA2_ATTN_KU", &[1, 2, 4, 8, 16]).unwrap_or(16);
     [16, 8, 4, 2, 1]
         .into_iter()
-        .find(|u| loads.is_multiple_of(*u))
+        .find(|u| *u <= most && loads.is_multiple_of(*u))
         .unwrap_or(1)
+}
+
+/// The narrowest tile's query heads per workgroup: `TILES[0].max_rows`, or
+/// `MAMBA2_ATTN_ROWS` (a probe: at 1k tokens of context Nemotron 3 Nano's attention went
+/// 0.135 → 0.107 GPU ms per token from 8 to 4 rows, run 66, and fewer were never timed).
+fn narrowest(t: DecodeTile) -> DecodeTile {
+    DecodeTile {
+        max_rows: knob("MAMBA2_ATTN_ROWS", &[1, 2, 4, 8]).unwrap_or(t.max_rows),
+        ..t
+    }
+}
+
+/// A tuning override among `allowed` values (`check_overrides` refused any other before
+/// a device was made, so a bad value here is not possible; it reads as unset).
+fn knob(var: &str, allowed: &[usize]) -> Option<usize> {
+    std::env::var(var)
+        .ok()
+        .and_then(|s| parse_knob(var, &s, allowed).ok())
+}
+
+fn parse_knob(var: &str, s: &str, allowed: &[usize]) -> Result<usize> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if allowed.contains(&n) => Ok(n),
+        _ => Err(Error::InvalidInput(format!(
+            "{var}={s}: want one of {allowed:?}"
+        ))),
+    }
+}
+
+/// The decode attention's tuning overrides (MAMBA2_ATTN_KU, MAMBA2_ATTN_ROWS), checked
+/// before a device is made.
+pub fn check_overrides() -> Result<()> {
+    for (var, allowed) in [
+        ("MAMBA2_ATTN_KU", &[1, 2, 4, 8, 16][..]),
+        ("MAMBA2_ATTN_ROWS", &[1, 2, 4, 8][..]),
+    ] {
+        if let Ok(s) = std::env::var(var) {
+            parse_knob(var, &s, allowed)?;
+        }
+    }
+    Ok(())
 }
 
 /// Workgroup memory of a pipeline: the queries (rows × hd), the scores (rows × keys), two
@@ -202,7 +244,11 @@ pub fn attention_decode(
     let (widest, narrower) = TILES.split_last().expect("tiles");
     let shorter = narrower
         .iter()
-        .map(|&t| Ok(((t.keys * nseg) as u32, dispatch(t)?)))
+        .enumerate()
+        .map(|(i, &t)| {
+            let t = if i == 0 { narrowest(t) } else { t };
+            Ok(((t.keys * nseg) as u32, dispatch(t)?))
+        })
         .collect::<Result<Vec<_>>>()?;
     Ok(Dispatch {
         shorter,
@@ -222,7 +268,12 @@ mod tests {
         for hd in (2..=256).step_by(2) {
             for (h, hkv) in [(1, 1), (32, 8), (12, 4), (32, 1), (9, 1), (64, 1), (32, 2)] {
                 let c = super::super::attn::test_consts(h, hkv, hd);
-                for t in TILES {
+                // The tiles, and the narrowest with every MAMBA2_ATTN_ROWS.
+                let probes = [1, 2, 4, 8].map(|max_rows| DecodeTile {
+                    max_rows,
+                    ..TILES[0]
+                });
+                for t in TILES.into_iter().chain(probes) {
                     let (rows, chunks) = head_rows(&c, t.max_rows);
                     assert!(
                         rows <= t.max_rows && rows * chunks >= c.group(),
@@ -235,6 +286,20 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn overrides_take_only_their_values() {
+        assert_eq!(
+            parse_knob("MAMBA2_ATTN_ROWS", " 2", &[1, 2, 4, 8]).unwrap(),
+            2
+        );
+        for bad in ["0", "3", "16", "two", ""] {
+            let e = parse_knob("MAMBA2_ATTN_ROWS", bad, &[1, 2, 4, 8])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("MAMBA2_ATTN_ROWS"), "{bad}: {e}");
         }
     }
 }
