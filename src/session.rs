@@ -92,6 +92,18 @@ impl CpuBackend {
         }
     }
 
+    /// Prompt tokens fed per reference call: a call holds its tokens' activations
+    /// (`[tokens][width]` per layer; a 60k-token prompt took over 1 GB on the embedded
+    /// model), so a long prompt goes in blocks of at least 1024 tokens, whole chunks of the
+    /// scan so that its chunks are those of a single call.
+    fn prefill_block(&self) -> usize {
+        let q = match self.scan {
+            Scan::Chunked(q) => q.max(1),
+            Scan::Sequential => 1,
+        };
+        q * 1024usize.div_ceil(q)
+    }
+
     /// Prefill with chunks of `q` tokens instead of the config's chunk size.
     pub fn with_chunk(mut self, q: usize) -> Self {
         self.scan = Scan::Chunked(q);
@@ -114,9 +126,17 @@ impl Backend for CpuBackend {
     }
 
     fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
+        // Checked whole first, so a refused prompt leaves the state as it was.
+        self.model.check_feed(&self.state, tokens)?;
+        let block = self.prefill_block();
+        let (head, last) = tokens.split_at(tokens.len() - ((tokens.len() - 1) % block + 1));
+        for b in head.chunks(block) {
+            self.model
+                .forward(&mut self.state, b, self.scan, Logits::None)?;
+        }
         let logits = self
             .model
-            .forward(&mut self.state, tokens, self.scan, Logits::Last)?;
+            .forward(&mut self.state, last, self.scan, Logits::Last)?;
         self.check_logits(&logits, self.state.len as u64)?;
         Ok(sample(&logits[0], sampling, pos))
     }

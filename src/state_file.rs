@@ -235,6 +235,13 @@ fn header(path: &Path, bytes: &[u8], key: &StateKey) -> Result<Header> {
     let position: usize = field(POSITION)?
         .parse()
         .map_err(|_| refuse(POSITION, format!("`{}` is not a count", m[POSITION])))?;
+    // The device counts positions in 32 bits (its sampling seeds and KV lengths).
+    if position > u32::MAX as usize {
+        return Err(refuse(
+            POSITION,
+            format!("{position} tokens: more than the 2^32 − 1 a sequence can hold"),
+        ));
+    }
     let dtype: StateDtype = field(DTYPE)?.parse().map_err(|e| refuse(DTYPE, e))?;
     let list = field(TOKENS)?;
     let tokens = if list.is_empty() {

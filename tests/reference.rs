@@ -317,3 +317,50 @@ fn bad_token_id_is_an_error() {
         "invalid input: token id 500 is outside the vocabulary (size 77)"
     );
 }
+
+/// The CPU device feeds a long prompt in blocks (its activations stay bounded): the state
+/// and the first token are those of one call over the whole prompt, and a prompt refused
+/// for a bad id in its last block leaves the state as it was.
+#[test]
+fn cpu_backend_prefills_long_prompts_in_blocks_like_one_call() {
+    use mamba2_wgpu::{Backend, CpuBackend, Sampling};
+    for (m, copy) in hybrids::<f32>().into_iter().zip(hybrids::<f32>()) {
+        let vocab = m.config.vocab_size;
+        // Three blocks of 1024 tokens or more (the last one short).
+        let prompt = tokens(2 * 1024 + 37, 21, vocab);
+        let mut whole = m.new_state();
+        let last = m
+            .forward(
+                &mut whole,
+                &prompt,
+                Scan::Chunked(m.config.chunk_size),
+                Logits::Last,
+            )
+            .unwrap();
+        let argmax = (0..vocab)
+            .max_by(|&a, &b| last[0][a].total_cmp(&last[0][b]))
+            .unwrap() as u32;
+        let pattern = m.config.pattern();
+        let mut cpu = CpuBackend::new(copy);
+        let greedy = Sampling::default();
+        assert_eq!(
+            cpu.prefill_sample(&prompt, &greedy, 0).unwrap(),
+            argmax,
+            "{pattern}"
+        );
+        let blocks = Backend::state(&cpu).unwrap();
+        assert_eq!(blocks.len, prompt.len());
+        let e = rel_err(&blocks.values(), &whole.values());
+        assert!(e <= 1e-5, "{pattern}: state rel err {e:e}");
+        // A bad id past the first blocks: refused before anything is fed.
+        let mut bad = prompt.clone();
+        *bad.last_mut().unwrap() = vocab as u32;
+        let mut fresh = CpuBackend::new(m);
+        let err = fresh
+            .prefill_sample(&bad, &greedy, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("outside the vocabulary"), "{err}");
+        assert_eq!(Backend::state(&fresh).unwrap().len, 0);
+    }
+}

@@ -184,17 +184,10 @@ impl<T: Real> CpuModel<T> {
         self
     }
 
-    /// Feeds `tokens` through the model from `state` (updated in place) and returns the
-    /// requested logits, each `[vocab]`.
-    pub fn forward(
-        &self,
-        state: &mut State<T>,
-        tokens: &[u32],
-        scan: Scan,
-        want: Logits,
-    ) -> Result<Vec<Vec<T>>> {
+    /// Refuses `tokens` that `forward` could not feed from `state`: none, an id outside the
+    /// vocabulary, more than the context holds, a state of another shape.
+    pub fn check_feed(&self, state: &State<T>, tokens: &[u32]) -> Result<()> {
         let c = &self.config;
-        let d = c.d_model;
         if tokens.is_empty() {
             return Err(Error::InvalidInput("no tokens to feed".into()));
         }
@@ -214,6 +207,21 @@ impl<T: Real> CpuModel<T> {
                 self.context
             )));
         }
+        Ok(())
+    }
+
+    /// Feeds `tokens` through the model from `state` (updated in place) and returns the
+    /// requested logits, each `[vocab]`.
+    pub fn forward(
+        &self,
+        state: &mut State<T>,
+        tokens: &[u32],
+        scan: Scan,
+        want: Logits,
+    ) -> Result<Vec<Vec<T>>> {
+        self.check_feed(state, tokens)?;
+        let c = &self.config;
+        let d = c.d_model;
         let (embedding_scale, residual_scale) =
             (T::of(c.scales.embedding), T::of(c.scales.residual));
         let mut resid: Vec<Vec<T>> = tokens

@@ -1,7 +1,9 @@
 //! A bounded fuzz harness over everything that reads files a user downloads: the config
 //! parser (`ModelConfig::from_json_str`), the safetensors / shard-index loader
 //! (`Model::load`), GGUF files with their metadata-built tokenizers
-//! (`Model::load_with_tokenizer`) and the tokenizer wrapper (`Tokenizer`). For any input: no panic, no hang,
+//! (`Model::load_with_tokenizer`), the tokenizer wrapper (`Tokenizer`) and saved states
+//! (`state_file`: `chat --resume` files and the prefix cache's directory, resumed by a chat
+//! or a session on the CPU reference). For any input: no panic, no hang,
 //! no allocation above a budget; when a config is accepted, every size derived from it
 //! computes exactly (no wrap) and fits in the `u32` the kernels take it as.
 //!
@@ -29,6 +31,7 @@ mod gguf;
 mod safetensors;
 mod shard_index;
 mod special_files;
+mod state_file;
 mod tokenizer;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -670,4 +673,9 @@ fn tokenizer_big() {
 #[test]
 fn tokenizer_config() {
     isolated("tokenizer_config", tokenizer::fuzz_tokenizer_config);
+}
+
+#[test]
+fn state_files() {
+    isolated("state_files", state_file::fuzz_state_file);
 }
