@@ -197,7 +197,22 @@ impl Chat {
         // a regenerated reply read the history twice).
         let snapshot = self.session.snapshot()?;
         let finish = self.last_finish;
-        let reply = self.reply(&ids, opts, on)?;
+        let reply = match self.reply(&ids, opts, on) {
+            Ok(reply) => reply,
+            Err(e) => {
+                // The turn failed midway, its input (and maybe part of a reply) fed: back to
+                // the state it started from, so that the next turn does not read a turn the
+                // conversation does not have. A session reset by turn_input has read nothing
+                // of the past, so nothing of it counts as fed.
+                let _ = self.session.restore(&snapshot);
+                self.last_finish = finish;
+                if self.session.position() == 0 {
+                    self.fed.clear();
+                    self.last_finish = None;
+                }
+                return Err(e);
+            }
+        };
         self.before_last = Some((snapshot, ids, finish, fed));
         self.messages.push(("user".into(), user.to_string()));
         self.messages.push(("assistant".into(), reply.text.clone()));
@@ -228,10 +243,29 @@ impl Chat {
             .before_last
             .take()
             .ok_or_else(|| Error::InvalidInput("there is no reply to regenerate".into()))?;
+        // The state after the old reply, to go back to if the new one fails.
+        let after = match self.session.snapshot() {
+            Ok(after) => after,
+            Err(e) => {
+                self.before_last = Some((snapshot, ids, finish, fed));
+                return Err(e);
+            }
+        };
+        let old_finish = self.last_finish;
         self.session.restore(&snapshot)?;
         self.last_finish = finish;
         let last = self.messages.pop();
-        let reply = self.reply(&ids, opts, on)?;
+        let reply = match self.reply(&ids, opts, on) {
+            Ok(reply) => reply,
+            Err(e) => {
+                // As if nothing had been asked: the old reply and its state stay.
+                let _ = self.session.restore(&after);
+                self.last_finish = old_finish;
+                self.messages.extend(last);
+                self.before_last = Some((snapshot, ids, finish, fed));
+                return Err(e);
+            }
+        };
         if let Some((role, old)) = last {
             // The rendering up to the cue is what was fed before the old reply.
             self.fed = format!(

@@ -178,6 +178,10 @@ pub struct PrefixCache {
     next_id: u64,
     clock: u64,
     stats: CacheStats,
+    /// The directory's lock file, held while the cache lives: the entries' files are named
+    /// by their tokens, so two processes on one directory would delete and overwrite each
+    /// other's files and each count only its own against `--cache-disk`.
+    _lock: Option<std::fs::File>,
 }
 
 impl PrefixCache {
@@ -198,12 +202,20 @@ impl PrefixCache {
             next_id: 0,
             clock: 0,
             stats: CacheStats::default(),
+            _lock: None,
         };
         if let Some(dir) = cache.cfg.dir.clone() {
             std::fs::create_dir_all(&dir).map_err(|e| crate::Error::io(&dir, e))?;
+            cache._lock = Some(lock_dir(&dir)?);
             let mut files = Vec::new();
             for e in std::fs::read_dir(&dir).map_err(|e| crate::Error::io(&dir, e))? {
                 let path = e.map_err(|e| crate::Error::io(&dir, e))?.path();
+                let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                // A file half written when a process stopped (the lock says none writes now).
+                if name.ends_with(state_file::PARTIAL) && path.is_file() {
+                    let _ = std::fs::remove_file(&path);
+                    continue;
+                }
                 if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
                     continue;
                 }
@@ -224,8 +236,14 @@ impl PrefixCache {
             files.sort_by_key(|f| f.0);
             for (_, path, tokens, len) in files {
                 let id = cache.new_id();
-                if let Some(old) = cache.root.insert(&tokens, id) {
-                    cache.entries.remove(&old);
+                // Two files of the same tokens (one copied in by hand): the newer one stays.
+                if let Some(old) = cache.root.insert(&tokens, id)
+                    && let Some(Entry {
+                        file: Some((old_path, _)),
+                        ..
+                    }) = cache.entries.remove(&old)
+                {
+                    let _ = std::fs::remove_file(old_path);
                 }
                 cache.entries.insert(
                     id,
@@ -527,6 +545,27 @@ impl PrefixCache {
 /// not packed).
 fn host_bytes(s: &State<f32>) -> u64 {
     s.bytes(4) as u64
+}
+
+/// Takes `dir`'s lock file (`.lock`), or says which directory another process holds.
+fn lock_dir(dir: &std::path::Path) -> Result<std::fs::File> {
+    let path = dir.join(".lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| crate::Error::io(&path, e))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(crate::Error::InvalidInput(format!(
+            "the prefix cache directory {} is in use by another mamba2 process (its lock \
+             file {} is held): give each server its own --cache-dir",
+            dir.display(),
+            path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(crate::Error::io(&path, e)),
+    }
 }
 
 /// A file name for the entry of `tokens`: the first 16 bytes of their SHA-256, in hex.

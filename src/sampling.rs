@@ -55,7 +55,20 @@ impl Sampling {
                 format!("must be a finite number ≥ 0, found {}", self.temperature),
             ));
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+        // A subnormal value may be flushed to zero on a GPU (WGSL allows it), where the
+        // sampler would then divide 0 by 0 or keep no token: the CPU and the device would
+        // pick different tokens.
+        if self.temperature != 0.0 && self.temperature < f32::MIN_POSITIVE {
+            return Some((
+                "temperature",
+                format!(
+                    "must be 0 (greedy) or at least {:e}, found {:e}",
+                    f32::MIN_POSITIVE,
+                    self.temperature
+                ),
+            ));
+        }
+        if !(self.top_p >= f32::MIN_POSITIVE && self.top_p <= 1.0) {
             return Some(("top-p", format!("must be in (0, 1], found {}", self.top_p)));
         }
         None
@@ -193,12 +206,19 @@ mod tests {
             ..Sampling::default()
         };
         assert_eq!(with(0.0, 1.0).problem(), None);
-        for t in [f32::NAN, f32::INFINITY, -0.5] {
+        for t in [
+            f32::NAN,
+            f32::INFINITY,
+            -0.5,
+            1e-45,
+            f32::MIN_POSITIVE / 2.0,
+        ] {
             assert_eq!(with(t, 1.0).problem().map(|p| p.0), Some("temperature"));
         }
-        for p in [0.0, 1.5, f32::NAN] {
+        for p in [0.0, 1.5, f32::NAN, 1e-45] {
             assert_eq!(with(0.7, p).problem().map(|p| p.0), Some("top-p"));
         }
+        assert_eq!(with(f32::MIN_POSITIVE, f32::MIN_POSITIVE).problem(), None);
         assert_eq!(
             with(f32::NAN, 1.0).validate().unwrap_err().to_string(),
             "invalid input: temperature must be a finite number ≥ 0, found NaN"

@@ -302,7 +302,10 @@ impl Session {
     }
 
     /// Feeds `prompt` and samples up to `max_new_tokens` tokens, calling `on_token` with
-    /// each (return false to stop). Returns the reply's tokens and why it ended.
+    /// each (return false to stop). Returns the reply's tokens and why it ended. On a GPU
+    /// the steps already in flight when `on_token` says stop (up to two) still run and feed
+    /// the state, so their tokens still come to `on_token` and into the reply: the reply
+    /// is always what the state has read.
     pub fn generate(
         &mut self,
         prompt: &[u32],
@@ -318,8 +321,13 @@ impl Session {
         self.check_ids(&input)?;
         let mut reply = Vec::new();
         if opts.max_new_tokens == 0 {
-            let _ = self.backend.prefill_logits(&input)?;
-            self.pos += input.len() as u64;
+            // Only fed (the logits of every position, as prefill_logits keeps them, would be
+            // tokens × vocab floats: gigabytes for a long prompt).
+            let pos = self.pos + input.len() as u64;
+            let _ = self
+                .backend
+                .prefill_sample(&input, &Sampling::greedy(), pos)?;
+            self.pos = pos;
             self.pending = None;
             return Ok((reply, Finish::Length));
         }
@@ -338,6 +346,15 @@ impl Session {
         }
         if opts.max_new_tokens == 1 {
             return Ok((reply, Finish::Length));
+        }
+        // A prompt that filled the context leaves no room to feed the first token: the
+        // reply ends here (a decode would be refused after a token was already given out).
+        if self
+            .backend
+            .context()
+            .is_some_and(|ctx| self.pos >= ctx as u64)
+        {
+            return Ok((reply, Finish::ContextFull));
         }
         let mut cancelled = false;
         let mut last = first;

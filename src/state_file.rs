@@ -40,6 +40,10 @@ const DTYPE: &str = "mamba2.dtype";
 const TOKENS: &str = "mamba2.tokens";
 const EXTRA: &str = "mamba2.extra";
 
+/// How the temporary files `save` writes before renaming them into place end (a crash
+/// may leave one; the prefix cache removes them when it opens its directory).
+pub const PARTIAL: &str = ".partial";
+
 /// The value of `mamba2.kind`.
 const KIND_STATE: &str = "sequence-state";
 /// Bumped whenever the tensors' layout changes.
@@ -164,7 +168,12 @@ pub fn save(
                 .map_err(|e| Error::format(path, format!("tensor `{n}`: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    let tmp = path.with_extension("safetensors.partial");
+    // A name of this process and write: a reader or a second writer never meets it.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".{}.{n}{PARTIAL}", std::process::id()));
+    let tmp = std::path::PathBuf::from(tmp);
     safetensors::serialize_to_file(views, Some(meta), &tmp)
         .map_err(|e| Error::format(&tmp, e.to_string()))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))

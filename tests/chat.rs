@@ -101,3 +101,105 @@ fn regenerate_after_a_template_that_rereads_the_past() {
     assert_eq!(again.text, r2.text, "the regenerated greedy reply");
     assert_eq!(again.fed, r2.fed, "the same tokens fed");
 }
+
+/// A CPU backend whose decode fails, when told to, after feeding a few tokens (a device
+/// error midway through a reply).
+struct Flaky {
+    inner: CpuBackend,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl mamba2_wgpu::Backend for Flaky {
+    fn config(&self) -> &mamba2_wgpu::ModelConfig {
+        self.inner.config()
+    }
+    fn describe(&self) -> String {
+        "flaky cpu".into()
+    }
+    fn reset(&mut self) -> mamba2_wgpu::Result<()> {
+        self.inner.reset()
+    }
+    fn prefill_sample(
+        &mut self,
+        tokens: &[u32],
+        sampling: &mamba2_wgpu::Sampling,
+        pos: u64,
+    ) -> mamba2_wgpu::Result<u32> {
+        self.inner.prefill_sample(tokens, sampling, pos)
+    }
+    fn prefill_logits(&mut self, tokens: &[u32]) -> mamba2_wgpu::Result<Vec<Vec<f32>>> {
+        self.inner.prefill_logits(tokens)
+    }
+    fn decode(
+        &mut self,
+        first: u32,
+        pos: u64,
+        max_new: usize,
+        sampling: &mamba2_wgpu::Sampling,
+        stop: &[u32],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> mamba2_wgpu::Result<usize> {
+        if !self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+            return self
+                .inner
+                .decode(first, pos, max_new, sampling, stop, on_token);
+        }
+        self.inner
+            .decode(first, pos, max_new.min(3), sampling, stop, on_token)?;
+        Err(mamba2_wgpu::Error::Gpu("the device went away".into()))
+    }
+    fn snapshot(&self) -> mamba2_wgpu::Result<Box<dyn std::any::Any + Send>> {
+        self.inner.snapshot()
+    }
+    fn restore(&mut self, snapshot: &(dyn std::any::Any + Send)) -> mamba2_wgpu::Result<()> {
+        self.inner.restore(snapshot)
+    }
+    fn state(&self) -> mamba2_wgpu::Result<mamba2_wgpu::state::State<f32>> {
+        mamba2_wgpu::Backend::state(&self.inner)
+    }
+}
+
+/// A turn or a regenerate that fails midway (input fed, part of a reply fed) leaves the
+/// conversation as it was: the next turn gives what it gives without the failed one.
+#[test]
+fn a_turn_that_fails_midway_leaves_no_trace() {
+    let template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flaky = |fail: &std::sync::Arc<std::sync::atomic::AtomicBool>| {
+        let (model, mut tok) = assets::embedded().unwrap();
+        tok.chat_template = Some(template.into());
+        let backend = Flaky {
+            inner: CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap()),
+            fail: fail.clone(),
+        };
+        Chat::new(Session::new(Box::new(backend)), tok)
+    };
+    let opts = greedy(8, None);
+    let mut c = flaky(&fail);
+    let first = c.say("Tell me a story", &opts, |_| true).unwrap();
+    let pos = c.session.position();
+    fail.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(c.say("Go on", &opts, |_| true).is_err());
+    assert_eq!(
+        c.session.position(),
+        pos,
+        "the failed turn's tokens are gone"
+    );
+    assert_eq!(c.messages.len(), 2);
+    // A regenerate that fails keeps the reply it would have replaced.
+    assert!(c.regenerate(&opts, |_| true).is_err());
+    assert_eq!(c.session.position(), pos);
+    assert_eq!(c.messages[1].1, first.text);
+    fail.store(false, std::sync::atomic::Ordering::Relaxed);
+    let next = c.say("And then?", &opts, |_| true).unwrap();
+    // The same two turns in a chat that never failed.
+    let never = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut d = flaky(&never);
+    d.say("Tell me a story", &opts, |_| true).unwrap();
+    let want = d.say("And then?", &opts, |_| true).unwrap();
+    assert_eq!(next.text, want.text);
+    assert_eq!(c.session.position(), d.session.position());
+    // And regenerate still works on the reply that stands.
+    let again = c.regenerate(&opts, |_| true).unwrap();
+    assert_eq!(again.text, next.text);
+}

@@ -217,6 +217,88 @@ mod fixtures_on_gpu {
         check("granite_moe_hybrid");
     }
 
+    /// A decode the caller cancels while later steps are in flight: those steps still feed
+    /// the state, one of them sampling a stop token (it feeds its input, then stops), so the
+    /// session must count it. Its position must then be the state's length, and the state
+    /// must be that of a fresh run fed the same tokens (the hybrid: KV rows too).
+    #[test]
+    fn a_cancel_with_a_stop_token_in_flight_keeps_the_count() {
+        let name = "nemotron_h_hybrid";
+        let model = Model::load(&common::fixture(name)).unwrap();
+        let (prompt, _, greedy) = oracle(name);
+        // Cancel on reply token k, whose successor (then in flight) is made a stop token;
+        // it must not occur earlier in the reply.
+        let k = (2..greedy.len() - 2)
+            .find(|&k| !greedy[..=k].contains(&greedy[k + 1]))
+            .expect("a reply token not seen before");
+        let Some(b) = backend(&model, WeightFormat::F32, true) else {
+            return;
+        };
+        let mut s = Session::new(Box::new(b));
+        let opts = GenerateOptions {
+            max_new_tokens: 24,
+            stop: vec![greedy[k + 1]],
+            ..Default::default()
+        };
+        let mut seen = 0;
+        let (ids, _) = s
+            .generate(&prompt, &opts, |_| {
+                seen += 1;
+                seen <= k
+            })
+            .unwrap();
+        assert_eq!(ids[..=k], greedy[..=k], "the reply up to the cancel");
+        let state = s.backend().state().unwrap();
+        assert_eq!(
+            s.position() as usize,
+            state.len,
+            "the session's position is the state's length"
+        );
+        // The state is a fresh run's over the prompt and the reply tokens fed.
+        let fed: Vec<u32> = prompt.iter().chain(&ids).copied().collect();
+        assert_eq!(state.len, fed.len(), "the prompt and the reply fed");
+        let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+        let mut want = cpu.new_state();
+        cpu.forward(&mut want, &fed, Scan::Sequential, Logits::None)
+            .unwrap();
+        let e = common::nmse(&state.values(), &want.values());
+        assert!(e <= 1e-8, "state NMSE vs a fresh run {e:e}");
+    }
+
+    /// A prompt that fills the context exactly: the first token comes, then the reply ends
+    /// as `ContextFull` (not an error after a token was given out), on the GPU and the CPU.
+    #[test]
+    fn a_prompt_that_fills_the_context_ends_the_reply_cleanly() {
+        use mamba2_wgpu::{CpuBackend, Finish};
+        let name = "nemotron_h_hybrid";
+        let model = Model::load(&common::fixture(name)).unwrap();
+        let (prompt, _, greedy) = oracle(name);
+        let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
+            return;
+        };
+        let options = EngineOptions {
+            context: Some(prompt.len()),
+            kv: KvFormat::F32,
+            ..Default::default()
+        };
+        let gpu = GpuBackend::new(Engine::new(ctx, &model, options).unwrap()).unwrap();
+        let cpu = CpuBackend::new(
+            CpuModel::<f32>::new(&model.config, &model.weights)
+                .unwrap()
+                .with_context(prompt.len()),
+        );
+        let opts = GenerateOptions {
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        for backend in [Box::new(gpu) as Box<dyn Backend>, Box::new(cpu)] {
+            let mut s = Session::new(backend);
+            let (ids, finish) = s.generate(&prompt, &opts, |_| true).unwrap();
+            assert_eq!((ids, finish), (vec![greedy[0]], Finish::ContextFull));
+            assert_eq!(s.position() as usize, prompt.len());
+        }
+    }
+
     #[test]
     fn q8_0_keeps_the_logits() {
         // A pure Mamba2 model and the MoE hybrids (routers stay f32; experts, shared expert

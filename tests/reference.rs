@@ -364,3 +364,26 @@ fn cpu_backend_prefills_long_prompts_in_blocks_like_one_call() {
         assert_eq!(Backend::state(&fresh).unwrap().len, 0);
     }
 }
+
+/// `max_new_tokens: 0` only feeds the prompt: the next call goes on from it as one call
+/// over both prompts would.
+#[test]
+fn generating_zero_tokens_only_feeds_the_prompt() {
+    use mamba2_wgpu::{CpuBackend, Finish, GenerateOptions, Session};
+    for (m, copy) in hybrids::<f32>().into_iter().zip(hybrids::<f32>()) {
+        let vocab = m.config.vocab_size;
+        let (a, b) = (tokens(30, 5, vocab), tokens(7, 6, vocab));
+        let opts = |n| GenerateOptions {
+            max_new_tokens: n,
+            ..Default::default()
+        };
+        let mut s = Session::new(Box::new(CpuBackend::new(m)));
+        let (ids, finish) = s.generate(&a, &opts(0), |_| true).unwrap();
+        assert_eq!((ids.len(), finish, s.position()), (0, Finish::Length, 30));
+        let (next, _) = s.generate(&b, &opts(3), |_| true).unwrap();
+        let mut fresh = Session::new(Box::new(CpuBackend::new(copy)));
+        let both: Vec<u32> = a.iter().chain(&b).copied().collect();
+        let (want, _) = fresh.generate(&both, &opts(3), |_| true).unwrap();
+        assert_eq!(next, want, "{}", s.config().pattern());
+    }
+}

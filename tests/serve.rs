@@ -262,6 +262,40 @@ fn prefix_cache_feeds_only_new_tokens_and_changes_nothing() {
     }
 }
 
+/// `--cache-every N` leaves an entry every N prompt tokens, N a multiple of the prompt
+/// chunk or not: a prompt that shares 150 tokens with an earlier 250-token one resumes at
+/// 100 with entries every 100 (the chunks used to end only at multiples of 512).
+#[test]
+fn prefix_cache_keeps_a_state_every_n_prompt_tokens() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(backend) = gpu_backend(&model) else {
+        return;
+    };
+    let words: Vec<u32> = tok
+        .encode("one two three four five six seven eight nine ten ")
+        .unwrap();
+    let long: Vec<u32> = words.iter().copied().cycle().take(250).collect();
+    let mut other = long[..150].to_vec();
+    other.extend(
+        tok.encode_with(" and then something else entirely", false)
+            .unwrap(),
+    );
+    let spec = |prompt: &[u32]| Spec {
+        prompt: prompt.to_vec(),
+        max_new: 2,
+        sampling: Sampling::greedy(),
+        stop_ids: Vec::new(),
+    };
+    let cfg = CacheConfig {
+        device_bytes: 0,
+        every: 100,
+        ..Default::default()
+    };
+    let cache = PrefixCache::open(key(&model), &model.config, cfg, &mut |_| {}).unwrap();
+    let heard = run_engine(backend, &tok, cache, 1, &[spec(&long), spec(&other)]);
+    assert_eq!(heard[1].cached, 100, "{heard:?}");
+}
+
 /// Cache files: written at shutdown, found again by a new cache, refused when they belong
 /// to another model.
 #[test]
@@ -283,15 +317,35 @@ fn prefix_cache_files_survive_a_restart_and_refuse_another_model() {
         stop_ids: Vec::new(),
     };
     let cache = PrefixCache::open(key(&model), &model.config, cfg.clone(), &mut |_| {}).unwrap();
+    // While it is open, no other cache takes the directory.
+    let err = PrefixCache::open(key(&model), &model.config, cfg.clone(), &mut |_| {})
+        .err()
+        .expect("a second cache on a directory in use")
+        .to_string();
+    assert!(
+        err.contains("in use by another mamba2 process") && err.contains(dir.to_str().unwrap()),
+        "{err}"
+    );
     run_engine(backend, &tok, cache, 1, std::slice::from_ref(&spec));
-    let files = std::fs::read_dir(&dir).unwrap().count();
+    let state_files = || {
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect::<Vec<_>>()
+    };
+    let files = state_files().len();
     assert!(
         files >= 2,
         "the prompt's and the reply's states were written ({files})"
     );
+    // A file half written when a process stopped is removed when a cache opens.
+    let partial = dir.join("x.safetensors.123.0.partial");
+    std::fs::write(&partial, b"half").unwrap();
     // A new process finds them.
     let cache = PrefixCache::open(key(&model), &model.config, cfg.clone(), &mut |_| {}).unwrap();
     assert_eq!(cache.stats().entries[2], files);
+    assert!(!partial.exists());
     let mut longer = prompt.clone();
     longer.extend(tok.encode_with(" more", false).unwrap());
     let backend = gpu_backend(&model).unwrap();
@@ -317,12 +371,7 @@ fn prefix_cache_files_survive_a_restart_and_refuse_another_model() {
     assert!(cache.stats().refused_files >= files);
     assert!(notes[0].contains("mamba2.model"), "{}", notes[0]);
     // And loading one directly says why.
-    let file = std::fs::read_dir(&dir)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let file = state_files().remove(0);
     let err = state_file::load(&file, &other, &model.config)
         .unwrap_err()
         .to_string();
@@ -718,11 +767,26 @@ async fn http_refuses_bad_requests_and_survives_a_vanishing_client() {
             .contains("more than the 64"),
         "{v}"
     );
+    // More than --max-completion is refused, naming the field.
+    let (status, v) = srv
+        .post(
+            "/v1/completions",
+            completion_body("Once upon a time", 65_537, None, true),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_tokens: 65537 tokens: this server gives at most 65536"),
+        "{v}"
+    );
     // A long stream holds the only slot; the next request finds the queue full.
     let r = srv
         .client
         .post(format!("{}/v1/completions", srv.base))
-        .json(&completion_body("Once upon a time", 100_000, None, true))
+        .json(&completion_body("Once upon a time", 65_536, None, true))
         .send()
         .await
         .unwrap();

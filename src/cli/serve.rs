@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// max_tokens of a request that gives none.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
+    /// The most max_tokens a request may ask for (more gets a 400): a reply holds its slot
+    /// until it ends.
+    #[arg(long, default_value_t = 65536, value_name = "N")]
+    max_completion: usize,
     /// Longest prompt taken, in tokens (hybrids: also capped by the context).
     #[arg(long, default_value_t = 65536)]
     max_prompt: usize,
@@ -73,6 +77,13 @@ impl ServeArgs {
     fn check(&self) -> anyhow::Result<()> {
         check_at_least("--slots", self.slots, 1)?;
         check_at_least("--max-tokens", self.max_tokens, 1)?;
+        if self.max_tokens > self.max_completion {
+            anyhow::bail!(
+                "--max-tokens {} is more than --max-completion {}",
+                self.max_tokens,
+                self.max_completion
+            );
+        }
         check_at_least("--max-prompt", self.max_prompt, 1)?;
         if let Some(ctx) = self.ctx {
             check_at_least("--ctx", ctx, 2)?;
@@ -125,6 +136,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         slots: args.slots,
         queue: args.queue,
         max_tokens: args.max_tokens,
+        max_completion: args.max_completion,
         max_prompt: args.max_prompt,
         api_key: args.api_key.clone(),
         ..Default::default()

@@ -332,15 +332,36 @@ impl GpuBackend {
             })
             .map_err(|e| Error::Gpu(format!("waiting for a token: {e}")))?;
         recv(rx)?;
-        let ctrl = {
-            let view = self.ring[slot]
-                .get_mapped_range(..)
-                .map_err(|e| Error::Gpu(format!("token readback: {e}")))?;
-            bytemuck::pod_read_unaligned::<Ctrl>(&view[..std::mem::size_of::<Ctrl>()])
-        };
+        // Mapped from here: unmapped whatever the read gives.
+        let ctrl = self.ring[slot]
+            .get_mapped_range(..)
+            .map(|view| bytemuck::pod_read_unaligned::<Ctrl>(&view[..std::mem::size_of::<Ctrl>()]))
+            .map_err(|e| Error::Gpu(format!("token readback: {e}")));
         self.ring[slot].unmap();
+        let ctrl = ctrl?;
         ctx.check()?;
         Ok(ctrl)
+    }
+
+    /// After `err` ended a decode with steps still in flight: waits for them and unmaps
+    /// their ring buffers, so the next decode finds the ring unmapped (a buffer mapped and
+    /// left so would fail every later copy into it); returns `err`.
+    fn settle(
+        &self,
+        inflight: VecDeque<(usize, wgpu::SubmissionIndex, MapResult)>,
+        err: Error,
+    ) -> Error {
+        let ctx = self.engine.ctx();
+        for (slot, index, rx) in inflight {
+            let _ = ctx.device.poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: None,
+            });
+            if let Ok(Ok(())) = rx.recv() {
+                self.ring[slot].unmap();
+            }
+        }
+        err
     }
 }
 
@@ -525,7 +546,10 @@ impl Backend for GpuBackend {
         while !(done || submitted == max_new) || !inflight.is_empty() {
             if !done && submitted < max_new && inflight.len() < RING {
                 let slot = submitted % RING;
-                let index = self.submit_token(tail, slot, base + submitted + 1)?;
+                let index = match self.submit_token(tail, slot, base + submitted + 1) {
+                    Ok(index) => index,
+                    Err(e) => return Err(self.settle(inflight, e)),
+                };
                 let (tx, rx) = mpsc::channel();
                 self.ring[slot].map_async(wgpu::MapMode::Read, .., move |r| {
                     let _ = tx.send(r);
@@ -537,8 +561,15 @@ impl Backend for GpuBackend {
             let Some((slot, index, rx)) = inflight.pop_front() else {
                 break;
             };
-            let c = self.read_slot(slot, index, rx)?;
-            // The device counts the tokens it fed (a stopped step feeds none).
+            let c = match self.read_slot(slot, index, rx) {
+                Ok(c) => c,
+                Err(e) => return Err(self.settle(inflight, e)),
+            };
+            // The device counts the tokens it fed: a step after a stop token feeds none
+            // (and samples nothing), every other step feeds its input — even one in flight
+            // when the caller said stop, which must then be counted and reported like any
+            // other, or the state would hold a token the caller does not know of.
+            let fed = c.kv_len as usize > self.engine.len;
             self.engine.len = c.kv_len as usize;
             if fault.is_some() {
                 continue;
@@ -548,7 +579,7 @@ impl Backend for GpuBackend {
                 done = true;
                 continue;
             }
-            if done && c.stopped != 0 {
+            if !fed {
                 continue; // a no-op step after the stop token
             }
             sampled += 1;

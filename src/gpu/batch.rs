@@ -285,7 +285,10 @@ impl Batch {
                 let rows = self.rows_after(&running, inflight.len());
                 let mut enc = ctx.device.create_command_encoder(&Default::default());
                 {
-                    let graph = self.graph(engine, n, tail)?;
+                    let graph = match self.graph(engine, n, tail) {
+                        Ok(graph) => graph,
+                        Err(e) => return Err(self.settle(&ctx, inflight, e)),
+                    };
                     let mut pass = enc.begin_compute_pass(&Default::default());
                     graph.record(&mut pass, None, Some(rows));
                 }
@@ -308,24 +311,37 @@ impl Batch {
             let Some((ring, n, index, rx)) = inflight.pop_front() else {
                 break;
             };
-            ctx.device
+            let waited = ctx
+                .device
                 .poll(wgpu::PollType::Wait {
                     submission_index: Some(index),
                     timeout: None,
                 })
-                .map_err(|e| Error::Gpu(format!("waiting for a batch step: {e}")))?;
-            rx.recv()
-                .map_err(|_| Error::Gpu("buffer map callback dropped (device lost?)".into()))?
-                .map_err(|e| Error::Gpu(format!("buffer map failed: {e}")))?;
-            let ctrls: Vec<Ctrl> = {
-                let view = self.ring[ring]
-                    .get_mapped_range(..(n * size) as u64)
-                    .map_err(|e| Error::Gpu(format!("batch readback: {e}")))?;
-                view.chunks_exact(size)
-                    .map(bytemuck::pod_read_unaligned::<Ctrl>)
-                    .collect()
-            };
+                .map_err(|e| Error::Gpu(format!("waiting for a batch step: {e}")))
+                .and_then(|_| {
+                    rx.recv()
+                        .map_err(|_| {
+                            Error::Gpu("buffer map callback dropped (device lost?)".into())
+                        })?
+                        .map_err(|e| Error::Gpu(format!("buffer map failed: {e}")))
+                });
+            if let Err(e) = waited {
+                return Err(self.settle(&ctx, inflight, e));
+            }
+            // Mapped from here: unmapped whatever the read gives.
+            let ctrls = self.ring[ring]
+                .get_mapped_range(..(n * size) as u64)
+                .map(|view| {
+                    view.chunks_exact(size)
+                        .map(bytemuck::pod_read_unaligned::<Ctrl>)
+                        .collect::<Vec<Ctrl>>()
+                })
+                .map_err(|e| Error::Gpu(format!("batch readback: {e}")));
             self.ring[ring].unmap();
+            let ctrls = match ctrls {
+                Ok(c) => c,
+                Err(e) => return Err(self.settle(&ctx, inflight, e)),
+            };
             for (i, c) in ctrls.iter().enumerate() {
                 let lane = &mut self.lanes[i];
                 // A step that fed the lane moved its length on (a stopped one did not).
@@ -344,6 +360,26 @@ impl Batch {
             }
         }
         ctx.check()
+    }
+
+    /// After `err` ended a step loop with steps still in flight: waits for them and unmaps
+    /// their ring buffers, so the next call finds the ring unmapped; returns `err`.
+    fn settle(
+        &self,
+        ctx: &crate::gpu::context::GpuContext,
+        inflight: VecDeque<(usize, usize, wgpu::SubmissionIndex, MapResult)>,
+        err: Error,
+    ) -> Error {
+        for (ring, _, index, rx) in inflight {
+            let _ = ctx.device.poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: None,
+            });
+            if let Ok(Ok(())) = rx.recv() {
+                self.ring[ring].unmap();
+            }
+        }
+        err
     }
 
     /// The most KV cache rows any of the `running` lanes has in use after the next step,

@@ -19,7 +19,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::App;
 use super::engine::{Event, FinishReason, Job, Usage};
-use super::request::{BadRequest, ChatRequest, Common, CompletionRequest};
+use super::request::{BadRequest, ChatRequest, Common, CompletionRequest, Lengths};
 
 /// An OpenAI-style error response.
 pub fn error(app: &App, status: StatusCode, message: &str, param: Option<&str>) -> Response {
@@ -101,7 +101,7 @@ pub async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) 
     if let Err(r) = authorize(&app, &headers) {
         return *r;
     }
-    let req = match ChatRequest::parse(&body, app.config.max_tokens, app.next_seed()) {
+    let req = match ChatRequest::parse(&body, lengths(&app), app.next_seed()) {
         Ok(r) => r,
         Err(e) => return bad(&app, e),
     };
@@ -120,7 +120,7 @@ pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     if let Err(r) = authorize(&app, &headers) {
         return *r;
     }
-    let req = match CompletionRequest::parse(&body, app.config.max_tokens, app.next_seed()) {
+    let req = match CompletionRequest::parse(&body, lengths(&app), app.next_seed()) {
         Ok(r) => r,
         Err(e) => return bad(&app, e),
     };
@@ -128,6 +128,14 @@ pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     match tokenize(&app, Kind::Completion, move |tok| tok.encode(&text)).await {
         Ok(prompt) => run(app, Kind::Completion, prompt, req.common).await,
         Err(r) => *r,
+    }
+}
+
+/// The completion lengths the server's settings allow.
+fn lengths(app: &App) -> Lengths {
+    Lengths {
+        default: app.config.max_tokens,
+        most: app.config.max_completion,
     }
 }
 

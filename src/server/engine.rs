@@ -103,6 +103,8 @@ struct Seq {
     slot: Option<usize>,
     /// The reply is over (what the batch still feeds it only goes into `fed`).
     over: bool,
+    /// It ended on an error (non-finite logits, a device error): its state is not cached.
+    failed: bool,
 }
 
 /// What the engine thread owns.
@@ -293,6 +295,7 @@ impl Engine {
         let _ = seq.job.events.send(Event::Error(e.to_string()));
         self.metrics.failed.fetch_add(1, Ordering::Relaxed);
         seq.over = true;
+        seq.failed = true;
     }
 
     /// Moves a sequence whose prompt was just read (its state the backend's own) into a
@@ -328,14 +331,29 @@ impl Engine {
                 Err(e) => self.fail(&mut active[l], &e),
             }
         }
+        // A reply that failed leaves its state behind: non-finite logits most likely left
+        // a non-finite state, which a cached entry would hand to the next request.
+        let keep = !seq.failed;
         let r = (|| {
             let gpu = self.backend.gpu().ok_or_else(no_batch)?;
             let batch = gpu.batch.as_mut().ok_or_else(no_batch)?;
-            batch.leave(&mut gpu.engine, slot, true)?;
-            self.cache.insert(&seq.fed, self.backend.as_mut())
+            batch.leave(&mut gpu.engine, slot, keep)
         })();
-        if let Err(e) = r {
-            tracing::warn!("batch slot {slot}: {e}");
+        match r {
+            Ok(()) if keep => self.remember(&seq.fed),
+            Ok(()) => {}
+            Err(e) => tracing::warn!("batch slot {slot}: {e}"),
+        }
+    }
+
+    /// Caches the state the backend holds under `fed`, best effort: the request it came
+    /// from has run (or is running) whatever the cache does, so a failure is only logged.
+    fn remember(&mut self, fed: &[u32]) {
+        if let Err(e) = self.cache.insert(fed, self.backend.as_mut()) {
+            tracing::warn!(
+                "prefix cache: not keeping a state of {} tokens: {e}",
+                fed.len()
+            );
         }
     }
 
@@ -407,6 +425,7 @@ impl Engine {
                     )));
                     metrics.failed.fetch_add(1, Ordering::Relaxed);
                     seq.over = true;
+                    seq.failed = true;
                     return false;
                 }
                 if handle_token(seq, c.token, &tok, &metrics) {
@@ -534,7 +553,13 @@ impl Engine {
         let prompt_len = seq.job.prompt.len();
         let pos = seq.fed.len();
         if pos < prompt_len {
-            let end = ((pos / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(prompt_len);
+            // Chunks end at multiples of PREFILL_CHUNK and of `--cache-every`, so that an
+            // entry is left every `every` tokens whatever it is.
+            let every = self.cache.config().every;
+            let mut end = ((pos / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(prompt_len);
+            if let Some(k) = pos.checked_div(every) {
+                end = end.min((k + 1) * every);
+            }
             let piece = seq.job.prompt[pos..end].to_vec();
             if let Some(ctx) = self.backend.context()
                 && prompt_len > ctx
@@ -548,9 +573,8 @@ impl Engine {
                 self.backend
                     .prefill_sample(&piece, &Sampling::greedy(), end as u64)?;
                 seq.fed.extend_from_slice(&piece);
-                let every = self.cache.config().every;
                 if every > 0 && end.is_multiple_of(every) {
-                    self.cache.insert(&seq.fed, self.backend.as_mut())?;
+                    self.remember(&seq.fed);
                 }
                 return Ok(false);
             }
@@ -559,7 +583,7 @@ impl Engine {
                 .backend
                 .prefill_sample(&piece, &seq.job.sampling, end as u64)?;
             seq.fed.extend_from_slice(&piece);
-            self.cache.insert(&seq.fed, self.backend.as_mut())?;
+            self.remember(&seq.fed);
             self.metrics
                 .prefill_ns
                 .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -606,7 +630,7 @@ impl Engine {
             if seq.job.events.is_closed() {
                 self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
             }
-            self.cache.insert(&seq.fed, self.backend.as_mut())?;
+            self.remember(&seq.fed);
             return Ok(true);
         }
         if seq.completion >= seq.job.max_new || n < want {
@@ -620,7 +644,7 @@ impl Engine {
     fn emit(&mut self, seq: &mut Seq, t: u32) -> bool {
         let ended = handle_token(seq, t, &self.tokenizer, &self.metrics);
         if ended {
-            let _ = self.cache.insert(&seq.fed, self.backend.as_mut());
+            self.remember(&seq.fed);
             return true;
         }
         if seq.completion >= seq.job.max_new {
@@ -632,7 +656,7 @@ impl Engine {
 
     fn finish(&mut self, seq: &mut Seq, why: FinishReason) -> Result<bool> {
         seq.end(why, &self.metrics);
-        self.cache.insert(&seq.fed, self.backend.as_mut())?;
+        self.remember(&seq.fed);
         Ok(true)
     }
 }
@@ -687,6 +711,7 @@ impl Seq {
             stop,
             slot: None,
             over: false,
+            failed: false,
         }
     }
 

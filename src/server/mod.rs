@@ -36,6 +36,8 @@ pub struct ServerConfig {
     pub queue: usize,
     /// `max_tokens` of a request that gives none.
     pub max_tokens: usize,
+    /// The most `max_tokens` a request may ask for.
+    pub max_completion: usize,
     /// Longest prompt taken, in tokens.
     pub max_prompt: usize,
     /// Required as `Authorization: Bearer KEY` when set.
@@ -51,6 +53,7 @@ impl Default for ServerConfig {
             slots: 4,
             queue: 64,
             max_tokens: 512,
+            max_completion: 65536,
             max_prompt: 65536,
             api_key: None,
             body_limit: 16 << 20,

@@ -56,8 +56,23 @@ pub struct CompletionRequest {
     pub common: Common,
 }
 
+/// The completion lengths a server allows: what a request that gives none gets, and the
+/// most any may ask for (a slot stays taken until its reply ends: a model without a
+/// context limit would otherwise decode a huge `max_tokens` until the client leaves).
+#[derive(Clone, Copy, Debug)]
+pub struct Lengths {
+    pub default: usize,
+    pub most: usize,
+}
+
 /// Most stop strings a request may give (OpenAI allows 4).
 const MAX_STOPS: usize = 16;
+
+/// Longest stop string, in bytes: every generated token searches the held-back text for
+/// each stop string on the engine thread that all streams share, at a cost that grows with
+/// the string (one 16 MiB stop string cost 51 ms per token), so a long one would slow every
+/// other client.
+const MAX_STOP_BYTES: usize = 1024;
 
 fn object(body: &[u8]) -> Parsed<Map<String, Value>> {
     let v: Value = serde_json::from_slice(body)
@@ -98,7 +113,7 @@ fn opt_bool(m: &Map<String, Value>, key: &str) -> Parsed<Option<bool>> {
     }
 }
 
-fn common(m: &Map<String, Value>, default_max: usize, default_seed: u64) -> Parsed<Common> {
+fn common(m: &Map<String, Value>, lengths: Lengths, default_seed: u64) -> Parsed<Common> {
     if let Some(model) = m.get("model")
         && !model.is_string()
     {
@@ -127,10 +142,19 @@ fn common(m: &Map<String, Value>, default_max: usize, default_seed: u64) -> Pars
     ) {
         (Some(n), _) => ("max_completion_tokens", n),
         (None, Some(n)) => ("max_tokens", n),
-        (None, None) => ("max_tokens", default_max as u64),
+        (None, None) => ("max_tokens", lengths.default as u64),
     };
     if max.1 == 0 {
         return Err(BadRequest::new(max.0, "must be at least 1"));
+    }
+    if max.1 > lengths.most as u64 {
+        return Err(BadRequest::new(
+            max.0,
+            format!(
+                "{} tokens: this server gives at most {} (--max-completion)",
+                max.1, lengths.most
+            ),
+        ));
     }
     let max_tokens = usize::try_from(max.1).unwrap_or(usize::MAX);
     let sampling = Sampling {
@@ -177,6 +201,23 @@ fn common(m: &Map<String, Value>, default_max: usize, default_seed: u64) -> Pars
             ));
         }
     };
+    if let Some((i, s)) = stop
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+    {
+        let field = match m.get("stop") {
+            Some(Value::Array(_)) => format!("stop[{i}]"),
+            _ => "stop".into(),
+        };
+        return Err(BadRequest::new(
+            field,
+            format!(
+                "a stop string of {} bytes: at most {MAX_STOP_BYTES}",
+                s.len()
+            ),
+        ));
+    }
     let stream = opt_bool(m, "stream")?.unwrap_or(false);
     let include_usage = match m.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -226,7 +267,7 @@ fn content(v: &Value, at: &str) -> Parsed<String> {
 }
 
 impl ChatRequest {
-    pub fn parse(body: &[u8], default_max: usize, default_seed: u64) -> Parsed<Self> {
+    pub fn parse(body: &[u8], lengths: Lengths, default_seed: u64) -> Parsed<Self> {
         let m = object(body)?;
         let messages = match m.get("messages") {
             Some(Value::Array(a)) if a.is_empty() => {
@@ -260,13 +301,13 @@ impl ChatRequest {
         };
         Ok(ChatRequest {
             messages,
-            common: common(&m, default_max, default_seed)?,
+            common: common(&m, lengths, default_seed)?,
         })
     }
 }
 
 impl CompletionRequest {
-    pub fn parse(body: &[u8], default_max: usize, default_seed: u64) -> Parsed<Self> {
+    pub fn parse(body: &[u8], lengths: Lengths, default_seed: u64) -> Parsed<Self> {
         let m = object(body)?;
         let prompt = match m.get("prompt") {
             Some(Value::String(s)) => s.clone(),
@@ -287,19 +328,24 @@ impl CompletionRequest {
         }
         Ok(CompletionRequest {
             prompt,
-            common: common(&m, default_max, default_seed)?,
+            common: common(&m, lengths, default_seed)?,
         })
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{ChatRequest, CompletionRequest};
+    use super::{ChatRequest, CompletionRequest, Lengths};
+
+    const LENGTHS: Lengths = Lengths {
+        default: 16,
+        most: 100,
+    };
 
     #[test]
     fn refusals_name_their_field() {
         let bad = |body: &str| {
-            ChatRequest::parse(body.as_bytes(), 16, 0)
+            ChatRequest::parse(body.as_bytes(), LENGTHS, 0)
                 .unwrap_err()
                 .message
         };
@@ -326,10 +372,28 @@ mod tests {
             bad(r#"{"messages": [{"role": "user", "content": "hi"}], "stop": [1]}"#)
                 .contains("stop[0]")
         );
+        let long = "x".repeat(super::MAX_STOP_BYTES + 1);
+        let body = format!(
+            r#"{{"messages": [{{"role": "user", "content": "hi"}}], "stop": ["ok", "{long}"]}}"#
+        );
+        assert!(bad(&body).contains("stop[1]: a stop string of 1025 bytes"));
+        let body =
+            format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], "stop": "{long}"}}"#);
+        assert!(bad(&body).contains("stop: a stop string"));
+        assert!(
+            bad(r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 101}"#)
+                .contains("max_tokens: 101 tokens: this server gives at most 100")
+        );
+        assert!(
+            bad(
+                r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1e3}"#
+            )
+            .contains("max_completion_tokens")
+        );
         let ok = ChatRequest::parse(
             br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                  "unknown": {"deep": 1}, "seed": -1, "stop": "x", "stream": true}"#,
-            16,
+            LENGTHS,
             0,
         )
         .unwrap();
@@ -338,7 +402,7 @@ mod tests {
         assert_eq!(ok.common.max_tokens, 16);
         assert!(ok.common.stream);
         let bad = |body: &str| {
-            CompletionRequest::parse(body.as_bytes(), 16, 0)
+            CompletionRequest::parse(body.as_bytes(), LENGTHS, 0)
                 .unwrap_err()
                 .message
         };
