@@ -290,7 +290,13 @@ impl Chat {
         let mut failure = None;
         let tok = &self.tokenizer;
         // The input is fed whatever this returns (stop at the first token instead).
-        let _ = on(TurnEvent::Started { fed: ids.len() });
+        let position = self.session.position()
+            + u64::from(self.session.pending().is_some())
+            + ids.len() as u64;
+        let _ = on(TurnEvent::Started {
+            fed: ids.len(),
+            position,
+        });
         let (tokens, finish) =
             self.session
                 .generate(ids, opts, |id| match decoder.step(tok, id) {
@@ -326,7 +332,9 @@ impl Chat {
 pub enum TurnEvent<'a> {
     /// The turn's new tokens are ready and about to be fed (they are fed whatever the
     /// callback returns).
-    Started { fed: usize },
+    /// `position`: the tokens the state holds once they are fed (the first reply token is
+    /// sampled there).
+    Started { fed: usize, position: u64 },
     /// A sampled token of the reply (a stop token is not reported), with its text once
     /// whole UTF-8 characters are complete.
     Token { id: u32, piece: Option<&'a str> },

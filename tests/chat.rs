@@ -203,3 +203,37 @@ fn a_turn_that_fails_midway_leaves_no_trace() {
     let again = c.regenerate(&opts, |_| true).unwrap();
     assert_eq!(again.text, next.text);
 }
+
+/// `TurnEvent::Started` says where the state stands once the turn's input is fed: a turn
+/// after a reply ends with that reply's last token pending, fed before the input, and a
+/// regenerate starts from its snapshot, not from the end of the reply it replaces.
+#[test]
+fn a_turn_reports_where_its_input_leaves_the_state() {
+    use mamba2_wgpu::chat::TurnEvent;
+    let mut c = chat(None);
+    let opts = greedy(6, None);
+    let mut turn = |c: &mut Chat, user: Option<&str>| {
+        let mut at = None;
+        let on = |e: TurnEvent| {
+            if let TurnEvent::Started { position, .. } = e {
+                at = Some(position);
+            }
+            true
+        };
+        let r = match user {
+            Some(u) => c.say_with(u, &opts, on).unwrap(),
+            None => c.regenerate_with(&opts, on).unwrap(),
+        };
+        // Every reply token but the last (pending) has been fed after the input.
+        assert_eq!(c.session.position(), at.unwrap() + r.tokens as u64 - 1);
+        at.unwrap()
+    };
+    let first = turn(&mut c, Some("Hello"));
+    let second = turn(&mut c, Some("Go on"));
+    assert!(second > first);
+    assert_eq!(
+        turn(&mut c, None),
+        second,
+        "a regenerate starts where the turn did"
+    );
+}

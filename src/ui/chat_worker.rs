@@ -363,15 +363,17 @@ impl Worker {
             },
         };
         let start = Instant::now();
-        let mut position = chat.session.position();
+        // Where the state stands as tokens come (a regenerate starts from its snapshot,
+        // and a pending token is fed before the turn's input: the event says where).
+        let mut position = 0;
         let mut failure: Option<String> = None;
         let mut on = |e: TurnEvent| match e {
-            TurnEvent::Started { fed } => {
+            TurnEvent::Started { fed, position: p } => {
                 out.send(ChatEvent::ReplyStarted {
                     id,
                     prompt_tokens: fed,
                 });
-                position += fed as u64;
+                position = p;
                 true
             }
             TurnEvent::Token { piece, .. } => {
