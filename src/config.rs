@@ -443,13 +443,7 @@ impl ModelConfig {
         if self.is_hybrid() {
             return self.to_nemotron_h_json();
         }
-        let limit = |x: f64| {
-            if x.is_finite() {
-                serde_json::json!(x)
-            } else {
-                serde_json::json!({"__float__": "Infinity"})
-            }
-        };
+        let limit = json_limit;
         serde_json::json!({
             "model_type": "mamba2",
             "architectures": ["Mamba2ForCausalLM"],
@@ -495,7 +489,10 @@ impl ModelConfig {
             "layer_norm_epsilon": self.norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "use_conv_bias": self.conv_bias,
-            "time_step_min": self.time_step_limit.0,
+            "time_step_limit": [
+                json_limit(self.time_step_limit.0),
+                json_limit(self.time_step_limit.1)
+            ],
         });
         if let Some(a) = &self.attention {
             v["num_attention_heads"] = a.heads.into();
@@ -1093,6 +1090,16 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// A δ limit as JSON: a number, or infinity as the `{"__float__": "Infinity"}` that
+/// `json_f64` reads back.
+fn json_limit(x: f64) -> Value {
+    if x.is_finite() {
+        serde_json::json!(x)
+    } else {
+        serde_json::json!({"__float__": "Infinity"})
+    }
+}
+
 /// A JSON number, or one of the spellings of a non-finite float seen in the wild:
 /// `Infinity` (bare, quoted by `quote_non_finite`) and `{"__float__": "Infinity"}`.
 fn json_f64(v: &Value) -> Option<f64> {
@@ -1155,13 +1162,21 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
     };
     f.require_flag("use_bias", false, "in_proj/out_proj biases")?;
     f.require_flag("rms_norm", true, "LayerNorm blocks (only RMSNorm)")?;
-    f.require_flag(
-        "norm_before_gate",
-        false,
-        "norm before gate (every released checkpoint gates first)",
-    )?;
+    // transformers' Mamba2 gates before the norm whatever this flag says (its gated norm
+    // takes no such option; its CUDA path passes `norm_before_gate=False`), and
+    // Mamba-Codestral-7B's config.json, written when the flag still defaulted to true,
+    // carries `true`: the flag is read, and a true one noted and ignored.
+    let mut notices = Vec::new();
+    if f.bool_or("norm_before_gate", false)? {
+        notices.push(
+            "ignoring `norm_before_gate: true`: transformers' Mamba2 applies the gate before \
+             the norm whatever it says (as mamba_ssm's Codestral does)"
+                .to_string(),
+        );
+    }
     Ok(ModelConfig {
         format: ModelFormat::HfMamba2,
+        notices,
         d_model,
         n_layer: f.usize("num_hidden_layers")?,
         vocab_size: f.usize("vocab_size")?,
@@ -1314,9 +1329,11 @@ fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
         norm_eps: f.f64_or("layer_norm_epsilon", 1e-5)?,
         tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
         conv_bias: f.bool_or("use_conv_bias", true)?,
-        // HF's NemotronH mixer ignores `time_step_limit` and clamps δ to
-        // (time_step_min, inf); follow the implementation the checkpoints come from.
-        time_step_limit: (f.f64_or("time_step_min", 0.001)?, f64::INFINITY),
+        // δ is limited by `time_step_limit` (released configs: (0, inf), i.e. not at all),
+        // as in the CUDA paths of transformers and the model's own remote code, mamba_ssm,
+        // vLLM and llama.cpp. transformers' slow path clamps δ at `time_step_min` instead,
+        // a floor no fast path applies (transformers issue #47246).
+        time_step_limit: f.pair_or("time_step_limit", NO_LIMIT)?,
         blocks,
         attention,
         mlp,
@@ -1587,6 +1604,33 @@ mod tests {
             "{:?}",
             c.notices
         );
+    }
+
+    /// Mamba-Codestral-7B's config.json as published (transformers 4.44's writing:
+    /// `norm_before_gate` true, a Python tuple for `time_step_limit` spelled as a list)
+    /// loads, the flag noted and ignored; a Nemotron-H config's δ limit is its
+    /// `time_step_limit`, not `time_step_min` (transformers' slow-path floor).
+    #[test]
+    fn codestral_and_nemotron_h_dt_settings_read_as_the_fast_paths_do() {
+        let c = parse(
+            r#"{"architectures":["Mamba2ForCausalLM"],"chunk_size":256,"conv_kernel":4,
+            "expand":2,"head_dim":64,"hidden_size":4096,"layer_norm_epsilon":1e-05,
+            "model_type":"mamba2","n_groups":8,"norm_before_gate":true,"num_heads":128,
+            "num_hidden_layers":64,"residual_in_fp32":true,"rms_norm":true,"state_size":128,
+            "tie_word_embeddings":false,"time_step_limit":[0.0,{"__float__":"Infinity"}],
+            "time_step_max":0.1,"time_step_min":0.001,"use_bias":false,"use_conv_bias":true,
+            "vocab_size":32768}"#,
+        )
+        .unwrap();
+        assert_eq!((c.n_heads, c.n_groups, c.d_inner), (128, 8, 8192));
+        assert!(c.notices[0].contains("norm_before_gate"), "{:?}", c.notices);
+        let nemotron = r#"{"model_type":"nemotron_h","hidden_size":48,"num_hidden_layers":2,
+            "vocab_size":100,"hybrid_override_pattern":"MM","mamba_num_heads":8,
+            "mamba_head_dim":12,"n_groups":1,"time_step_min":0.001LIMIT}"#;
+        let c = parse(&nemotron.replace("LIMIT", "")).unwrap();
+        assert_eq!(c.time_step_limit, (0.0, f64::INFINITY));
+        let c = parse(&nemotron.replace("LIMIT", r#","time_step_limit":[0.01,5.0]"#)).unwrap();
+        assert_eq!(c.time_step_limit, (0.01, 5.0));
     }
 
     #[test]

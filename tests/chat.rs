@@ -212,7 +212,7 @@ fn a_turn_reports_where_its_input_leaves_the_state() {
     use mamba2_wgpu::chat::TurnEvent;
     let mut c = chat(None);
     let opts = greedy(6, None);
-    let mut turn = |c: &mut Chat, user: Option<&str>| {
+    let turn = |c: &mut Chat, user: Option<&str>| {
         let mut at = None;
         let on = |e: TurnEvent| {
             if let TurnEvent::Started { position, .. } = e {

@@ -299,6 +299,36 @@ mod fixtures_on_gpu {
         }
     }
 
+    /// A device snapshot goes back only into a state of its own kind: one taken with f16 KV
+    /// caches is refused by an engine with f32 ones (its bytes would be misread).
+    #[test]
+    fn a_snapshot_from_another_kv_format_is_refused() {
+        let name = "nemotron_h_hybrid";
+        let model = Model::load(&common::fixture(name)).unwrap();
+        let (prompt, _, _) = oracle(name);
+        let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
+            return;
+        };
+        let engine = |kv| {
+            let options = EngineOptions {
+                kv,
+                ..Default::default()
+            };
+            GpuBackend::new(Engine::new(ctx.clone(), &model, options).unwrap()).unwrap()
+        };
+        let mut f16 = engine(KvFormat::F16);
+        f16.prefill_sample(&prompt, &Default::default(), prompt.len() as u64)
+            .unwrap();
+        let snap = f16.engine.snapshot().unwrap();
+        let mut f32 = engine(KvFormat::F32);
+        let err = f32.engine.restore(&snap).unwrap_err().to_string();
+        assert!(err.contains("KV format"), "{err}");
+        // Its own kind takes it back.
+        let mut again = engine(KvFormat::F16);
+        again.engine.restore(&snap).unwrap();
+        assert_eq!(again.engine.len, prompt.len());
+    }
+
     #[test]
     fn q8_0_keeps_the_logits() {
         // A pure Mamba2 model and the MoE hybrids (routers stay f32; experts, shared expert

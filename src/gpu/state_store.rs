@@ -74,6 +74,8 @@ pub struct DeviceState {
 pub struct DeviceSnapshot {
     buffers: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
     pub len: usize,
+    /// The KV caches' format it was taken in (its bytes are that format's).
+    kv: KvFormat,
 }
 
 impl DeviceState {
@@ -363,7 +365,11 @@ impl DeviceState {
         }
         gpu.queue.submit([enc.finish()]);
         gpu.check()?;
-        Ok(DeviceSnapshot { buffers, len })
+        Ok(DeviceSnapshot {
+            buffers,
+            len,
+            kv: self.kv,
+        })
     }
 
     /// Bytes of one slot's part of a layer's pair (the whole of a Mamba2 layer's, the
@@ -427,16 +433,32 @@ impl DeviceState {
 
     /// Puts a snapshot of this state back.
     pub fn restore(&self, gpu: &GpuContext, s: &DeviceSnapshot) -> Result<()> {
-        if s.buffers.len() != self.layers.len() || (self.has_kv() && s.len > self.ctx) {
-            return Err(Error::InvalidInput(
-                "snapshot belongs to another model or context".into(),
-            ));
+        let foreign = || {
+            Error::InvalidInput("snapshot belongs to another model, context or KV format".into())
+        };
+        if s.buffers.len() != self.layers.len()
+            || (self.has_kv() && (s.len > self.ctx || s.kv != self.kv))
+        {
+            return Err(foreign());
+        }
+        // Every layer's bytes in use must be in the snapshot (a shorter copy would leave
+        // the rest of the state as it was).
+        for (l, saved) in self.layers.iter().zip(&s.buffers) {
+            match (pair(l), saved) {
+                (Some(_), Some((sa, sb))) => {
+                    let (na, nb) = self.in_use(l, s.len);
+                    if na > sa.size() || nb > sb.size() {
+                        return Err(foreign());
+                    }
+                }
+                (None, None) => {}
+                _ => return Err(foreign()),
+            }
         }
         let mut enc = gpu.device.create_command_encoder(&Default::default());
         for (l, saved) in self.layers.iter().zip(&s.buffers) {
             if let (Some((a, b)), Some((sa, sb))) = (pair(l), saved) {
                 let (na, nb) = self.in_use(l, s.len);
-                let (na, nb) = (na.min(sa.size()), nb.min(sb.size()));
                 if na > 0 {
                     enc.copy_buffer_to_buffer(sa, 0, a, 0, Some(na));
                     enc.copy_buffer_to_buffer(sb, 0, b, 0, Some(nb));

@@ -231,6 +231,12 @@ impl ModelWeights {
     ) -> Result<Self> {
         let mut slots: BTreeMap<Slot, Tensor> = BTreeMap::new();
         for t in tensors {
+            // Nemotron-H's multi-token-prediction layers (`mtp.*`, which transformers skips
+            // too): not run here; the config parser says so in a notice.
+            if config.format == crate::config::ModelFormat::NemotronH && t.name.starts_with("mtp.")
+            {
+                continue;
+            }
             let slot = Slot::parse(&t.name).ok_or_else(|| {
                 Error::tensor(&t.name, "unexpected tensor: not part of a supported model")
             })?;
