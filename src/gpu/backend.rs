@@ -344,23 +344,13 @@ impl GpuBackend {
     }
 
     /// After `err` ended a decode with steps still in flight: waits for them and unmaps
-    /// their ring buffers, so the next decode finds the ring unmapped (a buffer mapped and
-    /// left so would fail every later copy into it); returns `err`.
+    /// their ring buffers (`settle_ring`); returns `err`.
     fn settle(
         &self,
         inflight: VecDeque<(usize, wgpu::SubmissionIndex, MapResult)>,
         err: Error,
     ) -> Error {
-        let ctx = self.engine.ctx();
-        for (slot, index, rx) in inflight {
-            let _ = ctx.device.poll(wgpu::PollType::Wait {
-                submission_index: Some(index),
-                timeout: None,
-            });
-            if let Ok(Ok(())) = rx.recv() {
-                self.ring[slot].unmap();
-            }
-        }
+        settle_ring(&self.engine.ctx().device, &self.ring, inflight);
         err
     }
 }
@@ -403,6 +393,25 @@ fn read_logits(
     let values: &[f32] = bytemuck::cast_slice(&bytes);
     out.extend(values.chunks(vocab).map(<[f32]>::to_vec));
     Ok(())
+}
+
+/// Waits for the `pending` readbacks of an abandoned step loop and unmaps the ring buffers
+/// they mapped, so the next loop finds the ring unmapped (a buffer left mapped fails every
+/// later copy into it). Errors here echo the one that ended the loop and are dropped.
+pub(crate) fn settle_ring(
+    device: &wgpu::Device,
+    ring: &[wgpu::Buffer],
+    pending: impl IntoIterator<Item = (usize, wgpu::SubmissionIndex, MapResult)>,
+) {
+    for (slot, index, rx) in pending {
+        let _ = device.poll(wgpu::PollType::Wait {
+            submission_index: Some(index),
+            timeout: None,
+        });
+        if let Ok(Ok(())) = rx.recv() {
+            ring[slot].unmap();
+        }
+    }
 }
 
 fn recv(rx: MapResult) -> Result<()> {

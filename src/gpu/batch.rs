@@ -362,23 +362,18 @@ impl Batch {
         ctx.check()
     }
 
-    /// After `err` ended a step loop with steps still in flight: waits for them and unmaps
-    /// their ring buffers, so the next call finds the ring unmapped; returns `err`.
+    /// After `err` ended a step loop with steps still in flight: waits for them and
+    /// unmaps their ring buffers (`settle_ring`); returns `err`.
     fn settle(
         &self,
         ctx: &crate::gpu::context::GpuContext,
         inflight: VecDeque<(usize, usize, wgpu::SubmissionIndex, MapResult)>,
         err: Error,
     ) -> Error {
-        for (ring, _, index, rx) in inflight {
-            let _ = ctx.device.poll(wgpu::PollType::Wait {
-                submission_index: Some(index),
-                timeout: None,
-            });
-            if let Ok(Ok(())) = rx.recv() {
-                self.ring[ring].unmap();
-            }
-        }
+        let pending = inflight
+            .into_iter()
+            .map(|(ring, _, index, rx)| (ring, index, rx));
+        crate::gpu::backend::settle_ring(&ctx.device, &self.ring, pending);
         err
     }
 
