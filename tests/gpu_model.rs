@@ -329,6 +329,22 @@ mod fixtures_on_gpu {
         assert_eq!(again.engine.len, prompt.len());
     }
 
+    /// The profiled prefill (bench) refuses what every other way in refuses: no tokens, an
+    /// id outside the vocabulary (the embedding gather reads rows unchecked).
+    #[test]
+    fn profiled_prefill_checks_its_tokens() {
+        let model = Model::load(&common::fixture("hf_mamba2_g1")).unwrap();
+        let Some(mut b) = backend(&model, WeightFormat::F32, true) else {
+            return;
+        };
+        let vocab = model.config.vocab_size as u32;
+        let e = b.profile_prefill(&[]).unwrap_err().to_string();
+        assert!(e.contains("no tokens"), "{e}");
+        let e = b.profile_prefill(&[1, vocab]).unwrap_err().to_string();
+        assert!(e.contains("outside the vocabulary"), "{e}");
+        assert_eq!(b.engine.len, 0, "nothing fed");
+    }
+
     #[test]
     fn q8_0_keeps_the_logits() {
         // A pure Mamba2 model and the MoE hybrids (routers stay f32; experts, shared expert

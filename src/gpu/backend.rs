@@ -259,6 +259,9 @@ impl GpuBackend {
     /// Feeds `tokens` through the chunked prefill with GPU timestamps (one block per
     /// submit, waited for): the kernel times of all blocks, in dispatch order per block.
     pub fn profile_prefill(&mut self, tokens: &[u32]) -> Result<Vec<KernelTime>> {
+        // The checks every other way in makes (none, or an id the embedding gather would
+        // read unchecked, is an error).
+        self.check_tokens(tokens)?;
         let mut ctrl = self.ctrl(tokens[0], 0, &Sampling::greedy(), &[])?;
         let p = prefill_blocks(&mut self.prefill, &self.engine, false)?;
         let ctx = self.engine.ctx().clone();
@@ -279,6 +282,7 @@ impl GpuBackend {
             ctx.queue.submit([enc.finish()]);
             times.extend(profiler.read(&ctx, graph)?);
         }
+        ctx.check()?;
         Ok(times)
     }
 
