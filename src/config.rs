@@ -443,7 +443,6 @@ impl ModelConfig {
         if self.is_hybrid() {
             return self.to_nemotron_h_json();
         }
-        let limit = json_limit;
         serde_json::json!({
             "model_type": "mamba2",
             "architectures": ["Mamba2ForCausalLM"],
@@ -465,7 +464,10 @@ impl ModelConfig {
             "tie_word_embeddings": self.tie_embeddings,
             "use_conv_bias": self.conv_bias,
             "use_bias": false,
-            "time_step_limit": [limit(self.time_step_limit.0), limit(self.time_step_limit.1)],
+            "time_step_limit": [
+                json_limit(self.time_step_limit.0),
+                json_limit(self.time_step_limit.1)
+            ],
         })
     }
 

@@ -104,24 +104,24 @@ mod fixtures_on_gpu {
 
     fn backend(model: &Model, format: WeightFormat, fused: bool) -> Option<GpuBackend> {
         let ctx = common::gpu(&Engine::needs(&model.config, format))?;
-        Some(
-            GpuBackend::new(
-                Engine::new(
-                    ctx,
-                    model,
-                    EngineOptions {
-                        format,
-                        fused,
-                        // The oracle's f32 to 1e-4: KV caches in f32 too (f16 rounding
-                        // moves hybrid logits by a few 1e-3).
-                        kv: KvFormat::F32,
-                        ..Default::default()
-                    },
-                )
-                .unwrap(),
-            )
-            .unwrap(),
-        )
+        let options = EngineOptions {
+            format,
+            fused,
+            // The oracle's f32 to 1e-4: KV caches in f32 too (f16 rounding moves hybrid
+            // logits by a few 1e-3).
+            kv: KvFormat::F32,
+            ..Default::default()
+        };
+        Some(backend_on(&ctx, model, options))
+    }
+
+    /// A GPU backend for `model` on the device `ctx`.
+    fn backend_on(
+        ctx: &std::sync::Arc<mamba2_wgpu::gpu::context::GpuContext>,
+        model: &Model,
+        options: EngineOptions,
+    ) -> GpuBackend {
+        GpuBackend::new(Engine::new(ctx.clone(), model, options).unwrap()).unwrap()
     }
 
     fn check(name: &str) {
@@ -281,7 +281,7 @@ mod fixtures_on_gpu {
             kv: KvFormat::F32,
             ..Default::default()
         };
-        let gpu = GpuBackend::new(Engine::new(ctx, &model, options).unwrap()).unwrap();
+        let gpu = backend_on(&ctx, &model, options);
         let cpu = CpuBackend::new(
             CpuModel::<f32>::new(&model.config, &model.weights)
                 .unwrap()
@@ -314,7 +314,7 @@ mod fixtures_on_gpu {
                 kv,
                 ..Default::default()
             };
-            GpuBackend::new(Engine::new(ctx.clone(), &model, options).unwrap()).unwrap()
+            backend_on(&ctx, &model, options)
         };
         let mut f16 = engine(KvFormat::F16);
         f16.prefill_sample(&prompt, &Default::default(), prompt.len() as u64)

@@ -418,7 +418,7 @@ pub(crate) fn settle_ring(
     }
 }
 
-fn recv(rx: MapResult) -> Result<()> {
+pub(crate) fn recv(rx: MapResult) -> Result<()> {
     rx.recv()
         .map_err(|_| Error::Gpu("buffer map callback dropped (device lost?)".into()))?
         .map_err(|e| Error::Gpu(format!("buffer map failed: {e}")))

@@ -318,13 +318,7 @@ impl Batch {
                     timeout: None,
                 })
                 .map_err(|e| Error::Gpu(format!("waiting for a batch step: {e}")))
-                .and_then(|_| {
-                    rx.recv()
-                        .map_err(|_| {
-                            Error::Gpu("buffer map callback dropped (device lost?)".into())
-                        })?
-                        .map_err(|e| Error::Gpu(format!("buffer map failed: {e}")))
-                });
+                .and_then(|_| crate::gpu::backend::recv(rx));
             if let Err(e) = waited {
                 return Err(self.settle(&ctx, inflight, e));
             }

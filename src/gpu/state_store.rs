@@ -442,27 +442,22 @@ impl DeviceState {
             return Err(foreign());
         }
         // Every layer's bytes in use must be in the snapshot (a shorter copy would leave
-        // the rest of the state as it was).
+        // the rest of the state as it was); nothing is submitted before all are checked.
+        let mut enc = gpu.device.create_command_encoder(&Default::default());
         for (l, saved) in self.layers.iter().zip(&s.buffers) {
             match (pair(l), saved) {
-                (Some(_), Some((sa, sb))) => {
+                (Some((a, b)), Some((sa, sb))) => {
                     let (na, nb) = self.in_use(l, s.len);
                     if na > sa.size() || nb > sb.size() {
                         return Err(foreign());
                     }
+                    if na > 0 {
+                        enc.copy_buffer_to_buffer(sa, 0, a, 0, Some(na));
+                        enc.copy_buffer_to_buffer(sb, 0, b, 0, Some(nb));
+                    }
                 }
                 (None, None) => {}
                 _ => return Err(foreign()),
-            }
-        }
-        let mut enc = gpu.device.create_command_encoder(&Default::default());
-        for (l, saved) in self.layers.iter().zip(&s.buffers) {
-            if let (Some((a, b)), Some((sa, sb))) = (pair(l), saved) {
-                let (na, nb) = self.in_use(l, s.len);
-                if na > 0 {
-                    enc.copy_buffer_to_buffer(sa, 0, a, 0, Some(na));
-                    enc.copy_buffer_to_buffer(sb, 0, b, 0, Some(nb));
-                }
             }
         }
         gpu.queue.submit([enc.finish()]);

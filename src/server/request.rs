@@ -74,6 +74,20 @@ const MAX_STOPS: usize = 16;
 /// other client.
 const MAX_STOP_BYTES: usize = 1024;
 
+/// A stop string of at most MAX_STOP_BYTES, or the refusal naming `field`.
+fn stop_string(field: String, s: &str) -> Parsed<String> {
+    if s.len() > MAX_STOP_BYTES {
+        return Err(BadRequest::new(
+            field,
+            format!(
+                "a stop string of {} bytes: at most {MAX_STOP_BYTES}",
+                s.len()
+            ),
+        ));
+    }
+    Ok(s.to_string())
+}
+
 fn object(body: &[u8]) -> Parsed<Map<String, Value>> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| BadRequest::body(format!("the body is not valid JSON: {e}")))?;
@@ -177,7 +191,7 @@ fn common(m: &Map<String, Value>, lengths: Lengths, default_seed: u64) -> Parsed
     }
     let stop = match m.get("stop") {
         None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::String(s)) => vec![stop_string("stop".into(), s)?],
         Some(Value::Array(a)) => {
             if a.len() > MAX_STOPS {
                 return Err(BadRequest::new(
@@ -187,10 +201,9 @@ fn common(m: &Map<String, Value>, lengths: Lengths, default_seed: u64) -> Parsed
             }
             a.iter()
                 .enumerate()
-                .map(|(i, v)| {
-                    v.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| BadRequest::new(format!("stop[{i}]"), "expected a string"))
+                .map(|(i, v)| match v.as_str() {
+                    Some(s) => stop_string(format!("stop[{i}]"), s),
+                    None => Err(BadRequest::new(format!("stop[{i}]"), "expected a string")),
                 })
                 .collect::<Parsed<_>>()?
         }
@@ -201,23 +214,6 @@ fn common(m: &Map<String, Value>, lengths: Lengths, default_seed: u64) -> Parsed
             ));
         }
     };
-    if let Some((i, s)) = stop
-        .iter()
-        .enumerate()
-        .find(|(_, s)| s.len() > MAX_STOP_BYTES)
-    {
-        let field = match m.get("stop") {
-            Some(Value::Array(_)) => format!("stop[{i}]"),
-            _ => "stop".into(),
-        };
-        return Err(BadRequest::new(
-            field,
-            format!(
-                "a stop string of {} bytes: at most {MAX_STOP_BYTES}",
-                s.len()
-            ),
-        ));
-    }
     let stream = opt_bool(m, "stream")?.unwrap_or(false);
     let include_usage = match m.get("stream_options") {
         None | Some(Value::Null) => false,
