@@ -28,6 +28,22 @@ upstream commit #19519 through the ymcki/llama.cpp mirror 77d6ae4) and loader
 Made: `nemotron_h_hybrid.f32.gguf`, and `nemotron_h_hybrid.q8_0.gguf` with every 2-D weight
 whose rows are a multiple of 32 wide in Q8_0 (gguf-py's quantizer, as llama-quantize writes
 Q8_0 blocks).
+
+And in llama.cpp's `nemotron_h_moe` layout (Nemotron 3 Nano; converter `NemotronHModel` with
+`num_experts_per_tok`, loader LLM_ARCH_NEMOTRON_H_MOE, read at ngxson/llama.cpp 3f545be;
+names from gguf-py 0.19's tensor list for the architecture), from tests/fixtures/
+nemotron_h_moe and nemotron_h_latent: `nemotron_h_moe.{expert_count, expert_used_count,
+expert_shared_count, expert_feed_forward_length, expert_shared_feed_forward_length,
+expert_group_count, expert_group_used_count, expert_weights_norm, expert_weights_scale,
+moe_latent_size}`, `feed_forward_length` per layer (the expert width on MoE layers, the MLP
+width on the fixtures' one dense layer, 0 elsewhere); tensors `blk.N.ffn_gate_inp` (the
+router), `blk.N.exp_probs_b.bias` (its correction bias), `blk.N.ffn_{up,down}_exps` (the
+per-expert matrices stacked expert-major, `torch.stack(dim=0)` as the converter does),
+`blk.N.ffn_{up,down}_shexp`, `blk.N.ffn_latent_{down,up}` (fc1/fc2 latent projections).
+llama.cpp's loader makes every feed-forward layer of such a file an MoE (the released
+models have no dense one); this engine reads a layer holding `ffn_up` as a dense MLP.
+Made: `nemotron_h_moe.f32.gguf`, `nemotron_h_latent.f32.gguf` (their widths, 48 and 24,
+take no Q8_0 blocks).
 """
 
 import argparse
@@ -39,13 +55,34 @@ import gguf
 
 from make_gguf_fixtures import MAMBA_NAMES, byte_tokens, mamba_layout, read_safetensors
 
-FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "nemotron_h_hybrid"
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+FIXTURE = FIXTURES / "nemotron_h_hybrid"
 
 
 def permute(w, n_head):
     """llama.cpp's converter permutation of q/k rows (per head: interleaved halves)."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def stack_experts(tensors):
+    """Each layer's `mixer.experts.E.{up,down}_proj.weight` as one `blk.N.ffn_{up,down}_exps`
+    `[E, rows, cols]` (expert order 0…E-1, as the converter's torch.stack(dim=0)), in the
+    place of the layer's first expert; every other tensor as it was."""
+    out, stacks = {}, {}
+    for name, t in tensors.items():
+        rest = name.removeprefix("backbone.")
+        parts = rest.split(".")
+        if len(parts) == 7 and parts[2:4] == ["mixer", "experts"]:
+            which = parts[5].removesuffix("_proj")
+            key = f"layers.{parts[1]}.ffn_{which}_exps.weight"
+            stacks.setdefault(key, {})[int(parts[4])] = t
+            out.setdefault(key, None)
+        else:
+            out[name] = t
+    for key, experts in stacks.items():
+        out[key] = np.stack([experts[e] for e in range(len(experts))], axis=0)
+    return out
 
 
 def write(out, cfg, tensors, q8):
@@ -57,12 +94,26 @@ def write(out, cfg, tensors, q8):
     d_inner = H * P
     vocab = tensors["backbone.embeddings.weight"].shape[0]
     padded = -(vocab // -8) * 8
-    w = gguf.GGUFWriter(str(out), "nemotron_h")
+    moe = "moe" in kinds
+    w = gguf.GGUFWriter(str(out), "nemotron_h_moe" if moe else "nemotron_h")
     w.add_name(out.stem)
     w.add_block_count(n)
     w.add_context_length(2 ** 20)
     w.add_embedding_length(d)
-    w.add_feed_forward_length([cfg["intermediate_size"] if k == "mlp" else 0 for k in kinds])
+    widths = {"mlp": cfg["intermediate_size"], "moe": cfg.get("moe_intermediate_size")}
+    w.add_feed_forward_length([widths.get(k) or 0 for k in kinds])
+    if moe:
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        if cfg.get("moe_latent_size"):
+            w.add_moe_latent_size(cfg["moe_latent_size"])
     w.add_head_count(heads)
     w.add_head_count_kv([kv if k == "full_attention" else 0 for k in kinds])
     w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
@@ -93,7 +144,14 @@ def write(out, cfg, tensors, q8):
         "mixer.o_proj.weight": "attn_output.weight",
         "mixer.up_proj.weight": "ffn_up.weight",
         "mixer.down_proj.weight": "ffn_down.weight",
+        "mixer.gate.weight": "ffn_gate_inp.weight",
+        "mixer.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mixer.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mixer.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+        "mixer.fc1_latent_proj.weight": "ffn_latent_down.weight",
+        "mixer.fc2_latent_proj.weight": "ffn_latent_up.weight",
     }
+    tensors = stack_experts(tensors)
     for name, t in tensors.items():
         rest = name.removeprefix("backbone.")
         if rest == "embeddings.weight":
@@ -102,6 +160,8 @@ def write(out, cfg, tensors, q8):
             new = "output_norm.weight"
         elif name == "lm_head.weight":
             new = "output.weight"
+        elif rest.endswith("_exps.weight"):
+            new = rest.replace("layers.", "blk.", 1)
         else:
             _, i, part = rest.split(".", 2)
             new = f"blk.{i}.{names[part]}"
@@ -131,6 +191,11 @@ def main():
     a.out.mkdir(parents=True, exist_ok=True)
     write(a.out / "nemotron_h_hybrid.f32.gguf", cfg, tensors, False)
     write(a.out / "nemotron_h_hybrid.q8_0.gguf", cfg, tensors, True)
+    for name in ["nemotron_h_moe", "nemotron_h_latent"]:
+        fixture = FIXTURES / name
+        cfg = json.loads((fixture / "config.json").read_text())
+        tensors = read_safetensors(fixture / "model.safetensors")
+        write(a.out / f"{name}.f32.gguf", cfg, tensors, False)
 
 
 if __name__ == "__main__":

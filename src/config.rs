@@ -32,6 +32,9 @@ pub enum ModelFormat {
     GgufMamba2,
     /// A GGUF file of llama.cpp's `nemotron_h` architecture (`nemotron_h.*`).
     GgufNemotronH,
+    /// A GGUF file of llama.cpp's `nemotron_h_moe` architecture (`nemotron_h_moe.*`:
+    /// Nemotron 3 Nano), its experts stacked per layer.
+    GgufNemotronHMoe,
 }
 
 impl ModelFormat {
@@ -73,6 +76,7 @@ impl ModelFormat {
             (Granite, "moe_intermediate_size") => "intermediate_size",
             (Granite, "n_routed_experts") => "num_local_experts",
             (GgufNemotronH, "attention.head_dim") => "nemotron_h.attention.key_length",
+            (GgufNemotronHMoe, "attention.head_dim") => "nemotron_h_moe.attention.key_length",
             (_, "attention.head_dim") => "head_dim",
             (GgufMamba2, "d_model") => "mamba2.embedding_length",
             (GgufMamba2, "n_layer") => "mamba2.block_count",
@@ -93,6 +97,24 @@ impl ModelFormat {
             (GgufNemotronH, "norm_eps") => "nemotron_h.attention.layer_norm_rms_epsilon",
             (GgufNemotronH, "intermediate_size") => "nemotron_h.feed_forward_length",
             (GgufNemotronH, "vocab_size") => "token_embd.weight (rows)",
+            (GgufNemotronHMoe, "d_model") => "nemotron_h_moe.embedding_length",
+            (GgufNemotronHMoe, "n_layer") => "nemotron_h_moe.block_count",
+            (GgufNemotronHMoe, "d_inner") => "nemotron_h_moe.ssm.inner_size",
+            (GgufNemotronHMoe, "n_heads" | "head_dim") => "nemotron_h_moe.ssm.time_step_rank",
+            (GgufNemotronHMoe, "n_groups") => "nemotron_h_moe.ssm.group_count",
+            (GgufNemotronHMoe, "d_state") => "nemotron_h_moe.ssm.state_size",
+            (GgufNemotronHMoe, "d_conv") => "nemotron_h_moe.ssm.conv_kernel",
+            (GgufNemotronHMoe, "norm_eps") => "nemotron_h_moe.attention.layer_norm_rms_epsilon",
+            (GgufNemotronHMoe, "vocab_size") => "token_embd.weight (rows)",
+            (GgufNemotronHMoe, "moe_intermediate_size") => {
+                "nemotron_h_moe.expert_feed_forward_length"
+            }
+            (GgufNemotronHMoe, "n_routed_experts") => "nemotron_h_moe.expert_count",
+            (GgufNemotronHMoe, "num_experts_per_tok") => "nemotron_h_moe.expert_used_count",
+            (GgufNemotronHMoe, "n_group") => "nemotron_h_moe.expert_group_count",
+            (GgufNemotronHMoe, "topk_group") => "nemotron_h_moe.expert_group_used_count",
+            (GgufNemotronHMoe, "routed_scaling_factor") => "nemotron_h_moe.expert_weights_scale",
+            (GgufNemotronHMoe, "moe_latent_size") => "nemotron_h_moe.moe_latent_size",
             _ => normalized,
         }
     }
@@ -106,6 +128,7 @@ impl ModelFormat {
             ModelFormat::Granite => "HF transformers granitemoehybrid",
             ModelFormat::GgufMamba2 => "GGUF mamba2 (llama.cpp)",
             ModelFormat::GgufNemotronH => "GGUF nemotron_h (llama.cpp)",
+            ModelFormat::GgufNemotronHMoe => "GGUF nemotron_h_moe (llama.cpp)",
         }
     }
 }

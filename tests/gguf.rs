@@ -706,7 +706,7 @@ fn nemotron_h_gguf_matches_the_hf_oracle() {
             .fold(0f32, f32::max);
         assert!(e <= 1e-3, "{file}: GPU vs CPU max |Δlogit| {e:e}");
     }
-    // The MoE variant and unknown architectures are refused by name.
+    // Unknown architectures are refused by name.
     let mut bytes = std::fs::read(dir().join("nemotron_h_hybrid.f32.gguf")).unwrap();
     let at = bytes.windows(10).position(|w| w == b"nemotron_h").unwrap();
     bytes[at..at + 10].copy_from_slice(b"nemotron_x");
@@ -717,4 +717,133 @@ fn nemotron_h_gguf_matches_the_hf_oracle() {
         err.contains("nemotron_x") || err.contains("general.architecture"),
         "{err}"
     );
+}
+
+/// The greedy ids of a safetensors fixture's HF oracle.
+fn hf_greedy(fixture: &str) -> Vec<u32> {
+    let bytes = std::fs::read(common::fixture(fixture).join("oracle.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor("greedy_ids")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+/// llama.cpp's `nemotron_h_moe` layout (scripts/make_nemotron_h_gguf.py, from the
+/// nemotron_h_moe and nemotron_h_latent fixtures): routing from the `expert_*` keys, the
+/// experts stacked per layer, the router's correction bias as `exp_probs_b`, the latent
+/// projections as `ffn_latent_{down,up}`; the config equals the safetensors one, and the
+/// logits equal HF transformers' on the CPU reference and, token by token through the
+/// decode graph, on the GPU, whose 24 greedy ids are HF's.
+#[test]
+fn nemotron_h_moe_gguf_matches_the_hf_oracle() {
+    use mamba2_wgpu::session::{GenerateOptions, Session};
+    for fixture in ["nemotron_h_moe", "nemotron_h_latent"] {
+        let file = format!("{fixture}.f32.gguf");
+        let (prompt, want) = hf_oracle(fixture);
+        let st = Model::load(&common::fixture(fixture)).unwrap();
+        let model = Model::load(&dir().join(&file)).unwrap();
+        let c = &model.config;
+        assert_eq!(c.format.name(), "GGUF nemotron_h_moe (llama.cpp)", "{file}");
+        assert_eq!(c.pattern(), st.config.pattern(), "{file}");
+        assert_eq!(c.attention, st.config.attention, "{file}");
+        assert_eq!(c.mlp, st.config.mlp, "{file}");
+        assert_eq!(c.moe, st.config.moe, "{file}");
+        let got = cpu_logits(&model, &prompt);
+        let e = got
+            .iter()
+            .zip(want.iter())
+            .map(|(g, w)| max_abs(g, w))
+            .fold(0f32, f32::max);
+        assert!(e <= 1e-4, "{file}: CPU max |Δlogit| vs HF {e:e}");
+        let Some(ctx) = common::gpu(&Engine::needs(c, WeightFormat::F32)) else {
+            continue;
+        };
+        let opts = EngineOptions {
+            format: WeightFormat::F32,
+            context: Some(64),
+            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+            ..Default::default()
+        };
+        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+        let gpu = b.prefill_logits(&prompt).unwrap();
+        let e = gpu
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| max_abs(g, w))
+            .fold(0f32, f32::max);
+        assert!(e <= 1e-4, "{file}: GPU max |Δlogit| vs HF {e:e}");
+        b.reset().unwrap();
+        let mut s = Session::new(Box::new(b));
+        let opts = GenerateOptions {
+            max_new_tokens: 24,
+            ..Default::default()
+        };
+        let (ids, _) = s.generate(&prompt, &opts, |_| true).unwrap();
+        assert_eq!(ids, hf_greedy(fixture), "{file}: greedy ids");
+    }
+}
+
+/// A `nemotron_h_moe` file with one metadata value or tensor name edited in place: the
+/// error names the key or the tensor.
+#[test]
+fn broken_nemotron_h_moe_files_name_the_key_or_tensor() {
+    let original = std::fs::read(dir().join("nemotron_h_moe.f32.gguf")).unwrap();
+    // A u32 key's value: the 4 bytes after its name and its type.
+    let set_u32 = |bytes: &mut Vec<u8>, key: &str, v: u32| {
+        let at = bytes
+            .windows(key.len())
+            .position(|w| w == key.as_bytes())
+            .unwrap()
+            + key.len();
+        assert_eq!(&bytes[at..at + 4], &4u32.to_le_bytes(), "{key} is a u32");
+        bytes[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
+    };
+    let rename = |bytes: &mut Vec<u8>, from: &str, to: &str| {
+        assert_eq!(from.len(), to.len());
+        let at = bytes
+            .windows(from.len())
+            .position(|w| w == from.as_bytes())
+            .unwrap();
+        bytes[at..at + from.len()].copy_from_slice(to.as_bytes());
+    };
+    type Edit<'a> = Box<dyn Fn(&mut Vec<u8>) + 'a>;
+    let cases: Vec<(&str, Edit<'_>, &str)> = vec![
+        (
+            "more experts per token than experts",
+            Box::new(|b| set_u32(b, "nemotron_h_moe.expert_used_count", 17)),
+            "nemotron_h_moe.expert_used_count",
+        ),
+        (
+            "a group count that does not divide the experts",
+            Box::new(|b| set_u32(b, "nemotron_h_moe.expert_group_count", 3)),
+            "nemotron_h_moe.expert_group_count",
+        ),
+        (
+            "an expert width that the per-layer lengths contradict",
+            Box::new(|b| set_u32(b, "nemotron_h_moe.expert_feed_forward_length", 25)),
+            "nemotron_h_moe.feed_forward_length",
+        ),
+        (
+            "a missing correction bias",
+            Box::new(|b| rename(b, "blk.3.exp_probs_b.bias", "blk.3.exp_probs_x.bias")),
+            "blk.3.exp_probs_x.bias",
+        ),
+        (
+            "a missing stack of experts",
+            Box::new(|b| rename(b, "blk.1.ffn_down_exps", "blk.1.ffn_down_expz")),
+            "blk.1.ffn_down_expz",
+        ),
+    ];
+    for (what, edit, names) in cases {
+        let mut bytes = original.clone();
+        edit(&mut bytes);
+        let path = std::env::temp_dir().join(format!("moe-broken-{}.gguf", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        let err = Model::load(&path).unwrap_err().to_string();
+        assert!(err.contains(names), "{what}: {err}");
+        std::fs::remove_file(&path).ok();
+    }
 }

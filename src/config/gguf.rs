@@ -4,8 +4,12 @@
 //! `token_embd`, a tied head when there is no `output.weight`; and for `nemotron_h`
 //! (`NemotronHModel`): the same SSM keys under `nemotron_h.ssm.*`, and the layer kinds from
 //! the per-layer arrays `feed_forward_length` and `attention.head_count_kv` as llama.cpp's
-//! loader reads them (both 0: Mamba2; only the first 0: attention; else an MLP).
+//! loader reads them (both 0: Mamba2; only the first 0: attention; else an MLP); and for
+//! `nemotron_h_moe` (Nemotron 3 Nano) the same with every feed-forward layer an MoE block
+//! (llama.cpp's loader: any non-zero `expert_count` makes them so) whose routing comes
+//! from the `expert_*` keys.
 
+use super::moe::{MoeConfig, Router};
 use super::{AttentionConfig, BlockKind, MlpAct, MlpConfig, ModelConfig, ModelFormat, mamba_only};
 use crate::error::{Error, Result};
 use crate::model::gguf::{GgufFile, Value};
@@ -17,13 +21,19 @@ impl ModelConfig {
     /// The normalized config of `file`; errors name the metadata key.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let arch = file.str("general.architecture")?;
-        if arch != "mamba2" && arch != "nemotron_h" {
-            return Err(Error::Unsupported(format!(
-                "{}: GGUF architecture `{arch}` (this engine reads `mamba2` and `nemotron_h` \
-                 GGUF files; run other models from their safetensors checkpoints)",
-                file.path.display()
-            )));
-        }
+        let format = match arch {
+            "mamba2" => ModelFormat::GgufMamba2,
+            "nemotron_h" => ModelFormat::GgufNemotronH,
+            "nemotron_h_moe" => ModelFormat::GgufNemotronHMoe,
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "{}: GGUF architecture `{arch}` (this engine reads `mamba2`, `nemotron_h` \
+                     and `nemotron_h_moe` GGUF files; run other models from their safetensors \
+                     checkpoints)",
+                    file.path.display()
+                )));
+            }
+        };
         let key = |k: &str| format!("{arch}.{k}");
         let d_inner = file.usize(&key("ssm.inner_size"))?;
         let n_heads = file.usize(&key("ssm.time_step_rank"))?;
@@ -45,13 +55,8 @@ impl ModelConfig {
             })?;
         let has = |name: &str| file.tensors.iter().any(|t| t.name == name);
         let n_layer = file.usize(&key("block_count"))?;
-        let nemotron = arch == "nemotron_h";
         let config = ModelConfig {
-            format: if nemotron {
-                ModelFormat::GgufNemotronH
-            } else {
-                ModelFormat::GgufMamba2
-            },
+            format,
             d_model: file.usize(&key("embedding_length"))?,
             n_layer,
             vocab_size: embd.shape[0],
@@ -83,8 +88,8 @@ impl ModelConfig {
                 ),
             ));
         }
-        let config = if nemotron {
-            nemotron_h_layers(file, config)?
+        let config = if format != ModelFormat::GgufMamba2 {
+            nemotron_h_layers(file, arch, config)?
         } else {
             ModelConfig {
                 blocks: vec![BlockKind::Mamba2; n_layer],
@@ -137,40 +142,65 @@ fn common(file: &GgufFile, key: &str, values: &[usize]) -> Result<usize> {
 /// Nemotron-H's blocks, attention and MLP shapes (see the module doc). llama.cpp's graph
 /// runs attention without positional encoding, with scale 1/√head_dim, and MLPs as
 /// `down(relu(up(x))²)`; its SSM scan clamps nothing, so neither does this config.
-fn nemotron_h_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
+fn nemotron_h_layers(file: &GgufFile, arch: &str, config: ModelConfig) -> Result<ModelConfig> {
     let n = config.n_layer;
-    let ff_key = "nemotron_h.feed_forward_length";
-    let kv_key = "nemotron_h.attention.head_count_kv";
-    let ff = per_layer(file, ff_key, n)?;
-    let kv = per_layer(file, kv_key, n)?;
+    let key = |k: &str| format!("{arch}.{k}");
+    let ff_key = key("feed_forward_length");
+    let kv_key = key("attention.head_count_kv");
+    let ff = per_layer(file, &ff_key, n)?;
+    let kv = per_layer(file, &kv_key, n)?;
+    // With experts, a feed-forward layer is an MoE block unless it holds a dense MLP's
+    // `ffn_up` (llama.cpp's loader makes every one an MoE; the converter writes no dense
+    // layer into a `nemotron_h_moe` file, but one with a dense layer reads here too).
+    let experts = file.opt_usize(&key("expert_count"))?.unwrap_or(0);
+    let dense = |i: usize| {
+        let up = format!("blk.{i}.ffn_up.weight");
+        experts == 0 || file.tensors.iter().any(|t| t.name == up)
+    };
     let blocks: Vec<BlockKind> = ff
         .iter()
         .zip(&kv)
-        .map(|(&f, &k)| match (f, k) {
+        .enumerate()
+        .map(|(i, (&f, &k))| match (f, k) {
             (0, 0) => BlockKind::Mamba2,
             (0, _) => BlockKind::Attention,
-            _ => BlockKind::Mlp,
+            _ if dense(i) => BlockKind::Mlp,
+            _ => BlockKind::Moe,
         })
         .collect();
+    // The feed-forward lengths of the layers of one kind.
+    let widths = |kind: BlockKind| -> Vec<usize> {
+        ff.iter()
+            .zip(&blocks)
+            .map(|(&f, &b)| if b == kind { f } else { 0 })
+            .collect()
+    };
+    let moe = if blocks.contains(&BlockKind::Moe) {
+        let ff_moe = common(file, &ff_key, &widths(BlockKind::Moe))?;
+        Some(nemotron_h_moe(file, arch, experts, ff_moe)?)
+    } else {
+        None
+    };
     let attention = if blocks.contains(&BlockKind::Attention) {
-        let heads_key = "nemotron_h.attention.head_count";
+        let heads_key = key("attention.head_count");
+        let heads_key = heads_key.as_str();
         let heads = file.usize(heads_key)?;
-        let kv_heads = common(file, kv_key, &kv)?;
+        let kv_heads = common(file, &kv_key, &kv)?;
         if heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(file.key_error(
                 heads_key,
                 format!("{heads} query heads do not share {kv_heads} key/value heads evenly"),
             ));
         }
-        let head_dim = match file.opt_usize("nemotron_h.attention.key_length")? {
+        let head_dim = match file.opt_usize(&key("attention.key_length"))? {
             Some(h) => h,
             None => config.d_model / heads,
         };
-        if let Some(v) = file.opt_usize("nemotron_h.attention.value_length")?
+        if let Some(v) = file.opt_usize(&key("attention.value_length"))?
             && v != head_dim
         {
             return Err(file.key_error(
-                "nemotron_h.attention.value_length",
+                &key("attention.value_length"),
                 format!("{v} differs from the key length {head_dim}"),
             ));
         }
@@ -180,7 +210,7 @@ fn nemotron_h_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig
     };
     let mlp = if blocks.contains(&BlockKind::Mlp) {
         Some(MlpConfig {
-            intermediate: common(file, ff_key, &ff)?,
+            intermediate: common(file, &ff_key, &widths(BlockKind::Mlp))?,
             act: MlpAct::Relu2,
             bias: false,
         })
@@ -191,6 +221,61 @@ fn nemotron_h_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig
         blocks,
         attention,
         mlp,
+        moe,
         ..config
+    })
+}
+
+/// The MoE blocks of a `nemotron_h_moe` file (`E` experts): relu² experts of
+/// `expert_feed_forward_length` (which the per-layer feed-forward lengths, `ff`, must
+/// repeat), a shared expert of `expert_shared_feed_forward_length` (none at 0), sigmoid
+/// routing with the correction bias (`exp_probs_b`), limited to `expert_group_used_count` of
+/// `expert_group_count` groups, weights normalised when `expert_weights_norm`, times
+/// `expert_weights_scale` (0 or absent: 1, as llama.cpp's graph skips it), and latent
+/// projections of `moe_latent_size`. llama.cpp's graph takes sigmoid gating for this
+/// architecture whatever `expert_gating_func` says, and so does this config.
+fn nemotron_h_moe(file: &GgufFile, arch: &str, experts: usize, ff: usize) -> Result<MoeConfig> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let width_key = key("expert_feed_forward_length");
+    let intermediate = match file.opt_usize(&width_key)? {
+        Some(w) => w,
+        None => ff,
+    };
+    if ff != 0 && ff != intermediate {
+        return Err(file.key_error(
+            &key("feed_forward_length"),
+            format!("{ff} on the MoE layers differs from {width_key} {intermediate}"),
+        ));
+    }
+    let shared = match file
+        .opt_usize(&key("expert_shared_feed_forward_length"))?
+        .unwrap_or(0)
+    {
+        0 => None,
+        width => Some(MlpConfig {
+            intermediate: width,
+            act: MlpAct::Relu2,
+            bias: false,
+        }),
+    };
+    let groups = |k: &str| -> Result<usize> { Ok(file.opt_usize(&key(k))?.unwrap_or(1).max(1)) };
+    let scale = match file.opt_f64(&key("expert_weights_scale"))? {
+        None => 1.0,
+        Some(s) if s == 0.0 => 1.0,
+        Some(s) => s,
+    };
+    Ok(MoeConfig {
+        experts,
+        top_k: file.usize(&key("expert_used_count"))?,
+        intermediate,
+        act: MlpAct::Relu2,
+        router: Router::Grouped {
+            n_group: groups("expert_group_count")?,
+            topk_group: groups("expert_group_used_count")?,
+            norm_topk_prob: file.opt_bool(&key("expert_weights_norm"))?.unwrap_or(false),
+            routed_scaling_factor: scale,
+        },
+        shared,
+        latent: file.opt_usize(&key("moe_latent_size"))?,
     })
 }

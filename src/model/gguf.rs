@@ -425,6 +425,18 @@ impl GgufFile {
         }
     }
 
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| {
+                self.key_error(
+                    key,
+                    format!("expected a bool, found {} {}", v.type_name(), v.summary()),
+                )
+            }),
+        }
+    }
+
     /// An array key's items (`None` when absent), refusing any other type.
     pub fn array(&self, key: &str) -> Result<Option<&[Value]>> {
         match self.get(key) {

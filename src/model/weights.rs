@@ -267,6 +267,14 @@ impl ModelWeights {
                 _ => None,
             })
             .collect();
+        // The layers whose experts come stacked (GGUF's `ffn_{up,down}_exps`).
+        let stacked_layers: std::collections::HashSet<usize> = slots
+            .keys()
+            .filter_map(|s| match s {
+                Slot::Layer(i, Part::ExpertsUp | Part::ExpertsDown) => Some(*i),
+                _ => None,
+            })
+            .collect();
         let mut take = |slot: Slot, shapes: &[Vec<usize>]| -> Result<Tensor> {
             let t = slots.remove(&slot).ok_or_else(|| {
                 Error::tensor(slot.canonical_name(format), "missing from the checkpoint")
@@ -364,7 +372,10 @@ impl ModelWeights {
                         None
                     };
                     let gated = m.act == MlpAct::SiluGated;
-                    let experts = if c.format == ModelFormat::Granite {
+                    // Stacked `[E, rows, cols]` (Granite's `input_linear`, GGUF's `*_exps`),
+                    // each expert a view of its rows; else Nemotron-H's per-expert tensors.
+                    let stacked = stacked_layers.contains(&i) || c.format == ModelFormat::Granite;
+                    let experts = if stacked {
                         let up = take(l(Part::ExpertsUp), &[vec![e, m.up_rows(), x]])?;
                         let down = take(l(Part::ExpertsDown), &[vec![e, x, n]])?;
                         (0..e)
@@ -610,7 +621,10 @@ impl Slot {
     /// The format's spelling, used when a tensor is missing and there is no name to quote.
     fn canonical_name(self, format: ModelFormat) -> String {
         let granite = format == ModelFormat::Granite;
-        if matches!(format, ModelFormat::GgufMamba2 | ModelFormat::GgufNemotronH) {
+        if matches!(
+            format,
+            ModelFormat::GgufMamba2 | ModelFormat::GgufNemotronH | ModelFormat::GgufNemotronHMoe
+        ) {
             return match self {
                 Slot::Embedding => "token_embd.weight".into(),
                 Slot::FinalNorm => "output_norm.weight".into(),
@@ -654,8 +668,9 @@ impl Slot {
     }
 }
 
-/// llama.cpp's `mamba2` and `nemotron_h` names after `blk.N.` (gguf-py's tensor map).
-const GGUF_PARTS: [(Part, &str); 15] = [
+/// llama.cpp's `mamba2`, `nemotron_h` and `nemotron_h_moe` names after `blk.N.` (gguf-py's
+/// tensor map; an MoE layer's experts stacked `[E, rows, cols]`, expert-major).
+const GGUF_PARTS: [(Part, &str); 23] = [
     (Part::Norm, "attn_norm.weight"),
     (Part::InProj, "ssm_in.weight"),
     (Part::ConvWeight, "ssm_conv1d.weight"),
@@ -671,6 +686,14 @@ const GGUF_PARTS: [(Part, &str); 15] = [
     (Part::O, "attn_output.weight"),
     (Part::Up, "ffn_up.weight"),
     (Part::Down, "ffn_down.weight"),
+    (Part::Router, "ffn_gate_inp.weight"),
+    (Part::RouterBias, "exp_probs_b.bias"),
+    (Part::ExpertsUp, "ffn_up_exps.weight"),
+    (Part::ExpertsDown, "ffn_down_exps.weight"),
+    (Part::SharedUp, "ffn_up_shexp.weight"),
+    (Part::SharedDown, "ffn_down_shexp.weight"),
+    (Part::LatentIn, "ffn_latent_down.weight"),
+    (Part::LatentOut, "ffn_latent_up.weight"),
 ];
 
 /// A GGUF tensor name's slot.
