@@ -43,7 +43,10 @@ per-expert matrices stacked expert-major, `torch.stack(dim=0)` as the converter 
 llama.cpp's loader makes every feed-forward layer of such a file an MoE (the released
 models have no dense one); this engine reads a layer holding `ffn_up` as a dense MLP.
 Made: `nemotron_h_moe.f32.gguf`, `nemotron_h_latent.f32.gguf` (their widths, 48 and 24,
-take no Q8_0 blocks).
+take no Q8_0 blocks); and `moe64.f32.gguf` / `moe64.q8_0.gguf`, a random `nemotron_h_moe`
+model (numpy seed 11; layers M E * E, d 64, 8 experts of 32 in 2 groups, top 2, a shared
+expert of 64) whose every matrix but the router is 32-multiple wide: the Q8_0 file holds
+them all (the stacked experts, embedding and head too) in gguf-py's Q8_0 blocks.
 """
 
 import argparse
@@ -171,7 +174,9 @@ def write(out, cfg, tensors, q8):
             elif part == "mixer.k_proj.weight":
                 t = permute(t, kv)
         t = np.ascontiguousarray(t, dtype=np.float32)
-        if q8 and t.ndim == 2 and t.shape[1] % 32 == 0 and "norm" not in new:
+        # (llama-quantize keeps the router, `ffn_gate_inp`, in F32.)
+        quantizable = t.ndim in (2, 3) and t.shape[-1] % 32 == 0
+        if q8 and quantizable and "norm" not in new and "ffn_gate_inp" not in new:
             q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(new, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -180,6 +185,59 @@ def write(out, cfg, tensors, q8):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def random_moe(seed=11):
+    """A random Nemotron-H MoE config and HF-named tensors whose matrices are 32-multiple
+    wide (so that a Q8_0 file can hold every one)."""
+    rng = np.random.default_rng(seed)
+    d, H, P, G, N, V = 64, 4, 16, 1, 16, 101
+    E, I, S = 8, 32, 64
+    cfg = {
+        "hidden_size": d, "layers_block_type": ["mamba", "moe", "full_attention", "moe"],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+        "mamba_num_heads": H, "mamba_head_dim": P, "n_groups": G, "ssm_state_size": N,
+        "conv_kernel": 4, "layer_norm_epsilon": 1e-5, "intermediate_size": 0,
+        "n_routed_experts": E, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": I, "moe_shared_expert_intermediate_size": S,
+        "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.0,
+    }
+    f32 = np.float32
+
+    def mat(rows, cols):
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(f32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(f32)
+
+    conv = H * P + 2 * G * N
+    t = {"backbone.embeddings.weight": rng.standard_normal((V, d)).astype(f32),
+         "backbone.norm_f.weight": norm(d), "lm_head.weight": mat(V, d)}
+    for i, kind in enumerate(cfg["layers_block_type"]):
+        p = f"backbone.layers.{i}."
+        t[p + "norm.weight"] = norm(d)
+        if kind == "mamba":
+            t[p + "mixer.in_proj.weight"] = mat(2 * H * P + 2 * G * N + H, d)
+            t[p + "mixer.conv1d.weight"] = (0.5 * rng.standard_normal((conv, 1, 4))).astype(f32)
+            t[p + "mixer.conv1d.bias"] = (0.1 * rng.standard_normal(conv)).astype(f32)
+            t[p + "mixer.dt_bias"] = (0.5 * rng.standard_normal(H)).astype(f32)
+            t[p + "mixer.A_log"] = np.log(rng.uniform(1, 16, H)).astype(f32)
+            t[p + "mixer.D"] = (1.0 + 0.1 * rng.standard_normal(H)).astype(f32)
+            t[p + "mixer.norm.weight"] = norm(H * P)
+            t[p + "mixer.out_proj.weight"] = mat(d, H * P)
+        elif kind == "full_attention":
+            for n, rows in [("q", 64), ("k", 32), ("v", 32)]:
+                t[p + f"mixer.{n}_proj.weight"] = mat(rows, d)
+            t[p + "mixer.o_proj.weight"] = mat(d, 64)
+        else:
+            t[p + "mixer.gate.weight"] = mat(E, d)
+            t[p + "mixer.gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(E)).astype(f32)
+            for e in range(E):
+                t[p + f"mixer.experts.{e}.up_proj.weight"] = mat(I, d)
+                t[p + f"mixer.experts.{e}.down_proj.weight"] = mat(d, I)
+            t[p + "mixer.shared_experts.up_proj.weight"] = mat(S, d)
+            t[p + "mixer.shared_experts.down_proj.weight"] = mat(d, S)
+    return cfg, t
 
 
 def main():
@@ -196,6 +254,9 @@ def main():
         cfg = json.loads((fixture / "config.json").read_text())
         tensors = read_safetensors(fixture / "model.safetensors")
         write(a.out / f"{name}.f32.gguf", cfg, tensors, False)
+    cfg, tensors = random_moe()
+    write(a.out / "moe64.f32.gguf", cfg, tensors, False)
+    write(a.out / "moe64.q8_0.gguf", cfg, tensors, True)
 
 
 if __name__ == "__main__":

@@ -847,3 +847,71 @@ fn broken_nemotron_h_moe_files_name_the_key_or_tensor() {
         std::fs::remove_file(&path).ok();
     }
 }
+
+/// A Q8_0 `nemotron_h_moe` file (scripts/make_nemotron_h_gguf.py's random `moe64`: every
+/// matrix but the routers in gguf-py's Q8_0 blocks, the experts stacked) used as stored:
+/// its logits equal the f32 file's with the same matrices rounded through ggml's q8_0
+/// blocks, on the CPU reference and on the GPU in Q8_0, prefill and decode graph alike.
+#[test]
+fn q8_0_nemotron_h_moe_gguf_runs_as_stored() {
+    use mamba2_wgpu::gpu::engine::PrefillMode;
+    let f32_model = Model::load(&dir().join("moe64.f32.gguf")).unwrap();
+    let model = Model::load(&dir().join("moe64.q8_0.gguf")).unwrap();
+    assert_eq!(model.config.pattern(), "ME*E");
+    assert_eq!(model.config.moe, f32_model.config.moe);
+    use mamba2_wgpu::model::ggml::GgmlType;
+    let counts = GgufFile::open(&dir().join("moe64.q8_0.gguf"))
+        .unwrap()
+        .type_counts();
+    assert!(
+        counts
+            .iter()
+            .any(|&(t, n)| t == DType::Quant(GgmlType::Q8_0) && n == 16),
+        "{counts:?}"
+    );
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 101).collect();
+    let q8 = |k: usize| {
+        if k.is_multiple_of(32) {
+            WeightFormat::Q8_0
+        } else {
+            WeightFormat::F32
+        }
+    };
+    let want = cpu_logits(&common::rounded(&f32_model, q8), &prompt);
+    let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = |got: &[Vec<f32>]| {
+        got.iter()
+            .zip(&want)
+            .map(|(g, w)| max_abs(g, w))
+            .fold(0f32, f32::max)
+    };
+    let e = worst(&cpu_logits(&model, &prompt));
+    assert!(
+        e <= 1e-5 * range,
+        "CPU: max |Δlogit| {e:e} of range {range}"
+    );
+    for (prefill, rel, floor) in [
+        (PrefillMode::Chunked, 1e-5, 1e-4),
+        // The decode graph rounds the activations to 8 bits.
+        (PrefillMode::Decode, 2e-2, 0.1),
+    ] {
+        let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::Q8_0)) else {
+            return;
+        };
+        let opts = EngineOptions {
+            format: WeightFormat::Q8_0,
+            prefill,
+            context: Some(64),
+            // (An f16 KV cache would move the logits by its own rounding.)
+            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+            ..Default::default()
+        };
+        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+        let e = worst(&b.prefill_logits(&prompt).unwrap());
+        eprintln!("moe64.q8_0.gguf ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
+        assert!(
+            e <= rel * range + floor,
+            "GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
+        );
+    }
+}

@@ -75,29 +75,44 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// `model` with its big Mamba2 matrices (embedding, head, in_proj, out_proj) rounded
+/// `model` with its big matrices (embedding, head, Mamba2 in_proj and out_proj, attention
+/// q/k/v/o, MLP and expert matrices; not the MoE routers or latent projections) rounded
 /// through the format `format_of(cols)` picks for their width: `|k| f.for_cols(k)` is what
 /// the engine packs for `--dtype f`; `|_| f` keeps the k-quants' zero-padded superblocks on
 /// any width (which only the CPU reference can run).
 pub fn rounded(model: &Model, format_of: impl Fn(usize) -> WeightFormat) -> Model {
-    use mamba2_wgpu::model::MixerWeights;
     use mamba2_wgpu::model::quant::{pack, unpack};
     use mamba2_wgpu::model::safetensors::Tensor;
-    let round = |t: &Tensor| {
+    use mamba2_wgpu::model::{MixerWeights, MlpWeights};
+    let round = |t: &mut Tensor| {
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let p = pack(format_of(cols), &t.to_f32(), rows, cols);
-        Tensor::from_f32(t.name.clone(), t.shape.clone(), &unpack(&p))
+        *t = Tensor::from_f32(t.name.clone(), t.shape.clone(), &unpack(&p));
+    };
+    let round_mlp = |w: &mut MlpWeights| {
+        round(&mut w.up);
+        w.gate.as_mut().map(round);
+        round(&mut w.down);
     };
     let mut m = model.clone();
-    m.weights.embedding = round(&m.weights.embedding);
-    m.weights.lm_head = m.weights.lm_head.as_ref().map(round);
+    round(&mut m.weights.embedding);
+    m.weights.lm_head.as_mut().map(round);
     for l in &mut m.weights.layers {
         match &mut l.mixer {
             MixerWeights::Mamba2(w) => {
-                w.in_proj = round(&w.in_proj);
-                w.out_proj = round(&w.out_proj);
+                round(&mut w.in_proj);
+                round(&mut w.out_proj);
             }
-            _ => unreachable!("`rounded` takes pure Mamba2 models"),
+            MixerWeights::Attention(w) => {
+                for t in [&mut w.q, &mut w.k, &mut w.v, &mut w.o] {
+                    round(t);
+                }
+            }
+            MixerWeights::Mlp(w) => round_mlp(w),
+            MixerWeights::Moe(w) => {
+                w.experts.iter_mut().for_each(round_mlp);
+                w.shared.as_mut().map(round_mlp);
+            }
         }
     }
     m
