@@ -35,6 +35,9 @@ pub enum ModelFormat {
     /// A GGUF file of llama.cpp's `nemotron_h_moe` architecture (`nemotron_h_moe.*`:
     /// Nemotron 3 Nano), its experts stacked per layer.
     GgufNemotronHMoe,
+    /// A GGUF file of llama.cpp's `granitehybrid` architecture (`granitehybrid.*`:
+    /// Granite-4.0-H with experts); each of its layers is two blocks, as for `Granite`.
+    GgufGranite,
 }
 
 impl ModelFormat {
@@ -77,6 +80,7 @@ impl ModelFormat {
             (Granite, "n_routed_experts") => "num_local_experts",
             (GgufNemotronH, "attention.head_dim") => "nemotron_h.attention.key_length",
             (GgufNemotronHMoe, "attention.head_dim") => "nemotron_h_moe.attention.key_length",
+            (GgufGranite, "attention.head_dim") => "granitehybrid.attention.head_count",
             (_, "attention.head_dim") => "head_dim",
             (GgufMamba2, "d_model") => "mamba2.embedding_length",
             (GgufMamba2, "n_layer") => "mamba2.block_count",
@@ -115,6 +119,18 @@ impl ModelFormat {
             (GgufNemotronHMoe, "topk_group") => "nemotron_h_moe.expert_group_used_count",
             (GgufNemotronHMoe, "routed_scaling_factor") => "nemotron_h_moe.expert_weights_scale",
             (GgufNemotronHMoe, "moe_latent_size") => "nemotron_h_moe.moe_latent_size",
+            (GgufGranite, "d_model") => "granitehybrid.embedding_length",
+            (GgufGranite, "n_layer") => "granitehybrid.block_count",
+            (GgufGranite, "d_inner") => "granitehybrid.ssm.inner_size",
+            (GgufGranite, "n_heads" | "head_dim") => "granitehybrid.ssm.time_step_rank",
+            (GgufGranite, "n_groups") => "granitehybrid.ssm.group_count",
+            (GgufGranite, "d_state") => "granitehybrid.ssm.state_size",
+            (GgufGranite, "d_conv") => "granitehybrid.ssm.conv_kernel",
+            (GgufGranite, "norm_eps") => "granitehybrid.attention.layer_norm_rms_epsilon",
+            (GgufGranite, "vocab_size") => "token_embd.weight (rows)",
+            (GgufGranite, "moe_intermediate_size") => "granitehybrid.feed_forward_length",
+            (GgufGranite, "n_routed_experts") => "granitehybrid.expert_count",
+            (GgufGranite, "num_experts_per_tok") => "granitehybrid.expert_used_count",
             _ => normalized,
         }
     }
@@ -129,6 +145,7 @@ impl ModelFormat {
             ModelFormat::GgufMamba2 => "GGUF mamba2 (llama.cpp)",
             ModelFormat::GgufNemotronH => "GGUF nemotron_h (llama.cpp)",
             ModelFormat::GgufNemotronHMoe => "GGUF nemotron_h_moe (llama.cpp)",
+            ModelFormat::GgufGranite => "GGUF granitehybrid (llama.cpp)",
         }
     }
 }
@@ -496,7 +513,7 @@ impl ModelConfig {
 
     /// A hybrid config as HF transformers `nemotron_h` writes it (the pattern spelling).
     fn to_nemotron_h_json(&self) -> serde_json::Value {
-        if self.format == ModelFormat::Granite {
+        if matches!(self.format, ModelFormat::Granite | ModelFormat::GgufGranite) {
             return granite::to_granite_json(self);
         }
         let mut v = serde_json::json!({

@@ -732,23 +732,48 @@ fn hf_greedy(fixture: &str) -> Vec<u32> {
 }
 
 /// llama.cpp's `nemotron_h_moe` layout (scripts/make_nemotron_h_gguf.py, from the
-/// nemotron_h_moe and nemotron_h_latent fixtures): routing from the `expert_*` keys, the
+/// nemotron_h_moe and nemotron_h_latent fixtures: routing from the `expert_*` keys, the
 /// experts stacked per layer, the router's correction bias as `exp_probs_b`, the latent
-/// projections as `ffn_latent_{down,up}`; the config equals the safetensors one, and the
-/// logits equal HF transformers' on the CPU reference and, token by token through the
-/// decode graph, on the GPU, whose 24 greedy ids are HF's.
+/// projections as `ffn_latent_{down,up}`) and `granitehybrid` layout
+/// (scripts/make_granite_gguf.py, from granite_moe_hybrid: each layer a mixer and an MoE
+/// block, gates apart from ups, µP scales from the `*_scale` keys): the config equals the
+/// safetensors one, and the logits equal HF transformers' on the CPU reference and, token by
+/// token through the decode graph, on the GPU, whose 24 greedy ids are HF's.
 #[test]
-fn nemotron_h_moe_gguf_matches_the_hf_oracle() {
+fn moe_ggufs_match_the_hf_oracle() {
     use mamba2_wgpu::session::{GenerateOptions, Session};
-    for fixture in ["nemotron_h_moe", "nemotron_h_latent"] {
+    for (fixture, arch) in [
+        ("nemotron_h_moe", "nemotron_h_moe"),
+        ("nemotron_h_latent", "nemotron_h_moe"),
+        ("granite_moe_hybrid", "granitehybrid"),
+    ] {
         let file = format!("{fixture}.f32.gguf");
         let (prompt, want) = hf_oracle(fixture);
         let st = Model::load(&common::fixture(fixture)).unwrap();
         let model = Model::load(&dir().join(&file)).unwrap();
         let c = &model.config;
-        assert_eq!(c.format.name(), "GGUF nemotron_h_moe (llama.cpp)", "{file}");
-        assert_eq!(c.pattern(), st.config.pattern(), "{file}");
-        assert_eq!(c.attention, st.config.attention, "{file}");
+        assert_eq!(
+            c.format.name(),
+            format!("GGUF {arch} (llama.cpp)"),
+            "{file}"
+        );
+        assert_eq!(c.blocks, st.config.blocks, "{file}");
+        assert_eq!(c.scales, st.config.scales, "{file}");
+        assert_eq!(c.tie_embeddings, st.config.tie_embeddings, "{file}");
+        // (GGUF holds the attention scale as an f32.)
+        let scale_free = |a: &Option<mamba2_wgpu::config::AttentionConfig>| {
+            a.clone().map(|a| {
+                (
+                    a.scale as f32,
+                    mamba2_wgpu::config::AttentionConfig { scale: 0.0, ..a },
+                )
+            })
+        };
+        assert_eq!(
+            scale_free(&c.attention),
+            scale_free(&st.config.attention),
+            "{file}"
+        );
         assert_eq!(c.mlp, st.config.mlp, "{file}");
         assert_eq!(c.moe, st.config.moe, "{file}");
         let got = cpu_logits(&model, &prompt);
@@ -786,11 +811,10 @@ fn nemotron_h_moe_gguf_matches_the_hf_oracle() {
     }
 }
 
-/// A `nemotron_h_moe` file with one metadata value or tensor name edited in place: the
-/// error names the key or the tensor.
+/// A `nemotron_h_moe` or `granitehybrid` file with one metadata value or tensor name edited
+/// in place: the error names the key or the tensor.
 #[test]
-fn broken_nemotron_h_moe_files_name_the_key_or_tensor() {
-    let original = std::fs::read(dir().join("nemotron_h_moe.f32.gguf")).unwrap();
+fn broken_moe_gguf_files_name_the_key_or_tensor() {
     // A u32 key's value: the 4 bytes after its name and its type.
     let set_u32 = |bytes: &mut Vec<u8>, key: &str, v: u32| {
         let at = bytes
@@ -801,6 +825,15 @@ fn broken_nemotron_h_moe_files_name_the_key_or_tensor() {
         assert_eq!(&bytes[at..at + 4], &4u32.to_le_bytes(), "{key} is a u32");
         bytes[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
     };
+    let set_bool = |bytes: &mut Vec<u8>, key: &str, v: bool| {
+        let at = bytes
+            .windows(key.len())
+            .position(|w| w == key.as_bytes())
+            .unwrap()
+            + key.len();
+        assert_eq!(&bytes[at..at + 4], &7u32.to_le_bytes(), "{key} is a bool");
+        bytes[at + 4] = u8::from(v);
+    };
     let rename = |bytes: &mut Vec<u8>, from: &str, to: &str| {
         assert_eq!(from.len(), to.len());
         let at = bytes
@@ -810,35 +843,66 @@ fn broken_nemotron_h_moe_files_name_the_key_or_tensor() {
         bytes[at..at + from.len()].copy_from_slice(to.as_bytes());
     };
     type Edit<'a> = Box<dyn Fn(&mut Vec<u8>) + 'a>;
-    let cases: Vec<(&str, Edit<'_>, &str)> = vec![
+    let moe = "nemotron_h_moe.f32.gguf";
+    let granite = "granite_moe_hybrid.f32.gguf";
+    let cases: Vec<(&str, &str, Edit<'_>, &str)> = vec![
         (
+            granite,
+            "a dense Granite file",
+            Box::new(|b| set_u32(b, "granitehybrid.expert_count", 0)),
+            "without experts",
+        ),
+        (
+            granite,
+            "rotary embeddings",
+            Box::new(|b| set_bool(b, "granitehybrid.rope.scaling.finetuned", true)),
+            "granitehybrid.rope.scaling.finetuned",
+        ),
+        (
+            granite,
+            "a missing expert gate",
+            Box::new(|b| rename(b, "blk.2.ffn_gate_exps", "blk.2.ffn_gate_expz")),
+            "blk.2.ffn_gate_expz",
+        ),
+        (
+            granite,
+            "more experts per token than experts",
+            Box::new(|b| set_u32(b, "granitehybrid.expert_used_count", 11)),
+            "granitehybrid.expert_used_count",
+        ),
+        (
+            moe,
             "more experts per token than experts",
             Box::new(|b| set_u32(b, "nemotron_h_moe.expert_used_count", 17)),
             "nemotron_h_moe.expert_used_count",
         ),
         (
+            moe,
             "a group count that does not divide the experts",
             Box::new(|b| set_u32(b, "nemotron_h_moe.expert_group_count", 3)),
             "nemotron_h_moe.expert_group_count",
         ),
         (
+            moe,
             "an expert width that the per-layer lengths contradict",
             Box::new(|b| set_u32(b, "nemotron_h_moe.expert_feed_forward_length", 25)),
             "nemotron_h_moe.feed_forward_length",
         ),
         (
+            moe,
             "a missing correction bias",
             Box::new(|b| rename(b, "blk.3.exp_probs_b.bias", "blk.3.exp_probs_x.bias")),
             "blk.3.exp_probs_x.bias",
         ),
         (
+            moe,
             "a missing stack of experts",
             Box::new(|b| rename(b, "blk.1.ffn_down_exps", "blk.1.ffn_down_expz")),
             "blk.1.ffn_down_expz",
         ),
     ];
-    for (what, edit, names) in cases {
-        let mut bytes = original.clone();
+    for (file, what, edit, names) in cases {
+        let mut bytes = std::fs::read(dir().join(file)).unwrap();
         edit(&mut bytes);
         let path = std::env::temp_dir().join(format!("moe-broken-{}.gguf", std::process::id()));
         std::fs::write(&path, &bytes).unwrap();

@@ -25,11 +25,12 @@ impl ModelConfig {
             "mamba2" => ModelFormat::GgufMamba2,
             "nemotron_h" => ModelFormat::GgufNemotronH,
             "nemotron_h_moe" => ModelFormat::GgufNemotronHMoe,
+            "granitehybrid" => ModelFormat::GgufGranite,
             _ => {
                 return Err(Error::Unsupported(format!(
-                    "{}: GGUF architecture `{arch}` (this engine reads `mamba2`, `nemotron_h` \
-                     and `nemotron_h_moe` GGUF files; run other models from their safetensors \
-                     checkpoints)",
+                    "{}: GGUF architecture `{arch}` (this engine reads `mamba2`, `nemotron_h`, \
+                     `nemotron_h_moe` and `granitehybrid` GGUF files; run other models from \
+                     their safetensors checkpoints)",
                     file.path.display()
                 )));
             }
@@ -88,7 +89,9 @@ impl ModelConfig {
                 ),
             ));
         }
-        let config = if format != ModelFormat::GgufMamba2 {
+        let config = if format == ModelFormat::GgufGranite {
+            granite_layers(file, config)?
+        } else if format != ModelFormat::GgufMamba2 {
             nemotron_h_layers(file, arch, config)?
         } else {
             ModelConfig {
@@ -277,5 +280,119 @@ fn nemotron_h_moe(file: &GgufFile, arch: &str, experts: usize, ff: usize) -> Res
         },
         shared,
         latent: file.opt_usize(&key("moe_latent_size"))?,
+    })
+}
+
+/// Granite-4.0-H's blocks (`granitehybrid`, llama.cpp's `GraniteHybridModel` converter and
+/// loader): each layer a mixer block — Mamba2 where its `attention.head_count_kv` is 0,
+/// attention (no positional encoding, scale `attention.scale`) elsewhere — then an MoE
+/// block: softmax top-`expert_used_count` of `expert_count` gated experts of
+/// `feed_forward_length`, plus the shared gated MLP of `expert_shared_feed_forward_length`;
+/// the µP scales from `embedding_scale`, `residual_scale` and `logit_scale` (logits divided
+/// by it). The gated Mamba norm spans all of d_inner (one group only, as for the safetensors
+/// config). Dense Granite files (no experts) and rotary ones are refused: no fixture of
+/// either was made.
+fn granite_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
+    let key = |k: &str| format!("granitehybrid.{k}");
+    let n = config.n_layer;
+    let kv_key = key("attention.head_count_kv");
+    let kv = per_layer(file, &kv_key, n)?;
+    let experts = file.opt_usize(&key("expert_count"))?.unwrap_or(0);
+    if experts == 0 {
+        return Err(Error::Unsupported(format!(
+            "{}: a granitehybrid GGUF without experts (`granitehybrid.expert_count` 0 or \
+             absent): dense Granite-4.0-H files are not read yet; run the safetensors checkpoint",
+            file.path.display()
+        )));
+    }
+    if file.opt_bool(&key("rope.scaling.finetuned"))? == Some(true) {
+        return Err(Error::Unsupported(format!(
+            "{}: `granitehybrid.rope.scaling.finetuned` true (rotary embeddings, whose q/k rows \
+             llama.cpp's converter permutes): only Granite-4.0-H's position-free attention is \
+             read from GGUF; run the safetensors checkpoint",
+            file.path.display()
+        )));
+    }
+    if config.n_groups > 1 {
+        return Err(file.key_error(
+            &key("ssm.group_count"),
+            format!(
+                "{} groups: Granite's Mamba layer normalizes over all of d_inner, which differs \
+                 from the grouped norm for more than one group",
+                config.n_groups
+            ),
+        ));
+    }
+    let blocks: Vec<BlockKind> = kv
+        .iter()
+        .flat_map(|&k| {
+            let mixer = if k == 0 {
+                BlockKind::Mamba2
+            } else {
+                BlockKind::Attention
+            };
+            [mixer, BlockKind::Moe]
+        })
+        .collect();
+    let attention = if blocks.contains(&BlockKind::Attention) {
+        let heads_key = key("attention.head_count");
+        let heads = file.usize(&heads_key)?;
+        let kv_heads = common(file, &kv_key, &kv)?;
+        if heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(file.key_error(
+                &heads_key,
+                format!("{heads} query heads do not share {kv_heads} key/value heads evenly"),
+            ));
+        }
+        let head_dim = match file.opt_usize(&key("attention.key_length"))? {
+            Some(h) => h,
+            None => config.d_model / heads,
+        };
+        let default = AttentionConfig::nemotron_h(heads, kv_heads, head_dim);
+        Some(AttentionConfig {
+            scale: file
+                .opt_f64(&key("attention.scale"))?
+                .unwrap_or(default.scale),
+            ..default
+        })
+    } else {
+        None
+    };
+    let gated = |intermediate| MlpConfig {
+        intermediate,
+        act: MlpAct::SiluGated,
+        bias: false,
+    };
+    let shared = file
+        .opt_usize(&key("expert_shared_feed_forward_length"))?
+        .unwrap_or(0);
+    let moe = MoeConfig {
+        experts,
+        top_k: file.usize(&key("expert_used_count"))?,
+        intermediate: file.usize(&key("feed_forward_length"))?,
+        act: MlpAct::SiluGated,
+        router: Router::SoftmaxTopK,
+        shared: (shared > 0).then(|| gated(shared)),
+        latent: None,
+    };
+    // A scale of 0 or none is no scaling (llama.cpp writes them only when non-zero).
+    let scale = |k: &str| -> Result<f64> {
+        Ok(match file.opt_f64(&key(k))? {
+            Some(v) if v != 0.0 => v,
+            _ => 1.0,
+        })
+    };
+    let scales = super::Scales {
+        embedding: scale("embedding_scale")?,
+        residual: scale("residual_scale")?,
+        logits: 1.0 / scale("logit_scale")?,
+    };
+    Ok(ModelConfig {
+        n_layer: blocks.len(),
+        blocks,
+        attention,
+        moe: Some(moe),
+        scales,
+        ..config
     })
 }

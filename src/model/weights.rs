@@ -240,6 +240,11 @@ impl ModelWeights {
             let slot = Slot::parse(&t.name).ok_or_else(|| {
                 Error::tensor(&t.name, "unexpected tensor: not part of a supported model")
             })?;
+            let slot = match (config.format, slot) {
+                (ModelFormat::GgufGranite, Slot::Layer(i, p)) => granite_gguf_block(i, p)
+                    .ok_or_else(|| Error::tensor(&t.name, "layer index out of range"))?,
+                _ => slot,
+            };
             if let Slot::Layer(i, _) = slot
                 && i >= config.n_layer
             {
@@ -272,6 +277,14 @@ impl ModelWeights {
             .keys()
             .filter_map(|s| match s {
                 Slot::Layer(i, Part::ExpertsUp | Part::ExpertsDown) => Some(*i),
+                _ => None,
+            })
+            .collect();
+        // The layers whose gates come apart from their ups (GGUF's `ffn_gate_{exps,shexp}`).
+        let split_gate: std::collections::BTreeSet<(usize, Part)> = slots
+            .keys()
+            .filter_map(|s| match s {
+                Slot::Layer(i, p @ (Part::ExpertsGate | Part::SharedGate)) => Some((*i, *p)),
                 _ => None,
             })
             .collect();
@@ -376,17 +389,29 @@ impl ModelWeights {
                     // each expert a view of its rows; else Nemotron-H's per-expert tensors.
                     let stacked = stacked_layers.contains(&i) || c.format == ModelFormat::Granite;
                     let experts = if stacked {
-                        let up = take(l(Part::ExpertsUp), &[vec![e, m.up_rows(), x]])?;
+                        // Gates apart (GGUF `ffn_gate_exps`, `[E, I, x]`) or stacked over
+                        // the ups (Granite's `[gate; up]` rows).
+                        let gates = if gated && split_gate.contains(&(i, Part::ExpertsGate)) {
+                            Some(take(l(Part::ExpertsGate), &[vec![e, n, x]])?)
+                        } else {
+                            None
+                        };
+                        let up_rows = if gates.is_some() { n } else { m.up_rows() };
+                        let up = take(l(Part::ExpertsUp), &[vec![e, up_rows, x]])?;
                         let down = take(l(Part::ExpertsDown), &[vec![e, x, n]])?;
                         (0..e)
                             .map(|j| {
                                 let tag = format!("[expert {j}]");
-                                let up_x = up.rows(j..j + 1, vec![m.up_rows(), x], &tag);
+                                let up_x = up.rows(j..j + 1, vec![up_rows, x], &tag);
                                 let down_x = down.rows(j..j + 1, vec![x, n], &tag);
-                                if gated {
-                                    MlpWeights::from_stacked(&up_x, down_x)
-                                } else {
-                                    MlpWeights::plain(up_x, None, down_x)
+                                match &gates {
+                                    Some(g) => MlpWeights::plain(
+                                        up_x,
+                                        Some(g.rows(j..j + 1, vec![n, x], &tag)),
+                                        down_x,
+                                    ),
+                                    None if gated => MlpWeights::from_stacked(&up_x, down_x),
+                                    None => MlpWeights::plain(up_x, None, down_x),
                                 }
                             })
                             .collect()
@@ -405,9 +430,17 @@ impl ModelWeights {
                         None => None,
                         Some(s) if s.act == MlpAct::SiluGated => {
                             let sn = s.intermediate;
-                            let up = take(l(Part::SharedUp), &[vec![2 * sn, d]])?;
-                            let down = take(l(Part::SharedDown), &[vec![d, sn]])?;
-                            Some(MlpWeights::from_stacked(&up, down))
+                            if split_gate.contains(&(i, Part::SharedGate)) {
+                                Some(MlpWeights::plain(
+                                    take(l(Part::SharedUp), &[vec![sn, d]])?,
+                                    Some(take(l(Part::SharedGate), &[vec![sn, d]])?),
+                                    take(l(Part::SharedDown), &[vec![d, sn]])?,
+                                ))
+                            } else {
+                                let up = take(l(Part::SharedUp), &[vec![2 * sn, d]])?;
+                                let down = take(l(Part::SharedDown), &[vec![d, sn]])?;
+                                Some(MlpWeights::from_stacked(&up, down))
+                            }
                         }
                         Some(s) => {
                             let sn = s.intermediate;
@@ -532,12 +565,18 @@ enum Part {
     /// Nemotron's per-expert `mixer.experts.N.{up,down}_proj.weight`.
     ExpertUp(usize),
     ExpertDown(usize),
-    /// Granite's stacked `block_sparse_moe.{input,output}_linear.weight`.
+    /// Granite's stacked `block_sparse_moe.{input,output}_linear.weight`; GGUF's
+    /// `ffn_{up,down}_exps` (and `ffn_gate_exps`, the gates apart from the ups).
     ExpertsUp,
     ExpertsDown,
+    ExpertsGate,
     /// Nemotron `mixer.shared_experts.{up,down}_proj`, Granite `shared_mlp.{input,output}_linear`.
     SharedUp,
     SharedDown,
+    /// GGUF's `ffn_gate_shexp` (Granite's shared MLP gate apart from its up).
+    SharedGate,
+    /// GGUF granitehybrid's `ffn_norm`: the pre-norm of a layer's feed-forward block.
+    FfnNorm,
     /// Nemotron's `mixer.fc1_latent_proj` / `mixer.fc2_latent_proj` (latent MoE).
     LatentIn,
     LatentOut,
@@ -621,9 +660,27 @@ impl Slot {
     /// The format's spelling, used when a tensor is missing and there is no name to quote.
     fn canonical_name(self, format: ModelFormat) -> String {
         let granite = format == ModelFormat::Granite;
+        if format == ModelFormat::GgufGranite
+            && let Slot::Layer(i, p) = self
+        {
+            // Block 2N + 1 is layer N's feed-forward, normed by `ffn_norm`.
+            let p = if p == Part::Norm && i % 2 == 1 {
+                Part::FfnNorm
+            } else {
+                p
+            };
+            let part = GGUF_PARTS
+                .iter()
+                .find(|(q, _)| *q == p || (p == Part::ALog && *q == Part::A))
+                .map_or("?", |(_, n)| n);
+            return format!("blk.{}.{part}", i / 2);
+        }
         if matches!(
             format,
-            ModelFormat::GgufMamba2 | ModelFormat::GgufNemotronH | ModelFormat::GgufNemotronHMoe
+            ModelFormat::GgufMamba2
+                | ModelFormat::GgufNemotronH
+                | ModelFormat::GgufNemotronHMoe
+                | ModelFormat::GgufGranite
         ) {
             return match self {
                 Slot::Embedding => "token_embd.weight".into(),
@@ -668,9 +725,10 @@ impl Slot {
     }
 }
 
-/// llama.cpp's `mamba2`, `nemotron_h` and `nemotron_h_moe` names after `blk.N.` (gguf-py's
-/// tensor map; an MoE layer's experts stacked `[E, rows, cols]`, expert-major).
-const GGUF_PARTS: [(Part, &str); 23] = [
+/// llama.cpp's `mamba2`, `nemotron_h`, `nemotron_h_moe` and `granitehybrid` names after
+/// `blk.N.` (gguf-py's tensor map; an MoE layer's experts stacked `[E, rows, cols]`,
+/// expert-major).
+const GGUF_PARTS: [(Part, &str); 26] = [
     (Part::Norm, "attn_norm.weight"),
     (Part::InProj, "ssm_in.weight"),
     (Part::ConvWeight, "ssm_conv1d.weight"),
@@ -694,7 +752,29 @@ const GGUF_PARTS: [(Part, &str); 23] = [
     (Part::SharedDown, "ffn_down_shexp.weight"),
     (Part::LatentIn, "ffn_latent_down.weight"),
     (Part::LatentOut, "ffn_latent_up.weight"),
+    (Part::ExpertsGate, "ffn_gate_exps.weight"),
+    (Part::SharedGate, "ffn_gate_shexp.weight"),
+    (Part::FfnNorm, "ffn_norm.weight"),
 ];
+
+/// A `granitehybrid` GGUF layer `i`'s part as this engine's block: 2i for the mixer, 2i + 1
+/// for the feed-forward (its `ffn_norm` that block's pre-norm).
+fn granite_gguf_block(i: usize, p: Part) -> Option<Slot> {
+    let ffn = matches!(
+        p,
+        Part::FfnNorm
+            | Part::Router
+            | Part::ExpertsUp
+            | Part::ExpertsGate
+            | Part::ExpertsDown
+            | Part::SharedUp
+            | Part::SharedGate
+            | Part::SharedDown
+    );
+    let block = i.checked_mul(2)?.checked_add(usize::from(ffn))?;
+    let p = if p == Part::FfnNorm { Part::Norm } else { p };
+    Some(Slot::Layer(block, p))
+}
 
 /// A GGUF tensor name's slot.
 fn gguf_slot(name: &str) -> Option<Slot> {
