@@ -263,9 +263,8 @@ fn nemotron_h_moe(file: &GgufFile, arch: &str, experts: usize, ff: usize) -> Res
     };
     let groups = |k: &str| -> Result<usize> { Ok(file.opt_usize(&key(k))?.unwrap_or(1).max(1)) };
     let scale = match file.opt_f64(&key("expert_weights_scale"))? {
-        None => 1.0,
-        Some(s) if s == 0.0 => 1.0,
-        Some(s) => s,
+        Some(s) if s != 0.0 => s,
+        _ => 1.0,
     };
     Ok(MoeConfig {
         experts,

@@ -16,7 +16,6 @@ use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, KvOut};
 use crate::gpu::kernels::kv_store::kv_store;
-use crate::gpu::kernels::rmsnorm;
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
 use crate::gpu::state_store::KvFormat;
@@ -85,7 +84,9 @@ pub fn decode(
     let (q_rows, kv_rows) = (d.q_len(), d.kv_len());
     // The folded pre-norm's workgroup size: the norm kernel's, for the K/V check and the
     // GEMV alike.
-    let norm_wg = pre_norm.map(|_| rmsnorm::norm_wg(k)).transpose()?;
+    let norm_wg = pre_norm
+        .map(|_| gemv::norm_wg_for(k, qkv, false))
+        .transpose()?;
     let fold = fused
         && b.lanes.cap == 1
         && ac.rope.is_none()

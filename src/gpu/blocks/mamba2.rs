@@ -15,7 +15,6 @@ use crate::gpu::kernels::gated_norm::{self, Batch, GatedNormBuffers};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, MixerConsts};
 use crate::gpu::kernels::prefill_conv::ConvBuffers;
-use crate::gpu::kernels::rmsnorm;
 use crate::gpu::kernels::ssd_chunk_scan::{ScanBuffers, ssd_chunk_scan};
 use crate::gpu::kernels::ssd_step::{self, SsdBuffers, SsdConsts};
 use crate::gpu::kernels::{
@@ -113,7 +112,7 @@ pub fn decode(
                     d: c.d_model,
                     eps,
                     nw_off,
-                    wg: rmsnorm::norm_wg(k)?,
+                    wg: gemv::norm_wg_for(k, l.in_proj, true)?,
                 },
                 &s.resid,
             ),

@@ -303,13 +303,14 @@ fn mlp_bias<'a>(
     })
 }
 
-/// The decode pre-norm's workgroup size for a block: `rmsnorm::norm_wg` where a one-token
-/// GEMV may fold the norm in (Mamba2's in_proj, attention's qkv; a batch's norm kernel must
-/// sum in the same order as the runs alone), the norm's default elsewhere (the MoE router
-/// folds its pre-norm with that size).
+/// The decode pre-norm's workgroup size for a block: `gemv::norm_wg_for` its one-token
+/// GEMV that may fold the norm in (Mamba2's in_proj, attention's qkv; a batch's norm kernel
+/// must sum in the same order as the runs alone), the norm's default elsewhere (the MoE
+/// router folds its pre-norm with that size).
 fn norm_wg(k: &Kernels, mixer: &DeviceMixer) -> Result<usize> {
     match mixer {
-        DeviceMixer::Mamba2 { .. } | DeviceMixer::Attention { .. } => rmsnorm::norm_wg(k),
+        DeviceMixer::Mamba2 { in_proj, .. } => gemv::norm_wg_for(k, in_proj, true),
+        DeviceMixer::Attention { qkv, .. } => gemv::norm_wg_for(k, qkv, false),
         _ => Ok(rmsnorm::CHUNK),
     }
 }

@@ -85,12 +85,14 @@ const TILES: [DecodeTile; 3] = [
 /// V loads each invocation issues before using them.
 const V_IN_FLIGHT: usize = 8;
 
-/// K loads each invocation issues before using them: the most of 16, 8, 4, 2, 1 (or of
-/// those up to `MAMBA2_ATTN_KU`) that divides the row's `loads` (16: a whole hd-128 row of
-/// f16; every measurement of the final kernel ran so, though run 65 had 8 faster at 32k,
-/// 0.436 against 0.500 ms: BENCHMARKS.md — the override is there to repeat that A/B).
-fn in_flight(loads: usize) -> usize {
-    let most = knob("MAMBA2_ATTN_KU", &[1, 2, 4, 8, 16]).unwrap_or(16);
+/// K loads each invocation issues before using them: the most of 16, 8, 4, 2, 1 that
+/// divides the row's `loads` (16: a whole hd-128 row of f16), at most 8 in a workgroup of 8
+/// query heads, or at most `MAMBA2_ATTN_KU`. Measured on the H200 (BENCHMARKS.md, runs 65
+/// and 166, ms/token at 32k tokens of context, 16 → 8): Nemotron 3 Nano (a kv head serves
+/// 16 query heads, 8 per workgroup) 2.122, 2.113 → 2.072, 2.067; Nemotron-H-8B (4 per
+/// workgroup) 3.298, 3.296 → 3.321, 3.323; Granite-4.0-H-Tiny and every 1k context unchanged.
+fn in_flight(loads: usize, rows: usize) -> usize {
+    let most = knob("MAMBA2_ATTN_KU", &[1, 2, 4, 8, 16]).unwrap_or(if rows >= 8 { 8 } else { 16 });
     [16, 8, 4, 2, 1]
         .into_iter()
         .find(|u| *u <= most && loads.is_multiple_of(*u))
@@ -197,7 +199,6 @@ pub fn attention_decode(
         flags.push("K16");
     }
     let k_loads = if k16 { hd / 8 } else { nch };
-    consts.push(("KU", u(in_flight(k_loads))));
     let nseg = decode_segments(&c);
     if nseg > 65535 {
         return Err(Error::Gpu(format!("{name}: {nseg} segments")));
@@ -222,6 +223,7 @@ pub fn attention_decode(
             ("KT", u(t.keys)),
             ("RG", u(WG / t.keys)),
             ("RPT", u(rows.div_ceil(WG / t.keys))),
+            ("KU", u(in_flight(k_loads, rows))),
         ]);
         let pipeline = k.pipeline("attention_decode", SOURCES, &consts, &flags, false)?;
         Ok(Dispatch {

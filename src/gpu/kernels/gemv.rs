@@ -659,18 +659,58 @@ pub const FOLD_READS: usize = 5 << 20;
 /// MAMBA2_NORM_FOLD says otherwise. `mixer`: the GEMV is a Mamba2 in_proj (its epilogue the
 /// mixer's, its team `gemv_team`'s for it), else an attention block's qkv projection.
 pub fn folds_norm(k: &Kernels, w: &DeviceMatrix, mixer: bool) -> Result<bool> {
-    let norm_wg = super::rmsnorm::norm_wg(k)?;
+    let norm_wg = norm_wg_for(k, w, mixer)?;
     let fits = w.format.reads_q8() && {
         let limit = k.ctx.device.limits().max_compute_workgroup_storage_size as usize;
         w.kp + w.kp / 8 + 4 * norm_wg <= limit
     };
-    let narrow = || {
-        let team = gemv_team(w, mixer).unwrap_or(WG) as usize;
-        let rows_per_wg = (norm_wg / team).max(1);
-        w.rows.div_ceil(rows_per_wg) * 8 * w.kp <= FOLD_READS
-    };
+    let narrow = || fold_reads(w, mixer, norm_wg) <= FOLD_READS;
     Ok(fits && norm_fold_override()?.unwrap_or_else(narrow))
 }
+
+/// The workgroups of a one-token GEMV of `w` folding the pre-norm with workgroups of
+/// `norm_wg` invocations (its rows in teams of `gemv_team`).
+fn fold_workgroups(w: &DeviceMatrix, mixer: bool, norm_wg: usize) -> usize {
+    let team = gemv_team(w, mixer).unwrap_or(WG) as usize;
+    w.rows.div_ceil((norm_wg / team).max(1))
+}
+
+/// The bytes of residual and norm weights the workgroups of a GEMV of `w` folding the
+/// pre-norm with workgroups of `norm_wg` read between them (`FOLD_READS`).
+fn fold_reads(w: &DeviceMatrix, mixer: bool, norm_wg: usize) -> usize {
+    fold_workgroups(w, mixer, norm_wg) * 8 * w.kp
+}
+
+/// The pre-norm's workgroup of a block whose one-token GEMV of `w` (Mamba2 in_proj with
+/// `mixer`, else attention qkv) may fold it in: MAMBA2_NORM_WG; else `FOLDED_NORM_WG` where
+/// the fold's reads with `rmsnorm::CHUNK` stay under `FOLD_READS` (the norm folds either
+/// way) and the larger workgroups still number `FOLDED_NORM_MIN_WGS`; else
+/// `rmsnorm::CHUNK`. Never more than the device allows. The norm kernel of a batch and the
+/// fold of a run alone take the same size (their sums must be the same bits).
+pub fn norm_wg_for(k: &Kernels, w: &DeviceMatrix, mixer: bool) -> Result<usize> {
+    let chunk = super::rmsnorm::CHUNK;
+    let wg = match super::rmsnorm::norm_wg_override()? {
+        Some(wg) => wg,
+        None if fold_reads(w, mixer, chunk) <= FOLD_READS
+            && fold_workgroups(w, mixer, FOLDED_NORM_WG) >= FOLDED_NORM_MIN_WGS =>
+        {
+            FOLDED_NORM_WG
+        }
+        None => chunk,
+    };
+    Ok(wg.min(k.max_workgroup() as usize))
+}
+
+/// The pre-norm workgroup of the blocks whose GEMV folds it in (`norm_wg_for`): fewer,
+/// larger workgroups each reading the residual. Measured on the H200 (BENCHMARKS.md runs
+/// 165–168, q8_0 ms/token, 256 → 512 → 1024 invocations): mamba2-370m (in_proj 4384 rows, 274
+/// workgroups of 512) 0.832 → 0.788 → 0.802; mamba2-130m (3352 rows, 210 workgroups of 512)
+/// 0.387 → 0.397 → 0.390 (`FOLDED_NORM_MIN_WGS` keeps it at 256).
+pub const FOLDED_NORM_WG: usize = 512;
+
+/// The fewest workgroups a folding GEMV keeps with `FOLDED_NORM_WG` (a fit to the two
+/// measured models above, which fold either way: 274 gained, 210 lost).
+pub const FOLDED_NORM_MIN_WGS: usize = 256;
 
 /// The GEMVs' tuning overrides (MAMBA2_GEMV_UNROLL, MAMBA2_GEMV_WG, MAMBA2_GEMV_TEAM,
 /// MAMBA2_BATCH_STAGE, MAMBA2_NORM_FOLD), checked before a device is made.

@@ -8,20 +8,8 @@ use crate::gpu::shader::Const;
 
 /// Elements each workgroup writes (one per invocation; whole q8 blocks) in the gated and
 /// MLP-activation norms, the prefill and final RMS norms, and the decode pre-norms of the
-/// blocks other than Mamba2 and attention (`norm_wg` for those).
+/// blocks other than Mamba2 and attention (`gemv::norm_wg_for` for those).
 pub const CHUNK: usize = 256;
-
-/// Invocations per workgroup of the Mamba2 and attention blocks' decode pre-norms, and so
-/// of the one-token GEMVs that fold those into their prologue (in_proj, qkv:
-/// `GemvInput::Norm`), whose sums must be the norm kernel's bits (a batch's lanes take the
-/// kernel, their runs alone the fold): MAMBA2_NORM_WG=256|512|1024 (for tuning), else
-/// CHUNK; never more than the device allows. Larger workgroups make fewer folding ones,
-/// each reading the whole residual (`gemv::folds_norm`).
-pub fn norm_wg(k: &Kernels) -> Result<usize> {
-    Ok(norm_wg_override()?
-        .unwrap_or(CHUNK)
-        .min(k.max_workgroup() as usize))
-}
 
 /// A norm's workgroup size: a power of two of 32 (a q8 block) up to the device's limit.
 pub(super) fn check_wg(k: &Kernels, name: &str, wg: usize) -> Result<()> {
