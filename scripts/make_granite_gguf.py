@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import gguf
 
-from make_gguf_fixtures import MAMBA_NAMES, byte_tokens, mamba_layout, read_safetensors
-from make_nemotron_h_gguf import permute
+from make_gguf_fixtures import MAMBA_NAMES, mamba_layout, read_safetensors
+from make_nemotron_h_gguf import add_byte_vocab, permute
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "granite_moe_hybrid"
 
@@ -52,7 +52,6 @@ def write(out, cfg, tensors):
     d_inner = cfg["mamba_expand"] * d
     I, S = cfg["intermediate_size"], cfg["shared_intermediate_size"]
     vocab = tensors["model.embed_tokens.weight"].shape[0]
-    padded = -(vocab // -8) * 8
     w = gguf.GGUFWriter(str(out), "granitehybrid")
     w.add_name(out.stem)
     w.add_block_count(n)
@@ -77,14 +76,7 @@ def write(out, cfg, tensors):
     w.add_ssm_time_step_rank(H)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    tokens = byte_tokens(vocab - 1) + ['!"'] + [f"[PAD{i}]" for i in range(padded - vocab)]
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * vocab + [gguf.TokenType.UNUSED] * (padded - vocab))
-    w.add_token_merges(['! "'])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
+    add_byte_vocab(w, vocab)
     mamba = {f"mamba.{k.removeprefix('mixer.')}": v for k, v in MAMBA_NAMES.items()
              if k.startswith("mixer.")}
     names = {

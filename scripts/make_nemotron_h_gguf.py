@@ -68,6 +68,20 @@ def permute(w, n_head):
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def add_byte_vocab(w, vocab):
+    """A byte-level `gpt2` vocabulary of `vocab` tokens (one per byte character but the
+    last, `!"` with its one merge), padded to a multiple of 8 with `[PAD{i}]` tokens."""
+    padded = -(vocab // -8) * 8
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    tokens = byte_tokens(vocab - 1) + ['!"'] + [f"[PAD{i}]" for i in range(padded - vocab)]
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab + [gguf.TokenType.UNUSED] * (padded - vocab))
+    w.add_token_merges(['! "'])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+
+
 def stack_experts(tensors):
     """Each layer's `mixer.experts.E.{up,down}_proj.weight` as one `blk.N.ffn_{up,down}_exps`
     `[E, rows, cols]` (expert order 0…E-1, as the converter's torch.stack(dim=0)), in the
@@ -96,7 +110,6 @@ def write(out, cfg, tensors, q8):
     H, P, G = cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["n_groups"]
     d_inner = H * P
     vocab = tensors["backbone.embeddings.weight"].shape[0]
-    padded = -(vocab // -8) * 8
     moe = "moe" in kinds
     w = gguf.GGUFWriter(str(out), "nemotron_h_moe" if moe else "nemotron_h")
     w.add_name(out.stem)
@@ -130,14 +143,7 @@ def write(out, cfg, tensors, q8):
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    tokens = byte_tokens(vocab - 1) + ['!"'] + [f"[PAD{i}]" for i in range(padded - vocab)]
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * vocab + [gguf.TokenType.UNUSED] * (padded - vocab))
-    w.add_token_merges(['! "'])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
+    add_byte_vocab(w, vocab)
     w.add_add_bos_token(True)
     names = {
         **MAMBA_NAMES,

@@ -329,12 +329,6 @@ fn f32_gguf_in_every_gpu_format() {
         };
         let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
         let got = b.prefill_logits(&p).unwrap();
-        let worst = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-            a.iter()
-                .zip(b)
-                .map(|(g, w)| max_abs(g, w))
-                .fold(0f32, f32::max)
-        };
         let (e, moved) = (worst(&got, &want), worst(&want, &exact));
         eprintln!(
             "{file} as {format:?}: max |Δlogit| {e:e} vs its rounded weights ({moved:.3} from f32) of range {range:.1}"
@@ -688,22 +682,10 @@ fn nemotron_h_gguf_matches_the_hf_oracle() {
             .map(|(g, w)| max_abs(g, w))
             .fold(0f32, f32::max);
         assert!(e <= tol, "{file}: CPU max |Δlogit| vs its oracle {e:e}");
-        let Some(ctx) = common::gpu(&Engine::needs(c, WeightFormat::F32)) else {
+        let Some(mut b) = f32_gpu(&model) else {
             return;
         };
-        let opts = EngineOptions {
-            format: WeightFormat::F32,
-            context: Some(64),
-            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
-            ..Default::default()
-        };
-        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
-        let gpu = b.prefill_logits(&prompt).unwrap();
-        let e = gpu
-            .iter()
-            .zip(&got)
-            .map(|(g, w)| max_abs(g, w))
-            .fold(0f32, f32::max);
+        let e = worst(&b.prefill_logits(&prompt).unwrap(), &got);
         assert!(e <= 1e-3, "{file}: GPU vs CPU max |Δlogit| {e:e}");
     }
     // Unknown architectures are refused by name.
@@ -717,6 +699,26 @@ fn nemotron_h_gguf_matches_the_hf_oracle() {
         err.contains("nemotron_x") || err.contains("general.architecture"),
         "{err}"
     );
+}
+
+/// The largest |Δ| between two runs' logits.
+fn worst(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| max_abs(g, w))
+        .fold(0f32, f32::max)
+}
+
+/// A GPU backend running `model` in f32 with f32 KV caches (`None` without a GPU).
+fn f32_gpu(model: &Model) -> Option<GpuBackend> {
+    let ctx = common::gpu(&Engine::needs(&model.config, WeightFormat::F32))?;
+    let opts = EngineOptions {
+        format: WeightFormat::F32,
+        context: Some(64),
+        kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+        ..Default::default()
+    };
+    Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
 }
 
 /// The greedy ids of a safetensors fixture's HF oracle.
@@ -776,29 +778,12 @@ fn moe_ggufs_match_the_hf_oracle() {
         );
         assert_eq!(c.mlp, st.config.mlp, "{file}");
         assert_eq!(c.moe, st.config.moe, "{file}");
-        let got = cpu_logits(&model, &prompt);
-        let e = got
-            .iter()
-            .zip(want.iter())
-            .map(|(g, w)| max_abs(g, w))
-            .fold(0f32, f32::max);
+        let e = worst(&cpu_logits(&model, &prompt), &want);
         assert!(e <= 1e-4, "{file}: CPU max |Δlogit| vs HF {e:e}");
-        let Some(ctx) = common::gpu(&Engine::needs(c, WeightFormat::F32)) else {
+        let Some(mut b) = f32_gpu(&model) else {
             continue;
         };
-        let opts = EngineOptions {
-            format: WeightFormat::F32,
-            context: Some(64),
-            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
-            ..Default::default()
-        };
-        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
-        let gpu = b.prefill_logits(&prompt).unwrap();
-        let e = gpu
-            .iter()
-            .zip(&want)
-            .map(|(g, w)| max_abs(g, w))
-            .fold(0f32, f32::max);
+        let e = worst(&b.prefill_logits(&prompt).unwrap(), &want);
         assert!(e <= 1e-4, "{file}: GPU max |Δlogit| vs HF {e:e}");
         b.reset().unwrap();
         let mut s = Session::new(Box::new(b));
@@ -943,13 +928,7 @@ fn q8_0_nemotron_h_moe_gguf_runs_as_stored() {
     };
     let want = cpu_logits(&common::rounded(&f32_model, q8), &prompt);
     let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = |got: &[Vec<f32>]| {
-        got.iter()
-            .zip(&want)
-            .map(|(g, w)| max_abs(g, w))
-            .fold(0f32, f32::max)
-    };
-    let e = worst(&cpu_logits(&model, &prompt));
+    let e = worst(&cpu_logits(&model, &prompt), &want);
     assert!(
         e <= 1e-5 * range,
         "CPU: max |Δlogit| {e:e} of range {range}"
@@ -971,7 +950,7 @@ fn q8_0_nemotron_h_moe_gguf_runs_as_stored() {
             ..Default::default()
         };
         let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
-        let e = worst(&b.prefill_logits(&prompt).unwrap());
+        let e = worst(&b.prefill_logits(&prompt).unwrap(), &want);
         eprintln!("moe64.q8_0.gguf ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
         assert!(
             e <= rel * range + floor,
