@@ -845,6 +845,30 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
         ),
         (
             granite,
+            "no rotary switch (llama.cpp: rotary embeddings on)",
+            Box::new(|b| {
+                rename(
+                    b,
+                    "granitehybrid.rope.scaling.finetuned",
+                    "granitehybrid.rope.scaling.finetunex",
+                )
+            }),
+            "granitehybrid.rope.scaling.finetuned",
+        ),
+        (
+            moe,
+            "expert groups without a used-group count",
+            Box::new(|b| {
+                rename(
+                    b,
+                    "nemotron_h_moe.expert_group_used_count",
+                    "nemotron_h_moe.expert_group_used_counx",
+                )
+            }),
+            "nemotron_h_moe.expert_group_used_count",
+        ),
+        (
+            granite,
             "a missing expert gate",
             Box::new(|b| rename(b, "blk.2.ffn_gate_exps", "blk.2.ffn_gate_expz")),
             "blk.2.ffn_gate_expz",

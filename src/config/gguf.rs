@@ -262,6 +262,14 @@ fn nemotron_h_moe(file: &GgufFile, arch: &str, experts: usize, ff: usize) -> Res
         }),
     };
     let groups = |k: &str| -> Result<usize> { Ok(file.opt_usize(&key(k))?.unwrap_or(1).max(1)) };
+    // (llama.cpp's converter writes no used-group count: with groups, routing within one
+    // group would differ from the checkpoint's `topk_group`.)
+    if groups("expert_group_count")? > 1 && file.get(&key("expert_group_used_count")).is_none() {
+        return Err(file.key_error(
+            &key("expert_group_used_count"),
+            "missing: the file has expert groups but does not say how many a token may use",
+        ));
+    }
     let scale = match file.opt_f64(&key("expert_weights_scale"))? {
         Some(s) if s != 0.0 => s,
         _ => 1.0,
@@ -304,9 +312,10 @@ fn granite_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
             file.path.display()
         )));
     }
-    if file.opt_bool(&key("rope.scaling.finetuned"))? == Some(true) {
+    // llama.cpp reads this key as the switch for rotary embeddings, on when absent.
+    if file.opt_bool(&key("rope.scaling.finetuned"))? != Some(false) {
         return Err(Error::Unsupported(format!(
-            "{}: `granitehybrid.rope.scaling.finetuned` true (rotary embeddings, whose q/k rows \
+            "{}: `granitehybrid.rope.scaling.finetuned` true or absent (rotary embeddings, whose q/k rows \
              llama.cpp's converter permutes): only Granite-4.0-H's position-free attention is \
              read from GGUF; run the safetensors checkpoint",
             file.path.display()

@@ -387,11 +387,22 @@ impl ModelWeights {
                     let gated = m.act == MlpAct::SiluGated;
                     // Stacked `[E, rows, cols]` (Granite's `input_linear`, GGUF's `*_exps`),
                     // each expert a view of its rows; else Nemotron-H's per-expert tensors.
-                    let stacked = stacked_layers.contains(&i) || c.format == ModelFormat::Granite;
+                    // (GGUF files always stack them: a missing stack is named as such.)
+                    let stacked = stacked_layers.contains(&i)
+                        || matches!(
+                            c.format,
+                            ModelFormat::Granite
+                                | ModelFormat::GgufNemotronHMoe
+                                | ModelFormat::GgufGranite
+                        );
+                    // GGUF Granite keeps every gate apart from its up.
+                    let gguf_granite = c.format == ModelFormat::GgufGranite;
                     let experts = if stacked {
                         // Gates apart (GGUF `ffn_gate_exps`, `[E, I, x]`) or stacked over
                         // the ups (Granite's `[gate; up]` rows).
-                        let gates = if gated && split_gate.contains(&(i, Part::ExpertsGate)) {
+                        let gates = if gated
+                            && (gguf_granite || split_gate.contains(&(i, Part::ExpertsGate)))
+                        {
                             Some(take(l(Part::ExpertsGate), &[vec![e, n, x]])?)
                         } else {
                             None
@@ -430,7 +441,7 @@ impl ModelWeights {
                         None => None,
                         Some(s) if s.act == MlpAct::SiluGated => {
                             let sn = s.intermediate;
-                            if split_gate.contains(&(i, Part::SharedGate)) {
+                            if gguf_granite || split_gate.contains(&(i, Part::SharedGate)) {
                                 Some(MlpWeights::plain(
                                     take(l(Part::SharedUp), &[vec![sn, d]])?,
                                     Some(take(l(Part::SharedGate), &[vec![sn, d]])?),
