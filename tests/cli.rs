@@ -17,17 +17,6 @@ fn mamba2(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-fn oracle_ids(name: &str, tensor: &str) -> Vec<u32> {
-    let bytes = std::fs::read(common::fixture(name).join("oracle.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensor(tensor)
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect()
-}
-
 fn join(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
@@ -49,8 +38,8 @@ fn generate_prompt_ids_on_every_device() {
 fn generate_fixture_greedy(name: &str) {
     let dir = common::fixture(name);
     let (prompt, greedy) = (
-        oracle_ids(name, "prompt_ids"),
-        oracle_ids(name, "greedy_ids"),
+        common::oracle_ids(name, "prompt_ids"),
+        common::oracle_ids(name, "greedy_ids"),
     );
     let mut devices = vec!["cpu"];
     if common::gpu(&Default::default()).is_some() {

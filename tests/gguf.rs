@@ -609,14 +609,9 @@ fn broken_gguf_files_are_refused_with_clear_errors() {
 
 /// The prompt and prompt logits of a safetensors fixture's HF oracle.
 fn hf_oracle(fixture: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let prompt = common::oracle_ids(fixture, "prompt_ids");
     let bytes = std::fs::read(common::fixture(fixture).join("oracle.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let ids = st.tensor("prompt_ids").unwrap();
-    let prompt: Vec<u32> = ids
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect();
     let l = st.tensor("prompt_logits").unwrap();
     let v = l.shape()[1];
     let logits: Vec<f32> = l
@@ -721,18 +716,6 @@ fn f32_gpu(model: &Model) -> Option<GpuBackend> {
     Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
 }
 
-/// The greedy ids of a safetensors fixture's HF oracle.
-fn hf_greedy(fixture: &str) -> Vec<u32> {
-    let bytes = std::fs::read(common::fixture(fixture).join("oracle.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensor("greedy_ids")
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect()
-}
-
 /// llama.cpp's `nemotron_h_moe` layout (scripts/make_nemotron_h_gguf.py, from the
 /// nemotron_h_moe and nemotron_h_latent fixtures: routing from the `expert_*` keys, the
 /// experts stacked per layer, the router's correction bias as `exp_probs_b`, the latent
@@ -743,7 +726,6 @@ fn hf_greedy(fixture: &str) -> Vec<u32> {
 /// token through the decode graph, on the GPU, whose 24 greedy ids are HF's.
 #[test]
 fn moe_ggufs_match_the_hf_oracle() {
-    use mamba2_wgpu::session::{GenerateOptions, Session};
     for (fixture, arch) in [
         ("nemotron_h_moe", "nemotron_h_moe"),
         ("nemotron_h_latent", "nemotron_h_moe"),
@@ -785,14 +767,12 @@ fn moe_ggufs_match_the_hf_oracle() {
         };
         let e = worst(&b.prefill_logits(&prompt).unwrap(), &want);
         assert!(e <= 1e-4, "{file}: GPU max |Δlogit| vs HF {e:e}");
-        b.reset().unwrap();
-        let mut s = Session::new(Box::new(b));
-        let opts = GenerateOptions {
-            max_new_tokens: 24,
-            ..Default::default()
-        };
-        let (ids, _) = s.generate(&prompt, &opts, |_| true).unwrap();
-        assert_eq!(ids, hf_greedy(fixture), "{file}: greedy ids");
+        let ids = common::session_greedy(Box::new(b), &prompt, 24);
+        assert_eq!(
+            ids,
+            common::oracle_ids(fixture, "greedy_ids"),
+            "{file}: greedy ids"
+        );
     }
 }
 

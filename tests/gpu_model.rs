@@ -166,13 +166,7 @@ mod fixtures_on_gpu {
                 assert!(e <= 1e-10, "{name}: fused vs unfused NMSE {e:e}");
             }
             // 24 greedy tokens through the session, device-side argmax and token ring.
-            b.reset().unwrap();
-            let mut s = Session::new(Box::new(b));
-            let opts = GenerateOptions {
-                max_new_tokens: 24,
-                ..Default::default()
-            };
-            let (ids, _) = s.generate(&prompt, &opts, |_| true).unwrap();
+            let ids = common::session_greedy(Box::new(b), &prompt, 24);
             assert_eq!(ids, greedy, "{name} fused={fused}: greedy ids");
         }
     }

@@ -142,6 +142,51 @@ fn common(file: &GgufFile, key: &str, values: &[usize]) -> Result<usize> {
     Ok(found)
 }
 
+/// The attention layers' shape of a hybrid `arch` whose per-layer kv head counts are `kv`:
+/// `attention.head_count` query heads sharing the one non-zero kv count evenly, heads of
+/// `attention.key_length` (else d_model / heads) that `attention.value_length` must repeat,
+/// no positional encoding and scale 1/√head_dim (llama.cpp's graph without
+/// `attention.scale`).
+fn attention_shape(
+    file: &GgufFile,
+    arch: &str,
+    kv: &[usize],
+    d_model: usize,
+) -> Result<AttentionConfig> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let heads_key = key("attention.head_count");
+    let heads = file.usize(&heads_key)?;
+    let kv_heads = common(file, &key("attention.head_count_kv"), kv)?;
+    if heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(file.key_error(
+            &heads_key,
+            format!("{heads} query heads do not share {kv_heads} key/value heads evenly"),
+        ));
+    }
+    let head_dim = match file.opt_usize(&key("attention.key_length"))? {
+        Some(h) => h,
+        None => d_model / heads,
+    };
+    if let Some(v) = file.opt_usize(&key("attention.value_length"))?
+        && v != head_dim
+    {
+        return Err(file.key_error(
+            &key("attention.value_length"),
+            format!("{v} differs from the key length {head_dim}"),
+        ));
+    }
+    Ok(AttentionConfig::nemotron_h(heads, kv_heads, head_dim))
+}
+
+/// A multiplier key: its value, or 1 when absent or 0 (llama.cpp writes the Granite scales
+/// only when non-zero, and its graph skips an expert weights scale of 0).
+fn scale_or_one(file: &GgufFile, key: &str) -> Result<f64> {
+    Ok(match file.opt_f64(key)? {
+        Some(v) if v != 0.0 => v,
+        _ => 1.0,
+    })
+}
+
 /// Nemotron-H's blocks, attention and MLP shapes (see the module doc). llama.cpp's graph
 /// runs attention without positional encoding, with scale 1/√head_dim, and MLPs as
 /// `down(relu(up(x))²)`; its SSM scan clamps nothing, so neither does this config.
@@ -185,29 +230,7 @@ fn nemotron_h_layers(file: &GgufFile, arch: &str, config: ModelConfig) -> Result
         None
     };
     let attention = if blocks.contains(&BlockKind::Attention) {
-        let heads_key = key("attention.head_count");
-        let heads_key = heads_key.as_str();
-        let heads = file.usize(heads_key)?;
-        let kv_heads = common(file, &kv_key, &kv)?;
-        if heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(file.key_error(
-                heads_key,
-                format!("{heads} query heads do not share {kv_heads} key/value heads evenly"),
-            ));
-        }
-        let head_dim = match file.opt_usize(&key("attention.key_length"))? {
-            Some(h) => h,
-            None => config.d_model / heads,
-        };
-        if let Some(v) = file.opt_usize(&key("attention.value_length"))?
-            && v != head_dim
-        {
-            return Err(file.key_error(
-                &key("attention.value_length"),
-                format!("{v} differs from the key length {head_dim}"),
-            ));
-        }
-        Some(AttentionConfig::nemotron_h(heads, kv_heads, head_dim))
+        Some(attention_shape(file, arch, &kv, config.d_model)?)
     } else {
         None
     };
@@ -262,28 +285,25 @@ fn nemotron_h_moe(file: &GgufFile, arch: &str, experts: usize, ff: usize) -> Res
         }),
     };
     let groups = |k: &str| -> Result<usize> { Ok(file.opt_usize(&key(k))?.unwrap_or(1).max(1)) };
+    let n_group = groups("expert_group_count")?;
     // (llama.cpp's converter writes no used-group count: with groups, routing within one
     // group would differ from the checkpoint's `topk_group`.)
-    if groups("expert_group_count")? > 1 && file.get(&key("expert_group_used_count")).is_none() {
+    if n_group > 1 && file.get(&key("expert_group_used_count")).is_none() {
         return Err(file.key_error(
             &key("expert_group_used_count"),
             "missing: the file has expert groups but does not say how many a token may use",
         ));
     }
-    let scale = match file.opt_f64(&key("expert_weights_scale"))? {
-        Some(s) if s != 0.0 => s,
-        _ => 1.0,
-    };
     Ok(MoeConfig {
         experts,
         top_k: file.usize(&key("expert_used_count"))?,
         intermediate,
         act: MlpAct::Relu2,
         router: Router::Grouped {
-            n_group: groups("expert_group_count")?,
+            n_group,
             topk_group: groups("expert_group_used_count")?,
             norm_topk_prob: file.opt_bool(&key("expert_weights_norm"))?.unwrap_or(false),
-            routed_scaling_factor: scale,
+            routed_scaling_factor: scale_or_one(file, &key("expert_weights_scale"))?,
         },
         shared,
         latent: file.opt_usize(&key("moe_latent_size"))?,
@@ -343,25 +363,12 @@ fn granite_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
         })
         .collect();
     let attention = if blocks.contains(&BlockKind::Attention) {
-        let heads_key = key("attention.head_count");
-        let heads = file.usize(&heads_key)?;
-        let kv_heads = common(file, &kv_key, &kv)?;
-        if heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(file.key_error(
-                &heads_key,
-                format!("{heads} query heads do not share {kv_heads} key/value heads evenly"),
-            ));
-        }
-        let head_dim = match file.opt_usize(&key("attention.key_length"))? {
-            Some(h) => h,
-            None => config.d_model / heads,
-        };
-        let default = AttentionConfig::nemotron_h(heads, kv_heads, head_dim);
+        let shape = attention_shape(file, "granitehybrid", &kv, config.d_model)?;
         Some(AttentionConfig {
             scale: file
                 .opt_f64(&key("attention.scale"))?
-                .unwrap_or(default.scale),
-            ..default
+                .unwrap_or(shape.scale),
+            ..shape
         })
     } else {
         None
@@ -383,13 +390,7 @@ fn granite_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
         shared: (shared > 0).then(|| gated(shared)),
         latent: None,
     };
-    // A scale of 0 or none is no scaling (llama.cpp writes them only when non-zero).
-    let scale = |k: &str| -> Result<f64> {
-        Ok(match file.opt_f64(&key(k))? {
-            Some(v) if v != 0.0 => v,
-            _ => 1.0,
-        })
-    };
+    let scale = |k: &str| scale_or_one(file, &key(k));
     let scales = super::Scales {
         embedding: scale("embedding_scale")?,
         residual: scale("residual_scale")?,

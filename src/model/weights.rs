@@ -280,14 +280,6 @@ impl ModelWeights {
                 _ => None,
             })
             .collect();
-        // The layers whose gates come apart from their ups (GGUF's `ffn_gate_{exps,shexp}`).
-        let split_gate: std::collections::BTreeSet<(usize, Part)> = slots
-            .keys()
-            .filter_map(|s| match s {
-                Slot::Layer(i, p @ (Part::ExpertsGate | Part::SharedGate)) => Some((*i, *p)),
-                _ => None,
-            })
-            .collect();
         let mut take = |slot: Slot, shapes: &[Vec<usize>]| -> Result<Tensor> {
             let t = slots.remove(&slot).ok_or_else(|| {
                 Error::tensor(slot.canonical_name(format), "missing from the checkpoint")
@@ -395,14 +387,12 @@ impl ModelWeights {
                                 | ModelFormat::GgufNemotronHMoe
                                 | ModelFormat::GgufGranite
                         );
-                    // GGUF Granite keeps every gate apart from its up.
+                    // GGUF Granite keeps every gate apart from its up (`ffn_gate_{exps,shexp}`).
                     let gguf_granite = c.format == ModelFormat::GgufGranite;
                     let experts = if stacked {
                         // Gates apart (GGUF `ffn_gate_exps`, `[E, I, x]`) or stacked over
                         // the ups (Granite's `[gate; up]` rows).
-                        let gates = if gated
-                            && (gguf_granite || split_gate.contains(&(i, Part::ExpertsGate)))
-                        {
+                        let gates = if gated && gguf_granite {
                             Some(take(l(Part::ExpertsGate), &[vec![e, n, x]])?)
                         } else {
                             None
@@ -441,7 +431,7 @@ impl ModelWeights {
                         None => None,
                         Some(s) if s.act == MlpAct::SiluGated => {
                             let sn = s.intermediate;
-                            if gguf_granite || split_gate.contains(&(i, Part::SharedGate)) {
+                            if gguf_granite {
                                 Some(MlpWeights::plain(
                                     take(l(Part::SharedUp), &[vec![sn, d]])?,
                                     Some(take(l(Part::SharedGate), &[vec![sn, d]])?),
@@ -671,21 +661,6 @@ impl Slot {
     /// The format's spelling, used when a tensor is missing and there is no name to quote.
     fn canonical_name(self, format: ModelFormat) -> String {
         let granite = format == ModelFormat::Granite;
-        if format == ModelFormat::GgufGranite
-            && let Slot::Layer(i, p) = self
-        {
-            // Block 2N + 1 is layer N's feed-forward, normed by `ffn_norm`.
-            let p = if p == Part::Norm && i % 2 == 1 {
-                Part::FfnNorm
-            } else {
-                p
-            };
-            let part = GGUF_PARTS
-                .iter()
-                .find(|(q, _)| *q == p || (p == Part::ALog && *q == Part::A))
-                .map_or("?", |(_, n)| n);
-            return format!("blk.{}.{part}", i / 2);
-        }
         if matches!(
             format,
             ModelFormat::GgufMamba2
@@ -697,13 +672,13 @@ impl Slot {
                 Slot::Embedding => "token_embd.weight".into(),
                 Slot::FinalNorm => "output_norm.weight".into(),
                 Slot::LmHead => "output.weight".into(),
-                Slot::Layer(i, p) => {
-                    let part = GGUF_PARTS
-                        .iter()
-                        .find(|(q, _)| *q == p || (p == Part::ALog && *q == Part::A))
-                        .map_or("?", |(_, n)| n);
-                    format!("blk.{i}.{part}")
+                // granitehybrid's layer N is blocks 2N and 2N + 1, the latter normed by
+                // `ffn_norm`.
+                Slot::Layer(i, p) if format == ModelFormat::GgufGranite => {
+                    let ffn_norm = p == Part::Norm && i % 2 == 1;
+                    gguf_name(i / 2, if ffn_norm { Part::FfnNorm } else { p })
                 }
+                Slot::Layer(i, p) => gguf_name(i, p),
             };
         }
         match self {
@@ -767,6 +742,15 @@ const GGUF_PARTS: [(Part, &str); 26] = [
     (Part::SharedGate, "ffn_gate_shexp.weight"),
     (Part::FfnNorm, "ffn_norm.weight"),
 ];
+
+/// The GGUF name of layer `i`'s part (`?` for a part GGUF files do not have).
+fn gguf_name(i: usize, p: Part) -> String {
+    let part = GGUF_PARTS
+        .iter()
+        .find(|(q, _)| *q == p || (p == Part::ALog && *q == Part::A))
+        .map_or("?", |(_, n)| n);
+    format!("blk.{i}.{part}")
+}
 
 /// A `granitehybrid` GGUF layer `i`'s part as this engine's block: 2i for the mixer, 2i + 1
 /// for the feed-forward (its `ffn_norm` that block's pre-norm).

@@ -8,6 +8,34 @@ use mamba2_wgpu::gpu::context::{DeviceChoice, GpuContext, Needs, pick_adapter};
 use mamba2_wgpu::model::Model;
 use mamba2_wgpu::model::quant::WeightFormat;
 
+/// The token ids `tensor` (`prompt_ids`, `greedy_ids`) of a fixture's HF oracle
+/// (`oracle.safetensors`, i64).
+pub fn oracle_ids(fixture: &str, tensor: &str) -> Vec<u32> {
+    let bytes = std::fs::read(self::fixture(fixture).join("oracle.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensor(tensor)
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+/// `n` greedy tokens after `prompt` through a `Session` over `backend` (reset first).
+pub fn session_greedy(
+    mut backend: Box<dyn mamba2_wgpu::Backend>,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<u32> {
+    backend.reset().unwrap();
+    let mut s = mamba2_wgpu::Session::new(backend);
+    let opts = mamba2_wgpu::GenerateOptions {
+        max_new_tokens: n,
+        ..Default::default()
+    };
+    s.generate(prompt, &opts, |_| true).unwrap().0
+}
+
 /// A device on the best adapter, software ones included (lavapipe in CI: `Auto` would pass
 /// it over). Without one the test is skipped with a loud message, unless
 /// MAMBA2_REQUIRE_GPU is set (CI), where it fails.

@@ -683,10 +683,11 @@ fn fold_reads(w: &DeviceMatrix, mixer: bool, norm_wg: usize) -> usize {
 
 /// The pre-norm's workgroup of a block whose one-token GEMV of `w` (Mamba2 in_proj with
 /// `mixer`, else attention qkv) may fold it in: MAMBA2_NORM_WG; else, for quantized
-/// matrices (the only ones that fold), `FOLDED_NORM_WG` where the fold's reads with `rmsnorm::CHUNK` stay under `FOLD_READS` (the norm folds either
-/// way) and the larger workgroups still number `FOLDED_NORM_MIN_WGS`; else
-/// `rmsnorm::CHUNK`. Never more than the device allows. The norm kernel of a batch and the
-/// fold of a run alone take the same size (their sums must be the same bits).
+/// matrices (the only ones that fold), `FOLDED_NORM_WG` where the fold's reads with
+/// `rmsnorm::CHUNK` stay under `FOLD_READS` (the norm folds either way) and the larger
+/// workgroups still number `FOLDED_NORM_MIN_WGS`; else `rmsnorm::CHUNK`. Never more than
+/// the device allows. The norm kernel of a batch and the fold of a run alone take the same
+/// size (their sums must be the same bits).
 pub fn norm_wg_for(k: &Kernels, w: &DeviceMatrix, mixer: bool) -> Result<usize> {
     let chunk = super::rmsnorm::CHUNK;
     let wg = match super::rmsnorm::norm_wg_override()? {
