@@ -46,7 +46,9 @@ Made: `nemotron_h_moe.f32.gguf`, `nemotron_h_latent.f32.gguf` (their widths, 48 
 take no Q8_0 blocks); and `moe64.f32.gguf` / `moe64.q8_0.gguf`, a random `nemotron_h_moe`
 model (numpy seed 11; layers M E * E, d 64, 8 experts of 32 in 2 groups, top 2, a shared
 expert of 64) whose every matrix but the router is 32-multiple wide: the Q8_0 file holds
-them all (the stacked experts, embedding and head too) in gguf-py's Q8_0 blocks.
+them all (the stacked experts, embedding and head too) in gguf-py's Q8_0 blocks;
+`moe64.q4_0.gguf` the same but its stacked experts in gguf-py's Q4_0 blocks (a mixed file,
+as llama-quantize's mixes are).
 """
 
 import argparse
@@ -102,7 +104,7 @@ def stack_experts(tensors):
     return out
 
 
-def write(out, cfg, tensors, q8):
+def write(out, cfg, tensors, q8, experts=None):
     kinds = cfg["layers_block_type"]
     n = len(kinds)
     d = cfg["hidden_size"]
@@ -183,8 +185,11 @@ def write(out, cfg, tensors, q8):
         # (llama-quantize keeps the router, `ffn_gate_inp`, in F32.)
         quantizable = t.ndim in (2, 3) and t.shape[-1] % 32 == 0
         if q8 and quantizable and "norm" not in new and "ffn_gate_inp" not in new:
-            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(new, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            ty = gguf.GGMLQuantizationType.Q8_0
+            if experts is not None and new.endswith("_exps.weight"):
+                ty = experts
+            q = gguf.quants.quantize(t, ty)
+            w.add_tensor(new, q, raw_shape=q.shape, raw_dtype=ty)
         else:
             w.add_tensor(new, t)
     w.write_header_to_file()
@@ -263,6 +268,7 @@ def main():
     cfg, tensors = random_moe()
     write(a.out / "moe64.f32.gguf", cfg, tensors, False)
     write(a.out / "moe64.q8_0.gguf", cfg, tensors, True)
+    write(a.out / "moe64.q4_0.gguf", cfg, tensors, True, gguf.GGMLQuantizationType.Q4_0)
 
 
 if __name__ == "__main__":

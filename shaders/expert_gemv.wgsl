@@ -12,8 +12,9 @@
 //   slots' activations as inputs: the weighted sum of the experts goes straight into the
 //   residual (each bank adds the slots it holds); STORE (the first bank of a latent MoE)
 //   writes instead of adding.
-// Inputs are q8 blocks with Q8_IN (q8_0 weights, the usual case), else f32 (q8_0 weights
-// then unpack their int8 values).
+// Inputs are q8 blocks with Q8_IN (the quantized formats, the usual case: q8_0 here, the
+// 4/5/6-bit blocks through gemv_units.wgsl with block_quant.wgsl's bindings), else f32
+// (f32/f16 weights, and q8_0 ones then unpack their int8 values).
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
@@ -27,6 +28,15 @@ const VW: u32 = 8u;
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
 const VW: u32 = 16u;
+#endif
+#if W_Q4_0
+const VW: u32 = 32u;
+#endif
+#if W_K4
+const VW: u32 = 32u;
+#endif
+#if W_Q6_K
+const VW: u32 = 64u;
 #endif
 #if Q8_IN
 @group(0) @binding(3) var<storage, read> xq_in: array<vec4<u32>>;
@@ -69,25 +79,40 @@ var<workgroup> act_rows: array<f32, R>;
 const NV: u32 = KP / VW;
 
 #if Q8_IN
+// The q8 input as gemv_units.wgsl reads it (no group norm here).
+fn x_q(i: u32) -> vec4<u32> {
+    return xq_in[i];
+}
+
+fn x_d(i: u32) -> f32 {
+    return xd_in[i];
+}
+
+fn col_scale(k: u32) -> f32 {
+    return 1.0;
+}
+
+#if W_Q8
 // Weight vector v of row `row` and the same columns of q8 input `x`: their loads
-// (`q8_load`) apart from their product (`q8_dot`), so a lane can have several in flight.
-struct Q8Pair {
+// (`unit_load`) apart from their product (`unit_dot`), so a lane can have several in
+// flight (the block formats' pair is gemv_units.wgsl's).
+struct Unit {
     wv: vec4<u32>,
     a: vec4<u32>,
     dw: u32,
     dx: f32,
 }
 
-fn q8_load(row: u32, x: u32, v: u32) -> Q8Pair {
+fn unit_load(row: u32, x: u32, v: u32) -> Unit {
     let si = row * (KP / 32u) + v / 2u;
-    return Q8Pair(w[row * NV + v], xq_in[x * NV + v], ws[si / 2u], xd_in[x * (KP / 32u) + v / 2u]);
+    return Unit(w[row * NV + v], x_q(x * NV + v), ws[si / 2u], x_d(x * (KP / 32u) + v / 2u));
 }
 
-fn q8_dot(l: Q8Pair, row: u32, v: u32) -> f32 {
-    let idot = dot4I8Packed(l.wv.x, l.a.x) + dot4I8Packed(l.wv.y, l.a.y) + dot4I8Packed(l.wv.z, l.a.z) + dot4I8Packed(l.wv.w, l.a.w);
+fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
     let si = row * (KP / 32u) + v / 2u;
-    return f32(idot) * (unpack2x16float(l.dw)[si % 2u] * l.dx);
+    return f32(dot16(l.wv, l.a)) * (unpack2x16float(l.dw)[si % 2u] * l.dx);
 }
+#endif
 #endif
 
 // Row `row` of this bank (weights) dotted with input vector `x` (activations), one lane's
@@ -100,11 +125,11 @@ fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
     for (var v0 = lane; v0 < NV; v0 += UNROLL * TEAM) {
 #for u UNROLL
         let v{u} = min(v0 + {u}u * TEAM, NV - 1u);
-        let l{u} = q8_load(row, x, v{u});
+        let l{u} = unit_load(row, x, v{u});
 #endfor
 #for u UNROLL
         if (v0 + {u}u * TEAM < NV) {
-            acc += q8_dot(l{u}, row, v{u});
+            acc += unit_dot(l{u}, row, v{u});
         }
 #endfor
     }
@@ -116,14 +141,12 @@ fn lane_dot(row: u32, x: u32, lane: u32) -> f32 {
     return acc;
 }
 
-// The 16-byte weight vector `v` of row `row` against the same columns of input `x`.
+#if !Q8_IN
+// The 16-byte weight vector `v` of row `row` against the same columns of f32 input `x`.
 fn vec_dot(row: u32, x: u32, v: u32) -> f32 {
     let base = row * NV;
     var acc = 0.0;
     {
-#if Q8_IN
-        acc += q8_dot(q8_load(row, x, v), row, v);
-#else
         let wv = w[base + v];
 #if W_Q8
         // q8_0 weights against f32 inputs (the latent vector, made by a GEMV).
@@ -131,7 +154,6 @@ fn vec_dot(row: u32, x: u32, v: u32) -> f32 {
         let sc = unpack2x16float(ws[(row * (KP / 32u) + v / 2u) / 2u])[(row * (KP / 32u) + v / 2u) % 2u];
         acc += sc * (dot(vec4<f32>(unpack4xI8(wv.x)), src[xb]) + dot(vec4<f32>(unpack4xI8(wv.y)), src[xb + 1u])
             + dot(vec4<f32>(unpack4xI8(wv.z)), src[xb + 2u]) + dot(vec4<f32>(unpack4xI8(wv.w)), src[xb + 3u]));
-#endif
 #endif
 #if W_F16
         let xa = src[x * (XS / 4u) + 2u * v];
@@ -145,6 +167,7 @@ fn vec_dot(row: u32, x: u32, v: u32) -> f32 {
     }
     return acc;
 }
+#endif
 
 @compute @workgroup_size(WG)
 fn main(
@@ -178,11 +201,11 @@ fn main(
         let id{u} = down_id[s{u}];
         let in{u} = id{u} >= E0 && id{u} < E0 + NE;
         let r{u} = select(0u, id{u} - E0, in{u}) * M + row;
-        let l{u} = q8_load(r{u}, t * KS + s{u}, i{u} % NV);
+        let l{u} = unit_load(r{u}, t * KS + s{u}, i{u} % NV);
 #endfor
 #for u UNROLL
         if (i0 + {u}u * TEAM < KS * NV && in{u}) {
-            acc += down_w[s{u}] * q8_dot(l{u}, r{u}, i{u} % NV);
+            acc += down_w[s{u}] * unit_dot(l{u}, r{u}, i{u} % NV);
         }
 #endfor
     }

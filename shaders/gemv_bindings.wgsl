@@ -35,6 +35,15 @@ var<workgroup> xd: array<f32, KP / 32u>;
 @group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> xd: array<f32>;
 #endif
+
+// The q8 input as gemv_units.wgsl reads it.
+fn x_q(i: u32) -> vec4<u32> {
+    return xq[i];
+}
+
+fn x_d(i: u32) -> f32 {
+    return xd[i];
+}
 #else
 @group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
 #endif
@@ -168,7 +177,3 @@ fn emit(l: u32, row: u32, total: f32) {
 #endif
 }
 
-// Σ over 16 q8 values of q_w·q_x: four dot4I8Packed of weight bytes `q` and input `x`.
-fn dot16(q: vec4<u32>, x: vec4<u32>) -> i32 {
-    return dot4I8Packed(q.x, x.x) + dot4I8Packed(q.y, x.y) + dot4I8Packed(q.z, x.z) + dot4I8Packed(q.w, x.w);
-}

@@ -901,64 +901,99 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
     }
 }
 
-/// A Q8_0 `nemotron_h_moe` file (scripts/make_nemotron_h_gguf.py's random `moe64`: every
-/// matrix but the routers in gguf-py's Q8_0 blocks, the experts stacked) used as stored:
-/// its logits equal the f32 file's with the same matrices rounded through ggml's q8_0
-/// blocks, on the CPU reference and on the GPU in Q8_0, prefill and decode graph alike.
+/// Quantized `nemotron_h_moe` files (scripts/make_nemotron_h_gguf.py's random `moe64`: every
+/// matrix but the routers in gguf-py's Q8_0 blocks, the experts stacked; in
+/// `moe64.q4_0.gguf` the stacked experts in Q4_0 blocks) used as stored, the expert banks
+/// in the file's own blocks: the GPU's logits equal the CPU reference's on the same file,
+/// prefill and decode graph alike, and the Q8_0 file's equal the f32 file's with the same
+/// matrices rounded through ggml's q8_0 blocks.
 #[test]
-fn q8_0_nemotron_h_moe_gguf_runs_as_stored() {
+fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
+    use mamba2_wgpu::gpu::device_weights::DeviceMixer;
     use mamba2_wgpu::gpu::engine::PrefillMode;
-    let f32_model = Model::load(&dir().join("moe64.f32.gguf")).unwrap();
-    let model = Model::load(&dir().join("moe64.q8_0.gguf")).unwrap();
-    assert_eq!(model.config.pattern(), "ME*E");
-    assert_eq!(model.config.moe, f32_model.config.moe);
     use mamba2_wgpu::model::ggml::GgmlType;
-    let counts = GgufFile::open(&dir().join("moe64.q8_0.gguf"))
-        .unwrap()
-        .type_counts();
-    assert!(
-        counts
-            .iter()
-            .any(|&(t, n)| t == DType::Quant(GgmlType::Q8_0) && n == 16),
-        "{counts:?}"
-    );
+    let f32_model = Model::load(&dir().join("moe64.f32.gguf")).unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 101).collect();
-    let q8 = |k: usize| {
-        if k.is_multiple_of(32) {
-            WeightFormat::Q8_0
-        } else {
-            WeightFormat::F32
-        }
-    };
-    let want = cpu_logits(&common::rounded(&f32_model, q8), &prompt);
-    let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
-    let e = worst(&cpu_logits(&model, &prompt), &want);
-    assert!(
-        e <= 1e-5 * range,
-        "CPU: max |Δlogit| {e:e} of range {range}"
-    );
-    for (prefill, rel, floor) in [
-        (PrefillMode::Chunked, 1e-5, 1e-4),
-        // The decode graph rounds the activations to 8 bits.
-        (PrefillMode::Decode, 2e-2, 0.1),
+    for (file, experts, format) in [
+        ("moe64.q8_0.gguf", GgmlType::Q8_0, WeightFormat::Q8_0),
+        ("moe64.q4_0.gguf", GgmlType::Q4_0, WeightFormat::Q8_0),
     ] {
-        let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::Q8_0)) else {
-            return;
+        let model = Model::load(&dir().join(file)).unwrap();
+        assert_eq!(model.config.pattern(), "ME*E");
+        assert_eq!(model.config.moe, f32_model.config.moe);
+        let counts = GgufFile::open(&dir().join(file)).unwrap().type_counts();
+        let n_of = |t: GgmlType| {
+            counts
+                .iter()
+                .find(|&&(d, _)| d == DType::Quant(t))
+                .map_or(0, |&(_, n)| n)
         };
-        let opts = EngineOptions {
-            format: WeightFormat::Q8_0,
-            prefill,
-            context: Some(64),
-            // (An f16 KV cache would move the logits by its own rounding.)
-            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
-            ..Default::default()
-        };
-        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
-        let e = worst(&b.prefill_logits(&prompt).unwrap(), &want);
-        eprintln!("moe64.q8_0.gguf ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
-        assert!(
-            e <= rel * range + floor,
-            "GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
+        // The four stacked expert matrices, and the twelve others in Q8_0.
+        assert_eq!(
+            n_of(GgmlType::Q8_0) + n_of(GgmlType::Q4_0),
+            16,
+            "{counts:?}"
         );
+        assert!(n_of(experts) >= 4, "{file}: {counts:?}");
+        let want = cpu_logits(&model, &prompt);
+        let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+        if experts == GgmlType::Q8_0 {
+            let q8 = |k: usize| {
+                if k.is_multiple_of(32) {
+                    WeightFormat::Q8_0
+                } else {
+                    WeightFormat::F32
+                }
+            };
+            let rounded = cpu_logits(&common::rounded(&f32_model, q8), &prompt);
+            let e = worst(&rounded, &want);
+            assert!(
+                e <= 1e-5 * range,
+                "CPU: max |Δlogit| {e:e} of range {range}"
+            );
+        }
+        for (prefill, rel, floor) in [
+            (PrefillMode::Chunked, 1e-5, 1e-4),
+            // The decode graph rounds the activations to 8 bits.
+            (PrefillMode::Decode, 2e-2, 0.1),
+        ] {
+            let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
+                return;
+            };
+            let opts = EngineOptions {
+                format,
+                prefill,
+                context: Some(64),
+                // (An f16 KV cache would move the logits by its own rounding.)
+                kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+                ..Default::default()
+            };
+            let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+            for l in [1, 3] {
+                let DeviceMixer::Moe(m) = &b.engine.weights.layers[l].mixer else {
+                    panic!("{file}: layer {l} is an MoE layer");
+                };
+                // The shared expert's slices (Q8_0 in both files) sit in a bank of
+                // their own where the experts' blocks are of another type.
+                let routed = model.config.moe.as_ref().unwrap().experts;
+                for (first, _, up, down) in m.banks() {
+                    let want = if first < routed {
+                        experts
+                    } else {
+                        GgmlType::Q8_0
+                    };
+                    for bank in [up, down] {
+                        assert_eq!(bank.format.ggml(), Some(want), "{file}: {}", bank.name);
+                    }
+                }
+                assert_eq!(m.up.len(), 1 + usize::from(experts != GgmlType::Q8_0));
+            }
+            let e = worst(&b.prefill_logits(&prompt).unwrap(), &want);
+            eprintln!("{file} ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
+            assert!(
+                e <= rel * range + floor,
+                "{file} on the GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
+            );
+        }
     }
 }

@@ -544,6 +544,80 @@ fn moe_f16_and_q8_weights_stay_close() {
     }
 }
 
+/// The tiny MoE models at widths of 256 (d_model, the experts and the shared expert), so
+/// that every block format can hold their expert matrices.
+fn wide_moe(pattern: &str, granite: bool) -> mamba2_wgpu::config::ModelConfig {
+    let mut c = tiny_moe(pattern, granite);
+    c.head_dim = 64;
+    c.d_inner = c.n_heads * c.head_dim;
+    c.d_model = c.d_inner / 2;
+    let m = c.moe.as_mut().unwrap();
+    m.intermediate = 256;
+    m.shared.as_mut().unwrap().intermediate = 256;
+    // The GPU folds Granite's residual multiplier into the matrices that end a block before
+    // quantizing them, and the k-quants' scale search is not scale-equivariant: with it, the
+    // CPU's rounded weights would not be the GPU's.
+    c.scales.residual = 1.0;
+    c
+}
+
+/// Expert banks in the 4-, 5- and 6-bit block formats (multiplied as stored against the q8
+/// activations in decode, dequantized in the prefill GEMMs) against the CPU reference on
+/// the same weights rounded through the format.
+#[test]
+fn moe_block_format_experts_match_the_rounded_cpu_reference() {
+    use mamba2_wgpu::gpu::device_weights::DeviceMixer;
+    for (pattern, config) in [
+        ("nemotron ME*E", wide_moe("ME*E", false)),
+        ("granite MEME*E", wide_moe("MEME*E", true)),
+    ] {
+        let model = Model::synthetic(config, 17);
+        let toks = tokens(40, 6, model.config.vocab_size);
+        for format in [
+            WeightFormat::Q4_0,
+            WeightFormat::Q4_K,
+            WeightFormat::Q5_K,
+            WeightFormat::Q6_K,
+        ] {
+            let rounded = common::rounded(&model, |k| format.for_cols(k));
+            let cpu = CpuModel::<f32>::new(&rounded.config, &rounded.weights).unwrap();
+            let want = cpu
+                .forward(&mut cpu.new_state(), &toks, Scan::Chunked(16), Logits::All)
+                .unwrap();
+            // Prefill multiplies the same dequantized weights in f32; decode rounds the
+            // activations to 8 bits (near-tie routing flips judged as in the q8_0 test).
+            for (prefill, tol) in [(PrefillMode::Chunked, 1e-8), (PrefillMode::Decode, 3e-3)] {
+                let what = format!("{pattern} {format:?} {prefill:?}");
+                let Some(mut gpu) = backend(&model, format, true, prefill, None) else {
+                    return;
+                };
+                let moe = model
+                    .config
+                    .blocks
+                    .iter()
+                    .position(|b| *b == mamba2_wgpu::config::BlockKind::Moe);
+                let DeviceMixer::Moe(m) = &gpu.engine.weights.layers[moe.unwrap()].mixer else {
+                    panic!("{what}: not an MoE layer");
+                };
+                for bank in m.up.iter().chain(&m.down) {
+                    assert_eq!(bank.format, format, "{what}: {}", bank.name);
+                }
+                let got = gpu.prefill_logits(&toks).unwrap();
+                let mut per: Vec<f64> = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| common::nmse(g, w))
+                    .collect();
+                per.sort_by(f64::total_cmp);
+                let (median, p80) = (per[per.len() / 2], per[per.len() * 80 / 100]);
+                eprintln!("{what}: median logits NMSE {median:e}, 80th percentile {p80:e}");
+                assert!(median <= tol, "{what}: median logits NMSE {median:e}");
+                assert!(p80 <= 10.0 * tol, "{what}: 80th percentile NMSE {p80:e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn expert_load_counts_what_transformers_routed() {
     // The oracle routed the prompt and the greedy continuation but the last token: feed the

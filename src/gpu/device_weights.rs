@@ -71,15 +71,16 @@ pub enum DeviceMixer {
 }
 
 /// An MoE block on the device: the router (always f32: the choice of experts should not
-/// move with the weight format), the experts in banks of `per_bank` (each bank one binding
-/// within the adapter's limit; `up[b]` holds experts `b·per_bank…` as `[n·up_rows, d]`
+/// move with the weight format), the experts in banks (each bank one binding within the
+/// adapter's limit; `up[b]` holds the experts from `firsts[b]` on as `[n·up_rows, d]`
 /// (`[gate; up]` per expert when gated), `down[b]` as `[n·d, I]`), the shared expert as an
 /// MLP, and where the correction bias starts in the layer's parameters (`[norm | bias]`).
 pub struct DeviceMoe {
     pub router: DeviceMatrix,
     pub up: Vec<DeviceMatrix>,
     pub down: Vec<DeviceMatrix>,
-    pub per_bank: usize,
+    /// The first expert of each bank.
+    pub firsts: Vec<usize>,
     pub shared: Option<(DeviceMatrix, DeviceMatrix)>,
     pub bias_off: Option<usize>,
     /// Rows of one expert's down projection: `d`, or the latent width.
@@ -95,32 +96,37 @@ impl DeviceMoe {
         self.up
             .iter()
             .zip(&self.down)
-            .enumerate()
-            .map(|(i, (u, d))| {
-                let first = i * self.per_bank;
-                let count = d.rows / self.d_model;
-                (first, count, u, d)
-            })
+            .zip(&self.firsts)
+            .map(|((u, d), &first)| (first, d.rows / self.d_model, u, d))
     }
 }
 
 /// Experts per bank: as many as fit one storage binding of `max_binding` bytes (both
-/// projections), all of them when they fit.
+/// projections), all of them when they fit. Under a quantized format a bank may hold any
+/// block format a GGUF stores (or q8_0, where it is requantized): sized for q8_0, whose
+/// quants take the most bytes.
 pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64) -> usize {
     let Some(m) = &c.moe else { return 1 };
-    let format = expert_format(format);
+    let format = if format.reads_q8() {
+        WeightFormat::Q8_0
+    } else {
+        expert_format(format, false)
+    };
     let bytes = |rows: usize, cols: usize| -> u64 { format.data_bytes(rows, cols) as u64 };
     let x = m.expert_width(c.d_model);
     let per_expert = bytes(m.up_rows(), x).max(bytes(x, m.intermediate));
     ((max_binding / per_expert.max(1)) as usize).clamp(1, m.stored_experts())
 }
 
-/// The format of MoE expert banks: the model's, but q8_0 for the 4/5/6-bit formats and f16
-/// for bf16 (the expert GEMV reads f32, f16 and q8_0).
-pub fn expert_format(format: WeightFormat) -> WeightFormat {
+/// The format of MoE expert banks: the model's, but f16 for bf16, and q8_0 for the 4/5/6-bit
+/// formats in a `latent` MoE (the expert GEMV reads the block formats against q8 inputs
+/// only, and the latent vector is f32).
+pub fn expert_format(format: WeightFormat, latent: bool) -> WeightFormat {
     match format {
         WeightFormat::BF16 => WeightFormat::F16,
-        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K => {
+        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K
+            if latent =>
+        {
             WeightFormat::Q8_0
         }
         f => f,
@@ -245,22 +251,26 @@ impl DeviceWeights {
         // cannot hold as it is packed; an error names the checkpoint's tensor.
         // `scale` multiplies every value (Granite's residual multiplier, folded into the
         // projections that end a block).
+        // A GGUF's quantized blocks in a type the GPU holds go up as stored, never
+        // requantized, when a quantized format was asked for (after the same check for
+        // NaN/±Inf every weight gets); f32/f16 asks for everything dequantized. With
+        // `any_stored` false only blocks of `format` itself are kept (matrices whose kernel
+        // reads no other: a latent MoE's experts).
         let upload_as = |name: &str,
                          parts: &[&crate::model::Tensor],
                          format: WeightFormat,
-                         scale: f32|
+                         scale: f32,
+                         any_stored: bool|
          -> Result<DeviceMatrix> {
             let cols = parts[0].shape[1];
             let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
-            // A GGUF's quantized blocks in a type the GPU holds go up as stored, never
-            // requantized, when a quantized format was asked for (after the same check for
-            // NaN/±Inf every weight gets); f32/f16 asks for everything dequantized.
             let stored = match parts[0].dtype {
                 DType::Quant(t) => WeightFormat::from_ggml(t),
                 _ => None,
             };
             if let Some(stored) = stored
                 && format.reads_q8()
+                && (any_stored || stored == format)
                 && scale == 1.0
                 && parts
                     .iter()
@@ -293,10 +303,10 @@ impl DeviceWeights {
             DeviceMatrix::upload(ctx, name, &packed)
         };
         let upload =
-            |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format, 1.0);
+            |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format, 1.0, true);
         let resid_scale = c.scales.residual as f32;
         let upload_out = |name: &str, parts: &[&crate::model::Tensor]| {
-            upload_as(name, parts, format, resid_scale)
+            upload_as(name, parts, format, resid_scale, true)
         };
         let per_bank = experts_per_bank(c, format, bank_bytes);
         let embedding = upload("embedding", &[&w.embedding])?;
@@ -364,25 +374,54 @@ impl DeviceWeights {
                         }
                         _ => Vec::new(),
                     };
+                    // Banks of `per_bank` experts; the shared slices in banks of their own
+                    // where their stored types differ from the experts' (a GGUF mix), so
+                    // that both go up as stored.
+                    let types = |e: &crate::model::MlpWeights| {
+                        let mut t: Vec<_> = ups(e).iter().map(|t| t.dtype).collect();
+                        t.push(e.down.dtype);
+                        t
+                    };
+                    let apart = match (m.experts.first(), slices.first()) {
+                        (Some(e), Some(s)) => format.reads_q8() && types(e) != types(s),
+                        _ => false,
+                    };
                     let stored: Vec<&crate::model::MlpWeights> =
                         m.experts.iter().chain(&slices).collect();
-                    let (mut up, mut down) = (Vec::new(), Vec::new());
-                    for (b, bank) in stored.chunks(per_bank).enumerate() {
+                    let n = m.experts.len();
+                    // (Ranges of `stored`: the experts and slices together, or apart.)
+                    let groups: [std::ops::Range<usize>; 2] = if apart {
+                        [0..n, n..stored.len()]
+                    } else {
+                        [0..stored.len(), stored.len()..stored.len()]
+                    };
+                    let ranges = groups.into_iter().flat_map(|g| {
+                        (g.start..g.end)
+                            .step_by(per_bank)
+                            .map(move |a| a..(a + per_bank).min(g.end))
+                    });
+                    let (mut up, mut down, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
+                    for (b, r) in ranges.enumerate() {
+                        firsts.push(r.start);
+                        let bank = &stored[r];
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().flat_map(|e| ups(e)).collect();
-                        let ef = expert_format(format);
+                        // A latent MoE's experts read f32 inputs: no block formats.
+                        let latent = m.latent.is_some();
+                        let ef = expert_format(format, latent);
                         up.push(upload_as(
                             &name(&format!("experts.up.bank{b}")),
                             &parts,
                             ef,
                             1.0,
+                            !latent,
                         )?);
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().map(|e| &e.down).collect();
                         // With latent projections the residual scale goes into fc2 instead.
                         let bank_name = name(&format!("experts.down.bank{b}"));
                         let scale = if m.latent.is_some() { 1.0 } else { resid_scale };
-                        down.push(upload_as(&bank_name, &parts, ef, scale)?);
+                        down.push(upload_as(&bank_name, &parts, ef, scale, !latent)?);
                     }
                     let shared = match &m.shared {
                         Some(s) if slices.is_empty() => Some((
@@ -394,21 +433,28 @@ impl DeviceWeights {
                     let latent_format = latent_format(format);
                     let latent = match &m.latent {
                         Some([fc1, fc2]) => Some((
-                            upload_as(&name("fc1_latent_proj"), &[fc1], latent_format, 1.0)?,
+                            upload_as(&name("fc1_latent_proj"), &[fc1], latent_format, 1.0, true)?,
                             upload_as(
                                 &name("fc2_latent_proj"),
                                 &[fc2],
                                 latent_format,
                                 resid_scale,
+                                true,
                             )?,
                         )),
                         None => None,
                     };
                     DeviceMixer::Moe(Box::new(DeviceMoe {
-                        router: upload_as(&name("router"), &[&m.router], WeightFormat::F32, 1.0)?,
+                        router: upload_as(
+                            &name("router"),
+                            &[&m.router],
+                            WeightFormat::F32,
+                            1.0,
+                            true,
+                        )?,
                         up,
                         down,
-                        per_bank,
+                        firsts,
                         shared,
                         bias_off,
                         d_model: mc.expert_width(c.d_model),
@@ -469,7 +515,8 @@ impl DeviceWeights {
 }
 
 /// The shared expert cut into `n` MLPs of width `width` (`MoeConfig::shared_slots`): up (and
-/// gate) rows are views, down columns are copied.
+/// gate) rows are views, down columns are copied — in the stored type where the slices
+/// split at its block boundaries (a GGUF's blocks then go up as stored), else through f32.
 fn shared_slices(
     s: &crate::model::MlpWeights,
     n: usize,
@@ -477,31 +524,47 @@ fn shared_slices(
 ) -> Result<Vec<crate::model::MlpWeights>> {
     let d = s.down.shape[0];
     let full = s.down.shape[1];
-    let down = finite_f32(&s.down)?;
-    Ok((0..n)
+    let as_f32 = if width.is_multiple_of(s.down.dtype.block()) {
+        None
+    } else {
+        Some(finite_f32(&s.down)?)
+    };
+    (0..n)
         .map(|j| {
             let (a, b) = (j * width, (j + 1) * width);
             let tag = format!(" (slice {j})");
-            let cols: Vec<f32> = (0..d)
-                .flat_map(|r| down[r * full + a..r * full + b].iter().copied())
-                .collect();
-            crate::model::MlpWeights {
+            let down = match &as_f32 {
+                None => s.down.cols(a..b, &tag).ok_or_else(|| {
+                    Error::InvalidInput(format!(
+                        "{}: columns {a}..{b} cut its {} blocks",
+                        s.down.name,
+                        s.down.dtype.name()
+                    ))
+                })?,
+                Some(down) => {
+                    let cols: Vec<f32> = (0..d)
+                        .flat_map(|r| down[r * full + a..r * full + b].iter().copied())
+                        .collect();
+                    crate::model::Tensor::from_f32(
+                        format!("{}{tag}", s.down.name),
+                        vec![d, width],
+                        &cols,
+                    )
+                }
+            };
+            Ok(crate::model::MlpWeights {
                 up: s.up.rows(a..b, vec![width, s.up.shape[1]], &tag),
                 gate: s
                     .gate
                     .as_ref()
                     .map(|g| g.rows(a..b, vec![width, g.shape[1]], &tag)),
-                down: crate::model::Tensor::from_f32(
-                    format!("{}{tag}", s.down.name),
-                    vec![d, width],
-                    &cols,
-                ),
+                down,
                 up_bias: None,
                 gate_bias: None,
                 down_bias: None,
-            }
+            })
         })
-        .collect())
+        .collect()
 }
 
 fn gpu_unsupported(layer: usize, what: &str) -> Error {

@@ -184,11 +184,13 @@ impl Engine {
                     let per_bank = experts_per_bank(c, format, bank_bytes);
                     let (mut up, mut down) = (Vec::new(), Vec::new());
                     let stored = mo.stored_experts();
+                    let firsts: Vec<usize> = (0..stored).step_by(per_bank).collect();
                     let x = mo.expert_width(c.d_model);
                     for (bank, first) in (0..stored).step_by(per_bank).enumerate() {
                         let n_e = per_bank.min(stored - first);
                         let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;
-                        let ef = crate::gpu::device_weights::expert_format(format);
+                        let ef =
+                            crate::gpu::device_weights::expert_format(format, mo.latent.is_some());
                         up.push(random_matrix(
                             &k,
                             &n(&format!("experts.up.bank{bank}")),
@@ -275,7 +277,7 @@ impl Engine {
                         router,
                         up,
                         down,
-                        per_bank,
+                        firsts,
                         shared,
                         bias_off,
                         d_model: x,

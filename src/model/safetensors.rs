@@ -43,6 +43,11 @@ impl DType {
         }
     }
 
+    /// Values per block (1 for the float types).
+    pub fn block(self) -> usize {
+        self.ggml().block().0
+    }
+
     /// Bytes of `n` values (whole blocks for the quantized types; callers check that rows
     /// are whole blocks when the tensor is made).
     pub fn bytes_of(self, n: usize) -> usize {
@@ -202,6 +207,41 @@ impl Tensor {
                     .unwrap_or_else(|| Arc::new(self.clone())),
             ),
         }
+    }
+
+    /// Columns `cols` of a 2-D tensor, copied in this tensor's own type (no conversion: a
+    /// quantized tensor's blocks are copied whole), named with `what` appended; `None`
+    /// where the range would cut a quantized block.
+    pub fn cols(&self, cols: Range<usize>, what: &str) -> Option<Tensor> {
+        let (rows, full) = (self.shape[0], self.shape[1]);
+        assert!(
+            self.shape.len() == 2 && cols.start <= cols.end && cols.end <= full,
+            "{cols:?} of {}",
+            self.name
+        );
+        let block = self.dtype.block();
+        if !cols.start.is_multiple_of(block) || !cols.end.is_multiple_of(block) {
+            return None;
+        }
+        let (a, b) = (
+            self.dtype.bytes_of(cols.start),
+            self.dtype.bytes_of(cols.end),
+        );
+        let row = self.dtype.bytes_of(full);
+        let src = self.bytes();
+        let mut bytes = Vec::with_capacity(rows * (b - a));
+        for r in 0..rows {
+            bytes.extend_from_slice(&src[r * row + a..r * row + b]);
+        }
+        let len = bytes.len();
+        Some(Tensor {
+            name: format!("{}{what}", self.name),
+            dtype: self.dtype,
+            shape: vec![rows, cols.end - cols.start],
+            bytes: Bytes::Owned(Arc::new(bytes)),
+            range: 0..len,
+            view_of: None,
+        })
     }
 
     /// The raw little-endian bytes.

@@ -25,9 +25,31 @@ use crate::gpu::weights::DeviceMatrix;
 use crate::model::quant::WeightFormat;
 
 const EXPERT_GEMV: &str = include_str!("../../../shaders/expert_gemv.wgsl");
-const SOURCES: super::Sources = &[EXPERT_GEMV];
+/// The block formats' bindings and products are the one-token GEMV's.
+const BLOCK_QUANT: &str = include_str!("../../../shaders/block_quant.wgsl");
+const Q8_DOT: &str = include_str!("../../../shaders/q8_dot.wgsl");
+const GEMV_UNITS: &str = include_str!("../../../shaders/gemv_units.wgsl");
+const SOURCES: super::Sources = &[BLOCK_QUANT, Q8_DOT, GEMV_UNITS, EXPERT_GEMV];
 /// The up pass that routes its token itself.
-const ROUTED: super::Sources = &[super::moe_route::ROUTE_SELECT, EXPERT_GEMV];
+const ROUTED: super::Sources = &[
+    super::moe_route::ROUTE_SELECT,
+    BLOCK_QUANT,
+    Q8_DOT,
+    GEMV_UNITS,
+    EXPERT_GEMV,
+];
+
+/// Whether a bank of `format` can be multiplied here: f32, f16 and q8_0 against either
+/// input; the 4-, 5- and 6-bit block formats only against q8 input blocks (`q8_input`).
+pub fn takes(format: WeightFormat, q8_input: bool) -> bool {
+    match format {
+        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Q8_0 => true,
+        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K => {
+            q8_input
+        }
+        WeightFormat::BF16 => false,
+    }
+}
 
 /// Which projection of the experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,13 +171,16 @@ pub fn expert_gemv(
     }
     check_len(&format!("{name}: ids"), b.ids, tokens * top_k)?;
     check_len(&format!("{name}: dst"), b.dst, z.max(tokens) * m)?;
-    if !matches!(
-        w.format,
-        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Q8_0
-    ) {
+    if !takes(w.format, b.q8.is_some()) {
         return Err(Error::Gpu(format!(
-            "{name}: expert banks are f32, f16 or q8_0, not {}",
-            w.format.name()
+            "{name}: expert banks are f32, f16 or q8_0, or a 4/5/6-bit block format against \
+             q8 inputs; not {}{}",
+            w.format.name(),
+            if b.q8.is_some() {
+                ""
+            } else {
+                " against f32 inputs"
+            }
         )));
     }
     let vw = super::gemv::vector_width(w.format);
@@ -171,7 +196,7 @@ pub fn expert_gemv(
         )));
     }
     let unroll = super::gemv::gemv_unroll(w.format)?;
-    let q8_in = b.q8.is_some() && w.format == WeightFormat::Q8_0;
+    let q8_in = b.q8.is_some() && w.format.reads_q8();
     let down_unroll = (pass == ExpertPass::Down && q8_in).then_some(unroll);
     let (team, wg) = team_and_wg(k, m, per_row, fold.is_some(), down_unroll)?;
     // Input vectors are padded to 32 values (what norms and activations write).
@@ -190,12 +215,13 @@ pub fn expert_gemv(
         ("UNROLL", Const::U32(unroll)),
     ];
     consts.extend(team_consts);
-    let mut flags = vec![w.flag()];
+    let mut flags = w.flags();
     flags.extend(team_flags);
     let mut entries = w.bindings();
     match b.q8 {
-        // q8_0 weights take the q8 blocks of their input when there are some, else f32.
-        Some((q, d)) if w.format == WeightFormat::Q8_0 => {
+        // Quantized weights take the q8 blocks of their input when there are some (the
+        // block formats always do), else f32.
+        Some((q, d)) if w.format.reads_q8() => {
             check_len(&format!("{name}: xq"), q, inputs * w.kp / 4)?;
             check_len(&format!("{name}: xd"), d, inputs * w.kp / 32)?;
             flags.push("Q8_IN");

@@ -18,6 +18,8 @@ const SOURCES: super::Sources = &[
     include_str!("../../../shaders/mixer_row.wgsl"),
     include_str!("../../../shaders/block_quant.wgsl"),
     include_str!("../../../shaders/gemv_bindings.wgsl"),
+    include_str!("../../../shaders/q8_dot.wgsl"),
+    include_str!("../../../shaders/gemv_units.wgsl"),
     include_str!("../../../shaders/gemv.wgsl"),
 ];
 
@@ -27,6 +29,8 @@ const NORM_SOURCES: super::Sources = &[
     include_str!("../../../shaders/block_quant.wgsl"),
     include_str!("../../../shaders/norm_sum.wgsl"),
     include_str!("../../../shaders/gemv_bindings.wgsl"),
+    include_str!("../../../shaders/q8_dot.wgsl"),
+    include_str!("../../../shaders/gemv_units.wgsl"),
     include_str!("../../../shaders/gemv.wgsl"),
 ];
 
@@ -38,6 +42,7 @@ const LANE_SOURCES: super::Sources = &[
     include_str!("../../../shaders/mixer_row.wgsl"),
     include_str!("../../../shaders/block_quant.wgsl"),
     include_str!("../../../shaders/gemv_bindings.wgsl"),
+    include_str!("../../../shaders/q8_dot.wgsl"),
     include_str!("../../../shaders/gemv_lanes.wgsl"),
 ];
 
