@@ -7,6 +7,8 @@
 // number of blocks).
 //   W_Q4_0: 32-value blocks; data 16 B (value j = nibble j/16 of byte j%16, d·(q−8));
 //           scales: d, two f16 per word.
+//   W_Q5_0: 32-value blocks; data 16 B as W_Q4_0's (the low four bits); scales one vec2
+//           per block: qh (bit j: the fifth bit of value j), then d (low half), d·(q−16).
 //   W_K4 (W_Q4_K, W_Q5_K): 256-value superblocks; data qs[128] (sub-block s = nibble
 //           s%2 of bytes 32·(s/2)…+32), for W_Q5_K then qh[32] (bit s of byte l: the fifth
 //           bit of value l of sub-block s); scales one 16-byte vector: d|dmin, then 12
@@ -41,6 +43,33 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let wi = (j % 16u) / 4u;
     let a = (vec4<f32>(unpack4xU8((v[wi] >> sh) & 0x0F0F0F0Fu)) - 8.0) * d;
     let b = (vec4<f32>(unpack4xU8((v[wi + 1u] >> sh) & 0x0F0F0F0Fu)) - 8.0) * d;
+    return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+}
+#endif
+
+#if W_Q5_0
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> ws: array<vec2<u32>>;
+
+// Four fifth bits (bits 0…3 of `h`) moved to bit 4 of the four bytes of a word.
+fn q5_spread4(h: u32) -> u32 {
+    return ((h & 1u) | ((h & 2u) << 7u) | ((h & 4u) << 14u) | ((h & 8u) << 21u)) << 4u;
+}
+
+fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
+    let blk = row * (KP / 32u) + k0 / 32u;
+    let s = ws[blk];
+    let d = unpack2x16float(s.y).x;
+    let j = k0 % 32u;
+    let v = w[blk];
+    // Bytes j%16 … +8 of the block: two words, their nibble j/16; fifth bits j … j+8.
+    let sh = (j / 16u) * 4u;
+    let wi = (j % 16u) / 4u;
+    let h = s.x >> j;
+    let qa = ((v[wi] >> sh) & 0x0F0F0F0Fu) | q5_spread4(h & 15u);
+    let qb = ((v[wi + 1u] >> sh) & 0x0F0F0F0Fu) | q5_spread4((h >> 4u) & 15u);
+    let a = (vec4<f32>(unpack4xU8(qa)) - 16.0) * d;
+    let b = (vec4<f32>(unpack4xU8(qb)) - 16.0) * d;
     return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
 }
 #endif

@@ -17,6 +17,9 @@ const VW: u32 = 16u;
 #if W_Q4_0
 const VW: u32 = 32u;
 #endif
+#if W_Q5_0
+const VW: u32 = 32u;
+#endif
 #if W_K4
 const VW: u32 = 32u;
 #endif

@@ -14,7 +14,7 @@
 // l·X_LS/16 (xq vectors), l·X_LS/32 (q8 block scales), its output at l·DST_LS, its norm partials at l·PART_LS.
 // Each lane's sum runs in exactly the order of a one-lane GEMV (the same team, stride and
 // expressions), so a lane's result is bitwise the one it gets alone.
-// Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
+// Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_Q5_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER;
 // LANES_SIDE (the workgroup order, see main); TEAM_ALL (team_sum's total in every lane);
 // TEAM_SCATTER, TEAM_WIDE, EMIT_ROUNDS (how the totals are summed and go out, see the end).
@@ -184,6 +184,32 @@ fn main(
                 let xo = xq_at(ln_{j});
                 let idot = dot16(lo, xq[xo + 2u * v]) + dot16(hi, xq[xo + 2u * v + 1u]);
                 acc_{r}_{j} += f32(idot) * (d * 0.0625 * xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
+            }
+#endfor
+        }
+#endfor
+#endif
+#if W_Q5_0
+#for r RT
+        {
+            // q4_0's nibbles with each value's fifth bit from qh at bit 4 of its byte;
+            // (q ^ 16) << 3 is 8·(q − 16) in an int8 (gemv_units.wgsl's unit_dot).
+            let si = row_{r} * (KP / 32u) + v;
+            let q = w[si];
+            let sv = ws[si];
+            let hv = sv.x;
+            let hl = vec4<u32>(q5_spread4(hv & 15u), q5_spread4((hv >> 4u) & 15u), q5_spread4((hv >> 8u) & 15u), q5_spread4((hv >> 12u) & 15u));
+            let hh = vec4<u32>(q5_spread4((hv >> 16u) & 15u), q5_spread4((hv >> 20u) & 15u), q5_spread4((hv >> 24u) & 15u), q5_spread4(hv >> 28u));
+            let f = vec4<u32>(0x10101010u);
+            let m = vec4<u32>(0xF8F8F8F8u);
+            let lo = ((((q & vec4<u32>(0x0F0F0F0Fu)) | hl) ^ f) << vec4<u32>(3u)) & m;
+            let hi = (((((q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu)) | hh) ^ f) << vec4<u32>(3u)) & m;
+            let d = unpack2x16float(sv.y).x;
+#for j NL
+            {
+                let xo = xq_at(ln_{j});
+                let idot = dot16(lo, xq[xo + 2u * v]) + dot16(hi, xq[xo + 2u * v + 1u]);
+                acc_{r}_{j} += f32(idot) * (d * 0.125 * xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
             }
 #endfor
         }

@@ -57,38 +57,54 @@ fn files(o: &Json) -> Vec<String> {
     o["files"].as_object().unwrap().keys().cloned().collect()
 }
 
+/// Every tensor of `file` against gguf-py's record of it (`want`: type, count, first values,
+/// hash of all f32 bits); the dtypes met go into `types`.
+fn dequantizes_as_recorded(
+    file: &str,
+    want: &serde_json::Map<String, Json>,
+    types: &mut std::collections::BTreeSet<&'static str>,
+) {
+    let g = GgufFile::open(&dir().join(file)).unwrap();
+    assert_eq!(g.tensors.len(), want.len(), "{file}");
+    for t in &g.tensors {
+        let w = &want[&t.name];
+        assert_eq!(
+            t.dtype.ggml().name(),
+            w["type"].as_str().unwrap(),
+            "{file} {}",
+            t.name
+        );
+        let (v, finite) = t.to_f32_checked();
+        assert!(finite);
+        assert_eq!(v.len() as u64, w["n"].as_u64().unwrap());
+        for (a, b) in v.iter().zip(w["first"].as_array().unwrap()) {
+            assert_eq!(*a, b.as_f64().unwrap() as f32, "{file} {}", t.name);
+        }
+        assert_eq!(
+            fnv64(&v),
+            w["fnv64"].as_str().unwrap(),
+            "{file} {}: bits",
+            t.name
+        );
+        types.insert(t.dtype.name());
+    }
+}
+
 #[test]
 fn every_tensor_dequantizes_as_gguf_py_does() {
     let o = oracle();
     let mut types = std::collections::BTreeSet::new();
     for file in files(&o) {
-        let g = GgufFile::open(&dir().join(&file)).unwrap();
         let want = o["files"][&file]["dequant"].as_object().unwrap();
-        assert_eq!(g.tensors.len(), want.len(), "{file}");
-        for t in &g.tensors {
-            let w = &want[&t.name];
-            assert_eq!(
-                t.dtype.ggml().name(),
-                w["type"].as_str().unwrap(),
-                "{file} {}",
-                t.name
-            );
-            let (v, finite) = t.to_f32_checked();
-            assert!(finite);
-            assert_eq!(v.len() as u64, w["n"].as_u64().unwrap());
-            for (a, b) in v.iter().zip(w["first"].as_array().unwrap()) {
-                assert_eq!(*a, b.as_f64().unwrap() as f32, "{file} {}", t.name);
-            }
-            assert_eq!(
-                fnv64(&v),
-                w["fnv64"].as_str().unwrap(),
-                "{file} {}: bits",
-                t.name
-            );
-            types.insert(t.dtype.name());
-        }
+        dequantizes_as_recorded(&file, want, &mut types);
     }
-    for ty in ["f32", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"] {
+    // The moe64 files' record (scripts/make_nemotron_h_gguf.py): Q5_0 among them.
+    let text = std::fs::read_to_string(dir().join("moe64.dequant.json")).unwrap();
+    let moe: Json = serde_json::from_str(&text).unwrap();
+    for (file, want) in moe.as_object().unwrap() {
+        dequantizes_as_recorded(file, want.as_object().unwrap(), &mut types);
+    }
+    for ty in ["f32", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"] {
         assert!(types.contains(ty), "no fixture holds {ty}");
     }
 }
@@ -170,6 +186,45 @@ fn quantizers_write_llama_quantize_blocks() {
                 &differ[..differ.len().min(8)]
             );
         }
+    }
+}
+
+/// The 32-value block quantizers against gguf-py's (a port of ggml's reference
+/// quantizers): the stacked experts of moe64.f32.gguf through `kquant::quantize_row`, byte
+/// for byte against the Q4_0 and Q5_0 blocks scripts/make_nemotron_h_gguf.py had gguf-py
+/// write for them.
+#[test]
+fn block_quantizers_write_gguf_py_blocks() {
+    use mamba2_wgpu::model::kquant::quantize_row;
+    let f32_file = GgufFile::open(&dir().join("moe64.f32.gguf")).unwrap();
+    for file in ["moe64.q4_0.gguf", "moe64.q5_0.gguf"] {
+        let g = GgufFile::open(&dir().join(file)).unwrap();
+        let mut checked = 0;
+        for t in g
+            .tensors
+            .iter()
+            .filter(|t| t.name.ends_with("_exps.weight"))
+        {
+            let DType::Quant(ty) = t.dtype else {
+                panic!("{file} {}: not a block type", t.name)
+            };
+            let src = f32_file.tensors.iter().find(|s| s.name == t.name).unwrap();
+            let cols = *src.shape.last().unwrap();
+            let mut ours = Vec::new();
+            for row in src.to_f32().chunks(cols) {
+                quantize_row(ty, row, &mut ours);
+            }
+            let bytes = ty.block().1;
+            let differ = ours
+                .chunks(bytes)
+                .zip(t.bytes().chunks(bytes))
+                .filter(|(x, y)| x != y)
+                .count();
+            assert_eq!(ours.len(), t.bytes().len(), "{file} {}", t.name);
+            assert_eq!(differ, 0, "{file} {}: blocks unlike gguf-py's", t.name);
+            checked += 1;
+        }
+        assert_eq!(checked, 4, "{file}: the stacked expert matrices");
     }
 }
 
@@ -316,6 +371,7 @@ fn f32_gguf_in_every_gpu_format() {
         WeightFormat::Q6_K,
         WeightFormat::Q5_K,
         WeightFormat::Q4_K,
+        WeightFormat::Q5_0,
         WeightFormat::Q4_0,
     ] {
         let want = cpu_logits(&common::rounded(&model, |k| format.for_cols(k)), &p);
@@ -903,7 +959,8 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
 
 /// Quantized `nemotron_h_moe` files (scripts/make_nemotron_h_gguf.py's random `moe64`: every
 /// matrix but the routers in gguf-py's Q8_0 blocks, the experts stacked; in
-/// `moe64.q4_0.gguf` the stacked experts in Q4_0 blocks) used as stored, the expert banks
+/// `moe64.q4_0.gguf` / `moe64.q5_0.gguf` the stacked experts in Q4_0 / Q5_0 blocks) used as
+/// stored, the expert banks
 /// in the file's own blocks: the GPU's logits equal the CPU reference's on the same file,
 /// prefill and decode graph alike, and the Q8_0 file's equal the f32 file's with the same
 /// matrices rounded through ggml's q8_0 blocks.
@@ -917,6 +974,7 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
     for (file, experts, format) in [
         ("moe64.q8_0.gguf", GgmlType::Q8_0, WeightFormat::Q8_0),
         ("moe64.q4_0.gguf", GgmlType::Q4_0, WeightFormat::Q8_0),
+        ("moe64.q5_0.gguf", GgmlType::Q5_0, WeightFormat::Q8_0),
     ] {
         let model = Model::load(&dir().join(file)).unwrap();
         assert_eq!(model.config.pattern(), "ME*E");
@@ -930,7 +988,7 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
         };
         // The four stacked expert matrices, and the twelve others in Q8_0.
         assert_eq!(
-            n_of(GgmlType::Q8_0) + n_of(GgmlType::Q4_0),
+            n_of(GgmlType::Q8_0) + n_of(GgmlType::Q4_0) + n_of(GgmlType::Q5_0),
             16,
             "{counts:?}"
         );

@@ -51,6 +51,11 @@ const CASES: &[Case] = &[
         format: WeightFormat::Q4_0,
     },
     Case {
+        name: "mamba2 q5_0",
+        model: || Model::synthetic(tiny_config(2, 16), 10),
+        format: WeightFormat::Q5_0,
+    },
+    Case {
         name: "mamba2 q4_k",
         model: || Model::synthetic(tiny_config(2, 16), 7),
         format: WeightFormat::Q4_K,

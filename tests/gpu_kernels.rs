@@ -229,11 +229,12 @@ fn gemv_every_format_and_shape() {
                 "q8_0 [{rows},{cols}] row {r}: {a} vs {b}"
             );
         }
-        // The 4/6-bit formats: the dot product of the dequantized weights with the
+        // The 4/5/6-bit formats: the dot product of the dequantized weights with the
         // dequantized q8 input (what their integer dots compute exactly), to f32 rounding
         // of the block sums.
         for format in [
             WeightFormat::Q4_0,
+            WeightFormat::Q5_0,
             WeightFormat::Q4_K,
             WeightFormat::Q5_K,
             WeightFormat::Q6_K,
@@ -573,6 +574,7 @@ fn quantized_gemv_with_the_pre_norm_folded_in() {
         for format in [
             WeightFormat::Q8_0,
             WeightFormat::Q4_0,
+            WeightFormat::Q5_0,
             WeightFormat::Q4_K,
             WeightFormat::Q6_K,
         ] {

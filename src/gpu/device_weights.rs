@@ -124,7 +124,11 @@ pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64)
 pub fn expert_format(format: WeightFormat, latent: bool) -> WeightFormat {
     match format {
         WeightFormat::BF16 => WeightFormat::F16,
-        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K | WeightFormat::Q6_K
+        WeightFormat::Q4_0
+        | WeightFormat::Q5_0
+        | WeightFormat::Q4_K
+        | WeightFormat::Q5_K
+        | WeightFormat::Q6_K
             if latent =>
         {
             WeightFormat::Q8_0

@@ -48,7 +48,7 @@ impl DeviceMatrix {
         match self.format {
             WeightFormat::F16 | WeightFormat::BF16 => f.push("W_HALF"),
             WeightFormat::Q4_K | WeightFormat::Q5_K => f.extend(["W_BLOCK", "W_K4"]),
-            WeightFormat::Q4_0 | WeightFormat::Q6_K => f.push("W_BLOCK"),
+            WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q6_K => f.push("W_BLOCK"),
             WeightFormat::F32 | WeightFormat::Q8_0 => {}
         }
         f
@@ -62,6 +62,7 @@ impl DeviceMatrix {
             WeightFormat::BF16 => "W_BF16",
             WeightFormat::Q8_0 => "W_Q8",
             WeightFormat::Q4_0 => "W_Q4_0",
+            WeightFormat::Q5_0 => "W_Q5_0",
             WeightFormat::Q4_K => "W_Q4_K",
             WeightFormat::Q5_K => "W_Q5_K",
             WeightFormat::Q6_K => "W_Q6_K",

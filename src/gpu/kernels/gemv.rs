@@ -447,7 +447,7 @@ pub fn vector_width(format: WeightFormat) -> usize {
         WeightFormat::F32 => 4,
         WeightFormat::F16 | WeightFormat::BF16 => 8,
         WeightFormat::Q8_0 => 16,
-        WeightFormat::Q4_0 | WeightFormat::Q4_K | WeightFormat::Q5_K => 32,
+        WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q4_K | WeightFormat::Q5_K => 32,
         WeightFormat::Q6_K => 64,
     }
 }
