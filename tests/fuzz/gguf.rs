@@ -6,12 +6,14 @@ use super::*;
 // ---------------------------------------------------------------------------------------
 
 /// The GGUF fixtures: a plain Mamba2 in f32, a hybrid in q8_0, a k-quant Mamba2, a
-/// `nemotron_h_moe` in q8_0 (stacked experts), a `granitehybrid` in f32.
-const GGUF_FIXTURES: [&str; 5] = [
+/// `nemotron_h_moe` in q8_0 (stacked experts) and one with Q5_0 experts (a mixed file), a
+/// `granitehybrid` in f32.
+const GGUF_FIXTURES: [&str; 6] = [
     "tests/fixtures/gguf/g1.f32.gguf",
     "tests/fixtures/gguf/nemotron_h_hybrid.q8_0.gguf",
     "tests/fixtures/gguf/k256.q4_k.gguf",
     "tests/fixtures/gguf/moe64.q8_0.gguf",
+    "tests/fixtures/gguf/moe64.q5_0.gguf",
     "tests/fixtures/gguf/granite_moe_hybrid.f32.gguf",
 ];
 
