@@ -1,6 +1,7 @@
 // Synthetic weights made on the device (benchmarks at real shapes without a checkpoint):
 // word i of a buffer gets random bits from the sampler's hash. MODE 0: f32 in [lo, hi);
-// MODE 1: two f16 in [lo, hi); MODE 2: four int8 in [-127, 127]; MODE 3: a constant word.
+// MODE 1: two f16 in [lo, hi); MODE 2: four int8 in [-127, 127]; MODE 3: a constant word;
+// MODE 4: four constant words repeated (a 16-byte field per block).
 
 struct Fill {
     count: u32,
@@ -11,6 +12,7 @@ struct Fill {
     hi: f32,
     pad0: u32,
     pad1: u32,
+    pattern: vec4<u32>,
 }
 
 @group(0) @binding(0) var<storage, read_write> out: array<u32>;
@@ -43,6 +45,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
         case 2u: {
             let b = vec4<i32>(vec4<u32>(h & 0xffu, (h >> 8u) & 0xffu, (h >> 16u) & 0xffu, h >> 24u)) - vec4<i32>(127);
             out[i] = pack4xI8(clamp(b, vec4<i32>(-127), vec4<i32>(127)));
+        }
+        case 4u: {
+            out[i] = f.pattern[i % 4u];
         }
         default: {
             out[i] = f.word;

@@ -1,7 +1,7 @@
 // The prefill projections on cooperative matrices (tensor cores where the device has them):
 // Y[t, m] (=|+=) Σ_k X[t, k]·W[m, k] for the T = ctrl.prompt_len tokens of a block,
-// W [M, KP] in f16 or q8_0 (KP a multiple of 32), X [T, XS] f32, multiplied as f16 into f32
-// accumulators on 16×16×16 tiles.
+// W [M, KP] in f16, q8_0 or a 4/5/6-bit block format (KP a multiple of 32), X [T, XS] f32,
+// multiplied as f16 into f32 accumulators on 16×16×16 tiles.
 //
 // A workgroup of WT × WR subgroups of 32 computes BT tokens × BM rows; subgroup s owns
 // tokens (s % WT)·FT·16.. and rows (s / WT)·FM·16.. of it, FT × FM accumulator tiles. The K
@@ -46,7 +46,9 @@
 
 enable f16;
 
+#if !W_BLOCK
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+#endif
 #if W_Q8
 #if SC8
 // Eight scales per load: a row's scales are a whole number of 16-byte groups (KP % 256 == 0).
@@ -99,11 +101,23 @@ fn x_slice(t0: u32, tokens: u32, k: u32, e: u32) -> vec4<f32> {
 }
 
 // W slice `e` of the step at column k: row m0 + e/PW (of the matrix from row wrow),
-// columns k + (e%PW)·VP .. +VP.
+// columns k + (e%PW)·VP .. +VP. The 4/5/6-bit block formats (W_BLOCK, block_quant.wgsl's
+// bindings) come dequantized, as eight f16 in f16's layout (VP = 8): their loads are then
+// waited for at once, not PF steps later.
 fn w_slice(wrow: u32, m0: u32, k: u32, e: u32) -> vec4<u32> {
     let m = m0 + e / PW;
     if ((m < M) & (k < KP)) {
+#if W_BLOCK
+        let v = bq_weights8(wrow + m, k + (e % PW) * 8u);
+        return vec4<u32>(
+            pack2x16float(vec2<f32>(v[0], v[1])),
+            pack2x16float(vec2<f32>(v[2], v[3])),
+            pack2x16float(vec2<f32>(v[4], v[5])),
+            pack2x16float(vec2<f32>(v[6], v[7])),
+        );
+#else
         return w[((wrow + m) * KP + k) / VP + e % PW];
+#endif
     }
     return vec4<u32>(0u);
 }
@@ -148,6 +162,12 @@ fn put_x(stage: u32, e: u32, v: vec4<f32>) {
 fn put_w(stage: u32, e: u32, q: vec4<u32>, d: f32) {
     let o = stage * WTILE + (e / PW) * LD2 + (e % PW) * (VP / 2u);
 #if W_F16
+    wsh[o] = vec2<f16>(unpack2x16float(q.x));
+    wsh[o + 1u] = vec2<f16>(unpack2x16float(q.y));
+    wsh[o + 2u] = vec2<f16>(unpack2x16float(q.z));
+    wsh[o + 3u] = vec2<f16>(unpack2x16float(q.w));
+#endif
+#if W_BLOCK
     wsh[o] = vec2<f16>(unpack2x16float(q.x));
     wsh[o + 1u] = vec2<f16>(unpack2x16float(q.y));
     wsh[o + 2u] = vec2<f16>(unpack2x16float(q.z));

@@ -110,14 +110,23 @@ const Q8_HEAD_TOL: f64 = 1e-4;
 /// Tokens of a block whose router may have chosen differently on the two paths.
 const ROUTER_FLIPS: usize = 3;
 
-/// Prefills two blocks of the `pattern` model on both paths (f16 and q8_0 weights) and
+/// Prefills two blocks of the `pattern` model on both paths (f16, q8_0 and block weights) and
 /// compares logits (every token but at most `flips`, and the aggregate of those) and states,
 /// then a short turn (the short-block graph) by its last logits and state; the cooperative
 /// path must have built `kernels`.
 fn compare_paths(pattern: &str, flips: usize, kernels: &[&str]) {
     let model = Model::synthetic(coop_config(pattern), 17);
     let vocab = model.config.vocab_size;
-    for format in [WeightFormat::F16, WeightFormat::Q8_0] {
+    // (The 4/5/6-bit block formats: dequantized to f16 on their way into the tiles; the
+    // k-quants' 256-value blocks take the 256-wide matrices, the rest fall back to q8_0.)
+    for format in [
+        WeightFormat::F16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_0,
+        WeightFormat::Q5_0,
+        WeightFormat::Q4_K,
+        WeightFormat::Q6_K,
+    ] {
         let (Some(mut fma), Some(mut coop)) = (
             backend(&model, format, false),
             backend(&model, format, true),
@@ -193,7 +202,7 @@ fn compare_paths(pattern: &str, flips: usize, kernels: &[&str]) {
         // weights multiplies q8-quantized activations: an f16-level difference in the
         // residual can move an activation by one q8 step — 1.5e-5 seen here while the state
         // the short block wrote agreed at 3e-7.)
-        let tol = if format == WeightFormat::Q8_0 {
+        let tol = if format.reads_q8() {
             Q8_HEAD_TOL
         } else {
             NMSE_TOL

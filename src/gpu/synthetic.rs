@@ -50,24 +50,38 @@ fn random_matrix(
     };
     fill(k, &mut enc, &data, words, seed, mode)?;
     let scales = if format.reads_q8() {
-        // Every f16 field of the block scales set to one step (the k-quants' sub-block
-        // scale bytes then hold bytes of it too: finite, which is all speed needs).
+        // Every f16 field of the block scales set to one step (q6_k's i8 sub-block scales
+        // then hold bytes of it too: finite, which is all speed needs). The k-quants with
+        // mins (q4_k, q5_k) get sub-block scales and mins of 32 and dmin = d·(levels−1)/2,
+        // so their random levels sit around zero as trained weights do: with the bytes of
+        // d as scales and mins, every weight carried a large common offset, and Granite's
+        // prefill overflowed the f16 inputs of its tensor-core SSD kernels.
         let n = (format.bytes(rows, cols) - format.data_bytes(rows, cols)) as u64;
         let buf = ctx.storage_zeroed(&format!("{name}.scales"), n)?;
         let step = match format {
             WeightFormat::Q8_0 => 127.0,
             WeightFormat::Q6_K => 32.0 * 64.0,
+            WeightFormat::Q4_K => 32.0 * 8.0,
+            WeightFormat::Q5_K => 32.0 * 16.0,
             _ => 8.0 * 16.0,
         };
-        let d = half::f16::from_f32(scale / step).to_bits() as u32;
-        fill(
-            k,
-            &mut enc,
-            &buf,
-            n.div_ceil(4),
-            0,
-            FillMode::Word(d | (d << 16)),
-        )?;
+        let half = |v: f32| half::f16::from_f32(v).to_bits() as u32;
+        let d = half(scale / step);
+        let mode = match format {
+            WeightFormat::Q4_K | WeightFormat::Q5_K => {
+                let levels = if format == WeightFormat::Q4_K {
+                    16.0
+                } else {
+                    32.0
+                };
+                let dmin = half(scale / step * (levels - 1.0) / 2.0);
+                // Scales and mins 0…3: low 6 bits of bytes 0…3 and 4…7 (32 = 0x20); 4…7:
+                // their low nibbles in bytes 8…11 (0) and top bits from bytes 0…7 (bit 7).
+                FillMode::Pattern([d | (dmin << 16), 0xA0A0_A0A0, 0xA0A0_A0A0, 0])
+            }
+            _ => FillMode::Word(d | (d << 16)),
+        };
+        fill(k, &mut enc, &buf, n.div_ceil(4), 0, mode)?;
         Some(buf)
     } else {
         None

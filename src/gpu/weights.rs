@@ -40,33 +40,14 @@ impl DeviceMatrix {
         self.data.size() + self.scales.as_ref().map_or(0, |s| s.size())
     }
 
-    /// The WGSL flags selecting this format: its own, and the families `block_quant.wgsl`
-    /// serves: `W_HALF` (f16, bf16: `half2`), `W_BLOCK` for the 4/5/6-bit block formats
-    /// (`bq_weights8`), and `W_K4` among them for q4_k and q5_k (one scale layout).
+    /// The WGSL flags selecting this matrix's format (`format_flags`).
     pub fn flags(&self) -> Vec<&'static str> {
-        let mut f = vec![self.flag()];
-        match self.format {
-            WeightFormat::F16 | WeightFormat::BF16 => f.push("W_HALF"),
-            WeightFormat::Q4_K | WeightFormat::Q5_K => f.extend(["W_BLOCK", "W_K4"]),
-            WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q6_K => f.push("W_BLOCK"),
-            WeightFormat::F32 | WeightFormat::Q8_0 => {}
-        }
-        f
+        format_flags(self.format)
     }
 
     /// The WGSL flag selecting this format.
     pub fn flag(&self) -> &'static str {
-        match self.format {
-            WeightFormat::F32 => "W_F32",
-            WeightFormat::F16 => "W_F16",
-            WeightFormat::BF16 => "W_BF16",
-            WeightFormat::Q8_0 => "W_Q8",
-            WeightFormat::Q4_0 => "W_Q4_0",
-            WeightFormat::Q5_0 => "W_Q5_0",
-            WeightFormat::Q4_K => "W_Q4_K",
-            WeightFormat::Q5_K => "W_Q5_K",
-            WeightFormat::Q6_K => "W_Q6_K",
-        }
+        format_flag(self.format)
     }
 
     /// `(binding, buffer)` pairs of the weight bindings 0 (data) and 1 (scales).
@@ -76,5 +57,35 @@ impl DeviceMatrix {
             v.push((1, s));
         }
         v
+    }
+}
+
+/// The WGSL flags selecting weights of `format`: its own, and the families
+/// `block_quant.wgsl` serves: `W_HALF` (f16, bf16: `half2`), `W_BLOCK` for the 4/5/6-bit
+/// block formats (`bq_weights8`), and `W_K4` among them for q4_k and q5_k (one scale
+/// layout).
+pub fn format_flags(format: WeightFormat) -> Vec<&'static str> {
+    let mut f = vec![format_flag(format)];
+    match format {
+        WeightFormat::F16 | WeightFormat::BF16 => f.push("W_HALF"),
+        WeightFormat::Q4_K | WeightFormat::Q5_K => f.extend(["W_BLOCK", "W_K4"]),
+        WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q6_K => f.push("W_BLOCK"),
+        WeightFormat::F32 | WeightFormat::Q8_0 => {}
+    }
+    f
+}
+
+/// The WGSL flag selecting weights of `format`.
+pub fn format_flag(format: WeightFormat) -> &'static str {
+    match format {
+        WeightFormat::F32 => "W_F32",
+        WeightFormat::F16 => "W_F16",
+        WeightFormat::BF16 => "W_BF16",
+        WeightFormat::Q8_0 => "W_Q8",
+        WeightFormat::Q4_0 => "W_Q4_0",
+        WeightFormat::Q5_0 => "W_Q5_0",
+        WeightFormat::Q4_K => "W_Q4_K",
+        WeightFormat::Q5_K => "W_Q5_K",
+        WeightFormat::Q6_K => "W_Q6_K",
     }
 }

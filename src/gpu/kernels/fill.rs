@@ -9,10 +9,18 @@ const SOURCES: super::Sources = &[include_str!("../../../shaders/fill.wgsl")];
 /// What each 32-bit word receives.
 #[derive(Clone, Copy, Debug)]
 pub enum FillMode {
-    F32 { lo: f32, hi: f32 },
-    F16x2 { lo: f32, hi: f32 },
+    F32 {
+        lo: f32,
+        hi: f32,
+    },
+    F16x2 {
+        lo: f32,
+        hi: f32,
+    },
     I8x4,
     Word(u32),
+    /// Four words repeated (word `i` gets `pattern[i % 4]`): a 16-byte field per block.
+    Pattern([u32; 4]),
 }
 
 /// Records a fill of the first `words` words of `buffer` into `encoder`.
@@ -24,13 +32,14 @@ pub fn fill(
     seed: u32,
     mode: FillMode,
 ) -> Result<()> {
-    let (m, word, lo, hi) = match mode {
-        FillMode::F32 { lo, hi } => (0u32, 0u32, lo, hi),
-        FillMode::F16x2 { lo, hi } => (1, 0, lo, hi),
-        FillMode::I8x4 => (2, 0, 0.0, 0.0),
-        FillMode::Word(w) => (3, w, 0.0, 0.0),
+    let (m, word, lo, hi, pattern) = match mode {
+        FillMode::F32 { lo, hi } => (0u32, 0u32, lo, hi, [0; 4]),
+        FillMode::F16x2 { lo, hi } => (1, 0, lo, hi, [0; 4]),
+        FillMode::I8x4 => (2, 0, 0.0, 0.0, [0; 4]),
+        FillMode::Word(w) => (3, w, 0.0, 0.0, [0; 4]),
+        FillMode::Pattern(p) => (4, 0, 0.0, 0.0, p),
     };
-    let params: [u32; 8] = [
+    let params: [u32; 12] = [
         words as u32,
         seed,
         m,
@@ -39,10 +48,14 @@ pub fn fill(
         hi.to_bits(),
         0,
         0,
+        pattern[0],
+        pattern[1],
+        pattern[2],
+        pattern[3],
     ];
     let uniform = k.ctx.buffer(
         "fill params",
-        32,
+        48,
         wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
     )?;
     k.ctx

@@ -1,6 +1,6 @@
 //! `gemm_coop.wgsl`: the prefill projections on cooperative matrices (f16 × f16 → f32
-//! 16×16×16 tiles: the tensor cores), for f16 and q8_0 weights whose padded width is a
-//! multiple of 32, on by default where the device has them (`Caps::coop_matrix`). Same
+//! 16×16×16 tiles: the tensor cores), for f16, q8_0 and 4/5/6-bit block weights whose
+//! padded width is a multiple of 32, on by default where the device has them (`Caps::coop_matrix`). Same
 //! contract as `gemm`: `Y [T][ys] (=|+=) X [T][xs] · Wᵀ`, X rows `xs = ceil32(K)` f32
 //! values (converted to f16 on the way into workgroup memory).
 //!
@@ -16,11 +16,15 @@ use crate::gpu::weights::DeviceMatrix;
 use crate::model::quant::WeightFormat;
 
 const SOURCE: &str = include_str!("../../../shaders/gemm_coop.wgsl");
+const BLOCK_QUANT: &str = include_str!("../../../shaders/block_quant.wgsl");
 /// The stand-ins' sources.
 const EMULATED: super::Sources = &[SOURCE];
+/// … for the 4/5/6-bit block formats (their bindings and `bq_weights8`).
+const EMULATED_BLOCK: super::Sources = &[BLOCK_QUANT, SOURCE];
 /// The real cooperative ops need their `enable` first (one under an `#if` would not do:
 /// the assembler hoists every `enable` line).
 const COOP: super::Sources = &["enable wgpu_cooperative_matrix;\n", SOURCE];
+const COOP_BLOCK: super::Sources = &["enable wgpu_cooperative_matrix;\n", BLOCK_QUANT, SOURCE];
 
 /// The widest K step (the kernel's BK; tiles take 16 or 32): padded widths must be
 /// multiples of it.
@@ -224,9 +228,10 @@ pub fn applies(k: &Kernels, w: &DeviceMatrix) -> bool {
     k.ctx.caps.coop_kernels() && takes(w)
 }
 
-/// Whether the kernel reads this matrix at all (formats and row widths).
+/// Whether the kernel reads this matrix at all (formats and row widths): f16, q8_0 and the
+/// 4/5/6-bit block formats (dequantized to f16 on their way into workgroup memory).
 pub fn takes(w: &DeviceMatrix) -> bool {
-    matches!(w.format, WeightFormat::F16 | WeightFormat::Q8_0) && w.kp.is_multiple_of(BK)
+    !matches!(w.format, WeightFormat::F32 | WeightFormat::BF16) && w.kp.is_multiple_of(BK)
 }
 
 /// Whether a GEMM of `rows` rows of W over blocks of `max_tokens` into `y` (rows of `ys`)
@@ -405,11 +410,9 @@ pub fn specialize(
     Vec<(&'static str, Const)>,
     Vec<&'static str>,
 ) {
-    let (vp, flag) = if format == WeightFormat::Q8_0 {
-        (16, "W_Q8")
-    } else {
-        (8, "W_F16")
-    };
+    // (q8_0: 16 values a slice; f16 and the block formats, dequantized: 8.)
+    let vp = if format == WeightFormat::Q8_0 { 16 } else { 8 };
+    let block = !matches!(format, WeightFormat::F16 | WeightFormat::Q8_0);
     let pw = tile.w_slices(format);
     let n = tile.threads();
     let u = |v: usize| Const::U32(v as u32);
@@ -438,13 +441,11 @@ pub fn specialize(
         // made: `GpuContext::new`.)
         ("PF", u(prefetch(format, kp).unwrap_or(1))),
     ];
-    let mut flags = vec![
-        flag,
-        match output {
-            GemmOutput::Store => "O_STORE",
-            GemmOutput::Add => "O_ADD",
-        },
-    ];
+    let mut flags = crate::gpu::weights::format_flags(format);
+    flags.push(match output {
+        GemmOutput::Store => "O_STORE",
+        GemmOutput::Add => "O_ADD",
+    });
     if scales_by_eight(format, kp) {
         flags.push("SC8");
     }
@@ -465,7 +466,11 @@ pub fn specialize(
             flags.push("GATHER");
         }
     }
-    let sources = super::coop_sources(COOP, EMULATED, emulate, &mut flags);
+    let sources = if block {
+        super::coop_sources(COOP_BLOCK, EMULATED_BLOCK, emulate, &mut flags)
+    } else {
+        super::coop_sources(COOP, EMULATED, emulate, &mut flags)
+    };
     (sources, consts, flags)
 }
 
