@@ -1,6 +1,7 @@
 // The routed experts' projections, reading the chosen ids from the router's buffers (the
 // dispatch never changes; only the chosen experts' rows are read). W is a bank of NE
-// experts starting at expert E0: [NE·M, KP] in f32, f16 or q8_0, expert e's M rows at
+// experts starting at expert E0: [NE·M, KP] in f32, f16, q8_0 or a 4/5/6-bit block format
+// (block_quant.wgsl's layouts), expert e's M rows at
 // (e − E0)·M. Teams of TEAM invocations own a row, as in gemv.wgsl. Input vectors are XS
 // (KP rounded up to 32) values apart, as the norms and activations write them.
 // UP (grid z = t·KS + s, the token's s-th slot): dst[(t·KS + s)·M + row] = W_id[row] · x_t

@@ -297,7 +297,14 @@ impl DeviceWeights {
                 }
                 bar.inc(t.numel() as u64);
             }
-            let format = format.for_cols(cols);
+            // Stored blocks scaled on the way (Granite's residual multiplier) are requantized
+            // to q8_0, whose 8-bit grid keeps them closest: a second 4/5/6-bit rounding
+            // would add about as much error as the file's own.
+            let format = if stored.is_some() && scale != 1.0 && format.reads_q8() {
+                WeightFormat::Q8_0
+            } else {
+                format.for_cols(cols)
+            };
             let packed = pack_parallel(format, &values, rows, cols).map_err(|i| {
                 // Name the part (of a stacked matrix) holding the value.
                 let (r, c) = (i / cols, i % cols);

@@ -1,6 +1,6 @@
 //! The MoE block's dispatches, all static (the host never sees the routing):
-//! router GEMV (f32) → `moe_route` (ids, weights, expert load; fused, over q8_0 or f32
-//! experts, in the first up pass's prologue instead) → per bank the chosen experts'
+//! router GEMV (f32) → `moe_route` (ids, weights, expert load; fused, over any format but
+//! f16, in the first up pass's prologue instead) → per bank the chosen experts'
 //! up projections → the activation over the `K` choices (with their q8 blocks; fused, for
 //! non-gated experts, in the up pass's epilogue instead) → per bank the weighted down
 //! projections added into the residual → the shared expert as an MLP (as expert slices

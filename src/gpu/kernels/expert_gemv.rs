@@ -72,7 +72,7 @@ pub struct Bank {
 pub struct ExpertBuffers<'a> {
     /// f32 inputs (f32/f16 matrices).
     pub src: &'a wgpu::Buffer,
-    /// q8 input blocks (q8_0 matrices).
+    /// q8 input blocks (the quantized formats: q8_0 and the 4/5/6-bit block formats).
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub dst: &'a wgpu::Buffer,
     pub ids: &'a wgpu::Buffer,

@@ -903,20 +903,31 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
 
 /// The rest of the load-time check: q8_0 weights whose scales load eight at a time
 /// (K = 256), on the tile the engine picks, straight into Y; then a short block's split-K
-/// GEMM (K = 1024 in slices, `gemm_coop_split` and `gemm_reduce`): each against the CPU's
-/// sum of the same f16 products.
+/// GEMM (K = 1024 in slices, `gemm_coop_split` and `gemm_reduce`); then q4_k weights (the
+/// block formats' dequantizing loads, K = 512): each against the CPU's sum of the same f16
+/// products.
 fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
-    q8_case(k, emulate, 256, 150, false)?;
-    q8_case(k, emulate, 1024, 40, true)
+    q8_case(k, emulate, WeightFormat::Q8_0, 256, 150, false)?;
+    q8_case(k, emulate, WeightFormat::Q8_0, 1024, 40, true)?;
+    q8_case(k, emulate, WeightFormat::Q4_K, 512, 150, false)
 }
 
-/// One q8_0 check of `t` tokens × `kc` columns (`split`: the short-block split-K path).
-fn q8_case(k: &Kernels, emulate: bool, kc: usize, t: usize, split: bool) -> Result<()> {
+/// One check of `t` tokens × `kc` columns of quantized weights in `format` (`split`: the
+/// short-block split-K path).
+fn q8_case(
+    k: &Kernels,
+    emulate: bool,
+    format: WeightFormat,
+    kc: usize,
+    t: usize,
+    split: bool,
+) -> Result<()> {
     use half::f16;
     let m = 208;
     let rnd = |seed: u64, n: usize| super::check_values(seed, n, -1.0, 1.0);
-    let packed = crate::model::quant::pack(WeightFormat::Q8_0, &rnd(4, m * kc), m, kc);
-    // The values the kernel multiplies: q·d rounded to f16, and X as f16.
+    let packed = crate::model::quant::pack(format, &rnd(4, m * kc), m, kc);
+    // The values the kernel multiplies: the dequantized weights rounded to f16 (q8_0: q·d
+    // in f16 arithmetic, the same value), and X as f16.
     let wv: Vec<f32> = crate::model::quant::unpack(&packed)
         .into_iter()
         .map(|v| f16::from_f32(v).to_f32())
@@ -987,7 +998,8 @@ fn q8_case(k: &Kernels, emulate: bool, kc: usize, t: usize, split: bool) -> Resu
         Ok(())
     } else {
         Err(Error::Gpu(format!(
-            "a q8_0 {t}×{kc}·{kc}×{m} GEMM {what} is off by {:.3e} at token {}, row {}",
+            "a {} {t}×{kc}·{kc}×{m} GEMM {what} is off by {:.3e} at token {}, row {}",
+            format.name(),
             worst.0,
             worst.1 / m,
             worst.1 % m
