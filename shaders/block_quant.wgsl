@@ -16,6 +16,21 @@
 //   W_Q6_K: 256-value superblocks; data ql[128] qh[64] (48 words), scales 5 words:
 //           sixteen i8 scales, then d.
 
+// Values per unit of the quantized GEMVs' rows (gemv_units.wgsl: one block, or q6_k's
+// quarter superblock; the GEMV kernels give the float formats and q8_0 theirs).
+#if W_Q4_0
+const VW: u32 = 32u;
+#endif
+#if W_Q5_0
+const VW: u32 = 32u;
+#endif
+#if W_K4
+const VW: u32 = 32u;
+#endif
+#if W_Q6_K
+const VW: u32 = 64u;
+#endif
+
 #if W_F16
 fn half2(u: u32) -> vec2<f32> {
     return unpack2x16float(u);

@@ -30,18 +30,6 @@ const VW: u32 = 8u;
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
 const VW: u32 = 16u;
 #endif
-#if W_Q4_0
-const VW: u32 = 32u;
-#endif
-#if W_Q5_0
-const VW: u32 = 32u;
-#endif
-#if W_K4
-const VW: u32 = 32u;
-#endif
-#if W_Q6_K
-const VW: u32 = 64u;
-#endif
 #if Q8_IN
 @group(0) @binding(3) var<storage, read> xq_in: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> xd_in: array<f32>;

@@ -14,18 +14,6 @@ const VW: u32 = 8u;
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
 const VW: u32 = 16u;
 #endif
-#if W_Q4_0
-const VW: u32 = 32u;
-#endif
-#if W_Q5_0
-const VW: u32 = 32u;
-#endif
-#if W_K4
-const VW: u32 = 32u;
-#endif
-#if W_Q6_K
-const VW: u32 = 64u;
-#endif
 #if X_Q8
 #if X_LOCAL
 // The block's pre-norm folded into a one-token GEMV of quantized weights: `src` is the

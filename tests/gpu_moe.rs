@@ -507,6 +507,21 @@ fn moe_chunked_prefill_equals_decode_across_blocks() {
     }
 }
 
+/// The median and 80th percentile of the per-position logits NMSE. A rounding can flip a
+/// near-tie routing choice, which changes that token's output wholesale (as between any two
+/// implementations) and, through the recurrent state, perturbs a few tokens after it:
+/// tests judge the typical position and allow a fifth of the positions as outliers (a
+/// wrong formula would put every position off).
+fn typical_nmse(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, f64) {
+    let mut per: Vec<f64> = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| common::nmse(g, w))
+        .collect();
+    per.sort_by(f64::total_cmp);
+    (per[per.len() / 2], per[per.len() * 80 / 100])
+}
+
 #[test]
 fn moe_f16_and_q8_weights_stay_close() {
     for (pattern, config) in models() {
@@ -524,18 +539,7 @@ fn moe_f16_and_q8_weights_stay_close() {
                     return;
                 };
                 let got = gpu.prefill_logits(&toks).unwrap();
-                // A rounding can flip a near-tie routing choice, which changes that token's
-                // output wholesale (as between any two implementations) and, through the
-                // recurrent state, perturbs a few tokens after it: judge the typical position
-                // and allow a fifth of the positions as outliers (a wrong formula would put
-                // every position off).
-                let mut per: Vec<f64> = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(g, w)| common::nmse(g, w))
-                    .collect();
-                per.sort_by(f64::total_cmp);
-                let (median, p80) = (per[per.len() / 2], per[per.len() * 80 / 100]);
+                let (median, p80) = typical_nmse(&got, &want);
                 let what = format!("{pattern} {format:?} {prefill:?}");
                 assert!(median <= tol, "{what}: median logits NMSE {median:e}");
                 assert!(p80 <= 10.0 * tol, "{what}: 80th percentile NMSE {p80:e}");
@@ -604,13 +608,7 @@ fn moe_block_format_experts_match_the_rounded_cpu_reference() {
                     assert_eq!(bank.format, format, "{what}: {}", bank.name);
                 }
                 let got = gpu.prefill_logits(&toks).unwrap();
-                let mut per: Vec<f64> = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(g, w)| common::nmse(g, w))
-                    .collect();
-                per.sort_by(f64::total_cmp);
-                let (median, p80) = (per[per.len() / 2], per[per.len() * 80 / 100]);
+                let (median, p80) = typical_nmse(&got, &want);
                 eprintln!("{what}: median logits NMSE {median:e}, 80th percentile {p80:e}");
                 assert!(median <= tol, "{what}: median logits NMSE {median:e}");
                 assert!(p80 <= 10.0 * tol, "{what}: 80th percentile NMSE {p80:e}");

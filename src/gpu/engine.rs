@@ -82,7 +82,7 @@ pub enum PrefillMode {
 pub const SHORT_PROMPT: usize = 16;
 
 /// `SHORT_PROMPT` where a short block's projections run on the tensor cores
-/// (`gemm_coop::gemm_coop_split`: f16 and q8_0 weights on a device with cooperative
+/// (`gemm_coop::gemm_coop_split`: f16 and quantized weights on a device with cooperative
 /// matrices), whose block costs 4–5 decode steps on every preset (H200, run 96, q8_0, a
 /// 5-token block against a decoded token: Codestral-7B 17.6 against 3.9 ms, mamba2-2.7b 10.5
 /// against 1.9, mamba2-130m 2.1 against 0.43, Nemotron-H-8B 15.3).

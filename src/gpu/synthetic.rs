@@ -51,7 +51,8 @@ fn random_matrix(
     fill(k, &mut enc, &data, words, seed, mode)?;
     let scales = if format.reads_q8() {
         // Every f16 field of the block scales set to one step (q6_k's i8 sub-block scales
-        // then hold bytes of it too: finite, which is all speed needs). The k-quants with
+        // then hold bytes of it too: finite, which is all speed needs; q5_0's scales are
+        // `qh, d` word pairs). The k-quants with
         // mins (q4_k, q5_k) get sub-block scales and mins of 32 and dmin = d·(levels−1)/2,
         // so their random levels sit around zero as trained weights do: with the bytes of
         // d as scales and mins, every weight carried a large common offset, and Granite's
@@ -79,6 +80,9 @@ fn random_matrix(
                 // their low nibbles in bytes 8…11 (0) and top bits from bytes 0…7 (bit 7).
                 FillMode::Pattern([d | (dmin << 16), 0xA0A0_A0A0, 0xA0A0_A0A0, 0])
             }
+            // q5_0: each block's fifth bits (qh) alternate along the row, so the levels
+            // sit around zero there too (qh with d's bits gave every column one offset).
+            WeightFormat::Q5_0 => FillMode::Pattern([0x5555_5555, d, 0x5555_5555, d]),
             _ => FillMode::Word(d | (d << 16)),
         };
         fill(k, &mut enc, &buf, n.div_ceil(4), 0, mode)?;

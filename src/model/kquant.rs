@@ -40,8 +40,8 @@ pub fn quantize_row(ty: GgmlType, row: &[f32], out: &mut Vec<u8>) {
     }
 }
 
-/// Q4_0: `d = max/−8` (the signed value of largest magnitude), `q = min(15, trunc(x/d + 8.5))`.
-fn q4_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
+/// The value of largest magnitude, sign kept (the first of equals, as ggml's loop keeps).
+fn signed_max(x: &[f32; 32]) -> f32 {
     let (mut amax, mut max) = (0f32, 0f32);
     for &v in x {
         if amax < v.abs() {
@@ -49,7 +49,12 @@ fn q4_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
             max = v;
         }
     }
-    let d = max / -8.0;
+    max
+}
+
+/// Q4_0: `d = max/−8` (the signed value of largest magnitude), `q = min(15, trunc(x/d + 8.5))`.
+fn q4_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
+    let d = signed_max(x) / -8.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
     let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
@@ -59,14 +64,7 @@ fn q4_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
 /// Q5_0: `d = max/−16`, `q = min(31, trunc(x/d + 16.5))`; the low nibbles as Q4_0's, each
 /// value's fifth bit at bit `j` of `qh` (values 0…15) or `j + 16` (16…31).
 fn q5_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    let d = max / -16.0;
+    let d = signed_max(x) / -16.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
     let q = |v: f32| ((v * id + 16.5) as i8).min(31) as u8;

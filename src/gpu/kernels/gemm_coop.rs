@@ -324,7 +324,8 @@ fn check_takes(name: &str, w: &DeviceMatrix) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Gpu(format!(
-            "{name}: the cooperative GEMM takes f16 or q8_0 rows padded to a multiple of {BK}, \
+            "{name}: the cooperative GEMM takes f16, q8_0 or block-format rows padded to a \
+             multiple of {BK}, \
              not {} ({} of {} columns)",
             w.format.name(),
             w.kp,
