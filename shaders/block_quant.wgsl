@@ -71,6 +71,19 @@ fn q5_spread4(h: u32) -> u32 {
     return ((h & 1u) | ((h & 2u) << 7u) | ((h & 4u) << 14u) | ((h & 8u) << 21u)) << 4u;
 }
 
+// The 32 values of a block (quants `q`, fifth bits `hv`) as int8 bytes 8·(q − 16): values
+// 0…15 (the low nibbles) then 16…31 (the high ones); (q ^ 16) << 3 is 8·(q − 16) in an
+// int8. What the GEMVs' integer dot products take.
+fn q5_bytes(q: vec4<u32>, hv: u32) -> array<vec4<u32>, 2> {
+    let hl = vec4<u32>(q5_spread4(hv & 15u), q5_spread4((hv >> 4u) & 15u), q5_spread4((hv >> 8u) & 15u), q5_spread4((hv >> 12u) & 15u));
+    let hh = vec4<u32>(q5_spread4((hv >> 16u) & 15u), q5_spread4((hv >> 20u) & 15u), q5_spread4((hv >> 24u) & 15u), q5_spread4(hv >> 28u));
+    let f = vec4<u32>(0x10101010u);
+    let m = vec4<u32>(0xF8F8F8F8u);
+    let lo = ((((q & vec4<u32>(0x0F0F0F0Fu)) | hl) ^ f) << vec4<u32>(3u)) & m;
+    let hi = (((((q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu)) | hh) ^ f) << vec4<u32>(3u)) & m;
+    return array<vec4<u32>, 2>(lo, hi);
+}
+
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let blk = row * (KP / 32u) + k0 / 32u;
     let s = ws[blk];

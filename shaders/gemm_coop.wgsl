@@ -161,13 +161,8 @@ fn put_x(stage: u32, e: u32, v: vec4<f32>) {
 
 fn put_w(stage: u32, e: u32, q: vec4<u32>, d: f32) {
     let o = stage * WTILE + (e / PW) * LD2 + (e % PW) * (VP / 2u);
-#if W_F16
-    wsh[o] = vec2<f16>(unpack2x16float(q.x));
-    wsh[o + 1u] = vec2<f16>(unpack2x16float(q.y));
-    wsh[o + 2u] = vec2<f16>(unpack2x16float(q.z));
-    wsh[o + 3u] = vec2<f16>(unpack2x16float(q.w));
-#endif
-#if W_BLOCK
+#if F16_PAIRS
+    // Eight f16 (f16 weights, or block weights w_slice dequantized).
     wsh[o] = vec2<f16>(unpack2x16float(q.x));
     wsh[o + 1u] = vec2<f16>(unpack2x16float(q.y));
     wsh[o + 2u] = vec2<f16>(unpack2x16float(q.z));

@@ -192,23 +192,16 @@ fn main(
 #if W_Q5_0
 #for r RT
         {
-            // q4_0's nibbles with each value's fifth bit from qh at bit 4 of its byte;
-            // (q ^ 16) << 3 is 8·(q − 16) in an int8 (gemv_units.wgsl's unit_dot).
+            // The block's 8·(q − 16) bytes (block_quant.wgsl's `q5_bytes`, as
+            // gemv_units.wgsl's unit_dot takes them).
             let si = row_{r} * (KP / 32u) + v;
-            let q = w[si];
             let sv = ws[si];
-            let hv = sv.x;
-            let hl = vec4<u32>(q5_spread4(hv & 15u), q5_spread4((hv >> 4u) & 15u), q5_spread4((hv >> 8u) & 15u), q5_spread4((hv >> 12u) & 15u));
-            let hh = vec4<u32>(q5_spread4((hv >> 16u) & 15u), q5_spread4((hv >> 20u) & 15u), q5_spread4((hv >> 24u) & 15u), q5_spread4(hv >> 28u));
-            let f = vec4<u32>(0x10101010u);
-            let m = vec4<u32>(0xF8F8F8F8u);
-            let lo = ((((q & vec4<u32>(0x0F0F0F0Fu)) | hl) ^ f) << vec4<u32>(3u)) & m;
-            let hi = (((((q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu)) | hh) ^ f) << vec4<u32>(3u)) & m;
+            let b = q5_bytes(w[si], sv.x);
             let d = unpack2x16float(sv.y).x;
 #for j NL
             {
                 let xo = xq_at(ln_{j});
-                let idot = dot16(lo, xq[xo + 2u * v]) + dot16(hi, xq[xo + 2u * v + 1u]);
+                let idot = dot16(b[0], xq[xo + 2u * v]) + dot16(b[1], xq[xo + 2u * v + 1u]);
                 acc_{r}_{j} += f32(idot) * (d * 0.125 * xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
             }
 #endfor

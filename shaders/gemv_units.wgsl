@@ -37,7 +37,7 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
 
 #if W_Q5_0
 // Block v of the row: q4_0's nibbles with each value's fifth bit from qh (bit j, for
-// value j) at bit 4 of its byte; (q ^ 16) << 3 is 8·(q − 16) in an int8.
+// value j), as block_quant.wgsl's `q5_bytes` widens them.
 struct Unit {
     q: vec4<u32>,
     x0: vec4<u32>,
@@ -53,14 +53,8 @@ fn unit_load(row: u32, x: u32, v: u32) -> Unit {
 }
 
 fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
-    let hv = l.s.x;
-    let hl = vec4<u32>(q5_spread4(hv & 15u), q5_spread4((hv >> 4u) & 15u), q5_spread4((hv >> 8u) & 15u), q5_spread4((hv >> 12u) & 15u));
-    let hh = vec4<u32>(q5_spread4((hv >> 16u) & 15u), q5_spread4((hv >> 20u) & 15u), q5_spread4((hv >> 24u) & 15u), q5_spread4(hv >> 28u));
-    let f = vec4<u32>(0x10101010u);
-    let m = vec4<u32>(0xF8F8F8F8u);
-    let lo = ((((l.q & vec4<u32>(0x0F0F0F0Fu)) | hl) ^ f) << vec4<u32>(3u)) & m;
-    let hi = (((((l.q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu)) | hh) ^ f) << vec4<u32>(3u)) & m;
-    let idot = dot16(lo, l.x0) + dot16(hi, l.x1);
+    let b = q5_bytes(l.q, l.s.x);
+    let idot = dot16(b[0], l.x0) + dot16(b[1], l.x1);
     let d = unpack2x16float(l.s.y).x;
     return f32(idot) * (d * 0.125 * l.xs * col_scale(v * 32u));
 }

@@ -411,28 +411,28 @@ impl DeviceWeights {
                             .step_by(per_bank)
                             .map(move |a| a..(a + per_bank).min(g.end))
                     });
+                    // A latent MoE's experts read f32 inputs: no block formats.
+                    let has_latent = m.latent.is_some();
+                    let ef = expert_format(format, has_latent);
+                    // With latent projections the residual scale goes into fc2 instead.
+                    let down_scale = if has_latent { 1.0 } else { resid_scale };
                     let (mut up, mut down, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
                     for (b, r) in ranges.enumerate() {
                         firsts.push(r.start);
                         let bank = &stored[r];
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().flat_map(|e| ups(e)).collect();
-                        // A latent MoE's experts read f32 inputs: no block formats.
-                        let latent = m.latent.is_some();
-                        let ef = expert_format(format, latent);
                         up.push(upload_as(
                             &name(&format!("experts.up.bank{b}")),
                             &parts,
                             ef,
                             1.0,
-                            !latent,
+                            !has_latent,
                         )?);
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().map(|e| &e.down).collect();
-                        // With latent projections the residual scale goes into fc2 instead.
                         let bank_name = name(&format!("experts.down.bank{b}"));
-                        let scale = if m.latent.is_some() { 1.0 } else { resid_scale };
-                        down.push(upload_as(&bank_name, &parts, ef, scale, !latent)?);
+                        down.push(upload_as(&bank_name, &parts, ef, down_scale, !has_latent)?);
                     }
                     let shared = match &m.shared {
                         Some(s) if slices.is_empty() => Some((

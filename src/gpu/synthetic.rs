@@ -52,8 +52,8 @@ fn random_matrix(
     let scales = if format.reads_q8() {
         // Every f16 field of the block scales set to one step (q6_k's i8 sub-block scales
         // then hold bytes of it too: finite, which is all speed needs; q5_0's scales are
-        // `qh, d` word pairs). The k-quants with
-        // mins (q4_k, q5_k) get sub-block scales and mins of 32 and dmin = d·(levels−1)/2,
+        // `qh, d` word pairs). The k-quants with mins (q4_k, q5_k) get sub-block scales
+        // and mins of 32 and dmin = d·(levels−1)/2,
         // so their random levels sit around zero as trained weights do: with the bytes of
         // d as scales and mins, every weight carried a large common offset, and Granite's
         // prefill overflowed the f16 inputs of its tensor-core SSD kernels.
@@ -204,11 +204,10 @@ impl Engine {
                     let stored = mo.stored_experts();
                     let firsts: Vec<usize> = (0..stored).step_by(per_bank).collect();
                     let x = mo.expert_width(c.d_model);
-                    for (bank, first) in (0..stored).step_by(per_bank).enumerate() {
+                    let ef = crate::gpu::device_weights::expert_format(format, mo.latent.is_some());
+                    for (bank, &first) in firsts.iter().enumerate() {
                         let n_e = per_bank.min(stored - first);
                         let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;
-                        let ef =
-                            crate::gpu::device_weights::expert_format(format, mo.latent.is_some());
                         up.push(random_matrix(
                             &k,
                             &n(&format!("experts.up.bank{bank}")),

@@ -447,6 +447,10 @@ pub fn specialize(
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
     });
+    if vp == 8 {
+        // Slices of eight f16 as stored (f16) or as dequantized (the block formats).
+        flags.push("F16_PAIRS");
+    }
     if scales_by_eight(format, kp) {
         flags.push("SC8");
     }
