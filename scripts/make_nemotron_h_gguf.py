@@ -47,10 +47,11 @@ take no Q8_0 blocks); and `moe64.f32.gguf` / `moe64.q8_0.gguf`, a random `nemotr
 model (numpy seed 11; layers M E * E, d 64, 8 experts of 32 in 2 groups, top 2, a shared
 expert of 64) whose every matrix but the router is 32-multiple wide: the Q8_0 file holds
 them all (the stacked experts, embedding and head too) in gguf-py's Q8_0 blocks;
-`moe64.q4_0.gguf` / `moe64.q5_0.gguf` the same but their stacked experts in gguf-py's
-Q4_0 / Q5_0 blocks (mixed files, as llama-quantize's mixes are), and `moe64.dequant.json`,
-gguf-py's dequantization of every tensor of the three quantized files (hash and first
-values).
+`moe64.q4_0.gguf` / `moe64.q4_1.gguf` / `moe64.q5_0.gguf` / `moe64.q5_1.gguf` the same but
+their stacked experts in gguf-py's Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks (mixed files, as
+llama-quantize's mixes are: a Q5_K_M file's rows that are not a multiple of 256 values are
+Q5_1), and `moe64.dequant.json`, gguf-py's dequantization of every tensor of the quantized
+files (hash and first values).
 """
 
 import argparse
@@ -272,10 +273,13 @@ def main():
     write(a.out / "moe64.q8_0.gguf", cfg, tensors, True)
     write(a.out / "moe64.q4_0.gguf", cfg, tensors, True, gguf.GGMLQuantizationType.Q4_0)
     write(a.out / "moe64.q5_0.gguf", cfg, tensors, True, gguf.GGMLQuantizationType.Q5_0)
+    write(a.out / "moe64.q4_1.gguf", cfg, tensors, True, gguf.GGMLQuantizationType.Q4_1)
+    write(a.out / "moe64.q5_1.gguf", cfg, tensors, True, gguf.GGMLQuantizationType.Q5_1)
     # gguf-py's dequantization of every tensor of the quantized files (the oracle of
     # tests/gguf.rs for these block types, as oracle.json is for the k256 files).
     record = {name: dequant_record(a.out / name)
-              for name in ["moe64.q8_0.gguf", "moe64.q4_0.gguf", "moe64.q5_0.gguf"]}
+              for name in ["moe64.q8_0.gguf", "moe64.q4_0.gguf", "moe64.q5_0.gguf",
+                           "moe64.q4_1.gguf", "moe64.q5_1.gguf"]}
     (a.out / "moe64.dequant.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 

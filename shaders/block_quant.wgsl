@@ -7,8 +7,11 @@
 // number of blocks).
 //   W_Q4_0: 32-value blocks; data 16 B (value j = nibble j/16 of byte j%16, d·(q−8));
 //           scales: d, two f16 per word.
-//   W_Q5_0: 32-value blocks; data 16 B as W_Q4_0's (the low four bits); scales one vec2
-//           per block: qh (bit j: the fifth bit of value j), then d (low half), d·(q−16).
+//   W_Q4_1: 32-value blocks; data 16 B as W_Q4_0's; scales one word per block: d (low
+//           half), m (high half), d·q + m.
+//   W_Q5 (W_Q5_0, W_Q5_1): 32-value blocks; data 16 B as W_Q4_0's (the low four bits);
+//           scales one vec2 per block: qh (bit j: the fifth bit of value j), then d (low
+//           half) and m (high half; zero for W_Q5_0): d·(q−16) for W_Q5_0, d·q + m for W_Q5_1.
 //   W_K4 (W_Q4_K, W_Q5_K): 256-value superblocks; data qs[128] (sub-block s = nibble
 //           s%2 of bytes 32·(s/2)…+32), for W_Q5_K then qh[32] (bit s of byte l: the fifth
 //           bit of value l of sub-block s); scales one 16-byte vector: d|dmin, then 12
@@ -21,7 +24,10 @@
 #if W_Q4_0
 const VW: u32 = 32u;
 #endif
-#if W_Q5_0
+#if W_Q4_1
+const VW: u32 = 32u;
+#endif
+#if W_Q5
 const VW: u32 = 32u;
 #endif
 #if W_K4
@@ -62,42 +68,91 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
 }
 #endif
 
-#if W_Q5_0
+#if W_Q4_1
+@group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> ws: array<u32>;
+
+fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
+    let blk = row * (KP / 32u) + k0 / 32u;
+    let dm = unpack2x16float(ws[blk]);
+    let j = k0 % 32u;
+    let v = w[blk];
+    // Bytes j%16 … +8 of the block: two words, their nibble j/16.
+    let sh = (j / 16u) * 4u;
+    let wi = (j % 16u) / 4u;
+    let a = vec4<f32>(unpack4xU8((v[wi] >> sh) & 0x0F0F0F0Fu)) * dm.x + dm.y;
+    let b = vec4<f32>(unpack4xU8((v[wi + 1u] >> sh) & 0x0F0F0F0Fu)) * dm.x + dm.y;
+    return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+}
+#endif
+
+#if W_Q5
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> ws: array<vec2<u32>>;
 
-// Four fifth bits (bits 0…3 of `h`) moved to bit 4 of the four bytes of a word.
+// Four fifth bits (bits 0…3 of `h`) moved to bit 4 of the four bytes of a word: one
+// multiply puts copies of h at bits 0, 7, 14 and 21 (no two overlap, so nothing carries)
+// and the mask keeps bit i of the copy at 8·i.
 fn q5_spread4(h: u32) -> u32 {
-    return ((h & 1u) | ((h & 2u) << 7u) | ((h & 4u) << 14u) | ((h & 8u) << 21u)) << 4u;
+    return (((h & 15u) * 0x00204081u) & 0x01010101u) << 4u;
 }
 
-// The 32 values of a block (quants `q`, fifth bits `hv`) as int8 bytes 8·(q − 16): values
-// 0…15 (the low nibbles) then 16…31 (the high ones); (q ^ 16) << 3 is 8·(q − 16) in an
-// int8. What the GEMVs' integer dot products take.
-fn q5_bytes(q: vec4<u32>, hv: u32) -> array<vec4<u32>, 2> {
-    let hl = vec4<u32>(q5_spread4(hv & 15u), q5_spread4((hv >> 4u) & 15u), q5_spread4((hv >> 8u) & 15u), q5_spread4((hv >> 12u) & 15u));
-    let hh = vec4<u32>(q5_spread4((hv >> 16u) & 15u), q5_spread4((hv >> 20u) & 15u), q5_spread4((hv >> 24u) & 15u), q5_spread4(hv >> 28u));
-    let f = vec4<u32>(0x10101010u);
-    let m = vec4<u32>(0xF8F8F8F8u);
-    let lo = ((((q & vec4<u32>(0x0F0F0F0Fu)) | hl) ^ f) << vec4<u32>(3u)) & m;
-    let hi = (((((q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu)) | hh) ^ f) << vec4<u32>(3u)) & m;
+// The 32 bits of `hv`, each at bit 0 of a byte in the order of a block's values: values
+// 0…15 (the low nibbles' bytes), then 16…31 (the high ones'); q5_spread4's multiply.
+fn q5_fifth(hv: u32) -> array<vec4<u32>, 2> {
+    let h = vec4<u32>(hv);
+    let m = vec4<u32>(0x00204081u);
+    let b = vec4<u32>(0x01010101u);
+    let lo = (((h >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u)) * m) & b;
+    let hi = (((h >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(15u)) * m) & b;
     return array<vec4<u32>, 2>(lo, hi);
 }
+
+#if W_Q5_0
+// The 32 values of a block (quants `q`, fifth bits `hv`) as int8 bytes 8·(q − 16): values
+// 0…15 (the low nibbles) then 16…31 (the high ones). 8·(q − 16) in an int8 is (q ^ 16) << 3,
+// that is the nibble << 3 with the inverted fifth bit at bit 7. What the GEMVs' integer
+// dot products take.
+fn q5_bytes(q: vec4<u32>, hv: u32) -> array<vec4<u32>, 2> {
+    let f = q5_fifth(~hv);
+    let n = vec4<u32>(0x0F0F0F0Fu);
+    let lo = ((q & n) << vec4<u32>(3u)) | (f[0] << vec4<u32>(7u));
+    let hi = (((q >> vec4<u32>(4u)) & n) << vec4<u32>(3u)) | (f[1] << vec4<u32>(7u));
+    return array<vec4<u32>, 2>(lo, hi);
+}
+#endif
+
+#if W_Q5_1
+// The 32 values of a block (quants `q`, fifth bits `hv`) as their levels 0…31, one byte
+// each (positive int8s), in q5_bytes' order.
+fn q5_levels(q: vec4<u32>, hv: u32) -> array<vec4<u32>, 2> {
+    let f = q5_fifth(hv);
+    let n = vec4<u32>(0x0F0F0F0Fu);
+    let lo = (q & n) | (f[0] << vec4<u32>(4u));
+    let hi = ((q >> vec4<u32>(4u)) & n) | (f[1] << vec4<u32>(4u));
+    return array<vec4<u32>, 2>(lo, hi);
+}
+#endif
 
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let blk = row * (KP / 32u) + k0 / 32u;
     let s = ws[blk];
-    let d = unpack2x16float(s.y).x;
+    let dm = unpack2x16float(s.y);
     let j = k0 % 32u;
     let v = w[blk];
     // Bytes j%16 … +8 of the block: two words, their nibble j/16; fifth bits j … j+8.
     let sh = (j / 16u) * 4u;
     let wi = (j % 16u) / 4u;
     let h = s.x >> j;
-    let qa = ((v[wi] >> sh) & 0x0F0F0F0Fu) | q5_spread4(h & 15u);
-    let qb = ((v[wi + 1u] >> sh) & 0x0F0F0F0Fu) | q5_spread4((h >> 4u) & 15u);
-    let a = (vec4<f32>(unpack4xU8(qa)) - 16.0) * d;
-    let b = (vec4<f32>(unpack4xU8(qb)) - 16.0) * d;
+    let qa = vec4<f32>(unpack4xU8(((v[wi] >> sh) & 0x0F0F0F0Fu) | q5_spread4(h & 15u)));
+    let qb = vec4<f32>(unpack4xU8(((v[wi + 1u] >> sh) & 0x0F0F0F0Fu) | q5_spread4((h >> 4u) & 15u)));
+#if W_Q5_0
+    let a = (qa - 16.0) * dm.x;
+    let b = (qb - 16.0) * dm.x;
+#else
+    let a = qa * dm.x + dm.y;
+    let b = qb * dm.x + dm.y;
+#endif
     return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
 }
 #endif

@@ -1,5 +1,5 @@
 // y = W·x for one token (gemv_lanes.wgsl: for several, each weight read once): W [M, K]
-// in f32, f16, bf16, q8_0, q4_0, q5_0, q4_k, q5_k or q6_k (rows zero-padded
+// in f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k (rows zero-padded
 // to KP columns; the 4/5/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
 // loads (all but f32: UNROLL of them issued together, then summed in order); R = WG/TEAM
@@ -7,9 +7,9 @@
 // f32 `src [KP]` (zero past K) for f32/f16 weights, q8 blocks `xq`/`xd` (X_Q8) for the
 // quantized ones (made once per token by the producer kernel, so no workgroup repeats that
 // work), multiplied with dot4I8Packed: 4-bit quants are widened to bytes in registers
-// (q4_0's offset of 8 by a sign flip, the k-quants' mins by Σq_x of the block), q6_k's
+// (q4_0's offset of 8 by a sign flip, q4_1/q5_1's and the k-quants' mins by Σq_x of the block), q6_k's
 // 6-bit ones as 4·(q−32).
-// Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_Q5_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
+// Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_Q4_1 | W_Q5 (W_Q5_0 | W_Q5_1) | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in) | X_NORM (f32 weights: x is the
 // residual through the block's RMS pre-norm, made in the prologue; X_LOCAL, quantized
 // weights: its q8 blocks in workgroup memory) | EARLY_F32 (f32 with the folded pre-norm:

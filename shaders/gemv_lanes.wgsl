@@ -1,5 +1,5 @@
 // y = W·x for each of up to NL lanes per workgroup (gemv.wgsl is the one-token kernel):
-// W [M, K] in f32, f16, bf16, q8_0, q4_0, q4_k, q5_k or q6_k (rows zero-padded
+// W [M, K] in f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k (rows zero-padded
 // to KP columns; the 4/5/6-bit layouts and bindings are block_quant.wgsl's).
 // A team of TEAM consecutive invocations owns a row and strides over it with 16-byte
 // loads; R = WG/TEAM teams per workgroup, each owning RT consecutive rows (the lanes'
@@ -14,7 +14,7 @@
 // l·X_LS/16 (xq vectors), l·X_LS/32 (q8 block scales), its output at l·DST_LS, its norm partials at l·PART_LS.
 // Each lane's sum runs in exactly the order of a one-lane GEMV (the same team, stride and
 // expressions), so a lane's result is bitwise the one it gets alone.
-// Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_Q5_0 | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
+// Flags: W_F32 | W_HALF (W_F16 | W_BF16) | W_Q8 | W_Q4_0 | W_Q4_1 | W_Q5 (W_Q5_0 | W_Q5_1) | W_K4 (W_Q4_K | W_Q5_K) | W_Q6_K;  X_GROUP (x_k is scaled by its group's rstd, from the SSD
 // step's per-block Σv²: the gated group norm folded in);  O_STORE | O_ADD | O_MIXER;
 // LANES_SIDE (the workgroup order, see main); TEAM_ALL (team_sum's total in every lane);
 // TEAM_SCATTER, TEAM_WIDE, EMIT_ROUNDS (how the totals are summed and go out, see the end).
@@ -203,6 +203,51 @@ fn main(
                 let xo = xq_at(ln_{j});
                 let idot = dot16(b[0], xq[xo + 2u * v]) + dot16(b[1], xq[xo + 2u * v + 1u]);
                 acc_{r}_{j} += f32(idot) * (d * 0.125 * xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
+            }
+#endfor
+        }
+#endfor
+#endif
+#if W_Q4_1
+#for r RT
+        {
+            // Levels 0…15 of d·q + m: d·Σq·x + m·Σx (gemv_units.wgsl's unit_dot).
+            let si = row_{r} * (KP / 32u) + v;
+            let q = w[si];
+            let lo = q & vec4<u32>(0x0F0F0F0Fu);
+            let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0F0F0F0Fu);
+            let dm = unpack2x16float(ws[si]);
+#for j NL
+            {
+                let xo = xq_at(ln_{j});
+                let x0 = xq[xo + 2u * v];
+                let x1 = xq[xo + 2u * v + 1u];
+                let ones = vec4<u32>(0x01010101u);
+                let idot = dot16(lo, x0) + dot16(hi, x1);
+                let isum = dot16(ones, x0) + dot16(ones, x1);
+                acc_{r}_{j} += (dm.x * f32(idot) + dm.y * f32(isum)) * (xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
+            }
+#endfor
+        }
+#endfor
+#endif
+#if W_Q5_1
+#for r RT
+        {
+            // Levels 0…31 (block_quant.wgsl's `q5_levels`), multiplied as W_Q4_1's.
+            let si = row_{r} * (KP / 32u) + v;
+            let sv = ws[si];
+            let b = q5_levels(w[si], sv.x);
+            let dm = unpack2x16float(sv.y);
+#for j NL
+            {
+                let xo = xq_at(ln_{j});
+                let x0 = xq[xo + 2u * v];
+                let x1 = xq[xo + 2u * v + 1u];
+                let ones = vec4<u32>(0x01010101u);
+                let idot = dot16(b[0], x0) + dot16(b[1], x1);
+                let isum = dot16(ones, x0) + dot16(ones, x1);
+                acc_{r}_{j} += (dm.x * f32(idot) + dm.y * f32(isum)) * (xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
             }
 #endfor
         }

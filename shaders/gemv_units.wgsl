@@ -60,6 +60,60 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
 }
 #endif
 
+#if W_Q4_1
+// Block v of the row: the nibbles are levels 0…15 of d·q + m, so the block's product is
+// d·Σq·x + m·Σx (Σx from a dot product with ones, as the k-quants' mins take it).
+struct Unit {
+    q: vec4<u32>,
+    x0: vec4<u32>,
+    x1: vec4<u32>,
+    dm: u32,
+    xs: f32,
+}
+
+fn unit_load(row: u32, x: u32, v: u32) -> Unit {
+    let si = row * (KP / 32u) + v;
+    let xo = x * (KP / 16u);
+    return Unit(w[si], x_q(xo + 2u * v), x_q(xo + 2u * v + 1u), ws[si], x_d(x * (KP / 32u) + v));
+}
+
+fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
+    let n = vec4<u32>(0x0F0F0F0Fu);
+    let ones = vec4<u32>(0x01010101u);
+    let idot = dot16(l.q & n, l.x0) + dot16((l.q >> vec4<u32>(4u)) & n, l.x1);
+    let isum = dot16(ones, l.x0) + dot16(ones, l.x1);
+    let dm = unpack2x16float(l.dm);
+    return (dm.x * f32(idot) + dm.y * f32(isum)) * (l.xs * col_scale(v * 32u));
+}
+#endif
+
+#if W_Q5_1
+// Block v of the row: levels 0…31 (block_quant.wgsl's `q5_levels`) of d·q + m, multiplied
+// as W_Q4_1's.
+struct Unit {
+    q: vec4<u32>,
+    x0: vec4<u32>,
+    x1: vec4<u32>,
+    s: vec2<u32>,
+    xs: f32,
+}
+
+fn unit_load(row: u32, x: u32, v: u32) -> Unit {
+    let si = row * (KP / 32u) + v;
+    let xo = x * (KP / 16u);
+    return Unit(w[si], x_q(xo + 2u * v), x_q(xo + 2u * v + 1u), ws[si], x_d(x * (KP / 32u) + v));
+}
+
+fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
+    let ones = vec4<u32>(0x01010101u);
+    let b = q5_levels(l.q, l.s.x);
+    let idot = dot16(b[0], l.x0) + dot16(b[1], l.x1);
+    let isum = dot16(ones, l.x0) + dot16(ones, l.x1);
+    let dm = unpack2x16float(l.s.y);
+    return (dm.x * f32(idot) + dm.y * f32(isum)) * (l.xs * col_scale(v * 32u));
+}
+#endif
+
 #if W_K4
 // 16 quant bytes of a superblock: low nibbles are 16 values of sub-block 2j, high nibbles
 // 16 of sub-block 2j+1 (j = c/2, the half h = c%2 of their 32). W_Q5_K adds each value's

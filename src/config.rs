@@ -43,8 +43,11 @@ pub enum ModelFormat {
 impl ModelFormat {
     /// How this format spells the field behind a normalized `ModelConfig` name, so that
     /// errors name what the user can find in their file.
-    pub fn field(self, normalized: &str) -> &str {
+    pub fn field(self, normalized: &str) -> String {
         use ModelFormat::*;
+        if let Some(arch) = self.gguf_arch() {
+            return self.gguf_field(arch, normalized);
+        }
         match (self, normalized) {
             (HfMamba2 | NemotronH, "d_model") => "hidden_size",
             (HfMamba2 | NemotronH, "n_layer") => "num_hidden_layers",
@@ -78,61 +81,64 @@ impl ModelFormat {
             (Granite, "intermediate_size") => "shared_intermediate_size",
             (Granite, "moe_intermediate_size") => "intermediate_size",
             (Granite, "n_routed_experts") => "num_local_experts",
-            (GgufNemotronH, "attention.head_dim") => "nemotron_h.attention.key_length",
-            (GgufNemotronHMoe, "attention.head_dim") => "nemotron_h_moe.attention.key_length",
-            (GgufGranite, "attention.head_dim") => "granitehybrid.attention.head_count",
+            (Granite, "attention scale") => "attention_multiplier",
+            (Granite, "moe_shared_expert_intermediate_size") => "shared_intermediate_size",
             (_, "attention.head_dim") => "head_dim",
-            (GgufMamba2, "d_model") => "mamba2.embedding_length",
-            (GgufMamba2, "n_layer") => "mamba2.block_count",
-            (GgufMamba2, "d_inner") => "mamba2.ssm.inner_size",
-            (GgufMamba2, "n_heads" | "head_dim") => "mamba2.ssm.time_step_rank",
-            (GgufMamba2, "n_groups") => "mamba2.ssm.group_count",
-            (GgufMamba2, "d_state") => "mamba2.ssm.state_size",
-            (GgufMamba2, "d_conv") => "mamba2.ssm.conv_kernel",
-            (GgufMamba2, "norm_eps") => "mamba2.attention.layer_norm_rms_epsilon",
-            (GgufMamba2, "vocab_size") => "token_embd.weight (rows)",
-            (GgufNemotronH, "d_model") => "nemotron_h.embedding_length",
-            (GgufNemotronH, "n_layer") => "nemotron_h.block_count",
-            (GgufNemotronH, "d_inner") => "nemotron_h.ssm.inner_size",
-            (GgufNemotronH, "n_heads" | "head_dim") => "nemotron_h.ssm.time_step_rank",
-            (GgufNemotronH, "n_groups") => "nemotron_h.ssm.group_count",
-            (GgufNemotronH, "d_state") => "nemotron_h.ssm.state_size",
-            (GgufNemotronH, "d_conv") => "nemotron_h.ssm.conv_kernel",
-            (GgufNemotronH, "norm_eps") => "nemotron_h.attention.layer_norm_rms_epsilon",
-            (GgufNemotronH, "intermediate_size") => "nemotron_h.feed_forward_length",
-            (GgufNemotronH, "vocab_size") => "token_embd.weight (rows)",
-            (GgufNemotronHMoe, "d_model") => "nemotron_h_moe.embedding_length",
-            (GgufNemotronHMoe, "n_layer") => "nemotron_h_moe.block_count",
-            (GgufNemotronHMoe, "d_inner") => "nemotron_h_moe.ssm.inner_size",
-            (GgufNemotronHMoe, "n_heads" | "head_dim") => "nemotron_h_moe.ssm.time_step_rank",
-            (GgufNemotronHMoe, "n_groups") => "nemotron_h_moe.ssm.group_count",
-            (GgufNemotronHMoe, "d_state") => "nemotron_h_moe.ssm.state_size",
-            (GgufNemotronHMoe, "d_conv") => "nemotron_h_moe.ssm.conv_kernel",
-            (GgufNemotronHMoe, "norm_eps") => "nemotron_h_moe.attention.layer_norm_rms_epsilon",
-            (GgufNemotronHMoe, "vocab_size") => "token_embd.weight (rows)",
-            (GgufNemotronHMoe, "moe_intermediate_size") => {
-                "nemotron_h_moe.expert_feed_forward_length"
-            }
-            (GgufNemotronHMoe, "n_routed_experts") => "nemotron_h_moe.expert_count",
-            (GgufNemotronHMoe, "num_experts_per_tok") => "nemotron_h_moe.expert_used_count",
-            (GgufNemotronHMoe, "n_group") => "nemotron_h_moe.expert_group_count",
-            (GgufNemotronHMoe, "topk_group") => "nemotron_h_moe.expert_group_used_count",
-            (GgufNemotronHMoe, "routed_scaling_factor") => "nemotron_h_moe.expert_weights_scale",
-            (GgufNemotronHMoe, "moe_latent_size") => "nemotron_h_moe.moe_latent_size",
-            (GgufGranite, "d_model") => "granitehybrid.embedding_length",
-            (GgufGranite, "n_layer") => "granitehybrid.block_count",
-            (GgufGranite, "d_inner") => "granitehybrid.ssm.inner_size",
-            (GgufGranite, "n_heads" | "head_dim") => "granitehybrid.ssm.time_step_rank",
-            (GgufGranite, "n_groups") => "granitehybrid.ssm.group_count",
-            (GgufGranite, "d_state") => "granitehybrid.ssm.state_size",
-            (GgufGranite, "d_conv") => "granitehybrid.ssm.conv_kernel",
-            (GgufGranite, "norm_eps") => "granitehybrid.attention.layer_norm_rms_epsilon",
-            (GgufGranite, "vocab_size") => "token_embd.weight (rows)",
-            (GgufGranite, "moe_intermediate_size") => "granitehybrid.feed_forward_length",
-            (GgufGranite, "n_routed_experts") => "granitehybrid.expert_count",
-            (GgufGranite, "num_experts_per_tok") => "granitehybrid.expert_used_count",
             _ => normalized,
         }
+        .to_string()
+    }
+
+    /// The GGUF architecture name of a GGUF format (its metadata keys' prefix).
+    pub fn gguf_arch(self) -> Option<&'static str> {
+        match self {
+            ModelFormat::GgufMamba2 => Some("mamba2"),
+            ModelFormat::GgufNemotronH => Some("nemotron_h"),
+            ModelFormat::GgufNemotronHMoe => Some("nemotron_h_moe"),
+            ModelFormat::GgufGranite => Some("granitehybrid"),
+            _ => None,
+        }
+    }
+
+    /// The metadata key (or tensor) of a GGUF file of architecture `arch` that a
+    /// normalized field comes from, as `config/gguf.rs` reads it; a field no GGUF key holds
+    /// (a default of this engine) keeps its normalized name and says so.
+    fn gguf_field(self, arch: &str, normalized: &str) -> String {
+        let key = match (self, normalized) {
+            (_, "vocab_size") => return "token_embd.weight (rows)".into(),
+            (_, "d_model") => "embedding_length",
+            // Granite's layers are two blocks each (mixer, then MoE).
+            (ModelFormat::GgufGranite, "n_layer") => "block_count (two blocks per layer)",
+            (_, "n_layer") => "block_count",
+            (_, "d_inner") => "ssm.inner_size",
+            (_, "n_heads" | "head_dim") => "ssm.time_step_rank",
+            (_, "n_groups") => "ssm.group_count",
+            (_, "d_state") => "ssm.state_size",
+            (_, "d_conv") => "ssm.conv_kernel",
+            (_, "norm_eps") => "attention.layer_norm_rms_epsilon",
+            (_, "num_attention_heads") => "attention.head_count",
+            (_, "num_key_value_heads") => "attention.head_count_kv",
+            (ModelFormat::GgufGranite, "attention.head_dim") => "attention.head_count",
+            (_, "attention.head_dim") => "attention.key_length",
+            (_, "attention scale") => "attention.scale",
+            (_, "max_position_embeddings") => "context_length",
+            (_, "rope_theta") => "rope.freq_base",
+            (ModelFormat::GgufGranite, "moe_intermediate_size") => "feed_forward_length",
+            (_, "intermediate_size") => "feed_forward_length",
+            (_, "moe_intermediate_size") => "expert_feed_forward_length",
+            (_, "moe_shared_expert_intermediate_size") => "expert_shared_feed_forward_length",
+            (_, "n_routed_experts") => "expert_count",
+            (_, "num_experts_per_tok") => "expert_used_count",
+            (_, "n_group") => "expert_group_count",
+            (_, "topk_group") => "expert_group_used_count",
+            (_, "routed_scaling_factor") => "expert_weights_scale",
+            (_, "moe_latent_size") => "moe_latent_size",
+            (_, "embedding_multiplier") => "embedding_scale",
+            (_, "residual_multiplier") => "residual_scale",
+            (_, "logits_scaling") => "logit_scale",
+            _ => return format!("{normalized} (not a GGUF key: this engine's default)"),
+        };
+        format!("{arch}.{key}")
     }
 
     pub fn name(self) -> &'static str {
@@ -639,7 +645,7 @@ impl ModelConfig {
         if config.n_layer > MAX_LAYERS {
             return Err(Error::Config {
                 path: path.to_path_buf(),
-                field: config.format.field("n_layer").into(),
+                field: config.format.field("n_layer"),
                 message: format!(
                     "{} layers is over the {MAX_LAYERS} this engine accepts",
                     config.n_layer
@@ -658,7 +664,7 @@ impl ModelConfig {
     fn check_bounds(&self, path: &Path) -> Result<()> {
         let err = |field: &str, message: String| Error::Config {
             path: path.to_path_buf(),
-            field: self.format.field(field).into(),
+            field: self.format.field(field),
             message,
         };
         let mut bounds = vec![
@@ -800,7 +806,7 @@ impl ModelConfig {
     pub fn validate(&self, path: &Path) -> Result<()> {
         let err = |field: &str, message: String| Error::Config {
             path: path.to_path_buf(),
-            field: self.format.field(field).into(),
+            field: self.format.field(field),
             message,
         };
         let positive = [

@@ -56,6 +56,16 @@ const CASES: &[Case] = &[
         format: WeightFormat::Q5_0,
     },
     Case {
+        name: "mamba2 q4_1",
+        model: || Model::synthetic(tiny_config(2, 16), 13),
+        format: WeightFormat::Q4_1,
+    },
+    Case {
+        name: "mamba2 q5_1",
+        model: || Model::synthetic(tiny_config(2, 16), 14),
+        format: WeightFormat::Q5_1,
+    },
+    Case {
         name: "mamba2 q4_k",
         model: || Model::synthetic(tiny_config(2, 16), 7),
         format: WeightFormat::Q4_K,

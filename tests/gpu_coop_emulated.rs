@@ -123,7 +123,9 @@ fn compare_paths(pattern: &str, flips: usize, kernels: &[&str]) {
         WeightFormat::F16,
         WeightFormat::Q8_0,
         WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
         WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
         WeightFormat::Q4_K,
         WeightFormat::Q6_K,
     ] {

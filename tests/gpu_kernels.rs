@@ -234,7 +234,9 @@ fn gemv_every_format_and_shape() {
         // of the block sums.
         for format in [
             WeightFormat::Q4_0,
+            WeightFormat::Q4_1,
             WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
             WeightFormat::Q4_K,
             WeightFormat::Q5_K,
             WeightFormat::Q6_K,
@@ -574,7 +576,9 @@ fn quantized_gemv_with_the_pre_norm_folded_in() {
         for format in [
             WeightFormat::Q8_0,
             WeightFormat::Q4_0,
+            WeightFormat::Q4_1,
             WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
             WeightFormat::Q4_K,
             WeightFormat::Q6_K,
         ] {

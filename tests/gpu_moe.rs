@@ -579,7 +579,9 @@ fn moe_block_format_experts_match_the_rounded_cpu_reference() {
         let toks = tokens(40, 6, model.config.vocab_size);
         for format in [
             WeightFormat::Q4_0,
+            WeightFormat::Q4_1,
             WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
             WeightFormat::Q4_K,
             WeightFormat::Q5_K,
             WeightFormat::Q6_K,

@@ -46,7 +46,7 @@ use mamba2_wgpu::reference::{ScanDims, ScanInputs, scan_chunked};
 use mamba2_wgpu::sampling::uniform;
 
 use GemmOutput::{Add, Store};
-use WeightFormat::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use WeightFormat::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
 // ---------------------------------------------------------------------------------------
 // The table
@@ -253,7 +253,9 @@ const GEMMS: &[GemmShape] = &[
         k: 768,
         ys: 3352,
         out: Store,
-        formats: &[F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K],
+        formats: &[
+            F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+        ],
         cap: 100,
         blocks: &[100, 37],
     },
@@ -293,7 +295,9 @@ const GEMMS: &[GemmShape] = &[
         k: 1536,
         ys: 768,
         out: Add,
-        formats: &[F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K],
+        formats: &[
+            F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+        ],
         cap: 64,
         blocks: &[64, 17, 1],
     },
@@ -303,7 +307,7 @@ const GEMMS: &[GemmShape] = &[
         k: 70,
         ys: 40,
         out: Store,
-        formats: &[F32, F16, Q8_0, Q4_0, Q5_0],
+        formats: &[F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 64,
         blocks: &[23, 2],
     },
@@ -313,7 +317,7 @@ const GEMMS: &[GemmShape] = &[
         k: 70,
         ys: 40,
         out: Store,
-        formats: &[F32, F16, BF16, Q8_0, Q4_0, Q5_0],
+        formats: &[F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 80,
         blocks: &[70, 5, 1],
     },
@@ -323,7 +327,7 @@ const GEMMS: &[GemmShape] = &[
         k: 33,
         ys: 129,
         out: Add,
-        formats: &[F32, F16, Q8_0, Q4_0, Q5_0],
+        formats: &[F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 80,
         blocks: &[65, 64],
     },

@@ -43,8 +43,10 @@ fn four_bit_formats_stay_within_5_percent_of_f16_perplexity() {
         (WeightFormat::Q8_0, 0.01),
         (WeightFormat::Q6_K, 0.01),
         (WeightFormat::Q5_K, 0.02),
+        (WeightFormat::Q5_1, 0.02),
         (WeightFormat::Q5_0, 0.02),
         (WeightFormat::Q4_K, 0.05),
+        (WeightFormat::Q4_1, 0.05),
         (WeightFormat::Q4_0, 0.05),
     ] {
         let p = ppl(format);

@@ -19,7 +19,8 @@ pub struct BenchArgs {
     /// granite-4.0-h-tiny, granite-4.0-h-small (comma-separated list allowed).
     #[arg(long, default_value = "130m", value_delimiter = ',')]
     config: Vec<String>,
-    /// Weight formats of the big matrices: f32, f16, bf16, q8_0, q6_k, q5_k, q5_0, q4_k, q4_0
+    /// Weight formats of the big matrices: f32, f16, bf16, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k,
+    /// q4_1, q4_0
     /// (comma-separated list allowed).
     #[arg(long, default_value = "f16", value_delimiter = ',')]
     dtype: Vec<WeightFormat>,

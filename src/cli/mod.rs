@@ -111,10 +111,9 @@ pub struct DeviceArgs {
     /// only with `gpu`), cpu, gpu, gpu:INDEX or gpu:NAME.
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
-    /// Storage of the big matrices on the GPU: f32, f16, bf16, q8_0, q6_k, q5_k, q5_0, q4_k
-    /// or q4_0 (default: f16; for a GGUF file, its most common block type among
-    /// q8_0/q6_k/q5_k/q5_0/q4_k/q4_0
-    /// with every such tensor used as stored, f32 for an F32 file, bf16 for a BF16 one;
+    /// Storage of the big matrices on the GPU: f32, f16, bf16, q8_0, q6_k, q5_k, q5_1, q5_0,
+    /// q4_k, q4_1 or q4_0 (default: f16; for a GGUF file, its most common block type, with
+    /// every block-format tensor used as stored, f32 for an F32 file, bf16 for a BF16 one;
     /// `mamba2 info` says).
     #[arg(long)]
     pub dtype: Option<mamba2_wgpu::WeightFormat>,

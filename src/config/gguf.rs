@@ -364,9 +364,11 @@ fn granite_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
         .collect();
     let attention = if blocks.contains(&BlockKind::Attention) {
         let shape = attention_shape(file, "granitehybrid", &kv, config.d_model)?;
+        // llama.cpp's graph takes a scale of 0 as absent (1/√head_dim), as it does here.
         Some(AttentionConfig {
             scale: file
                 .opt_f64(&key("attention.scale"))?
+                .filter(|&s| s != 0.0)
                 .unwrap_or(shape.scale),
             ..shape
         })

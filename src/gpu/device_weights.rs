@@ -125,7 +125,9 @@ pub fn expert_format(format: WeightFormat, latent: bool) -> WeightFormat {
     match format {
         WeightFormat::BF16 => WeightFormat::F16,
         WeightFormat::Q4_0
+        | WeightFormat::Q4_1
         | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
         | WeightFormat::Q4_K
         | WeightFormat::Q5_K
         | WeightFormat::Q6_K

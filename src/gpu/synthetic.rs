@@ -83,6 +83,12 @@ fn random_matrix(
             // q5_0: each block's fifth bits (qh) alternate along the row, so the levels
             // sit around zero there too (qh with d's bits gave every column one offset).
             WeightFormat::Q5_0 => FillMode::Pattern([0x5555_5555, d, 0x5555_5555, d]),
+            // q4_1 and q5_1 (d·q + m): m = −d·(levels−1)/2 centres the levels on zero.
+            WeightFormat::Q4_1 => FillMode::Word(d | (half(-scale / step * 7.5) << 16)),
+            WeightFormat::Q5_1 => {
+                let dm = d | (half(-scale / step * 15.5) << 16);
+                FillMode::Pattern([0x5555_5555, dm, 0x5555_5555, dm])
+            }
             _ => FillMode::Word(d | (d << 16)),
         };
         fill(k, &mut enc, &buf, n.div_ceil(4), 0, mode)?;

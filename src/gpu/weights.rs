@@ -62,14 +62,15 @@ impl DeviceMatrix {
 
 /// The WGSL flags selecting weights of `format`: its own, and the families
 /// `block_quant.wgsl` serves: `W_HALF` (f16, bf16: `half2`), `W_BLOCK` for the 4/5/6-bit
-/// block formats (`bq_weights8`), and `W_K4` among them for q4_k and q5_k (one scale
-/// layout).
+/// block formats (`bq_weights8`), and among them `W_Q5` for q5_0 and q5_1 (fifth bits and
+/// scales in one vec2) and `W_K4` for q4_k and q5_k (one scale layout).
 pub fn format_flags(format: WeightFormat) -> Vec<&'static str> {
     let mut f = vec![format_flag(format)];
     match format {
         WeightFormat::F16 | WeightFormat::BF16 => f.push("W_HALF"),
         WeightFormat::Q4_K | WeightFormat::Q5_K => f.extend(["W_BLOCK", "W_K4"]),
-        WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q6_K => f.push("W_BLOCK"),
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 => f.extend(["W_BLOCK", "W_Q5"]),
+        WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q6_K => f.push("W_BLOCK"),
         WeightFormat::F32 | WeightFormat::Q8_0 => {}
     }
     f
@@ -83,7 +84,9 @@ pub fn format_flag(format: WeightFormat) -> &'static str {
         WeightFormat::BF16 => "W_BF16",
         WeightFormat::Q8_0 => "W_Q8",
         WeightFormat::Q4_0 => "W_Q4_0",
+        WeightFormat::Q4_1 => "W_Q4_1",
         WeightFormat::Q5_0 => "W_Q5_0",
+        WeightFormat::Q5_1 => "W_Q5_1",
         WeightFormat::Q4_K => "W_Q4_K",
         WeightFormat::Q5_K => "W_Q5_K",
         WeightFormat::Q6_K => "W_Q6_K",

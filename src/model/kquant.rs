@@ -1,5 +1,6 @@
 //! ggml's reference block quantizers for the 4-, 5- and 6-bit formats the GPU holds (Q4_0,
-//! Q5_0, Q4_K, Q5_K, Q6_K), producing the block bytes GGUF files store (layouts in `ggml`). The rules
+//! Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), producing the block bytes GGUF files store (layouts
+//! in `ggml`). The rules
 //! are llama.cpp's `quantize_row_*_ref` (ggml-quants.c), followed step by step so a matrix
 //! quantized here equals what `llama-quantize` (no importance matrix) writes for the same
 //! f32 values; `tests/gguf.rs` checks that against llama-quantize's own output.
@@ -19,14 +20,16 @@ fn nearest_int(x: f32) -> i32 {
 const GROUP_MAX_EPS: f32 = 1e-15;
 
 /// One row (a whole number of `ty`'s blocks) quantized to `ty`'s block bytes, appended to
-/// `out`. `ty` must be Q4_0, Q5_0, Q4_K, Q5_K, Q6_K or Q8_0.
+/// `out`. `ty` must be Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K or Q8_0.
 pub fn quantize_row(ty: GgmlType, row: &[f32], out: &mut Vec<u8>) {
     let (per, _) = ty.block();
     debug_assert!(row.len().is_multiple_of(per));
     for x in row.chunks_exact(per) {
         match ty {
             GgmlType::Q4_0 => q4_0_block(x.try_into().unwrap(), out),
+            GgmlType::Q4_1 => q4_1_block(x.try_into().unwrap(), out),
             GgmlType::Q5_0 => q5_0_block(x.try_into().unwrap(), out),
+            GgmlType::Q5_1 => q5_1_block(x.try_into().unwrap(), out),
             GgmlType::Q4_K => q4_k_block(x.try_into().unwrap(), out),
             GgmlType::Q5_K => q5_k_block(x.try_into().unwrap(), out),
             GgmlType::Q6_K => q6_k_block(x.try_into().unwrap(), out),
@@ -68,6 +71,38 @@ fn q5_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
     let q = |v: f32| ((v * id + 16.5) as i8).min(31) as u8;
+    let qh = (0..32).fold(0u32, |h, j| h | (u32::from(q(x[j]) >> 4) << j));
+    out.extend(qh.to_le_bytes());
+    out.extend((0..16).map(|j| (q(x[j]) & 15) | (q(x[j + 16]) & 15) << 4));
+}
+
+/// The block's minimum and maximum (ggml's `quantize_row_q4_1_ref` loop).
+fn min_max(x: &[f32; 32]) -> (f32, f32) {
+    x.iter()
+        .fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+}
+
+/// Q4_1: `d = (max − min)/15`, `m = min`, `q = min(15, trunc((x − min)/d + 0.5))`; nibbles
+/// as Q4_0's.
+fn q4_1_block(x: &[f32; 32], out: &mut Vec<u8>) {
+    let (min, max) = min_max(x);
+    let d = (max - min) / 15.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    out.extend(f16::from_f32(min).to_le_bytes());
+    let q = |v: f32| (((v - min) * id + 0.5) as u8).min(15);
+    out.extend((0..16).map(|j| q(x[j]) | q(x[j + 16]) << 4));
+}
+
+/// Q5_1: `d = (max − min)/31`, `m = min`, `q = min(31, trunc((x − min)/d + 0.5))`; low
+/// nibbles as Q4_0's, fifth bits in `qh` as Q5_0's.
+fn q5_1_block(x: &[f32; 32], out: &mut Vec<u8>) {
+    let (min, max) = min_max(x);
+    let d = (max - min) / 31.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    out.extend(f16::from_f32(min).to_le_bytes());
+    let q = |v: f32| (((v - min) * id + 0.5) as u8).min(31);
     let qh = (0..32).fold(0u32, |h, j| h | (u32::from(q(x[j]) >> 4) << j));
     out.extend(qh.to_le_bytes());
     out.extend((0..16).map(|j| (q(x[j]) & 15) | (q(x[j + 16]) & 15) << 4));
@@ -409,7 +444,9 @@ mod tests {
             .collect();
         for (ty, step) in [
             (GgmlType::Q4_0, 1.0 / 7.0),
+            (GgmlType::Q4_1, 1.0 / 12.0),
             (GgmlType::Q5_0, 1.0 / 15.0),
+            (GgmlType::Q5_1, 1.0 / 24.0),
             (GgmlType::Q4_K, 1.0 / 12.0),
             (GgmlType::Q5_K, 1.0 / 24.0),
             (GgmlType::Q6_K, 1.0 / 28.0),
@@ -429,7 +466,9 @@ mod tests {
         // All-zero input stays zero in every format.
         for ty in [
             GgmlType::Q4_0,
+            GgmlType::Q4_1,
             GgmlType::Q5_0,
+            GgmlType::Q5_1,
             GgmlType::Q4_K,
             GgmlType::Q5_K,
             GgmlType::Q6_K,

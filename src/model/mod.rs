@@ -128,11 +128,9 @@ impl Model {
     }
 
     /// The GPU format that keeps this model's big matrices closest to how they are stored:
-    /// for a GGUF file, the block type the GPU holds (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) that
-    /// most of them use — every such tensor goes up as stored, whatever its type; tensors in
-    /// other block types (Q4_1, Q5_1) are dequantized and requantized to it (q8_0 when
-    /// none is held), which `mamba2 info` says; all F32 → f32; BF16 without F16 → bf16;
-    /// otherwise f16. Safetensors → f16 (its prefill GEMMs take the tensor cores where the
+    /// for a GGUF file, the block type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) that
+    /// most of them use — every block-format tensor goes up as stored, whatever its type,
+    /// which `mamba2 info` says; all F32 → f32; BF16 without F16 → bf16; otherwise f16. Safetensors → f16 (its prefill GEMMs take the tensor cores where the
     /// adapter has them; `--dtype bf16` keeps a bf16 checkpoint exact instead).
     pub fn preferred_format(&self) -> WeightFormat {
         if self.gguf.is_none() {
@@ -156,8 +154,6 @@ impl Model {
             WeightFormat::F32
         } else if let Some((f, _)) = held {
             f
-        } else if counts.iter().any(|(d, _)| matches!(d, DType::Quant(_))) {
-            WeightFormat::Q8_0
         } else if counts.iter().any(|(d, _)| *d == DType::BF16)
             && !counts.iter().any(|(d, _)| *d == DType::F16)
         {

@@ -5,14 +5,15 @@
 //! - q8_0: `kp = ceil(K/32)·32`; 32-weight blocks, `w = d·q` with `d = max|w|/127` stored as
 //!   f16 and `q = round(w/d)` (ggml's rule), int8 packed four per u32; scales in their own
 //!   array, two f16 per u32, block `b` of row `r` at index `r·kp/32 + b`.
-//! - q4_0, q5_0, q4_k, q5_k, q6_k: ggml's blocks (`ggml` has their layouts) as GGUF stores
-//!   them, each split in two so the kernels load the bulk with aligned 16-byte reads: `data`
-//!   holds the quants (q4_0 and q5_0: the 16 `qs` bytes; q4_k: the 128 `qs` bytes; q5_k:
-//!   `qs[128]` then `qh[32]`; q6_k: `ql[128] qh[64]`), `scales` the rest (q4_0: `d`, two per
-//!   u32 as for q8_0; q5_0: `qh` then `d` and two zero bytes, 8 bytes; q4_k and q5_k: `d dmin
+//! - q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k: ggml's blocks (`ggml` has their layouts) as
+//!   GGUF stores them, each split in two so the kernels load the bulk with aligned 16-byte
+//!   reads: `data` holds the quants (q4_0, q4_1, q5_0 and q5_1: the 16 `qs` bytes; q4_k: the
+//!   128 `qs` bytes; q5_k: `qs[128]` then `qh[32]`; q6_k: `ql[128] qh[64]`), `scales` the
+//!   rest (q4_0: `d`, two per u32 as for q8_0; q4_1: `d m`, 4 bytes; q5_0: `qh` then `d` and
+//!   two zero bytes, 8 bytes; q5_1: `qh` then `d m`, 8 bytes; q4_k and q5_k: `d dmin
 //!   scales[12]`, 16 bytes; q6_k: `scales[16] d` and two zero bytes, 20 bytes). `kp` is a
-//!   whole number
-//!   of blocks (32 or 256), padded with zeros; a GGUF's blocks go up byte for byte.
+//!   whole number of blocks (32 or 256), padded with zeros; a GGUF's blocks go up byte for
+//!   byte.
 //!
 //! Every weight is checked for NaN and ±Inf on its way to a device, inside the conversion
 //! pass that already touches each value (`finite_f32`, `map_finite`), and a packed matrix
@@ -35,20 +36,24 @@ pub enum WeightFormat {
     BF16,
     Q8_0,
     Q4_0,
+    Q4_1,
     Q5_0,
+    Q5_1,
     Q4_K,
     Q5_K,
     Q6_K,
 }
 
 impl WeightFormat {
-    pub const ALL: [WeightFormat; 9] = [
+    pub const ALL: [WeightFormat; 11] = [
         WeightFormat::F32,
         WeightFormat::F16,
         WeightFormat::BF16,
         WeightFormat::Q8_0,
         WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
         WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
         WeightFormat::Q4_K,
         WeightFormat::Q5_K,
         WeightFormat::Q6_K,
@@ -61,7 +66,9 @@ impl WeightFormat {
             WeightFormat::BF16 => "bf16",
             WeightFormat::Q8_0 => "q8_0",
             WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q4_1 => "q4_1",
             WeightFormat::Q5_0 => "q5_0",
+            WeightFormat::Q5_1 => "q5_1",
             WeightFormat::Q4_K => "q4_k",
             WeightFormat::Q5_K => "q5_k",
             WeightFormat::Q6_K => "q6_k",
@@ -74,7 +81,9 @@ impl WeightFormat {
             WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => None,
             WeightFormat::Q8_0 => Some(GgmlType::Q8_0),
             WeightFormat::Q4_0 => Some(GgmlType::Q4_0),
+            WeightFormat::Q4_1 => Some(GgmlType::Q4_1),
             WeightFormat::Q5_0 => Some(GgmlType::Q5_0),
+            WeightFormat::Q5_1 => Some(GgmlType::Q5_1),
             WeightFormat::Q4_K => Some(GgmlType::Q4_K),
             WeightFormat::Q5_K => Some(GgmlType::Q5_K),
             WeightFormat::Q6_K => Some(GgmlType::Q6_K),
@@ -104,7 +113,8 @@ impl WeightFormat {
             WeightFormat::F16 | WeightFormat::BF16 => (2, 0),
             WeightFormat::Q8_0 => (32, 2),
             WeightFormat::Q4_0 => (16, 2),
-            WeightFormat::Q5_0 => (16, 8),
+            WeightFormat::Q4_1 => (16, 4),
+            WeightFormat::Q5_0 | WeightFormat::Q5_1 => (16, 8),
             WeightFormat::Q4_K => (128, 16),
             WeightFormat::Q5_K => (160, 16),
             WeightFormat::Q6_K => (192, 20),
@@ -157,12 +167,14 @@ impl std::str::FromStr for WeightFormat {
             "bf16" => Ok(WeightFormat::BF16),
             "q8_0" | "q8" => Ok(WeightFormat::Q8_0),
             "q4_0" => Ok(WeightFormat::Q4_0),
+            "q4_1" => Ok(WeightFormat::Q4_1),
             "q5_0" => Ok(WeightFormat::Q5_0),
+            "q5_1" => Ok(WeightFormat::Q5_1),
             "q4_k" | "q4_K" => Ok(WeightFormat::Q4_K),
             "q5_k" | "q5_K" => Ok(WeightFormat::Q5_K),
             "q6_k" | "q6_K" => Ok(WeightFormat::Q6_K),
             _ => Err(format!(
-                "`{s}`: expected f32, f16, bf16, q8_0, q6_k, q5_k, q5_0, q4_k or q4_0"
+                "`{s}`: expected f32, f16, bf16, q8_0, q6_k, q5_k, q5_1, q5_0, q4_k, q4_1 or q4_0"
             )),
         }
     }
@@ -323,7 +335,9 @@ fn pack_rows(
         }
         WeightFormat::Q8_0
         | WeightFormat::Q4_0
+        | WeightFormat::Q4_1
         | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
         | WeightFormat::Q4_K
         | WeightFormat::Q5_K
         | WeightFormat::Q6_K => {
@@ -366,7 +380,7 @@ fn pack_rows(
 fn scales_finite(ty: GgmlType, block: &[u8]) -> bool {
     let h = |at: usize| f16::from_le_bytes([block[at], block[at + 1]]).is_finite();
     match ty {
-        GgmlType::Q4_K | GgmlType::Q5_K => h(0) && h(2),
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => h(0) && h(2),
         GgmlType::Q6_K => h(208),
         _ => h(0),
     }
@@ -378,6 +392,17 @@ fn split_block(format: WeightFormat, block: &[u8], data: &mut Vec<u8>, scales: &
         WeightFormat::Q8_0 | WeightFormat::Q4_0 => {
             scales.extend_from_slice(&block[..2]);
             data.extend_from_slice(&block[2..]);
+        }
+        WeightFormat::Q4_1 => {
+            // d, m, qs[16] → data qs; scales d, m.
+            scales.extend_from_slice(&block[..4]);
+            data.extend_from_slice(&block[4..]);
+        }
+        WeightFormat::Q5_1 => {
+            // d, m, qh[4], qs[16] → data qs; scales qh, d, m.
+            scales.extend_from_slice(&block[4..8]);
+            scales.extend_from_slice(&block[..4]);
+            data.extend_from_slice(&block[8..]);
         }
         WeightFormat::Q5_0 => {
             // d, qh[4], qs[16] → data qs; scales qh, d, two zero bytes.
@@ -414,6 +439,7 @@ fn join_block(p: &Packed, i: usize) -> Vec<u8> {
         WeightFormat::Q6_K => [data, &sc[..18]].concat(),
         WeightFormat::Q5_K => [sc, &data[128..], &data[..128]].concat(),
         WeightFormat::Q5_0 => [&sc[4..6], &sc[..4], data].concat(),
+        WeightFormat::Q5_1 => [&sc[4..8], &sc[..4], data].concat(),
         _ => [sc, data].concat(),
     }
 }

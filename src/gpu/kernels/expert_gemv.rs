@@ -45,7 +45,9 @@ pub fn takes(format: WeightFormat, q8_input: bool) -> bool {
     match format {
         WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Q8_0 => true,
         WeightFormat::Q4_0
+        | WeightFormat::Q4_1
         | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
         | WeightFormat::Q4_K
         | WeightFormat::Q5_K
         | WeightFormat::Q6_K => q8_input,

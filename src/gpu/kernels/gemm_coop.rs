@@ -229,9 +229,15 @@ pub fn applies(k: &Kernels, w: &DeviceMatrix) -> bool {
 }
 
 /// Whether the kernel reads this matrix at all (formats and row widths): f16, q8_0 and the
-/// 4/5/6-bit block formats (dequantized to f16 on their way into workgroup memory).
+/// 4/5/6-bit block formats (dequantized to f16 on their way into workgroup memory;
+/// MAMBA2_COOP_BLOCKS=0 leaves those to the FMA tiles, for comparison).
 pub fn takes(w: &DeviceMatrix) -> bool {
-    !matches!(w.format, WeightFormat::F32 | WeightFormat::BF16) && w.kp.is_multiple_of(BK)
+    let format = match w.format {
+        WeightFormat::F32 | WeightFormat::BF16 => false,
+        WeightFormat::F16 | WeightFormat::Q8_0 => true,
+        _ => std::env::var_os("MAMBA2_COOP_BLOCKS").is_none_or(|v| v != "0"),
+    };
+    format && w.kp.is_multiple_of(BK)
 }
 
 /// Whether a GEMM of `rows` rows of W over blocks of `max_tokens` into `y` (rows of `ys`)

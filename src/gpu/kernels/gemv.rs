@@ -440,14 +440,19 @@ impl<'a> GemvBuffers<'a> {
 }
 
 /// Weights per step of a lane: one 16-byte load of f32/f16/bf16/q8_0 values, one 16-byte
-/// load of q4_0/q4_k quants (32 nibbles; q5_k adds one of `qh`), three of q6_k (`ql` ×2 and
-/// `qh`: 64 values).
+/// load of q4_0/q4_1/q5_0/q5_1/q4_k quants (32 nibbles; q5_k adds one of `qh`), three of
+/// q6_k (`ql` ×2 and `qh`: 64 values).
 pub fn vector_width(format: WeightFormat) -> usize {
     match format {
         WeightFormat::F32 => 4,
         WeightFormat::F16 | WeightFormat::BF16 => 8,
         WeightFormat::Q8_0 => 16,
-        WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q4_K | WeightFormat::Q5_K => 32,
+        WeightFormat::Q4_0
+        | WeightFormat::Q4_1
+        | WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q4_K
+        | WeightFormat::Q5_K => 32,
         WeightFormat::Q6_K => 64,
     }
 }
