@@ -54,6 +54,16 @@ fn half2(u: u32) -> vec2<f32> {
 @group(0) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> ws: array<u32>;
 
+// The 32 values of a block (quants `q`) as int8 bytes 16·(q − 8): values 0…15 (the low
+// nibbles) then 16…31. Nibbles q ^ 8 are q − 8 in 4-bit two's complement; at the top of a
+// byte they read as 16·(q − 8). What the GEMVs' integer dot products take.
+fn q4_bytes(q: vec4<u32>) -> array<vec4<u32>, 2> {
+    let s = q ^ vec4<u32>(0x88888888u);
+    let lo = (s << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
+    let hi = s & vec4<u32>(0xF0F0F0F0u);
+    return array<vec4<u32>, 2>(lo, hi);
+}
+
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let blk = row * (KP / 32u) + k0 / 32u;
     let d = unpack2x16float(ws[blk / 2u])[blk % 2u];

@@ -172,17 +172,14 @@ fn main(
 #if W_Q4_0
 #for r RT
         {
-            // Nibbles q ^ 8 are q − 8 in 4-bit two's complement; shifted to the top of
-            // each byte they read as 16·(q − 8).
-            let sw = w[row_{r} * (KP / 32u) + v] ^ vec4<u32>(0x88888888u);
-            let lo = (sw << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
-            let hi = sw & vec4<u32>(0xF0F0F0F0u);
+            // The block's 16·(q − 8) bytes (block_quant.wgsl's `q4_bytes`).
             let si = row_{r} * (KP / 32u) + v;
+            let b = q4_bytes(w[si]);
             let d = unpack2x16float(ws[si / 2u])[si % 2u];
 #for j NL
             {
                 let xo = xq_at(ln_{j});
-                let idot = dot16(lo, xq[xo + 2u * v]) + dot16(hi, xq[xo + 2u * v + 1u]);
+                let idot = dot16(b[0], xq[xo + 2u * v]) + dot16(b[1], xq[xo + 2u * v + 1u]);
                 acc_{r}_{j} += f32(idot) * (d * 0.0625 * xd[xd_at(ln_{j}) + v] * col_scale({j}u, v * 32u));
             }
 #endfor

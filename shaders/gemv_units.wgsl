@@ -7,9 +7,9 @@
 // vector) and `x_d(i)` (block scales, KP/32 per vector) and `col_scale(k)`.
 
 #if W_Q4_0
-// Block v of the row: nibbles q ^ 8 are q − 8 in 4-bit two's complement; shifted to the
-// top of each byte they read as 16·(q − 8). `unit_load` issues its loads, `unit_dot` uses
-// them (so a lane can have several blocks' loads in flight).
+// Block v of the row: its nibbles widened to bytes 16·(q − 8) (block_quant.wgsl's
+// `q4_bytes`). `unit_load` issues its loads, `unit_dot` uses them (so a lane can have
+// several blocks' loads in flight).
 struct Unit {
     q: vec4<u32>,
     x0: vec4<u32>,
@@ -25,10 +25,8 @@ fn unit_load(row: u32, x: u32, v: u32) -> Unit {
 }
 
 fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
-    let s = l.q ^ vec4<u32>(0x88888888u);
-    let lo = (s << vec4<u32>(4u)) & vec4<u32>(0xF0F0F0F0u);
-    let hi = s & vec4<u32>(0xF0F0F0F0u);
-    let idot = dot16(lo, l.x0) + dot16(hi, l.x1);
+    let b = q4_bytes(l.q);
+    let idot = dot16(b[0], l.x0) + dot16(b[1], l.x1);
     let si = row * (KP / 32u) + v;
     let d = unpack2x16float(l.d)[si % 2u];
     return f32(idot) * (d * 0.0625 * l.xs * col_scale(v * 32u));

@@ -101,8 +101,8 @@ impl ModelFormat {
     }
 
     /// The metadata key (or tensor) of a GGUF file of architecture `arch` that a
-    /// normalized field comes from, as `config/gguf.rs` reads it; a field no GGUF key holds
-    /// (a default of this engine) keeps its normalized name and says so.
+    /// normalized field comes from, as `config/gguf.rs` reads it; a field it reads from no
+    /// key (a default of this engine) keeps its normalized name and says so.
     fn gguf_field(self, arch: &str, normalized: &str) -> String {
         let key = match (self, normalized) {
             (_, "vocab_size") => return "token_embd.weight (rows)".into(),
@@ -118,11 +118,11 @@ impl ModelFormat {
             (_, "norm_eps") => "attention.layer_norm_rms_epsilon",
             (_, "num_attention_heads") => "attention.head_count",
             (_, "num_key_value_heads") => "attention.head_count_kv",
-            (ModelFormat::GgufGranite, "attention.head_dim") => "attention.head_count",
+            (ModelFormat::GgufGranite, "attention.head_dim") => {
+                "attention.key_length (or embedding_length / attention.head_count)"
+            }
             (_, "attention.head_dim") => "attention.key_length",
             (_, "attention scale") => "attention.scale",
-            (_, "max_position_embeddings") => "context_length",
-            (_, "rope_theta") => "rope.freq_base",
             (ModelFormat::GgufGranite, "moe_intermediate_size") => "feed_forward_length",
             (_, "intermediate_size") => "feed_forward_length",
             (_, "moe_intermediate_size") => "expert_feed_forward_length",
@@ -135,7 +135,7 @@ impl ModelFormat {
             (_, "moe_latent_size") => "moe_latent_size",
             (_, "embedding_multiplier") => "embedding_scale",
             (_, "residual_multiplier") => "residual_scale",
-            (_, "logits_scaling") => "logit_scale",
+            (_, "logits_scaling") => "logit_scale (the value shown is its inverse)",
             _ => return format!("{normalized} (not a GGUF key: this engine's default)"),
         };
         format!("{arch}.{key}")

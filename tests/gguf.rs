@@ -1144,15 +1144,17 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
                 continue;
             }
             // The decode graph's 8-bit activations can tip a router's near tie to the other
-            // expert at one position (moe64.q5_1.gguf: positions 20 and 37, Δ 0.9 and 2.9,
-            // their neighbours at the usual 0.04); the MoE keeps no state, so the next
-            // position is back within the bound. A kernel at fault misses it everywhere:
-            // at most two such positions, each alone.
+            // expert at one position (the GPU's decode of moe64.q5_1.gguf spikes at
+            // positions 20 and 37, Δ 0.9 and 2.9, its neighbours at the usual 0.04, while
+            // its chunked prefill, f32 activations, is within 1e-5 everywhere). The flipped position takes another expert's
+            // output; later ones see it only through the state, which moved little. A kernel
+            // at fault misses the bound at most positions: here at most two positions may,
+            // each alone and within the logits' range.
             assert!(
                 beyond.len() <= 2
-                    && beyond
-                        .iter()
-                        .all(|&p| per_pos.get(p + 1).is_none_or(|&n| n <= bound)),
+                    && beyond.iter().all(|&p| {
+                        per_pos[p] <= range && per_pos.get(p + 1).is_none_or(|&n| n <= bound)
+                    }),
                 "{file} on the GPU ({prefill:?}): positions {beyond:?} beyond {bound} \
                  (max |Δlogit| {e:e} of range {range}): {per_pos:?}"
             );

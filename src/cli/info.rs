@@ -174,26 +174,18 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     if let Some(g) = &model.gguf {
         print_gguf(g);
         let format = model.preferred_format();
-        let (mut held, mut other) = (Vec::new(), Vec::new());
-        for (d, _) in &g.types {
-            if let mamba2_wgpu::model::DType::Quant(t) = d {
-                match mamba2_wgpu::WeightFormat::from_ggml(*t) {
-                    Some(_) => held.push(t.name()),
-                    None => other.push(t.name()),
-                }
-            }
-        }
+        // (Every GGUF block type the reader takes has a GPU format.)
+        let held: Vec<&str> = g
+            .types
+            .iter()
+            .filter_map(|(d, _)| match d {
+                mamba2_wgpu::model::DType::Quant(t) => Some(t.name()),
+                _ => None,
+            })
+            .collect();
         let mut notes = Vec::new();
         if !held.is_empty() {
             notes.push(format!("{} blocks go up as stored", held.join(", ")));
-        }
-        if !other.is_empty() {
-            notes.push(format!(
-                "{} blocks are dequantized and requantized to {} (the GPU has no kernels for \
-                 them; the CPU reference uses them exactly)",
-                other.join(", "),
-                format.name()
-            ));
         }
         println!(
             "gpu        --dtype {} by default{}",

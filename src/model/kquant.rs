@@ -1,9 +1,10 @@
 //! ggml's reference block quantizers for the 4-, 5- and 6-bit formats the GPU holds (Q4_0,
 //! Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), producing the block bytes GGUF files store (layouts
-//! in `ggml`). The rules
-//! are llama.cpp's `quantize_row_*_ref` (ggml-quants.c), followed step by step so a matrix
-//! quantized here equals what `llama-quantize` (no importance matrix) writes for the same
-//! f32 values; `tests/gguf.rs` checks that against llama-quantize's own output.
+//! in `ggml`). The rules are llama.cpp's `quantize_row_*_ref` (ggml-quants.c), followed
+//! step by step so a matrix quantized here equals what `llama-quantize` (no importance
+//! matrix) writes for the same f32 values; `tests/gguf.rs` checks Q8_0 and the k-quants
+//! against llama-quantize's own output and the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1)
+//! against gguf-py's port of the same rules.
 
 use half::f16;
 
@@ -76,10 +77,19 @@ fn q5_0_block(x: &[f32; 32], out: &mut Vec<u8>) {
     out.extend((0..16).map(|j| (q(x[j]) & 15) | (q(x[j + 16]) & 15) << 4));
 }
 
-/// The block's minimum and maximum (ggml's `quantize_row_q4_1_ref` loop).
+/// The block's minimum and maximum, with ggml's `quantize_row_q4_1_ref` comparisons (the
+/// first of equal values kept, so a −0 or +0 minimum is the one ggml stores).
 fn min_max(x: &[f32; 32]) -> (f32, f32) {
-    x.iter()
-        .fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+    let (mut lo, mut hi) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        if v < lo {
+            lo = v;
+        }
+        if v > hi {
+            hi = v;
+        }
+    }
+    (lo, hi)
 }
 
 /// Q4_1: `d = (max − min)/15`, `m = min`, `q = min(15, trunc((x − min)/d + 0.5))`; nibbles

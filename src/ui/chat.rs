@@ -365,12 +365,14 @@ impl ChatApp {
                 .labelled_by(l.id)
                 .on_hover_text("auto, cpu, gpu, gpu:INDEX or gpu:NAME");
         });
-        ui.horizontal(|ui| {
-            ui.label("weights");
-            for f in WeightFormat::ALL {
-                ui.selectable_value(&mut self.form.format, f, f.name());
-            }
-        });
+        // A drop-down: eleven formats in a row widened the side panel past the window.
+        egui::ComboBox::from_label("weights")
+            .selected_text(self.form.format.name())
+            .show_ui(ui, |ui| {
+                for f in WeightFormat::ALL {
+                    ui.selectable_value(&mut self.form.format, f, f.name());
+                }
+            });
         if ui
             .add_enabled(self.loading.is_none(), egui::Button::new("Open model"))
             .clicked()

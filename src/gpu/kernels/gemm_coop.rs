@@ -235,9 +235,18 @@ pub fn takes(w: &DeviceMatrix) -> bool {
     let format = match w.format {
         WeightFormat::F32 | WeightFormat::BF16 => false,
         WeightFormat::F16 | WeightFormat::Q8_0 => true,
-        _ => std::env::var_os("MAMBA2_COOP_BLOCKS").is_none_or(|v| v != "0"),
+        _ => blocks_on(),
     };
     format && w.kp.is_multiple_of(BK)
+}
+
+/// Whether the block formats take the tensor cores (MAMBA2_COOP_BLOCKS: 1, the default,
+/// or 0; `check_overrides` refuses other values).
+fn blocks_on() -> bool {
+    std::env::var("MAMBA2_COOP_BLOCKS")
+        .ok()
+        .and_then(|s| parse_blocks(&s).ok())
+        .unwrap_or(true)
 }
 
 /// Whether a GEMM of `rows` rows of W over blocks of `max_tokens` into `y` (rows of `ys`)
@@ -294,8 +303,9 @@ fn parse_forced_tile(s: &str) -> Result<Tile> {
     Ok(tile)
 }
 
-/// The tuning overrides of this kernel (MAMBA2_COOP_TILE, MAMBA2_COOP_PF, and the short
-/// blocks' MAMBA2_SPLIT_TILE, MAMBA2_SPLIT_WG), checked before a
+/// The tuning overrides of this kernel (MAMBA2_COOP_TILE, MAMBA2_COOP_PF,
+/// MAMBA2_COOP_BLOCKS, and the short blocks' MAMBA2_SPLIT_TILE, MAMBA2_SPLIT_WG), checked
+/// before a
 /// device is made: a value the kernel cannot take is an error naming the variable, not a
 /// failed load-time check that quietly turns the tensor cores off.
 pub fn check_overrides() -> Result<()> {
@@ -311,7 +321,21 @@ pub fn check_overrides() -> Result<()> {
     if let Ok(s) = std::env::var("MAMBA2_SPLIT_WG") {
         parse_split_target(&s)?;
     }
+    if let Ok(s) = std::env::var("MAMBA2_COOP_BLOCKS") {
+        parse_blocks(&s)?;
+    }
     Ok(())
+}
+
+/// A MAMBA2_COOP_BLOCKS value: 0 or 1.
+fn parse_blocks(s: &str) -> Result<bool> {
+    match s {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(Error::InvalidInput(format!(
+            "MAMBA2_COOP_BLOCKS={s}: want 0 (the block formats on the FMA tiles) or 1"
+        ))),
+    }
 }
 
 /// Whether q8_0 scales are loaded eight at a time (one 16-byte load per row every 256
@@ -915,12 +939,15 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
 /// The rest of the load-time check: q8_0 weights whose scales load eight at a time
 /// (K = 256), on the tile the engine picks, straight into Y; then a short block's split-K
 /// GEMM (K = 1024 in slices, `gemm_coop_split` and `gemm_reduce`); then q4_k weights (the
-/// block formats' dequantizing loads, K = 512): each against the CPU's sum of the same f16
-/// products.
+/// block formats' dequantizing loads, K = 512, unless MAMBA2_COOP_BLOCKS=0 leaves those to
+/// the FMA tiles): each against the CPU's sum of the same f16 products.
 fn q8_check(k: &Kernels, emulate: bool) -> Result<()> {
     q8_case(k, emulate, WeightFormat::Q8_0, 256, 150, false)?;
     q8_case(k, emulate, WeightFormat::Q8_0, 1024, 40, true)?;
-    q8_case(k, emulate, WeightFormat::Q4_K, 512, 150, false)
+    if blocks_on() {
+        q8_case(k, emulate, WeightFormat::Q4_K, 512, 150, false)?;
+    }
+    Ok(())
 }
 
 /// One check of `t` tokens × `kc` columns of quantized weights in `format` (`split`: the
@@ -1034,6 +1061,11 @@ mod tests {
         for bad in ["0", "-1", "many", ""] {
             let e = parse_split_target(bad).unwrap_err().to_string();
             assert!(e.contains("MAMBA2_SPLIT_WG"), "{e}");
+        }
+        assert!(!parse_blocks("0").unwrap() && parse_blocks("1").unwrap());
+        for bad in ["off", "", " 0"] {
+            let e = parse_blocks(bad).unwrap_err().to_string();
+            assert!(e.contains("MAMBA2_COOP_BLOCKS"), "{e}");
         }
         assert_eq!(parse_prefetch(" 3 ").unwrap(), 3);
         for bad in ["0", "5", "two", ""] {
