@@ -33,31 +33,6 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
 }
 #endif
 
-#if W_Q5_0
-// Block v of the row: q4_0's nibbles with each value's fifth bit from qh (bit j, for
-// value j), as block_quant.wgsl's `q5_bytes` widens them.
-struct Unit {
-    q: vec4<u32>,
-    x0: vec4<u32>,
-    x1: vec4<u32>,
-    s: vec2<u32>,
-    xs: f32,
-}
-
-fn unit_load(row: u32, x: u32, v: u32) -> Unit {
-    let si = row * (KP / 32u) + v;
-    let xo = x * (KP / 16u);
-    return Unit(w[si], x_q(xo + 2u * v), x_q(xo + 2u * v + 1u), ws[si], x_d(x * (KP / 32u) + v));
-}
-
-fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
-    let b = q5_bytes(l.q, l.s.x);
-    let idot = dot16(b[0], l.x0) + dot16(b[1], l.x1);
-    let d = unpack2x16float(l.s.y).x;
-    return f32(idot) * (d * 0.125 * l.xs * col_scale(v * 32u));
-}
-#endif
-
 #if W_Q4_1
 // Block v of the row: the nibbles are levels 0…15 of d·q + m, so the block's product is
 // d·Σq·x + m·Σx (Σx from a dot product with ones, as the k-quants' mins take it).
@@ -85,9 +60,10 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
 }
 #endif
 
-#if W_Q5_1
-// Block v of the row: levels 0…31 (block_quant.wgsl's `q5_levels`) of d·q + m, multiplied
-// as W_Q4_1's.
+#if W_Q5
+// Block v of the row: q4_0's nibbles with each value's fifth bit from qh (bit j, for
+// value j), widened by block_quant.wgsl's `q5_bytes` (W_Q5_0: bytes 8·(q − 16)) or
+// `q5_levels` (W_Q5_1: levels 0…31 of d·q + m, multiplied as W_Q4_1's).
 struct Unit {
     q: vec4<u32>,
     x0: vec4<u32>,
@@ -102,6 +78,16 @@ fn unit_load(row: u32, x: u32, v: u32) -> Unit {
     return Unit(w[si], x_q(xo + 2u * v), x_q(xo + 2u * v + 1u), ws[si], x_d(x * (KP / 32u) + v));
 }
 
+#if W_Q5_0
+fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
+    let b = q5_bytes(l.q, l.s.x);
+    let idot = dot16(b[0], l.x0) + dot16(b[1], l.x1);
+    let d = unpack2x16float(l.s.y).x;
+    return f32(idot) * (d * 0.125 * l.xs * col_scale(v * 32u));
+}
+#endif
+
+#if W_Q5_1
 fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
     let ones = vec4<u32>(0x01010101u);
     let b = q5_levels(l.q, l.s.x);
@@ -110,6 +96,7 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
     let dm = unpack2x16float(l.s.y);
     return (dm.x * f32(idot) + dm.y * f32(isum)) * (l.xs * col_scale(v * 32u));
 }
+#endif
 #endif
 
 #if W_K4

@@ -842,37 +842,34 @@ fn moe_ggufs_match_the_hf_oracle() {
     }
 }
 
+/// Where the value of metadata `key` starts in a GGUF file's bytes, checking that its type
+/// id (after the name) is `ty` (4 u32, 6 f32, 7 bool).
+fn value_at(bytes: &[u8], key: &str, ty: u32) -> usize {
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key.as_bytes())
+        .unwrap()
+        + key.len();
+    assert_eq!(&bytes[at..at + 4], &ty.to_le_bytes(), "{key}: type {ty}");
+    at + 4
+}
+
 /// A `nemotron_h_moe` or `granitehybrid` file with one metadata value or tensor name edited
 /// in place: the error names the key or the tensor.
 #[test]
 fn broken_moe_gguf_files_name_the_key_or_tensor() {
     // A u32 key's value: the 4 bytes after its name and its type.
     let set_u32 = |bytes: &mut Vec<u8>, key: &str, v: u32| {
-        let at = bytes
-            .windows(key.len())
-            .position(|w| w == key.as_bytes())
-            .unwrap()
-            + key.len();
-        assert_eq!(&bytes[at..at + 4], &4u32.to_le_bytes(), "{key} is a u32");
-        bytes[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
+        let at = value_at(bytes, key, 4);
+        bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
     };
     let set_bool = |bytes: &mut Vec<u8>, key: &str, v: bool| {
-        let at = bytes
-            .windows(key.len())
-            .position(|w| w == key.as_bytes())
-            .unwrap()
-            + key.len();
-        assert_eq!(&bytes[at..at + 4], &7u32.to_le_bytes(), "{key} is a bool");
-        bytes[at + 4] = u8::from(v);
+        let at = value_at(bytes, key, 7);
+        bytes[at] = u8::from(v);
     };
     let set_f32 = |bytes: &mut Vec<u8>, key: &str, v: f32| {
-        let at = bytes
-            .windows(key.len())
-            .position(|w| w == key.as_bytes())
-            .unwrap()
-            + key.len();
-        assert_eq!(&bytes[at..at + 4], &6u32.to_le_bytes(), "{key} is an f32");
-        bytes[at + 4..at + 8].copy_from_slice(&v.to_le_bytes());
+        let at = value_at(bytes, key, 6);
+        bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
     };
     let rename = |bytes: &mut Vec<u8>, from: &str, to: &str| {
         assert_eq!(from.len(), to.len());
@@ -1014,13 +1011,8 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
 fn granite_gguf_attention_scale_of_zero_is_the_default() {
     let key = "granitehybrid.attention.scale";
     let mut bytes = std::fs::read(dir().join("granite_moe_hybrid.f32.gguf")).unwrap();
-    let at = bytes
-        .windows(key.len())
-        .position(|w| w == key.as_bytes())
-        .unwrap()
-        + key.len();
-    assert_eq!(&bytes[at..at + 4], &6u32.to_le_bytes(), "{key} is an f32");
-    bytes[at + 4..at + 8].copy_from_slice(&0f32.to_le_bytes());
+    let at = value_at(&bytes, key, 6);
+    bytes[at..at + 4].copy_from_slice(&0f32.to_le_bytes());
     let path = std::env::temp_dir().join(format!("granite-scale0-{}.gguf", std::process::id()));
     std::fs::write(&path, &bytes).unwrap();
     let model = Model::load(&path);
