@@ -21,20 +21,20 @@
 
 // Values per unit of the quantized GEMVs' rows (gemv_units.wgsl: one block, or q6_k's
 // quarter superblock; the GEMV kernels give the float formats and q8_0 theirs).
-#if W_Q4_0
-const VW: u32 = 32u;
-#endif
-#if W_Q4_1
-const VW: u32 = 32u;
-#endif
-#if W_Q5
-const VW: u32 = 32u;
-#endif
-#if W_K4
-const VW: u32 = 32u;
-#endif
+#if W_BLOCK
 #if W_Q6_K
 const VW: u32 = 64u;
+#else
+const VW: u32 = 32u;
+#endif
+
+// The low nibbles of values j … j+8 of a 32-value block's 16 quant bytes `v` (q4_0, q4_1
+// and the q5s' low four bits: value j is nibble j/16 of byte j%16), one per byte: two words.
+fn b32_nibbles8(v: vec4<u32>, j: u32) -> vec2<u32> {
+    let sh = (j / 16u) * 4u;
+    let wi = (j % 16u) / 4u;
+    return vec2<u32>((v[wi] >> sh) & 0x0F0F0F0Fu, (v[wi + 1u] >> sh) & 0x0F0F0F0Fu);
+}
 #endif
 
 #if W_F16
@@ -67,13 +67,9 @@ fn q4_bytes(q: vec4<u32>) -> array<vec4<u32>, 2> {
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let blk = row * (KP / 32u) + k0 / 32u;
     let d = unpack2x16float(ws[blk / 2u])[blk % 2u];
-    let j = k0 % 32u;
-    let v = w[blk];
-    // Bytes j%16 … +8 of the block: two words, their nibble j/16.
-    let sh = (j / 16u) * 4u;
-    let wi = (j % 16u) / 4u;
-    let a = (vec4<f32>(unpack4xU8((v[wi] >> sh) & 0x0F0F0F0Fu)) - 8.0) * d;
-    let b = (vec4<f32>(unpack4xU8((v[wi + 1u] >> sh) & 0x0F0F0F0Fu)) - 8.0) * d;
+    let q = b32_nibbles8(w[blk], k0 % 32u);
+    let a = (vec4<f32>(unpack4xU8(q.x)) - 8.0) * d;
+    let b = (vec4<f32>(unpack4xU8(q.y)) - 8.0) * d;
     return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
 }
 #endif
@@ -85,13 +81,9 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
 fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let blk = row * (KP / 32u) + k0 / 32u;
     let dm = unpack2x16float(ws[blk]);
-    let j = k0 % 32u;
-    let v = w[blk];
-    // Bytes j%16 … +8 of the block: two words, their nibble j/16.
-    let sh = (j / 16u) * 4u;
-    let wi = (j % 16u) / 4u;
-    let a = vec4<f32>(unpack4xU8((v[wi] >> sh) & 0x0F0F0F0Fu)) * dm.x + dm.y;
-    let b = vec4<f32>(unpack4xU8((v[wi + 1u] >> sh) & 0x0F0F0F0Fu)) * dm.x + dm.y;
+    let q = b32_nibbles8(w[blk], k0 % 32u);
+    let a = vec4<f32>(unpack4xU8(q.x)) * dm.x + dm.y;
+    let b = vec4<f32>(unpack4xU8(q.y)) * dm.x + dm.y;
     return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
 }
 #endif
@@ -149,13 +141,11 @@ fn bq_weights8(row: u32, k0: u32) -> array<f32, 8> {
     let s = ws[blk];
     let dm = unpack2x16float(s.y);
     let j = k0 % 32u;
-    let v = w[blk];
-    // Bytes j%16 … +8 of the block: two words, their nibble j/16; fifth bits j … j+8.
-    let sh = (j / 16u) * 4u;
-    let wi = (j % 16u) / 4u;
+    let q = b32_nibbles8(w[blk], j);
+    // Their fifth bits: bits j … j+8 of qh.
     let h = s.x >> j;
-    let qa = vec4<f32>(unpack4xU8(((v[wi] >> sh) & 0x0F0F0F0Fu) | q5_spread4(h & 15u)));
-    let qb = vec4<f32>(unpack4xU8(((v[wi + 1u] >> sh) & 0x0F0F0F0Fu) | q5_spread4((h >> 4u) & 15u)));
+    let qa = vec4<f32>(unpack4xU8(q.x | q5_spread4(h & 15u)));
+    let qb = vec4<f32>(unpack4xU8(q.y | q5_spread4((h >> 4u) & 15u)));
 #if W_Q5_0
     let a = (qa - 16.0) * dm.x;
     let b = (qb - 16.0) * dm.x;

@@ -183,19 +183,12 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
                 _ => None,
             })
             .collect();
-        let mut notes = Vec::new();
-        if !held.is_empty() {
-            notes.push(format!("{} blocks go up as stored", held.join(", ")));
-        }
-        println!(
-            "gpu        --dtype {} by default{}",
-            format.name(),
-            if notes.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", notes.join("; "))
-            }
-        );
+        let stored = if held.is_empty() {
+            String::new()
+        } else {
+            format!(" ({} blocks go up as stored)", held.join(", "))
+        };
+        println!("gpu        --dtype {} by default{stored}", format.name());
     }
     Ok(())
 }

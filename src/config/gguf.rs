@@ -21,12 +21,15 @@ impl ModelConfig {
     /// The normalized config of `file`; errors name the metadata key.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let arch = file.str("general.architecture")?;
-        let format = match arch {
-            "mamba2" => ModelFormat::GgufMamba2,
-            "nemotron_h" => ModelFormat::GgufNemotronH,
-            "nemotron_h_moe" => ModelFormat::GgufNemotronHMoe,
-            "granitehybrid" => ModelFormat::GgufGranite,
-            _ => {
+        let gguf = [
+            ModelFormat::GgufMamba2,
+            ModelFormat::GgufNemotronH,
+            ModelFormat::GgufNemotronHMoe,
+            ModelFormat::GgufGranite,
+        ];
+        let format = match gguf.into_iter().find(|f| f.gguf_arch() == Some(arch)) {
+            Some(f) => f,
+            None => {
                 return Err(Error::Unsupported(format!(
                     "{}: GGUF architecture `{arch}` (this engine reads `mamba2`, `nemotron_h`, \
                      `nemotron_h_moe` and `granitehybrid` GGUF files; run other models from \
