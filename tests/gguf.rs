@@ -989,6 +989,12 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
         ),
         (
             moe,
+            "a negative norm epsilon",
+            Box::new(|b| set_f32(b, "nemotron_h_moe.attention.layer_norm_rms_epsilon", -1.0)),
+            "nemotron_h_moe.attention.layer_norm_rms_epsilon",
+        ),
+        (
+            moe,
             "a missing stack of experts",
             Box::new(|b| rename(b, "blk.1.ffn_down_exps", "blk.1.ffn_down_expz")),
             "blk.1.ffn_down_expz",

@@ -71,12 +71,7 @@ impl ModelConfig {
             d_state: file.usize(&key("ssm.state_size"))?,
             d_conv: file.usize(&key("ssm.conv_kernel"))?,
             chunk_size: DEFAULT_CHUNK,
-            norm_eps: match file.opt_f64(&key("attention.layer_norm_rms_epsilon"))? {
-                Some(e) => e,
-                None => file
-                    .opt_f64(&key("attention.layer_norm_epsilon"))?
-                    .unwrap_or(1e-5),
-            },
+            norm_eps: norm_eps(file, &key)?,
             tie_embeddings: !has("output.weight"),
             conv_bias: has("blk.0.ssm_conv1d.bias"),
             blocks: Vec::new(),
@@ -409,4 +404,22 @@ fn granite_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
         scales,
         ..config
     })
+}
+
+/// The norms' epsilon: `attention.layer_norm_rms_epsilon`, else llama.cpp's older
+/// `attention.layer_norm_epsilon`, else 1e-5; a value that is not a positive finite number
+/// is refused naming the key the file holds (the config check would name the first).
+fn norm_eps(file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f64> {
+    for name in [
+        key("attention.layer_norm_rms_epsilon"),
+        key("attention.layer_norm_epsilon"),
+    ] {
+        if let Some(e) = file.opt_f64(&name)? {
+            if !(e > 0.0 && e.is_finite()) {
+                return Err(file.key_error(&name, format!("must be a positive number, found {e}")));
+            }
+            return Ok(e);
+        }
+    }
+    Ok(1e-5)
 }
