@@ -6,9 +6,10 @@
 // invocation owns 8 rows × 4 tokens in eight vec4 registers, fed by vec4 reads of the
 // tiles in workgroup memory. O_STORE writes Y rows of YS values,
 // O_ADD adds into them (the residual).
-// SPLIT (blocks of at most TT tokens, where W's row tiles alone are too few workgroups to
-// fill the GPU): workgroup z takes the z-th of KS slices of the K loop and O_PART stores its
-// partial tile at `y[(z·TT + t)·M + m]`; gemm_reduce.wgsl sums the slices in order.
+// SPLIT (where W's row tiles and the block's token tiles alone are too few workgroups to
+// fill the GPU: short blocks, and matrices of few rows such as the MoE routers): workgroup z
+// takes the z-th of KS slices of the K loop and O_PART stores its partial tile at
+// `y[(z·PT + t)·M + m]` (PT ≥ the block's tokens); gemm_reduce.wgsl sums the slices in order.
 // GROUPED (the MoE experts of a prefill block, rows sorted by expert by moe_sort): the T = TR
 // rows come in tiles of 64 that each belong to one expert, `tile_expert[tile]`; W is a bank
 // of NE experts from E0, M rows each, and a tile whose expert lives in another bank (or
@@ -172,7 +173,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                     y[t * YS + m] += acc[i][j];
 #endif
 #if O_PART
-                    y[(wid.z * TT + t) * M + m] = acc[i][j];
+                    y[(wid.z * PT + t) * M + m] = acc[i][j];
 #endif
                 }
             }

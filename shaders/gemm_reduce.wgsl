@@ -1,5 +1,6 @@
 // The end of a split-K GEMM (gemm.wgsl, SPLIT): y[t, m] (=|+=) Σ_z part[z][t][m] over the
-// KS slices in order, for the T = ctrl.prompt_len tokens of a block of at most TT.
+// KS slices in order, for the T = ctrl.prompt_len tokens of a block of at most PT (the
+// partials' token stride).
 // One invocation per (m, t).
 
 @group(0) @binding(0) var<storage, read> part: array<f32>;
@@ -15,7 +16,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     var s = 0.0;
     for (var z = 0u; z < KS; z++) {
-        s += part[(z * TT + t) * M + m];
+        s += part[(z * PT + t) * M + m];
     }
 #if O_STORE
     y[t * YS + m] = s;

@@ -25,7 +25,9 @@ use std::time::Instant;
 use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::chunk::ChunkConsts;
-use mamba2_wgpu::gpu::kernels::gemm::{GemmOutput, TILE, gemm, gemm_split, part_slices};
+use mamba2_wgpu::gpu::kernels::gemm::{
+    GemmOutput, TILE, block_slices, gemm, gemm_split, part_slices,
+};
 use mamba2_wgpu::gpu::kernels::gemm_coop::{self, TILES, Tile as CoopTile, gemm_coop, specialize};
 use mamba2_wgpu::gpu::kernels::gemm_reduce::gemm_reduce;
 use mamba2_wgpu::gpu::kernels::gemv::MixerConsts;
@@ -67,6 +69,9 @@ enum Kernel {
     /// `gemm_split`: the K loop split over workgroup slices, then `gemm_reduce` (blocks of at
     /// most one token tile).
     GemmSplit(WeightFormat, GemmOutput),
+    /// `gemm_split` over blocks of more than one token tile (the K slices `block_slices`
+    /// gives: matrices of few rows such as the MoE routers split, the rest run plain).
+    GemmBlockSplit(WeightFormat, GemmOutput),
     /// `gemm_coop.wgsl` for these weights and output on every tile of `COOP_TILES`, with the
     /// cooperative ops and with their stand-ins: parsed, validated and translated to SPIR-V
     /// by naga (lavapipe has no cooperative matrices to run them on).
@@ -105,6 +110,9 @@ impl Kernel {
         match self {
             Kernel::Gemm(w, o) => format!("gemm {} {}", w.name(), out(o)),
             Kernel::GemmSplit(w, o) => format!("gemm split-K {} {}", w.name(), out(o)),
+            Kernel::GemmBlockSplit(w, o) => {
+                format!("gemm split-K, long blocks {} {}", w.name(), out(o))
+            }
             Kernel::GemmCoopSplitEmulated(w, o) => {
                 format!("gemm_coop split-K emulated {} {}", w.name(), out(o))
             }
@@ -332,6 +340,16 @@ const GEMMS: &[GemmShape] = &[
         blocks: &[65, 64],
     },
     GemmShape {
+        name: "MoE router (Granite-4.0-H-Tiny's 64 × 1536, f32) over blocks of 300",
+        m: 64,
+        k: 1536,
+        ys: 64,
+        out: Store,
+        formats: &[F32],
+        cap: 300,
+        blocks: &[300, 129, 65],
+    },
+    GemmShape {
         name: "rows in whole 16s but not whole tiles: M 208, K 96, rows of 224",
         m: 208,
         k: 96,
@@ -489,10 +507,17 @@ fn cases() -> Vec<Case> {
                 shape,
                 tol: F32_TOL,
             });
-            // Blocks of at most one token tile also run split over K.
+            // Blocks of at most one token tile also run split over K; longer ones where
+            // their matrix has few rows (f32: the routers, which the tensor cores never take).
             if s.blocks.iter().all(|&t| t <= TILE.1) {
                 v.push(Case {
                     kernel: Kernel::GemmSplit(w, s.out),
+                    shape,
+                    tol: F32_TOL,
+                });
+            } else if w == F32 {
+                v.push(Case {
+                    kernel: Kernel::GemmBlockSplit(w, s.out),
                     shape,
                     tol: F32_TOL,
                 });
@@ -603,6 +628,22 @@ fn gemm_every_format() {
 #[test]
 fn gemm_split_k_every_format() {
     run_cases(|k| matches!(k, Kernel::GemmSplit(..)));
+}
+
+/// Long blocks split over K where the plain grid is tiny: the router shape does (16 slices
+/// over 5 token tiles), the wide ones run the plain GEMM through the same call.
+#[test]
+fn gemm_split_k_long_blocks() {
+    if let Some(k) = common::kernels(1 << 24) {
+        let s = GEMMS
+            .iter()
+            .find(|s| s.name.starts_with("MoE router"))
+            .unwrap();
+        let p = pack(F32, &rand(1, s.m * s.k, -1.0, 1.0), s.m, s.k);
+        let mat = DeviceMatrix::upload(&k.ctx, "w", &p).unwrap();
+        assert!(block_slices(&k, &mat, s.cap) >= 4, "{}", s.name);
+    }
+    run_cases(|k| matches!(k, Kernel::GemmBlockSplit(..)));
 }
 
 #[test]
@@ -790,6 +831,9 @@ fn run_cases(pick: impl Fn(Kernel) -> bool) {
             (Kernel::Gemm(w, out), Shape::Gemm(s), Some(g)) => run_gemm(g, seed, w, out, s, false),
             (Kernel::GemmSplit(w, out), Shape::Gemm(s), Some(g)) => {
                 run_gemm(g, seed, w, out, s, true)
+            }
+            (Kernel::GemmBlockSplit(w, out), Shape::Gemm(s), Some(g)) => {
+                run_gemm_with(g, seed, w, out, s, GemmPath::BlockSplitK)
             }
             (Kernel::GemmCoopEmulated(w, out, t, direct), Shape::Gemm(s), Some(g)) => {
                 run_gemm_coop_emulated(g, seed, w, out, s, EMULATED_TILES[t], direct)
@@ -982,6 +1026,7 @@ fn compare(what: &str, got: &[f32], want: &[f32], region: impl Fn(usize) -> Regi
 enum GemmPath {
     Plain,
     SplitK,
+    BlockSplitK,
     CoopEmulated(CoopTile, bool),
     CoopSplitEmulated,
 }
@@ -1063,7 +1108,12 @@ fn run_gemm_with(
             // (A K whose padded width has no whole slices runs the plain GEMM: checked too.)
             let slices = part_slices(&g.k, &mat);
             let part = g.buf(&vec![f32::NAN; slices * TILE.1 * m])?;
-            gemm_split(&g.k, "gemm", &mat, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
+            gemm_split(&g.k, "gemm", &mat, TILE.1, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
+        }
+        GemmPath::BlockSplitK => {
+            let slices = block_slices(&g.k, &mat, cap);
+            let part = g.buf(&vec![f32::NAN; slices * cap.next_multiple_of(TILE.1) * m])?;
+            gemm_split(&g.k, "gemm", &mat, cap, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
         }
         GemmPath::CoopSplitEmulated => {
             // The engine's slice count (across the table: 16 slices of 512 or 256 columns,
@@ -1082,7 +1132,19 @@ fn run_gemm_with(
                     true,
                 )
                 .map_err(err)?,
-                gemm_reduce(&g.k, "reduce", m, slices, &part, &yb, ys, out, &ctrl).map_err(err)?,
+                gemm_reduce(
+                    &g.k,
+                    "reduce",
+                    m,
+                    slices,
+                    (TILE.1, TILE.1),
+                    &part,
+                    &yb,
+                    ys,
+                    out,
+                    &ctrl,
+                )
+                .map_err(err)?,
             ]
         }
         GemmPath::Plain => {

@@ -63,8 +63,9 @@ pub struct Prefill {
     pub moe_latent_sum: wgpu::Buffer,
     /// `[T][V]` logits (perplexity blocks only).
     pub logits: Option<wgpu::Buffer>,
-    /// Split-K partial products of the short-block graph's dense projections,
-    /// `[KS][TILE.1][rows]` (4 bytes when there is no short-block graph).
+    /// Split-K partial products of the dense projections that split (the short-block
+    /// graph's, and the few-row ones such as MoE routers in full blocks), `[KS][PT][rows]`
+    /// (4 bytes when none splits).
     pub part: wgpu::Buffer,
     /// Feeds a block: the state advances by its tokens.
     pub graph: Graph,
@@ -231,13 +232,13 @@ impl Prefill {
             moe_latent: ctx.storage_zeroed("prefill moe latent", f32s(t * latent))?,
             moe_latent_sum: ctx.storage_zeroed("prefill moe latent sum", f32s(t * latent))?,
             logits: None,
-            part: ctx.storage_zeroed("prefill split-K partials", f32s(part_len(e)))?,
+            part: ctx.storage_zeroed("prefill split-K partials", f32s(part_len(e, t)))?,
             graph: Graph::default(),
             logits_graph: None,
             short_graph: None,
         };
         p.graph = prefill_graph(&e.block_ctx(), &e.weights, &p, cc, false)?;
-        if part_len(e) > 0 && t > SHORT_BLOCK {
+        if part_len(e, SHORT_BLOCK) > 0 && t > SHORT_BLOCK {
             // Chunks no longer than the block: a 128-token chunk would pad the SSD
             // kernels' tiles of a ≤ 64-token block to 128 rows (C·Bᵀ's lower triangle: 3
             // tiles of 64 instead of 1).
@@ -282,19 +283,20 @@ impl Prefill {
     }
 }
 
-/// Values of the split-K partial buffer: the largest `KS · SHORT_BLOCK · rows` over the
-/// Mamba2, attention and MLP projections that split (0 when none does, or MAMBA2_NO_SPLITK is set).
-fn part_len(e: &Engine) -> usize {
-    use crate::gpu::kernels::gemm::part_slices;
+/// Values of the split-K partial buffer: the largest over the dense projections (the
+/// routers of MoE layers included) of what their split takes in the short-block graph, in
+/// blocks of `max_tokens` and in the perplexity graph's (`gemm::part_values`; 0 when none
+/// splits, or MAMBA2_NO_SPLITK is set).
+fn part_len(e: &Engine, max_tokens: usize) -> usize {
+    use crate::gpu::kernels::gemm::part_values;
     if std::env::var_os("MAMBA2_NO_SPLITK").is_some() {
         return 0;
     }
+    // (The perplexity graph's blocks are at most MAX_LOGITS_BLOCK tokens.)
+    let blocks = [SHORT_BLOCK, max_tokens, max_tokens.min(MAX_LOGITS_BLOCK)];
     e.weights
         .dense_projections()
-        .map(|w| {
-            let s = part_slices(&e.kernels, w);
-            if s > 1 { s * SHORT_BLOCK * w.rows } else { 0 }
-        })
+        .flat_map(|w| blocks.map(|t| part_values(&e.kernels, w, t)))
         .max()
         .unwrap_or(0)
 }

@@ -101,7 +101,12 @@ pub const MAX_SLICES: usize = 16;
 /// make ~SPLIT_TARGET workgroups, each slice a whole number of 16-column steps (1: no
 /// split).
 pub fn split_slices(w: &DeviceMatrix) -> usize {
-    let tiles = w.rows.div_ceil(TILE.0).max(1);
+    split_slices_over(w, 1)
+}
+
+/// `split_slices` for a GEMM over `token_tiles` token tiles.
+fn split_slices_over(w: &DeviceMatrix, token_tiles: usize) -> usize {
+    let tiles = w.rows.div_ceil(TILE.0).max(1) * token_tiles.max(1);
     let want = (SPLIT_TARGET / tiles).clamp(1, MAX_SLICES);
     (1..=want)
         .rev()
@@ -109,25 +114,58 @@ pub fn split_slices(w: &DeviceMatrix) -> usize {
         .unwrap_or(1)
 }
 
-/// The K slices a split-K partial buffer for `w` must hold on this device: the most either
-/// split takes.
+/// Fewest K slices for which a block of more than one token tile splits its K loop: a plain
+/// GEMM of a few dozen workgroups or fewer (the MoE routers' 64 or 128 rows in f32 make one
+/// row tile: 8 workgroups over a 512-token block), not one that merely misses SPLIT_TARGET.
+const BLOCK_SPLIT_MIN: usize = 4;
+
+/// The K slices of `w`'s GEMM over a block of `max_tokens` tokens (1: the plain GEMM).
+/// Blocks of one token tile: `split_slices` (or the cooperative split's). Longer blocks split
+/// only on FMA tiles (the cooperative GEMM takes the routers' f32 nowhere) and only where
+/// the plain grid is tiny (`BLOCK_SPLIT_MIN`); MAMBA2_NO_SPLITK=1 turns that off too.
+pub fn block_slices(k: &Kernels, w: &DeviceMatrix, max_tokens: usize) -> usize {
+    if max_tokens <= TILE.1 {
+        return part_slices(k, w);
+    }
+    if super::gemm_coop::applies(k, w) || std::env::var_os("MAMBA2_NO_SPLITK").is_some() {
+        return 1;
+    }
+    let s = split_slices_over(w, max_tokens.div_ceil(TILE.1));
+    if s >= BLOCK_SPLIT_MIN { s } else { 1 }
+}
+
+/// Values of the split-K partials `w`'s GEMM over a block of `max_tokens` needs (0 when it
+/// does not split): `[KS][PT][rows]`, PT the block's tokens in whole token tiles.
+pub fn part_values(k: &Kernels, w: &DeviceMatrix, max_tokens: usize) -> usize {
+    let s = block_slices(k, w, max_tokens);
+    if s > 1 {
+        s * max_tokens.max(TILE.1).next_multiple_of(TILE.1) * w.rows
+    } else {
+        0
+    }
+}
+
+/// The K slices a split-K partial buffer for `w` must hold on this device for a block of
+/// one token tile: the most either split takes.
 pub fn part_slices(k: &Kernels, w: &DeviceMatrix) -> usize {
     use super::gemm_coop::{split_slices as coop_slices, split_tile};
     split_slices(w).max(coop_slices(w, split_tile(k)))
 }
 
-/// The GEMM of a block of at most `TILE.1` tokens with its K loop split over
-/// `split_slices(w)` workgroup slices into `part` (`[KS][TILE.1][rows]`), then summed in
-/// order into `y` by `gemm_reduce`: for short blocks, where W's row tiles alone leave most of
-/// the GPU idle (Codestral's out_proj: 32 workgroups). Where the cooperative GEMM takes W,
-/// its split (`gemm_coop::gemm_coop_split`, its own slice count) replaces these FMA slices.
-/// One dispatch (the plain GEMM) when no split applies (a matrix with enough row tiles).
-/// `part` holds `part_slices(w)` slices.
+/// The GEMM of a block of at most `max_tokens` tokens with its K loop split over workgroup
+/// slices into `part` (`[KS][PT][rows]`, PT = `max_tokens` in whole token tiles), then
+/// summed in order into `y` by `gemm_reduce`. For short blocks (one token tile), where W's
+/// row tiles alone leave most of the GPU idle (Codestral's out_proj: 32 workgroups),
+/// `split_slices(w)` slices, or where the cooperative GEMM takes W its split
+/// (`gemm_coop::gemm_coop_split`, its own slice count). For longer blocks, `block_slices`
+/// (matrices of few rows on FMA tiles: the MoE routers). One dispatch (the plain GEMM) when
+/// no split applies. `part` holds `part_values(w, max_tokens)` values.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_split(
     k: &Kernels,
     name: &str,
     w: &DeviceMatrix,
+    max_tokens: usize,
     x: &wgpu::Buffer,
     part: &wgpu::Buffer,
     y: &wgpu::Buffer,
@@ -135,8 +173,12 @@ pub fn gemm_split(
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
-    let t = TILE.1;
-    let coop_slices = if super::gemm_coop::applies(k, w) {
+    let short = max_tokens <= TILE.1;
+    // The tokens the GEMM covers (a short block's whole tile), and the partials' token
+    // stride.
+    let tokens = if short { TILE.1 } else { max_tokens };
+    let t = tokens.next_multiple_of(TILE.1);
+    let coop_slices = if short && super::gemm_coop::applies(k, w) {
         super::gemm_coop::split_slices(w, super::gemm_coop::split_tile(k))
     } else {
         1
@@ -147,15 +189,22 @@ pub fn gemm_split(
             super::gemm_coop::gemm_coop_split(k, name, w, x, part, ctrl, coop_slices, emulate)?;
         (split, coop_slices)
     } else {
-        let slices = split_slices(w);
+        let slices = if short {
+            split_slices(w)
+        } else {
+            block_slices(k, w, max_tokens)
+        };
         if slices == 1 {
-            return Ok(vec![gemm(k, name, w, t, x, y, ys, output, ctrl)?]);
+            return Ok(vec![gemm(k, name, w, tokens, x, y, ys, output, ctrl)?]);
         }
         let xs = w.cols.next_multiple_of(32);
-        check_len(&format!("{name}: x"), x, t * xs)?;
+        check_len(&format!("{name}: x"), x, tokens * xs)?;
         check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
         let mut consts = shape_consts(w, xs, ys);
-        consts.push(("KS", Const::U32(slices as u32)));
+        consts.extend([
+            ("KS", Const::U32(slices as u32)),
+            ("PT", Const::U32(t as u32)),
+        ]);
         let mut flags = w.flags();
         flags.extend(["SPLIT", "O_PART"]);
         let pipeline = k.pipeline("gemm", SOURCES, &consts, &flags, false)?;
@@ -164,12 +213,22 @@ pub fn gemm_split(
         let split = Dispatch {
             bind_group: k.bind(&pipeline, name, &entries),
             pipeline,
-            workgroups: (w.rows.div_ceil(TILE.0) as u32, 1, slices as u32),
+            workgroups: (
+                w.rows.div_ceil(TILE.0) as u32,
+                (t / TILE.1) as u32,
+                slices as u32,
+            ),
             name: format!("{name} (split-K)"),
             per_token: None,
             shorter: Vec::new(),
             section: Section::Matmul,
             label: Label::gemm(w),
+        };
+        // (A block shorter than the graph's dispatches only its token tiles.)
+        let split = if short {
+            split
+        } else {
+            split.per_token(1, TILE.1, 1)
         };
         (split, slices)
     };
@@ -178,6 +237,7 @@ pub fn gemm_split(
         &format!("{name} (reduce)"),
         w.rows,
         slices,
+        (t, tokens),
         part,
         y,
         ys,
@@ -188,7 +248,8 @@ pub fn gemm_split(
 }
 
 /// A block's dense projection: `gemm_split` in the short-block graph (`max_tokens` ≤ one
-/// token tile), else the plain GEMM over the block's token tiles.
+/// token tile) and for matrices of few rows (`block_slices`), else the plain GEMM over the
+/// block's token tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn projection(
     k: &Kernels,
@@ -202,8 +263,8 @@ pub fn projection(
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
-    if max_tokens <= TILE.1 {
-        return gemm_split(k, name, w, x, part, y, ys, output, ctrl);
+    if max_tokens <= TILE.1 || block_slices(k, w, max_tokens) > 1 {
+        return gemm_split(k, name, w, max_tokens, x, part, y, ys, output, ctrl);
     }
     Ok(vec![gemm(k, name, w, max_tokens, x, y, ys, output, ctrl)?])
 }

@@ -994,6 +994,7 @@ fn q8_case(
             "coop check reduce",
             m,
             slices,
+            (SPLIT_TILE.bt, SPLIT_TILE.bt),
             &part,
             &y,
             m,

@@ -1,7 +1,7 @@
-//! `gemm_reduce.wgsl`: the end of a split-K GEMM, `y [T][ys] (=|+=) Σ_z part [KS][TT][M]`
-//! over the KS slices in order, for the T ≤ TT tokens of a block (`ctrl.prompt_len`).
+//! `gemm_reduce.wgsl`: the end of a split-K GEMM, `y [T][ys] (=|+=) Σ_z part [KS][PT][M]`
+//! over the KS slices in order, for the T ≤ PT tokens of a block (`ctrl.prompt_len`).
 
-use super::gemm::{GemmOutput, TILE};
+use super::gemm::GemmOutput;
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
 use crate::gpu::shader::Const;
@@ -11,27 +11,33 @@ const SOURCES: super::Sources = &[include_str!("../../../shaders/gemm_reduce.wgs
 /// Invocations per workgroup (along the rows).
 const WG: u32 = 256;
 
-/// Sums `slices` partial products of `rows` outputs into `y` (rows of `ys` values).
+/// Sums `slices` partial products of `rows` outputs for up to `max_tokens` tokens (`pt`
+/// apart: the partials' token stride, at least `max_tokens`) into `y` (rows of `ys` values).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_reduce(
     k: &Kernels,
     name: &str,
     rows: usize,
     slices: usize,
+    (pt, max_tokens): (usize, usize),
     part: &wgpu::Buffer,
     y: &wgpu::Buffer,
     ys: usize,
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let tt = TILE.1;
-    check_len(&format!("{name}: part"), part, slices * tt * rows)?;
-    check_len(&format!("{name}: y"), y, (tt - 1) * ys + rows)?;
+    if max_tokens == 0 || max_tokens > pt {
+        return Err(crate::error::Error::Gpu(format!(
+            "{name}: {max_tokens} tokens in partials {pt} tokens apart"
+        )));
+    }
+    check_len(&format!("{name}: part"), part, slices * pt * rows)?;
+    check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + rows)?;
     let consts = [
         ("WG", Const::U32(WG)),
         ("M", Const::U32(rows as u32)),
         ("KS", Const::U32(slices as u32)),
-        ("TT", Const::U32(tt as u32)),
+        ("PT", Const::U32(pt as u32)),
         ("YS", Const::U32(ys as u32)),
     ];
     let flag = match output {
@@ -42,7 +48,7 @@ pub fn gemm_reduce(
     Ok(Dispatch {
         bind_group: k.bind(&pipeline, name, &[(0, part), (1, y), (2, ctrl)]),
         pipeline,
-        workgroups: ((rows as u32).div_ceil(WG), tt as u32, 1),
+        workgroups: ((rows as u32).div_ceil(WG), max_tokens as u32, 1),
         name: name.to_string(),
         per_token: None,
         shorter: Vec::new(),
