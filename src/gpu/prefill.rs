@@ -288,8 +288,8 @@ impl Prefill {
 /// blocks of `max_tokens` and in the perplexity graph's (`gemm::part_values`; 0 when none
 /// splits, or MAMBA2_NO_SPLITK is set).
 fn part_len(e: &Engine, max_tokens: usize) -> usize {
-    use crate::gpu::kernels::gemm::part_values;
-    if std::env::var_os("MAMBA2_NO_SPLITK").is_some() {
+    use crate::gpu::kernels::gemm::{part_values, splitk_off};
+    if splitk_off() {
         return 0;
     }
     // (The perplexity graph's blocks are at most MAX_LOGITS_BLOCK tokens.)

@@ -119,6 +119,12 @@ fn split_slices_over(w: &DeviceMatrix, token_tiles: usize) -> usize {
 /// row tile: 8 workgroups over a 512-token block), not one that merely misses SPLIT_TARGET.
 const BLOCK_SPLIT_MIN: usize = 4;
 
+/// MAMBA2_NO_SPLITK (any value): every prefill GEMM runs whole, short blocks too (for
+/// comparison).
+pub fn splitk_off() -> bool {
+    std::env::var_os("MAMBA2_NO_SPLITK").is_some()
+}
+
 /// The K slices of `w`'s GEMM over a block of `max_tokens` tokens (1: the plain GEMM).
 /// Blocks of one token tile: `split_slices` (or the cooperative split's). Longer blocks split
 /// only on FMA tiles (the cooperative GEMM takes the routers' f32 nowhere) and only where
@@ -127,7 +133,7 @@ pub fn block_slices(k: &Kernels, w: &DeviceMatrix, max_tokens: usize) -> usize {
     if max_tokens <= TILE.1 {
         return part_slices(k, w);
     }
-    if super::gemm_coop::applies(k, w) || std::env::var_os("MAMBA2_NO_SPLITK").is_some() {
+    if super::gemm_coop::applies(k, w) || splitk_off() {
         return 1;
     }
     let s = split_slices_over(w, max_tokens.div_ceil(TILE.1));
@@ -178,6 +184,9 @@ pub fn gemm_split(
     // stride.
     let tokens = if short { TILE.1 } else { max_tokens };
     let t = tokens.next_multiple_of(TILE.1);
+    if splitk_off() {
+        return Ok(vec![gemm(k, name, w, tokens, x, y, ys, output, ctrl)?]);
+    }
     let coop_slices = if short && super::gemm_coop::applies(k, w) {
         super::gemm_coop::split_slices(w, super::gemm_coop::split_tile(k))
     } else {
