@@ -468,6 +468,30 @@ fn moe_models_match_the_cpu_reference() {
     }
 }
 
+/// A shared expert whose f32 projections (one row tile each: 64 and 128 rows) split their K
+/// loop in every prefill graph, the perplexity one included: the partials buffer is sized for
+/// them too (it once held only the routers' and the other layers' needs, and the 128-wide
+/// shared down projection's split did not fit).
+#[test]
+fn moe_shared_expert_split_k_prefill_matches_the_cpu() {
+    let mut config = tiny_moe("ME", false);
+    if let Some(m) = config.moe.as_mut() {
+        m.shared.as_mut().unwrap().intermediate = 128;
+    }
+    let model = Model::synthetic(config, 8);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let toks = tokens(300, 4, model.config.vocab_size);
+    let want = cpu
+        .forward(&mut cpu.new_state(), &toks, Scan::Sequential, Logits::All)
+        .unwrap();
+    let Some(mut gpu) = backend(&model, WeightFormat::F32, true, PrefillMode::Chunked, None) else {
+        return;
+    };
+    let got = gpu.prefill_logits(&toks).unwrap();
+    let e = common::nmse(&got.concat(), &want.concat());
+    assert!(e <= 1e-8, "logits NMSE {e:e}");
+}
+
 #[test]
 fn moe_chunked_prefill_equals_decode_across_blocks() {
     for (pattern, config) in models() {

@@ -630,8 +630,8 @@ fn gemm_split_k_every_format() {
     run_cases(|k| matches!(k, Kernel::GemmSplit(..)));
 }
 
-/// Long blocks split over K where the plain grid is tiny: the router shape does (16 slices
-/// over 5 token tiles), the wide ones run the plain GEMM through the same call.
+/// Long blocks split over K for matrices of one row tile: the router shape does (16 slices
+/// over 5 token tiles), the wider f32 ones run the plain GEMM through the same call.
 #[test]
 fn gemm_split_k_long_blocks() {
     if let Some(k) = common::kernels(1 << 24) {
@@ -642,6 +642,13 @@ fn gemm_split_k_long_blocks() {
         let p = pack(F32, &rand(1, s.m * s.k, -1.0, 1.0), s.m, s.k);
         let mat = DeviceMatrix::upload(&k.ctx, "w", &p).unwrap();
         assert!(block_slices(&k, &mat, s.cap) >= 4, "{}", s.name);
+        let wide = pack(F32, &rand(2, 768 * 1536, -1.0, 1.0), 768, 1536);
+        let wide = DeviceMatrix::upload(&k.ctx, "w", &wide).unwrap();
+        assert_eq!(
+            block_slices(&k, &wide, 100),
+            1,
+            "a 768-row matrix in 100-token blocks"
+        );
     }
     run_cases(|k| matches!(k, Kernel::GemmBlockSplit(..)));
 }

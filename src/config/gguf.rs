@@ -406,9 +406,10 @@ fn granite_layers(file: &GgufFile, config: ModelConfig) -> Result<ModelConfig> {
     })
 }
 
-/// The norms' epsilon: `attention.layer_norm_rms_epsilon`, else llama.cpp's older
-/// `attention.layer_norm_epsilon`, else 1e-5; a value that is not a positive finite number
-/// is refused naming the key the file holds (the config check would name the first).
+/// The norms' epsilon: `attention.layer_norm_rms_epsilon`, else llama.cpp's LayerNorm key
+/// `attention.layer_norm_epsilon` (which some converters write), else 1e-5; a value that is
+/// not positive is refused naming the key the file holds (the config check would name the
+/// first).
 fn norm_eps(file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f64> {
     for name in [
         key("attention.layer_norm_rms_epsilon"),
@@ -422,4 +423,62 @@ fn norm_eps(file: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<f64> {
         }
     }
     Ok(1e-5)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GGUF v3 file of one f32 metadata value and one tensor (`t`, a single f32).
+    fn one_f32_file(key: &str, value: f32) -> std::path::PathBuf {
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend((key.len() as u64).to_le_bytes());
+        b.extend(key.as_bytes());
+        b.extend(6u32.to_le_bytes());
+        b.extend(value.to_le_bytes());
+        // Tensor `t`: 1 dimension of 1, type F32, at offset 0 of the aligned data.
+        b.extend(1u64.to_le_bytes());
+        b.extend(b"t");
+        b.extend(1u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(0u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.resize(b.len().next_multiple_of(32), 0);
+        b.extend(1f32.to_le_bytes());
+        b.resize(b.len().next_multiple_of(32), 0);
+        let path = std::env::temp_dir().join(format!(
+            "norm-eps-{}-{}.gguf",
+            std::process::id(),
+            key.len()
+        ));
+        std::fs::write(&path, b).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_bad_norm_epsilon_names_the_key_the_file_holds() {
+        let key = |k: &str| format!("mamba2.{k}");
+        for name in [
+            "mamba2.attention.layer_norm_rms_epsilon",
+            "mamba2.attention.layer_norm_epsilon",
+        ] {
+            let path = one_f32_file(name, -1.0);
+            let file = GgufFile::open(&path).unwrap();
+            let err = norm_eps(&file, &key).unwrap_err().to_string();
+            assert!(err.contains(&format!("`{name}`")), "{err}");
+            std::fs::remove_file(&path).ok();
+            let path = one_f32_file(name, 1e-6);
+            let file = GgufFile::open(&path).unwrap();
+            assert_eq!(norm_eps(&file, &key).unwrap(), 1e-6f32 as f64);
+            std::fs::remove_file(&path).ok();
+        }
+        let path = one_f32_file("general.other", 1.0);
+        let file = GgufFile::open(&path).unwrap();
+        assert_eq!(norm_eps(&file, &key).unwrap(), 1e-5);
+        std::fs::remove_file(&path).ok();
+    }
 }

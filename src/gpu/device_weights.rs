@@ -196,11 +196,18 @@ pub struct DeviceWeights {
 }
 
 impl DeviceWeights {
-    /// The projections of every Mamba2, attention and MLP layer and the MoE routers (what a
-    /// prefill block multiplies with `gemm::projection`).
+    /// The projections of every Mamba2, attention and MLP layer and the MoE routers and
+    /// shared experts (what a prefill block multiplies with `gemm::projection`, so what its
+    /// split-K partials are sized for).
     pub fn dense_projections(&self) -> impl Iterator<Item = &DeviceMatrix> {
         self.layers.iter().flat_map(|l| match &l.mixer {
-            DeviceMixer::Moe(m) => vec![&m.router],
+            DeviceMixer::Moe(m) => {
+                let mut v = vec![&m.router];
+                if let Some((u, d)) = &m.shared {
+                    v.extend([u, d]);
+                }
+                v
+            }
             _ => l.matrices(),
         })
     }

@@ -114,9 +114,7 @@ fn split_slices_over(w: &DeviceMatrix, token_tiles: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// Fewest K slices for which a block of more than one token tile splits its K loop: a plain
-/// GEMM of a few dozen workgroups or fewer (the MoE routers' 64 or 128 rows in f32 make one
-/// row tile: 8 workgroups over a 512-token block), not one that merely misses SPLIT_TARGET.
+/// Fewest K slices for which a block of more than one token tile splits its K loop.
 const BLOCK_SPLIT_MIN: usize = 4;
 
 /// MAMBA2_NO_SPLITK (any value): every prefill GEMM runs whole, short blocks too (for
@@ -127,13 +125,15 @@ pub fn splitk_off() -> bool {
 
 /// The K slices of `w`'s GEMM over a block of `max_tokens` tokens (1: the plain GEMM).
 /// Blocks of one token tile: `split_slices` (or the cooperative split's). Longer blocks split
-/// only on FMA tiles (the cooperative GEMM takes the routers' f32 nowhere) and only where
-/// the plain grid is tiny (`BLOCK_SPLIT_MIN`); MAMBA2_NO_SPLITK=1 turns that off too.
+/// only matrices of one row tile on FMA tiles: the MoE routers (64–128 rows of f32, which the
+/// cooperative GEMM never takes: 8 workgroups over a 512-token block), and where that makes
+/// at least `BLOCK_SPLIT_MIN` slices. Wider matrices keep the plain GEMM there (their grids
+/// are measured only that way). MAMBA2_NO_SPLITK=1 turns it off too.
 pub fn block_slices(k: &Kernels, w: &DeviceMatrix, max_tokens: usize) -> usize {
     if max_tokens <= TILE.1 {
         return part_slices(k, w);
     }
-    if super::gemm_coop::applies(k, w) || splitk_off() {
+    if w.rows > TILE.0 || super::gemm_coop::applies(k, w) || splitk_off() {
         return 1;
     }
     let s = split_slices_over(w, max_tokens.div_ceil(TILE.1));
@@ -164,7 +164,7 @@ pub fn part_slices(k: &Kernels, w: &DeviceMatrix) -> usize {
 /// row tiles alone leave most of the GPU idle (Codestral's out_proj: 32 workgroups),
 /// `split_slices(w)` slices, or where the cooperative GEMM takes W its split
 /// (`gemm_coop::gemm_coop_split`, its own slice count). For longer blocks, `block_slices`
-/// (matrices of few rows on FMA tiles: the MoE routers). One dispatch (the plain GEMM) when
+/// (matrices of one row tile on FMA tiles: the MoE routers). One dispatch (the plain GEMM) when
 /// no split applies. `part` holds `part_values(w, max_tokens)` values.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_split(
@@ -257,8 +257,8 @@ pub fn gemm_split(
 }
 
 /// A block's dense projection: `gemm_split` in the short-block graph (`max_tokens` ≤ one
-/// token tile) and for matrices of few rows (`block_slices`), else the plain GEMM over the
-/// block's token tiles.
+/// token tile) and for matrices of one row tile (`block_slices`), else the plain GEMM over
+/// the block's token tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn projection(
     k: &Kernels,
