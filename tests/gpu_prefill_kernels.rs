@@ -26,7 +26,7 @@ use mamba2_wgpu::gpu::context::GpuContext;
 use mamba2_wgpu::gpu::graph::Ctrl;
 use mamba2_wgpu::gpu::kernels::chunk::ChunkConsts;
 use mamba2_wgpu::gpu::kernels::gemm::{
-    GemmOutput, TILE, block_slices, gemm, gemm_split, part_slices,
+    GemmOutput, TILE, block_slices, gemm, gemm_split, part_slices, part_values,
 };
 use mamba2_wgpu::gpu::kernels::gemm_coop::{self, TILES, Tile as CoopTile, gemm_coop, specialize};
 use mamba2_wgpu::gpu::kernels::gemm_reduce::gemm_reduce;
@@ -1118,8 +1118,8 @@ fn run_gemm_with(
             gemm_split(&g.k, "gemm", &mat, TILE.1, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
         }
         GemmPath::BlockSplitK => {
-            let slices = block_slices(&g.k, &mat, cap);
-            let part = g.buf(&vec![f32::NAN; slices * cap.next_multiple_of(TILE.1) * m])?;
+            // The partials exactly as the engine sizes them.
+            let part = g.buf(&vec![f32::NAN; part_values(&g.k, &mat, cap).max(1)])?;
             gemm_split(&g.k, "gemm", &mat, cap, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
         }
         GemmPath::CoopSplitEmulated => {

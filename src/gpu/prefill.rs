@@ -288,10 +288,7 @@ impl Prefill {
 /// blocks of `max_tokens` and in the perplexity graph's (`gemm::part_values`; 0 when none
 /// splits, or MAMBA2_NO_SPLITK is set).
 fn part_len(e: &Engine, max_tokens: usize) -> usize {
-    use crate::gpu::kernels::gemm::{part_values, splitk_off};
-    if splitk_off() {
-        return 0;
-    }
+    use crate::gpu::kernels::gemm::part_values;
     // (The perplexity graph's blocks are at most MAX_LOGITS_BLOCK tokens.)
     let blocks = [SHORT_BLOCK, max_tokens, max_tokens.min(MAX_LOGITS_BLOCK)];
     e.weights

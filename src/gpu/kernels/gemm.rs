@@ -119,7 +119,7 @@ const BLOCK_SPLIT_MIN: usize = 4;
 
 /// MAMBA2_NO_SPLITK (any value): every prefill GEMM runs whole, short blocks too (for
 /// comparison).
-pub fn splitk_off() -> bool {
+fn splitk_off() -> bool {
     std::env::var_os("MAMBA2_NO_SPLITK").is_some()
 }
 
@@ -130,22 +130,31 @@ pub fn splitk_off() -> bool {
 /// at least `BLOCK_SPLIT_MIN` slices. Wider matrices keep the plain GEMM there (their grids
 /// are measured only that way). MAMBA2_NO_SPLITK=1 turns it off too.
 pub fn block_slices(k: &Kernels, w: &DeviceMatrix, max_tokens: usize) -> usize {
+    if splitk_off() {
+        return 1;
+    }
     if max_tokens <= TILE.1 {
         return part_slices(k, w);
     }
-    if w.rows > TILE.0 || super::gemm_coop::applies(k, w) || splitk_off() {
+    if w.rows > TILE.0 || super::gemm_coop::applies(k, w) {
         return 1;
     }
     let s = split_slices_over(w, max_tokens.div_ceil(TILE.1));
     if s >= BLOCK_SPLIT_MIN { s } else { 1 }
 }
 
+/// The split-K partials' token stride PT for a block of `max_tokens`: its tokens in whole
+/// token tiles (a short block's one tile).
+pub fn part_tokens(max_tokens: usize) -> usize {
+    max_tokens.max(TILE.1).next_multiple_of(TILE.1)
+}
+
 /// Values of the split-K partials `w`'s GEMM over a block of `max_tokens` needs (0 when it
-/// does not split): `[KS][PT][rows]`, PT the block's tokens in whole token tiles.
+/// does not split): `[KS][PT][rows]`, PT = `part_tokens(max_tokens)`.
 pub fn part_values(k: &Kernels, w: &DeviceMatrix, max_tokens: usize) -> usize {
     let s = block_slices(k, w, max_tokens);
     if s > 1 {
-        s * max_tokens.max(TILE.1).next_multiple_of(TILE.1) * w.rows
+        s * part_tokens(max_tokens) * w.rows
     } else {
         0
     }
@@ -183,7 +192,7 @@ pub fn gemm_split(
     // The tokens the GEMM covers (a short block's whole tile), and the partials' token
     // stride.
     let tokens = if short { TILE.1 } else { max_tokens };
-    let t = tokens.next_multiple_of(TILE.1);
+    let t = part_tokens(max_tokens);
     if splitk_off() {
         return Ok(vec![gemm(k, name, w, tokens, x, y, ys, output, ctrl)?]);
     }
