@@ -265,9 +265,9 @@ pub fn gemm_split(
     Ok(vec![split, reduce])
 }
 
-/// A block's dense projection: `gemm_split` in the short-block graph (`max_tokens` ≤ one
-/// token tile) and for matrices of one row tile (`block_slices`), else the plain GEMM over
-/// the block's token tiles.
+/// A block's dense projection: `gemm_split`, which splits the K loop in the short-block
+/// graph (`max_tokens` ≤ one token tile) and for matrices of one row tile (`block_slices`)
+/// and otherwise runs the plain GEMM over the block's token tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn projection(
     k: &Kernels,
@@ -281,10 +281,7 @@ pub fn projection(
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
-    if max_tokens <= TILE.1 || block_slices(k, w, max_tokens) > 1 {
-        return gemm_split(k, name, w, max_tokens, x, part, y, ys, output, ctrl);
-    }
-    Ok(vec![gemm(k, name, w, max_tokens, x, y, ys, output, ctrl)?])
+    gemm_split(k, name, w, max_tokens, x, part, y, ys, output, ctrl)
 }
 
 /// The rows of a prefill block's MoE, sorted by expert (`moe_sort`): `rows` of them in tiles
