@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """External-oracle fixtures for mamba2-wgpu, made with HF transformers on the CPU in float32.
 
-Writes seven folders under --out (default tests/fixtures):
+Writes eight folders under --out (default tests/fixtures):
 
   hf_mamba2_g1/       HF Mamba2ForCausalLM (model_type mamba2), random tiny, n_groups = 1, tied embeddings
   nemotron_h_g2/      HF NemotronHForCausalLM, all-Mamba layers, n_groups = 2, head_dim 12, untied lm_head
@@ -17,6 +17,8 @@ Writes seven folders under --out (default tests/fixtures):
   granite_moe_hybrid/ HF GraniteMoeHybridForCausalLM, layers mamba/attention/mamba/mamba, each followed by a shared
                       gated MLP plus an MoE (10 gated experts, softmax over the top 3 logits); all four multipliers
                       != 1, NoPE, mamba_n_groups 1, tied embeddings
+  granite_rope/       the same GraniteMoeHybrid shapes with position_embedding_type rope (theta 10000), layers
+                      attention/mamba/attention/mamba
 
 Each folder holds config.json + model.safetensors exactly as `save_pretrained` writes them (f32),
 oracle.safetensors (prompt_ids, prompt_logits, greedy_ids, greedy_logits, prompt_nll; the MoE fixtures add their
@@ -833,6 +835,28 @@ MOES = {
         attention_multiplier=0.2,  # != 1/sqrt(12) = 0.289
         logits_scaling=2.5,
     ),
+    # The same layer kinds with RoPE on (`position_embedding_type: rope`, theta 10000, rotate-half pairs), attention
+    # first: the released Granite-4.0-H models are all NoPE, but the config allows rope and the engine takes it.
+    "granite_rope": dict(
+        seed=8100,
+        layer_types=["attention", "mamba", "attention", "mamba"],
+        hidden_size=48,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_expand=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=10,
+        num_experts_per_tok=3,
+        intermediate_size=16,
+        shared_intermediate_size=32,
+        embedding_multiplier=4.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=2.5,
+        position_embedding_type="rope",
+        rope_theta=10000.0,
+    ),
 }
 
 
@@ -922,7 +946,7 @@ def build_nemotron_h_moe(seed, *, pattern, hidden_size, mamba_num_heads, mamba_h
 def build_granite_moe_hybrid(seed, *, layer_types, hidden_size, mamba_n_heads, mamba_d_state, mamba_expand,
                              num_attention_heads, num_key_value_heads, num_local_experts, num_experts_per_tok,
                              intermediate_size, shared_intermediate_size, embedding_multiplier, residual_multiplier,
-                             attention_multiplier, logits_scaling):
+                             attention_multiplier, logits_scaling, position_embedding_type="nope", rope_theta=None):
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     cfg = GraniteMoeHybridConfig(
@@ -950,7 +974,8 @@ def build_granite_moe_hybrid(seed, *, layer_types, hidden_size, mamba_n_heads, m
         num_experts_per_tok=num_experts_per_tok,
         output_router_logits=False,
         shared_intermediate_size=shared_intermediate_size,
-        position_embedding_type="nope",
+        position_embedding_type=position_embedding_type,
+        **({"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}} if rope_theta else {}),
         layer_types=layer_types,
         mamba_n_heads=mamba_n_heads,
         mamba_n_groups=1,
@@ -964,7 +989,7 @@ def build_granite_moe_hybrid(seed, *, layer_types, hidden_size, mamba_n_heads, m
     )
     torch.manual_seed(seed)
     model = GraniteMoeHybridForCausalLM(cfg).float().eval()
-    print(f"[granite_moe_hybrid] default experts implementation: {model.config._experts_implementation}")
+    print(f"[granite] default experts implementation: {model.config._experts_implementation}")
     model.set_attn_implementation("eager")
     model.set_experts_implementation("eager")
     assert model.lm_head.weight is model.model.embed_tokens.weight, "embeddings not tied"
@@ -1250,6 +1275,10 @@ def granite_checks(model, prompt_ids, greedy_ids, greedy_logits):
     ls = cfg.logits_scaling
     info["max_abs_logit_diff_if_logits_scaling_ignored"] = diff_with(
         lambda: setattr(model.config, "logits_scaling", 1.0), lambda: setattr(model.config, "logits_scaling", ls))
+    if model.model.rotary_emb is not None:
+        rotary = model.model.rotary_emb
+        info["max_abs_logit_diff_if_rope_ignored"] = diff_with(
+            lambda: setattr(model.model, "rotary_emb", None), lambda: setattr(model.model, "rotary_emb", rotary))
     model.set_attn_implementation("sdpa")
     try:
         info["max_abs_logit_diff_sdpa_vs_eager"] = float((logits_of(model, prompt_ids) - ref).abs().max())
@@ -1513,7 +1542,10 @@ def fixture_granite_moe_hybrid(name, out_root, vers):
         f"4 with bias, chunk 16, no in/out bias, silu (`hidden_act`), time_step_limit (0, inf). Attention: "
         f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads of head_dim {hd} (hidden / heads), "
         f"softmax scale attention_multiplier {cfg.attention_multiplier} (not 1/sqrt({hd})), causal, "
-        "position_embedding_type `nope` (no RoPE), no biases. Shared MLP: `output_linear(silu(a) * b)` with "
+        + (f"position_embedding_type `rope` (rotary embeddings on q and k, theta {spec['rope_theta']:g}, "
+           "rotate-half pairs (i, i + head_dim/2), positions from 0), no biases."
+           if spec.get("position_embedding_type") == "rope" else "position_embedding_type `nope` (no RoPE), no biases.")
+        + " Shared MLP: `output_linear(silu(a) * b)` with "
         f"[a; b] = input_linear(u), intermediate {S} (`shared_intermediate_size`). MoE: {E} experts "
         f"(`num_local_experts`), the same gated MLP with intermediate {I} (`intermediate_size`); router: logits = "
         f"u . W_router^T, the top num_experts_per_tok {cfg.num_experts_per_tok} logits, weights = softmax over "
@@ -1549,7 +1581,7 @@ def fixture_granite_moe_hybrid(name, out_root, vers):
 
 
 FIXTURES = ["hf_mamba2_g1", "nemotron_h_g2", "nemotron_h_hybrid", "nemotron_h_mqa", "nemotron_h_moe",
-            "nemotron_h_latent", "granite_moe_hybrid"]
+            "nemotron_h_latent", "granite_moe_hybrid", "granite_rope"]
 
 
 def main():
@@ -1577,7 +1609,7 @@ def main():
             fixture_nemotron_h_g2(args.out, vers)
         elif name in ("nemotron_h_moe", "nemotron_h_latent"):
             fixture_nemotron_h_moe(name, args.out, vers)
-        elif name == "granite_moe_hybrid":
+        elif name in ("granite_moe_hybrid", "granite_rope"):
             fixture_granite_moe_hybrid(name, args.out, vers)
         else:
             fixture_hybrid(name, args.out, vers)

@@ -1547,6 +1547,30 @@ mod tests {
         }
     }
 
+    /// A Granite config that leaves keys out gets what transformers 5.17's
+    /// `GraniteMoeHybridConfig()` gives them (printed by that version: untied embeddings, 8
+    /// experts, top 2, shared MLP 1024, `mamba_d_head` "auto" = d_inner / mamba_n_heads).
+    #[test]
+    fn granite_defaults_are_transformers_defaults() {
+        let c = parse(
+            r#"{"model_type":"granitemoehybrid","hidden_size":128,"vocab_size":100,
+            "layer_types":["mamba","attention"],"num_attention_heads":4,"intermediate_size":32}"#,
+        )
+        .unwrap();
+        assert!(!c.tie_embeddings);
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.experts, m.top_k), (8, 2));
+        assert_eq!(m.shared.as_ref().unwrap().intermediate, 1024);
+        assert_eq!((c.n_heads, c.head_dim, c.d_inner), (128, 2, 256));
+        assert_eq!(c.attention.as_ref().unwrap().rope_theta, None);
+        // "auto" spelled out, and one that does not divide.
+        let auto = r#"{"model_type":"granitemoehybrid","hidden_size":96,"vocab_size":100,
+            "layer_types":["mamba"],"mamba_n_heads":HEADS,"mamba_d_head":"auto","intermediate_size":8}"#;
+        assert_eq!(parse(&auto.replace("HEADS", "8")).unwrap().head_dim, 24);
+        let e = parse(&auto.replace("HEADS", "7")).unwrap_err().to_string();
+        assert!(e.contains("mamba_d_head") && e.contains("multiple"), "{e}");
+    }
+
     #[test]
     fn infinity_inside_strings_is_untouched() {
         assert_eq!(

@@ -411,7 +411,8 @@ fn moe_checkpoints_and_configs_are_checked() {
         e.starts_with("tensor `model.layers.2.block_sparse_moe.input_linear.weight`: missing"),
         "{e}"
     );
-    // Configs: too many experts per token, a latent MoE, Granite with several Mamba groups.
+    // Configs: too many experts per token, a latent MoE, Granite with several Mamba groups or
+    // scaled rotary embeddings (either spelling).
     for (fixture, key, value, want) in [
         (
             "nemotron_h_moe",
@@ -442,6 +443,18 @@ fn moe_checkpoints_and_configs_are_checked() {
             "mamba_n_groups",
             serde_json::json!(2),
             "`mamba_n_groups`: 2 groups",
+        ),
+        (
+            "granite_rope",
+            "rope_scaling",
+            serde_json::json!({"type": "linear", "factor": 2.0}),
+            "`rope_scaling`: scaled rotary embeddings",
+        ),
+        (
+            "granite_rope",
+            "rope_parameters",
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+            "`rope_parameters.rope_type`: scaled rotary embeddings",
         ),
         (
             "granite_moe_hybrid",

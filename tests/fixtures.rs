@@ -148,6 +148,13 @@ fn granite_moe_hybrid_matches_transformers() {
 }
 
 #[test]
+fn granite_rope_matches_transformers() {
+    // Granite with `position_embedding_type: rope` (attention first): the rotary embeddings
+    // at model level, against transformers (ignoring them moves the logits by ~9).
+    check_fixture("granite_rope");
+}
+
+#[test]
 fn hybrid_fixtures_in_f64_and_in_prompt_pieces() {
     // The f64 reference matches the f32 oracle too, and a prompt fed in pieces (several
     // prefill calls, chunk 8) gives the same logits as the oracle's one pass.
@@ -157,6 +164,7 @@ fn hybrid_fixtures_in_f64_and_in_prompt_pieces() {
         "nemotron_h_moe",
         "nemotron_h_latent",
         "granite_moe_hybrid",
+        "granite_rope",
     ] {
         let dir = common::fixture(name);
         let model = Model::load(&dir).unwrap();
@@ -192,6 +200,7 @@ fn oracle_prompt_nll_is_what_its_logits_say() {
         "nemotron_h_moe",
         "nemotron_h_latent",
         "granite_moe_hybrid",
+        "granite_rope",
     ] {
         let o = oracle(&common::fixture(name));
         let nll: f64 = o

@@ -211,6 +211,13 @@ mod fixtures_on_gpu {
         check("granite_moe_hybrid");
     }
 
+    #[test]
+    fn granite_rope_on_gpu() {
+        // Granite with rotary embeddings on its attention layers (the released models are
+        // NoPE).
+        check("granite_rope");
+    }
+
     /// A decode the caller cancels while later steps are in flight: those steps still feed
     /// the state, one of them sampling a stop token (it feeds its input, then stops), so the
     /// session must count it. Its position must then be the state's length, and the state

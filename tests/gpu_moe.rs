@@ -9,7 +9,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use mamba2_wgpu::config::{MlpAct, MoeConfig, Router};
+use mamba2_wgpu::config::{MlpAct, MlpConfig, MoeConfig, Router};
 use mamba2_wgpu::gpu::GpuBackend;
 use mamba2_wgpu::gpu::engine::{Engine, EngineOptions, PrefillMode};
 use mamba2_wgpu::gpu::graph::Ctrl;
@@ -54,6 +54,26 @@ fn router(experts: usize, top_k: usize, groups: Option<(usize, usize)>) -> MoeCo
         shared: None,
         latent: None,
     }
+}
+
+/// `router`'s grouped router with the weights left unnormalised (`norm_topk_prob: false`).
+fn unnormalised(mut m: MoeConfig) -> MoeConfig {
+    if let Router::Grouped { norm_topk_prob, .. } = &mut m.router {
+        *norm_topk_prob = false;
+    }
+    m
+}
+
+/// `router` with a shared expert `slices` times the routed experts' width: that many
+/// always-chosen slots after the routed ones (id `experts + s`, weight 1).
+fn with_shared(mut m: MoeConfig, slices: usize) -> MoeConfig {
+    m.shared = Some(MlpConfig {
+        intermediate: slices * m.intermediate,
+        act: m.act,
+        bias: false,
+    });
+    assert_eq!(m.shared_slots(), slices);
+    m
 }
 
 /// Runs the routing kernel over `logits` (`T` rows of `E`) — as a prefill block of `T` tokens
@@ -260,7 +280,8 @@ fn rand_rows(seed: u64, rows: usize, cols: usize, lo: f32, hi: f32) -> Vec<Vec<f
 #[test]
 fn router_kernel_picks_the_cpu_routers_experts() {
     // (what, experts, top_k, groups, logits): random, with ties, with the best experts all in
-    // one group, negative corrected scores (the masked groups must never win).
+    // one group, negative corrected scores (the masked groups must never win), weights left
+    // unnormalised, shared-expert slots after the routed ones.
     let mut ties = rand_rows(3, 40, 16, -2.0, 2.0);
     for row in &mut ties {
         let v = row[5];
@@ -311,6 +332,24 @@ fn router_kernel_picks_the_cpu_routers_experts() {
             router(128, 6, Some((1, 1))),
             rand_rows(6, 20, 128, -3.0, 3.0),
             rand_rows(10, 1, 128, -0.1, 0.1).remove(0),
+        ),
+        (
+            "grouped, weights not normalised",
+            unnormalised(router(16, 3, Some((4, 2)))),
+            rand_rows(11, 40, 16, -3.0, 3.0),
+            rand_rows(12, 1, 16, -0.2, 0.2).remove(0),
+        ),
+        (
+            "grouped with a shared expert of two slices",
+            with_shared(router(16, 2, Some((4, 2))), 2),
+            rand_rows(13, 40, 16, -3.0, 3.0),
+            vec![0.0; 16],
+        ),
+        (
+            "softmax top-3 of 10 with a shared expert",
+            with_shared(router(10, 3, None), 1),
+            rand_rows(14, 40, 10, -3.0, 3.0),
+            vec![],
         ),
         (
             "softmax top-3 of 10",
@@ -370,7 +409,7 @@ fn oracle_routing(name: &str) -> Vec<Routing> {
 
 #[test]
 fn router_kernel_chooses_what_transformers_chose() {
-    for name in ["nemotron_h_moe", "granite_moe_hybrid"] {
+    for name in ["nemotron_h_moe", "granite_moe_hybrid", "granite_rope"] {
         let model = Model::load(&common::fixture(name)).unwrap();
         let m = model.config.moe.clone().unwrap();
         for (layer, logits, want) in oracle_routing(name) {

@@ -211,8 +211,8 @@ fn two_turns_equal_one_prefill_and_snapshots_restore() {
 
 #[test]
 fn perplexity_equals_the_oracle_figure() {
-    // All-Mamba, both hybrids (attention + MLP blocks, KV caches carried over the blocks)
-    // and both MoE hybrids.
+    // All-Mamba, both hybrids (attention + MLP blocks, KV caches carried over the blocks),
+    // the MoE hybrids and Granite with rotary embeddings.
     for name in [
         "nemotron_h_g2",
         "nemotron_h_hybrid",
@@ -220,6 +220,7 @@ fn perplexity_equals_the_oracle_figure() {
         "nemotron_h_moe",
         "nemotron_h_latent",
         "granite_moe_hybrid",
+        "granite_rope",
     ] {
         perplexity_of(name);
     }

@@ -30,7 +30,9 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
             ),
         ));
     }
-    let experts = f.usize_or("num_local_experts", 0)?;
+    // Absent keys take transformers' `GraniteMoeHybridConfig` defaults (5.17): 8 experts,
+    // top 2, a shared MLP of 1024, untied embeddings, `mamba_d_head: "auto"`.
+    let experts = f.usize_or("num_local_experts", 8)?;
     let ffn = if experts > 0 {
         BlockKind::Moe
     } else {
@@ -87,7 +89,23 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
     )?;
     let expand = f.usize_or("mamba_expand", 2)?;
     let n_heads = f.usize_or("mamba_n_heads", 128)?;
-    let head_dim = f.usize_or("mamba_d_head", 64)?;
+    let d_inner = expand.saturating_mul(d_model);
+    // "auto" (transformers' default): d_inner split evenly over the heads.
+    let head_dim = match f.get("mamba_d_head") {
+        Some(Value::String(s)) if s == "auto" => {
+            if n_heads == 0 || !d_inner.is_multiple_of(n_heads) {
+                return Err(f.err(
+                    "mamba_d_head",
+                    format!(
+                        "\"auto\" needs mamba_expand × hidden_size ({d_inner}) to be a multiple \
+                         of mamba_n_heads ({n_heads})"
+                    ),
+                ));
+            }
+            d_inner / n_heads
+        }
+        _ => f.usize_or("mamba_d_head", d_inner / n_heads.max(1))?,
+    };
     let attention = if blocks.contains(&BlockKind::Attention) {
         let heads = f.usize("num_attention_heads")?;
         let rope_theta = match f.opt_str("position_embedding_type")?.as_deref() {
@@ -103,13 +121,20 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
                 ));
             }
         };
-        if let Some(p) = f.nested("rope_parameters")?
-            && rope_theta.is_some()
-        {
-            let kind = p.opt_str("rope_type")?;
-            p.reject_if(
-                "rope_type",
-                kind.as_deref().is_some_and(|k| k != "default"),
+        if rope_theta.is_some() {
+            if let Some(p) = f.nested("rope_parameters")? {
+                let kind = p.opt_str("rope_type")?;
+                p.reject_if(
+                    "rope_type",
+                    kind.as_deref().is_some_and(|k| k != "default"),
+                    "scaled rotary embeddings",
+                )?;
+            }
+            // Configs written before `rope_parameters` (transformers 4.x) carry the scaling
+            // at the top level.
+            f.reject_if(
+                "rope_scaling",
+                f.get("rope_scaling").is_some(),
                 "scaled rotary embeddings",
             )?;
         }
@@ -124,7 +149,7 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
     } else {
         None
     };
-    let shared_width = f.usize_or("shared_intermediate_size", 0)?;
+    let shared_width = f.usize_or("shared_intermediate_size", 1024)?;
     let gated = |intermediate| MlpConfig {
         intermediate,
         act: MlpAct::SiluGated,
@@ -133,7 +158,7 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
     let (mlp, moe) = if experts > 0 {
         let moe = MoeConfig {
             experts,
-            top_k: f.usize("num_experts_per_tok")?,
+            top_k: f.usize_or("num_experts_per_tok", 2)?,
             intermediate: f.usize("intermediate_size")?,
             act: MlpAct::SiluGated,
             router: Router::SoftmaxTopK,
@@ -171,7 +196,7 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
         d_model,
         n_layer: blocks.len(),
         vocab_size: f.usize("vocab_size")?,
-        d_inner: expand.saturating_mul(d_model),
+        d_inner,
         n_heads,
         head_dim,
         n_groups,
@@ -179,7 +204,7 @@ pub(super) fn parse_granite(f: &Fields) -> Result<ModelConfig> {
         d_conv: f.usize_or("mamba_d_conv", 4)?,
         chunk_size: f.usize_or("mamba_chunk_size", 256)?,
         norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
-        tie_embeddings: f.bool_or("tie_word_embeddings", true)?,
+        tie_embeddings: f.bool_or("tie_word_embeddings", false)?,
         conv_bias: f.bool_or("mamba_conv_bias", true)?,
         time_step_limit: f.pair_or("time_step_limit", NO_LIMIT)?,
         blocks,
