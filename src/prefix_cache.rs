@@ -4,8 +4,8 @@
 //! restores the state at the end of the shared prefix and feeds only the rest.
 //!
 //! Entries are keyed by their token ids in a radix tree and live in three tiers: device
-//! snapshots (a buffer copy to take or restore), host memory (`State<f32>`, rounded to f16
-//! on request), and safetensors files in a directory (`state_file`), which outlive the
+//! snapshots (a buffer copy to take or restore), host memory (`State<f32>`, or `State<f16>`
+//! at half the bytes on request), and safetensors files in a directory (`state_file`), which outlive the
 //! process: a new process lists them, refusing files made for another model. Each tier has a
 //! byte budget; the least recently used entry moves down a tier when one is full, and off
 //! the bottom when the disk is.
@@ -57,8 +57,40 @@ impl Default for CacheConfig {
 enum Tier {
     /// A snapshot the backend took (restored with one copy).
     Device(Box<dyn Any + Send>),
-    Host(State<f32>),
+    Host(HostState),
     Disk,
+}
+
+/// A host entry's values in the cache's dtype: f16 entries hold half the bytes of f32 ones
+/// (widened back to f32 to restore or write out, which is exact).
+enum HostState {
+    F32(State<f32>),
+    F16(State<half::f16>),
+}
+
+impl HostState {
+    fn new(s: State<f32>, dtype: StateDtype) -> Self {
+        match dtype {
+            StateDtype::F32 => HostState::F32(s),
+            StateDtype::F16 => HostState::F16(s.map(half::f16::from_f32)),
+        }
+    }
+
+    /// Its values as f32: borrowed, or widened from f16.
+    fn f32(&self) -> std::borrow::Cow<'_, State<f32>> {
+        match self {
+            HostState::F32(s) => std::borrow::Cow::Borrowed(s),
+            HostState::F16(s) => std::borrow::Cow::Owned(s.map(half::f16::to_f32)),
+        }
+    }
+
+    /// Bytes it holds in memory.
+    fn bytes(&self) -> u64 {
+        match self {
+            HostState::F32(s) => s.bytes(4) as u64,
+            HostState::F16(s) => s.bytes(2) as u64,
+        }
+    }
 }
 
 impl Tier {
@@ -327,7 +359,7 @@ impl PrefixCache {
         e.last_used = clock;
         match &e.tier {
             Tier::Device(snap) => backend.restore(snap.as_ref()),
-            Tier::Host(state) => backend.restore(state),
+            Tier::Host(state) => backend.restore(&*state.f32()),
             Tier::Disk => {
                 let (path, _) = e.file.as_ref().expect("a disk entry has a file");
                 let saved = state_file::load(path, &self.key, &self.config)?;
@@ -339,9 +371,10 @@ impl PrefixCache {
                 }
                 backend.restore(&saved.state)?;
                 // Back to host memory: the next hit needs no file read.
-                let bytes = host_bytes(&saved.state);
+                let state = HostState::new(saved.state, self.cfg.dtype);
+                let bytes = state.bytes();
                 if bytes <= self.cfg.host_bytes {
-                    e.tier = Tier::Host(saved.state);
+                    e.tier = Tier::Host(state);
                     e.bytes = bytes;
                     self.evict_host();
                 }
@@ -373,8 +406,8 @@ impl PrefixCache {
         let (tier, bytes) = if device > 0 && device <= self.cfg.device_bytes {
             (Tier::Device(backend.snapshot()?), device)
         } else {
-            let state = self.rounded(backend.state()?);
-            let bytes = host_bytes(&state);
+            let state = HostState::new(backend.state()?, self.cfg.dtype);
+            let bytes = state.bytes();
             (Tier::Host(state), bytes)
         };
         let id = self.new_id();
@@ -394,25 +427,6 @@ impl PrefixCache {
         self.evict_device(backend)?;
         self.evict_host();
         Ok(())
-    }
-
-    fn rounded(&self, mut s: State<f32>) -> State<f32> {
-        if self.cfg.dtype == StateDtype::F16 {
-            for l in s.layers.iter_mut() {
-                match l {
-                    crate::state::LayerState::Mamba2 { conv, ssm } => {
-                        *conv = self.cfg.dtype.round(conv);
-                        *ssm = self.cfg.dtype.round(ssm);
-                    }
-                    crate::state::LayerState::Attention { k, v } => {
-                        *k = self.cfg.dtype.round(k);
-                        *v = self.cfg.dtype.round(v);
-                    }
-                    crate::state::LayerState::Stateless => {}
-                }
-            }
-        }
-        s
     }
 
     fn used(&self, tier: usize) -> u64 {
@@ -449,16 +463,16 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Reads a device entry's snapshot into host memory (rounded to the cache's dtype);
+    /// Reads a device entry's snapshot into host memory (in the cache's dtype);
     /// other entries are left as they are.
     fn move_to_host(&mut self, id: u64, backend: &mut dyn Backend) -> Result<()> {
         let e = self.entries.get(&id).expect("entry");
         let Tier::Device(snap) = &e.tier else {
             return Ok(());
         };
-        let state = self.rounded(backend.snapshot_state(snap.as_ref())?);
+        let state = HostState::new(backend.snapshot_state(snap.as_ref())?, self.cfg.dtype);
         let e = self.entries.get_mut(&id).expect("entry");
-        e.bytes = host_bytes(&state);
+        e.bytes = state.bytes();
         e.tier = Tier::Host(state);
         Ok(())
     }
@@ -490,7 +504,7 @@ impl PrefixCache {
             };
             let path = dir.join(format!("{}.safetensors", file_stem(&e.tokens)));
             let saved = SavedState {
-                state: state.clone(),
+                state: state.f32().into_owned(),
                 tokens: e.tokens.clone(),
                 extra: None,
             };
@@ -539,12 +553,6 @@ impl PrefixCache {
         self.evict_disk();
         Ok(ids.len())
     }
-}
-
-/// Bytes of a host entry: held as f32 whatever the cache's dtype (f16 entries are rounded,
-/// not packed).
-fn host_bytes(s: &State<f32>) -> u64 {
-    s.bytes(4) as u64
 }
 
 /// Takes `dir`'s lock file (`.lock`), or says which directory another process holds.

@@ -126,6 +126,28 @@ impl<T: Copy + Default> State<T> {
         Ok(())
     }
 
+    /// The same state with every value converted by `f` (e.g. to f16 and back).
+    pub fn map<U>(&self, f: impl Fn(T) -> U) -> State<U> {
+        let v = |x: &[T]| x.iter().map(|&a| f(a)).collect::<Vec<U>>();
+        State {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Mamba2 { conv, ssm } => LayerState::Mamba2 {
+                        conv: v(conv),
+                        ssm: v(ssm),
+                    },
+                    LayerState::Attention { k, v: vv } => {
+                        LayerState::Attention { k: v(k), v: v(vv) }
+                    }
+                    LayerState::Stateless => LayerState::Stateless,
+                })
+                .collect(),
+            len: self.len,
+        }
+    }
+
     /// Bytes this state holds at `elem` bytes per value.
     pub fn bytes(&self, elem: usize) -> usize {
         let values: usize = self

@@ -1,0 +1,100 @@
+//! The prefix cache's host tier in f16 (`--cache-dtype f16`): entries hold half the bytes
+//! of f32 ones, and what comes back — from memory or from the file a spill wrote — is the
+//! state rounded to f16, value for value. The CPU reference is the backend (its snapshots
+//! live in host memory, so every entry takes the host tier).
+
+use mamba2_wgpu::model::Model;
+use mamba2_wgpu::model::synthetic::tiny_moe;
+use mamba2_wgpu::prefix_cache::{CacheConfig, PrefixCache};
+use mamba2_wgpu::reference::CpuModel;
+use mamba2_wgpu::session::{Backend, CpuBackend};
+use mamba2_wgpu::state::State;
+use mamba2_wgpu::state_file::{StateDtype, StateKey};
+
+/// A hybrid with Mamba2, attention (KV rows in the state) and MoE blocks.
+fn model() -> Model {
+    Model::synthetic(tiny_moe("ME*E-M", false), 5)
+}
+
+fn backend(model: &Model) -> CpuBackend {
+    CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap())
+}
+
+fn cache(
+    model: &Model,
+    dtype: StateDtype,
+    host_bytes: u64,
+    dir: Option<&std::path::Path>,
+) -> PrefixCache {
+    let key = StateKey {
+        model: model.fingerprint(),
+        format: "f32".into(),
+        blocks: model.config.pattern(),
+    };
+    let cfg = CacheConfig {
+        device_bytes: 0,
+        host_bytes,
+        dir: dir.map(std::path::Path::to_path_buf),
+        dtype,
+        ..Default::default()
+    };
+    PrefixCache::open(key, &model.config, cfg, &mut |_| {}).unwrap()
+}
+
+const PROMPT: [u32; 9] = [3, 1, 4, 1, 5, 9, 2, 6, 5];
+
+/// The backend's state after feeding `PROMPT`.
+fn fed(model: &Model) -> (CpuBackend, State<f32>) {
+    let mut b = backend(model);
+    b.prefill_logits(&PROMPT).unwrap();
+    let s = b.state().clone();
+    assert_eq!(s.len, PROMPT.len());
+    (b, s)
+}
+
+fn to_f16(s: &State<f32>) -> State<f32> {
+    s.map(|x| half::f16::from_f32(x).to_f32())
+}
+
+#[test]
+fn f16_host_entries_take_half_the_bytes_and_restore_rounded() {
+    let model = model();
+    let (mut b, state) = fed(&model);
+    assert_ne!(
+        to_f16(&state),
+        state,
+        "the state has values f16 cannot hold"
+    );
+    let mut c32 = cache(&model, StateDtype::F32, 1 << 30, None);
+    let mut c16 = cache(&model, StateDtype::F16, 1 << 30, None);
+    c32.insert(&PROMPT, &mut b).unwrap();
+    c16.insert(&PROMPT, &mut b).unwrap();
+    let (h32, h16) = (c32.stats().bytes[1], c16.stats().bytes[1]);
+    assert_eq!(h32, state.bytes(4) as u64);
+    assert_eq!(h16 * 2, h32, "an f16 entry holds half the bytes");
+    for (cache, want) in [(&mut c32, state.clone()), (&mut c16, to_f16(&state))] {
+        let mut fresh = backend(&model);
+        let hit = cache.resume(&PROMPT, PROMPT.len(), &mut fresh, &mut |n| panic!("{n}"));
+        assert_eq!(hit, PROMPT.len());
+        assert_eq!(fresh.state(), &want);
+    }
+}
+
+#[test]
+fn an_f16_entry_spilled_to_disk_comes_back_the_same() {
+    let model = model();
+    let (mut b, state) = fed(&model);
+    let dir = std::env::temp_dir().join(format!("mamba2-prefix-f16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // A host budget below one entry: the entry goes straight to its file.
+    let mut c = cache(&model, StateDtype::F16, 1, Some(&dir));
+    c.insert(&PROMPT, &mut b).unwrap();
+    let s = c.stats();
+    assert_eq!((s.entries, s.bytes[1]), ([0, 0, 1], 0), "on disk only");
+    let mut fresh = backend(&model);
+    let hit = c.resume(&PROMPT, PROMPT.len(), &mut fresh, &mut |n| panic!("{n}"));
+    assert_eq!(hit, PROMPT.len());
+    assert_eq!(fresh.state(), &to_f16(&state));
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}
