@@ -68,54 +68,38 @@ impl Chat {
         self.session.reset()
     }
 
-    /// The tokens a new user message adds. With a template: the rendering of the
-    /// conversation with the new message (and the assistant cue) minus the text already
-    /// fed (the previous rendering up to the cue, plus the reply as generated); a template
-    /// that renders the past differently (say, it strips replies) is read again in full.
+    /// The tokens a new user message adds: `input_after` the conversation read so far (a
+    /// template that renders the past differently now resets the session: it is read again
+    /// in full).
     fn turn_input(&mut self, user: &str) -> Result<Vec<u32>> {
         let mut msgs = self.messages.clone();
         msgs.push(("user".into(), user.to_string()));
-        if let Some(text) = self.tokenizer.render_chat(&msgs, true)? {
-            let before = self.fed.clone();
-            let mut suffix = match text.strip_prefix(before.as_str()) {
-                Some(s) => s.to_string(),
-                None => {
-                    // The template renders the past differently now: read it all again.
-                    self.session.reset()?;
-                    self.last_finish = None;
-                    text.clone()
-                }
-            };
-            // A reply that ended on the end-of-sequence token left it pending in the
-            // session; the template writes it again after the reply.
-            if self.last_finish == Some(Finish::Stop)
-                && let Some(eos) = &self.tokenizer.eos_token
-                && let Some(rest) = suffix.strip_prefix(eos.as_str())
-            {
-                suffix = rest.to_string();
-            }
-            // The first turn gets the tokenizer's special tokens unless the template
-            // already wrote the BOS token itself.
-            let template_bos = self
-                .tokenizer
-                .bos_token
-                .as_deref()
-                .is_some_and(|b| !b.is_empty() && text.starts_with(b));
-            let add_special = self.session.position() == 0 && !template_bos;
-            self.pending_render = text;
-            return self.tokenizer.encode_with(&suffix, add_special);
+        // A reply that ended on a stop token left it pending in the session.
+        let ended_on = match self.last_finish {
+            Some(Finish::Stop) => self.session.pending(),
+            _ => None,
+        };
+        let input = input_after(
+            &self.tokenizer,
+            &msgs,
+            &Read {
+                text: &self.fed,
+                messages: self.messages.len(),
+                at_start: self.session.position() == 0,
+                ended_on,
+            },
+        )?;
+        if input.reread {
+            self.session.reset()?;
+            self.last_finish = None;
         }
-        // No template: plain continuation, turns separated by end-of-text.
-        let mut ids = Vec::new();
-        if self.session.position() > 0
-            && self.last_finish != Some(Finish::Stop)
-            && let Some(eos) = self.tokenizer.eos
-        {
-            ids.push(eos);
-        }
-        let first = self.session.position() == 0;
-        ids.extend(self.tokenizer.encode_with(user, first)?);
-        Ok(ids)
+        self.pending_render = input.render;
+        Ok(input.ids)
+    }
+
+    /// The tokens that end this chat's turns (`stop_ids`).
+    pub fn stop_ids(&self) -> Vec<u32> {
+        stop_ids(&self.tokenizer)
     }
 
     /// The conversation and its state, to write with `state_file::save` (the state is
@@ -285,6 +269,21 @@ impl Chat {
         opts: &GenerateOptions,
         mut on: impl FnMut(TurnEvent) -> bool,
     ) -> Result<Reply> {
+        // A caller that stops at the end of the sequence stops at the end of the turn too:
+        // a template's end-of-turn token (`<|im_end|>`) is not always the EOS.
+        let mut opts = opts.clone();
+        if self
+            .tokenizer
+            .eos
+            .is_some_and(|eos| opts.stop.contains(&eos))
+        {
+            for id in self.stop_ids() {
+                if !opts.stop.contains(&id) {
+                    opts.stop.push(id);
+                }
+            }
+        }
+        let opts = &opts;
         let mut decoder = self.tokenizer.stream();
         let mut text = String::new();
         let mut failure = None;
@@ -340,34 +339,206 @@ pub enum TurnEvent<'a> {
     Token { id: u32, piece: Option<&'a str> },
 }
 
-/// The tokens of a whole conversation rendered from scratch, ending with the cue for the
-/// assistant's reply: what `Chat` feeds turn by turn, in one piece (the server's requests
-/// carry the whole conversation each time; the prefix cache finds what was fed before).
-/// With a template, its rendering with the tokenizer's special tokens unless the template
-/// writes the BOS token itself; without one, the messages as plain text, each but the
-/// replies after an end-of-text token, as `Chat` continues a conversation.
-pub fn conversation_tokens(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec<u32>> {
-    if messages.is_empty() {
-        return Err(Error::InvalidInput("the message list is empty".into()));
+/// The tokens that end an assistant's turn, with their text: the tokenizer's end-of-sequence
+/// token and, with a chat template, the special token the template writes right after a
+/// reply (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>` …) where that is another one. `Chat`
+/// (for a caller that stops at EOS) and the server stop a reply on these.
+pub fn turn_ends(tok: &Tokenizer) -> Vec<(u32, String)> {
+    let mut ends: Vec<(u32, String)> = Vec::new();
+    if let (Some(id), Some(text)) = (tok.eos, &tok.eos_token) {
+        ends.push((id, text.clone()));
     }
-    if let Some(text) = tok.render_chat(messages, true)? {
+    if let Some(end) = template_turn_end(tok)
+        && !ends.iter().any(|(id, _)| *id == end.0)
+    {
+        ends.push(end);
+    }
+    ends
+}
+
+/// The ids of `turn_ends`.
+pub fn stop_ids(tok: &Tokenizer) -> Vec<u32> {
+    turn_ends(tok).into_iter().map(|(id, _)| id).collect()
+}
+
+/// The special token a chat template writes right after an assistant's reply, found by
+/// rendering one: the shortest start of what follows the reply (spaces skipped) that is a
+/// single token decoding to nothing (a special token; text always decodes to itself).
+/// `None` without a template, when one does not render this conversation, or when plain
+/// text follows the reply.
+fn template_turn_end(tok: &Tokenizer) -> Option<(u32, String)> {
+    // Not text a template would change (some strip or capitalize the content).
+    const REPLY: &str = "\u{2063}7f3a\u{2063}";
+    // Longer than any special token's text.
+    const MOST_CHARS: usize = 64;
+    let msgs = [
+        ("user".to_string(), "hello".to_string()),
+        ("assistant".to_string(), REPLY.to_string()),
+    ];
+    let text = tok.render_chat(&msgs, false).ok()??;
+    let after = text[text.rfind(REPLY)? + REPLY.len()..].trim_start();
+    let ends = after
+        .char_indices()
+        .map(|(i, _)| i)
+        .skip(1)
+        .chain([after.len()])
+        .take(MOST_CHARS);
+    for end in ends {
+        let piece = &after[..end];
+        if let Ok([id]) = tok.encode_with(piece, false).as_deref()
+            && tok.decode(&[*id]).is_ok_and(|t| t.is_empty())
+        {
+            return Some((*id, piece.to_string()));
+        }
+    }
+    None
+}
+
+/// What a conversation's state has read, for `input_after`.
+struct Read<'a> {
+    /// With a template: the text read (the rendering up to the last assistant cue, plus
+    /// the reply as generated).
+    text: &'a str,
+    /// Without one: the messages read.
+    messages: usize,
+    /// Whether the state is empty (the tokenizer's special tokens go first).
+    at_start: bool,
+    /// The stop token the last reply ended on: pending in the state, it is fed before the
+    /// input, so the copy the template writes after the reply is not.
+    ended_on: Option<u32>,
+}
+
+impl Read<'_> {
+    /// A state that has read nothing.
+    const NOTHING: Read<'static> = Read {
+        text: "",
+        messages: 0,
+        at_start: true,
+        ended_on: None,
+    };
+}
+
+/// The input of a turn: the tokens to feed after what was read.
+struct Input {
+    ids: Vec<u32>,
+    /// The template's rendering up to the assistant cue (empty without a template).
+    render: String,
+    /// The template renders the past differently from what was read: `ids` are the whole
+    /// conversation, to read from a fresh state.
+    reread: bool,
+}
+
+/// The tokens that take a state which has read `read` to the cue for the assistant's reply
+/// to `messages`. With a template: its rendering minus the text already read, with the
+/// tokenizer's special tokens at the start unless the template writes the BOS token itself.
+/// Without one: the messages not yet read as plain text, each but the replies after an
+/// end-of-text token (unless it starts the state, or the last reply ended on a stop
+/// token). `Chat` feeds this turn by turn; the server, from an empty state, in one piece.
+fn input_after(tok: &Tokenizer, messages: &[(String, String)], read: &Read) -> Result<Input> {
+    if let Some(render) = tok.render_chat(messages, true)? {
+        let (mut suffix, reread) = match render.strip_prefix(read.text) {
+            Some(s) => (s, false),
+            None => (render.as_str(), true),
+        };
+        if !reread
+            && let Some(t) = read.ended_on
+            && let Some((_, end)) = turn_ends(tok).into_iter().find(|(id, _)| *id == t)
+            && let Some(rest) = suffix.strip_prefix(end.as_str())
+        {
+            suffix = rest;
+        }
         let template_bos = tok
             .bos_token
             .as_deref()
-            .is_some_and(|b| !b.is_empty() && text.starts_with(b));
-        return tok.encode_with(&text, !template_bos);
+            .is_some_and(|b| !b.is_empty() && render.starts_with(b));
+        let ids = tok.encode_with(suffix, (read.at_start || reread) && !template_bos)?;
+        return Ok(Input {
+            ids,
+            render,
+            reread,
+        });
     }
-    // A reply follows its message directly; every other message after the first starts
-    // after an end-of-text token.
     let mut ids = Vec::new();
-    for (i, (role, content)) in messages.iter().enumerate() {
-        if i > 0
+    for (i, (role, content)) in messages.iter().enumerate().skip(read.messages) {
+        let first = i == read.messages && read.at_start;
+        let after_stop = i == read.messages && read.ended_on.is_some();
+        if !first
+            && !after_stop
             && role != "assistant"
             && let Some(eos) = tok.eos
         {
             ids.push(eos);
         }
-        ids.extend(tok.encode_with(content, i == 0)?);
+        ids.extend(tok.encode_with(content, first)?);
     }
-    Ok(ids)
+    Ok(Input {
+        ids,
+        render: String::new(),
+        reread: false,
+    })
+}
+
+/// The tokens of a whole conversation read from an empty state, ending with the cue for
+/// the assistant's reply: what `Chat` feeds turn by turn (through the same `input_after`),
+/// in one piece. The server's requests carry the whole conversation each time; the prefix
+/// cache finds what was fed before.
+pub fn conversation_tokens(tok: &Tokenizer, messages: &[(String, String)]) -> Result<Vec<u32>> {
+    if messages.is_empty() {
+        return Err(Error::InvalidInput("the message list is empty".into()));
+    }
+    Ok(input_after(tok, messages, &Read::NOTHING)?.ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{stop_ids, turn_ends};
+    use crate::tokenizer::Tokenizer;
+
+    /// The embedded tokenizer (EOS `<|endoftext|>`, id 0) with the special tokens of common
+    /// templates added, and `template`.
+    fn tokenizer(template: &str) -> Tokenizer {
+        let mut json: serde_json::Value =
+            serde_json::from_slice(include_bytes!("../assets/tokenizer.json")).unwrap();
+        let added = json["added_tokens"].as_array_mut().unwrap();
+        for (i, t) in ["<|im_start|>", "<|im_end|>", "<|eot_id|>"]
+            .iter()
+            .enumerate()
+        {
+            added.push(serde_json::json!({
+                "id": 4096 + i, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true,
+            }));
+        }
+        let config = serde_json::json!({"chat_template": template, "eos_token": "<|endoftext|>"});
+        Tokenizer::from_bytes(&serde_json::to_vec(&json).unwrap(), Some(&config)).unwrap()
+    }
+
+    #[test]
+    fn a_turn_ends_at_the_eos_and_the_special_token_the_template_writes_after_a_reply() {
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+                      {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        assert_eq!(
+            turn_ends(&tokenizer(chatml)),
+            vec![(0, "<|endoftext|>".into()), (4097, "<|im_end|>".into())]
+        );
+        // Llama 3's shape: the content trimmed, the token right after it.
+        let llama = "{% for m in messages %}<|im_start|>{{ m.role }}\n\n{{ m.content | trim }}\
+                     <|eot_id|>{% endfor %}";
+        assert_eq!(stop_ids(&tokenizer(llama)), vec![0, 4098]);
+        // A reply followed by the EOS itself (Mistral's shape), after a space: the EOS once.
+        let eos = "{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]\
+                   {% else %}{{ m.content }} {{ eos_token }}{% endif %}{% endfor %}";
+        assert_eq!(stop_ids(&tokenizer(eos)), vec![0]);
+        // Plain text after the reply, a template that refuses this conversation, none: the
+        // EOS only.
+        for template in [
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}",
+            "{{ raise_exception('a system message first') }}",
+        ] {
+            assert_eq!(stop_ids(&tokenizer(template)), vec![0], "{template}");
+        }
+        let mut plain = tokenizer("");
+        plain.chat_template = None;
+        assert_eq!(stop_ids(&plain), vec![0]);
+    }
 }

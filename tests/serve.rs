@@ -12,7 +12,7 @@ use mamba2_wgpu::gpu::context::{DeviceChoice, pick_adapter};
 use mamba2_wgpu::model::Model;
 use mamba2_wgpu::prefix_cache::{CacheConfig, PrefixCache};
 use mamba2_wgpu::sampling::Sampling;
-use mamba2_wgpu::server::engine::{Engine, Event, FinishReason, Job};
+use mamba2_wgpu::server::engine::{Engine, Event, FinishReason, Job, PREFILL_CHUNK};
 use mamba2_wgpu::server::{Server, ServerConfig};
 use mamba2_wgpu::state_file::{self, SavedState, StateDtype, StateKey};
 use mamba2_wgpu::{Backend, EngineOptions, GenerateOptions, Session, Tokenizer, assets};
@@ -115,6 +115,7 @@ fn run_engine(
         cache,
         metrics: Default::default(),
         slots,
+        prefill_chunk: PREFILL_CHUNK,
     };
     let (tx, rx) = mpsc::channel();
     let thread = std::thread::spawn(move || engine.run(rx));
@@ -538,12 +539,109 @@ fn start(
     })
 }
 
+/// An OpenAI error body: JSON, with the message, the type, the parameter and the code.
+async fn error_body(r: reqwest::Response) -> Value {
+    let json = r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/json");
+    let text = r.text().await.unwrap();
+    assert!(json, "not JSON: {text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let e = &v["error"];
+    assert!(e["message"].is_string(), "{v}");
+    assert_eq!(e["type"], "invalid_request_error", "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    v
+}
+
 /// Reads a server-sent-event stream to its end: the `data:` payloads in order.
 async fn sse(r: reqwest::Response) -> Vec<String> {
-    let text = r.text().await.unwrap();
+    sse_data(&r.text().await.unwrap())
+}
+
+fn sse_data(text: &str) -> Vec<String> {
     text.lines()
         .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
         .collect()
+}
+
+/// Sends a streamed completion and reads it to its end in a task: `started` fires with its
+/// first event (the first token), the task gives the reply's text.
+fn streamed(
+    srv: &Running,
+    body: Value,
+) -> (
+    tokio::sync::oneshot::Receiver<()>,
+    tokio::task::JoinHandle<String>,
+) {
+    let (started, rx) = tokio::sync::oneshot::channel();
+    let req = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&body);
+    let task = tokio::spawn(async move {
+        let mut r = req.send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let mut started = Some(started);
+        let mut bytes = Vec::new();
+        while let Some(c) = r.chunk().await.unwrap() {
+            bytes.extend_from_slice(&c);
+            if let Some(s) = started.take() {
+                let _ = s.send(());
+            }
+        }
+        streamed_text(&sse_data(&String::from_utf8(bytes).unwrap()))
+    });
+    (rx, task)
+}
+
+/// Polls `/metrics` until `name` is `value` (10 s at most).
+async fn wait_metric(srv: &Running, name: &str, value: f64) {
+    for _ in 0..400 {
+        if srv.metric(name).await == value {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!(
+        "{name} is {}, not {value}, after 10 s",
+        srv.metric(name).await
+    );
+}
+
+/// The solo reply (text) of what `completion_body(prompt, max, seed, _)` asks the server.
+fn solo_completion(
+    session: &mut Session,
+    tok: &Tokenizer,
+    prompt: &str,
+    max: usize,
+    seed: Option<u64>,
+) -> String {
+    let spec = Spec {
+        prompt: tok.encode(prompt).unwrap(),
+        max_new: max,
+        sampling: match seed {
+            Some(s) => Sampling {
+                temperature: 0.8,
+                top_k: 30,
+                top_p: 1.0,
+                seed: s,
+            },
+            None => Sampling::greedy(),
+        },
+        stop_ids: mamba2_wgpu::chat::stop_ids(tok),
+    };
+    solo(session, tok, &spec.prompt, &spec).0
+}
+
+/// The embedded model's tokenizer without its end-of-sequence token: replies run to their
+/// `max_tokens` (a stream meant to outlast the test must not end on its own).
+fn tokenizer_without_eos() -> Tokenizer {
+    let (_, mut tok) = assets::embedded().unwrap();
+    tok.eos = None;
+    tok.eos_token = None;
+    tok
 }
 
 /// The text of a streamed completion: its chunks' `choices[0].text`, which must end with
@@ -708,6 +806,7 @@ async fn http_refuses_bad_requests_and_survives_a_vanishing_client() {
             slots: 1,
             queue: 0,
             max_prompt: 64,
+            body_limit: 4096,
             ..Default::default()
         },
         None,
@@ -827,6 +926,50 @@ async fn http_refuses_bad_requests_and_survives_a_vanishing_client() {
         .await
         .unwrap();
     assert_eq!(r.status(), 404);
+    // A body over the limit and a route asked with the wrong method get OpenAI error
+    // bodies too, not axum's plain text.
+    let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(8192));
+    let r = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let v = error_body(r).await;
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("larger than this server takes (4096 bytes)"),
+        "{v}"
+    );
+    for (method, path, allowed) in [
+        (reqwest::Method::GET, "/v1/chat/completions", "POST"),
+        (reqwest::Method::DELETE, "/v1/completions", "POST"),
+        (reqwest::Method::POST, "/v1/models", "GET"),
+        (reqwest::Method::PUT, "/health", "GET"),
+    ] {
+        let r = srv
+            .client
+            .request(method.clone(), format!("{}{path}", srv.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 405, "{method} {path}");
+        let allow = r.headers()["allow"].to_str().unwrap().to_string();
+        assert!(allow.contains(allowed), "{method} {path}: Allow {allow}");
+        let v = error_body(r).await;
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("does not take {method}")),
+            "{v}"
+        );
+    }
     tokio::task::block_in_place(|| srv.stop());
 }
 
@@ -859,6 +1002,37 @@ async fn http_api_key_and_cached_prefix_in_usage_across_a_restart() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200, "health needs no key");
+    // A request without the key, with a wrong one (one byte off, a prefix of it, longer)
+    // or in another scheme: a 401 with an OpenAI error body.
+    let hello = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    for auth in [
+        None,
+        Some("Bearer sekrix"),
+        Some("Bearer sekri"),
+        Some("Bearer sekrit2"),
+        Some("Basic sekrit"),
+    ] {
+        let mut req = srv
+            .client
+            .post(format!("{}/v1/chat/completions", srv.base))
+            .json(&hello);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 401, "{auth:?}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "authentication_error", "{auth:?}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Authorization: Bearer"),
+            "{v}"
+        );
+    }
+    let (status, v) = srv.post("/v1/chat/completions", hello).await;
+    assert_eq!(status, 200, "the right key: {v}");
     let (status, first) = srv
         .post(
             "/v1/chat/completions",
@@ -897,5 +1071,456 @@ async fn http_api_key_and_cached_prefix_in_usage_across_a_restart() {
         "{again}"
     );
     assert_eq!(again["choices"], second["choices"]);
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+/// `stop` over HTTP: the reply ends right before the first stop string (a string that
+/// straddles two tokens of the greedy reply here, held back while it might still be one),
+/// with `finish_reason: "stop"`, streamed or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_stop_strings_end_the_reply_before_them_streamed_or_not() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(srv) = start(&model, &tok, ServerConfig::default(), None) else {
+        return;
+    };
+    let url = format!("{}/v1/completions", srv.base);
+    let prompt = "The secret of a happy life is";
+    // The greedy reply without a stop string: one piece per token.
+    let r = srv
+        .client
+        .post(&url)
+        .json(&completion_body(prompt, 24, None, true))
+        .send()
+        .await
+        .unwrap();
+    let events = sse(r).await;
+    let pieces: Vec<String> = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .filter(|t| !t.is_empty())
+        .collect();
+    let full = pieces.concat();
+    // The last two characters of one piece and the first two of the next, from the third
+    // piece on: the reply ends where that string first appears.
+    let (stop, at) = (2..pieces.len() - 1)
+        .find_map(|k| {
+            let tail: String = {
+                let c: Vec<char> = pieces[k].chars().collect();
+                c[c.len().saturating_sub(2)..].iter().collect()
+            };
+            let head: String = pieces[k + 1].chars().take(2).collect();
+            let stop = format!("{tail}{head}");
+            let at = full.find(&stop)?;
+            (at > 0 && !stop.trim().is_empty()).then_some((stop, at))
+        })
+        .unwrap_or_else(|| panic!("no stop string to cut {pieces:?} at"));
+    let want = &full[..at];
+    assert!(want.len() < full.len());
+    // Not streamed, with a list of stop strings (one that never comes).
+    let mut body = completion_body(prompt, 24, None, false);
+    body["stop"] = json!(["a stop string that never comes", stop]);
+    let (status, v) = srv.post("/v1/completions", body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want, "stop {stop:?} in {full:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    // Streamed, with one stop string: no chunk carries a piece of it.
+    let mut body = completion_body(prompt, 24, None, true);
+    body["stop"] = json!(stop);
+    let r = srv.client.post(&url).json(&body).send().await.unwrap();
+    let events = sse(r).await;
+    assert_eq!(streamed_text(&events), want, "stop {stop:?} in {full:?}");
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "stop", "{last}");
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+/// With more than one slot the replies decode together in the GPU batch. Clients that
+/// leave mid-stream, and one that leaves while its request waits in the queue, free their
+/// places and count in `requests_cancelled_total`; the streams beside them run on to
+/// exactly their solo replies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_batched_clients_that_leave_are_counted_and_change_no_other_reply() {
+    let (model, _) = assets::embedded().unwrap();
+    let tok = tokenizer_without_eos();
+    let config = ServerConfig {
+        slots: 3,
+        queue: 4,
+        ..Default::default()
+    };
+    let Some(srv) = start(&model, &tok, config, None) else {
+        return;
+    };
+    let finite = [
+        ("A fortune for the patient:", 40, None),
+        ("A fortune for the bold:", 56, Some(7)),
+    ];
+    let mut session = Session::new(gpu_backend(&model).unwrap());
+    let want: Vec<String> = tokio::task::block_in_place(|| {
+        finite
+            .iter()
+            .map(|&(p, n, seed)| solo_completion(&mut session, &tok, p, n, seed))
+            .collect()
+    });
+    let url = format!("{}/v1/completions", srv.base);
+    // Three endless streams fill the batch.
+    let mut endless = Vec::new();
+    for i in 0..3 {
+        let body = completion_body(&format!("Story number {i}:"), 65_536, None, true);
+        let mut r = srv.client.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.chunk().await.unwrap().is_some());
+        endless.push(r);
+    }
+    assert_eq!(srv.metric("active_slots").await, 3.0);
+    // A fourth request waits for a slot; its client leaves before its turn.
+    let queued = srv
+        .client
+        .post(&url)
+        .json(&completion_body("Never read", 8, None, true))
+        .send()
+        .await
+        .unwrap();
+    wait_metric(&srv, "queue_depth", 1.0).await;
+    drop(queued);
+    wait_metric(&srv, "requests_cancelled_total", 1.0).await;
+    wait_metric(&srv, "queue_depth", 0.0).await;
+    assert_eq!(srv.metric("active_slots").await, 3.0);
+    // Two finite requests wait; two endless clients leave mid-stream, and the finite
+    // requests take their slots beside the third, which decodes on.
+    let (started, tasks): (Vec<_>, Vec<_>) = finite
+        .iter()
+        .map(|&(p, n, seed)| streamed(&srv, completion_body(p, n, seed, true)))
+        .unzip();
+    wait_metric(&srv, "queue_depth", 2.0).await;
+    let last = endless.pop().unwrap();
+    endless.clear();
+    wait_metric(&srv, "requests_cancelled_total", 3.0).await;
+    // Once both have their first token, the last endless client leaves in the middle of
+    // their replies.
+    for s in started {
+        s.await.unwrap();
+    }
+    drop(last);
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.unwrap(), want[i], "finite request {i}");
+    }
+    wait_metric(&srv, "requests_cancelled_total", 4.0).await;
+    wait_metric(&srv, "active_slots", 0.0).await;
+    assert_eq!(srv.metric("requests_completed_total").await, 2.0);
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+/// A prompt several prefill chunks long (chunks of 16 tokens here), sent while other
+/// streams decode in the batch, is read a chunk per engine round between their tokens:
+/// every reply is still its solo run's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_long_prompts_read_in_chunks_between_decoding_streams_change_no_reply() {
+    let (model, _) = assets::embedded().unwrap();
+    let tok = tokenizer_without_eos();
+    let chunk = 16;
+    let config = ServerConfig {
+        slots: 4,
+        prefill_chunk: chunk,
+        ..Default::default()
+    };
+    let Some(srv) = start(&model, &tok, config, None) else {
+        return;
+    };
+    let tale = "Once upon a time, in a land far away, there lived a wise old king. ";
+    let long = |title: &str| format!("{title} {}", tale.repeat(6));
+    let decoding = [
+        ("Fortune for the patient:".to_string(), 160, None),
+        ("Fortune for the bold:".to_string(), 160, Some(3)),
+    ];
+    let reading = [
+        (long("The first tale."), 12, None),
+        (long("The second tale."), 12, Some(5)),
+    ];
+    for (p, _, _) in &reading {
+        let n = tok.encode(p).unwrap().len();
+        assert!(n > 4 * chunk, "a prompt of {n} tokens");
+    }
+    let mut session = Session::new(gpu_backend(&model).unwrap());
+    let want: Vec<String> = tokio::task::block_in_place(|| {
+        decoding
+            .iter()
+            .chain(&reading)
+            .map(|(p, n, seed)| solo_completion(&mut session, &tok, p, *n, *seed))
+            .collect()
+    });
+    // Two streams decode...
+    let (started, decode_tasks): (Vec<_>, Vec<_>) = decoding
+        .iter()
+        .map(|(p, n, seed)| streamed(&srv, completion_body(p, *n, *seed, true)))
+        .unzip();
+    for s in started {
+        s.await.unwrap();
+    }
+    // ... when the long prompts come.
+    let read_tasks: Vec<_> = reading
+        .iter()
+        .map(|(p, n, seed)| {
+            let req = srv
+                .client
+                .post(format!("{}/v1/completions", srv.base))
+                .json(&completion_body(p, *n, *seed, false));
+            tokio::spawn(async move {
+                let v: Value = req.send().await.unwrap().json().await.unwrap();
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+        })
+        .collect();
+    assert!(
+        decode_tasks.iter().all(|t| !t.is_finished()),
+        "the streams were still decoding when the long prompts came"
+    );
+    for (i, t) in decode_tasks.into_iter().chain(read_tasks).enumerate() {
+        assert_eq!(t.await.unwrap(), want[i], "request {i}");
+    }
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+// ---------------------------------------------------------------------------------------
+// End of turn: the chat template's token, and one conversation engine
+
+/// A ChatML-like template over the embedded tokenizer: `<|endoftext|>` opens a message and
+/// `end` closes each reply (the model's own end-of-turn token, not the EOS).
+fn chatml(end: &str) -> String {
+    format!(
+        "{{% for m in messages %}}<|endoftext|>{{{{ m.role }}}}\n{{{{ m.content }}}}\
+         {{% if m.role == 'assistant' %}}{end}{{% endif %}}\n{{% endfor %}}\
+         {{% if add_generation_prompt %}}<|endoftext|>assistant\n{{% endif %}}"
+    )
+}
+
+/// The embedded tokenizer with `chatml(end)` as its template, `end` being the text of the
+/// reply token at `reply[k]` made a special token: the first token, from the third on, that
+/// does not come earlier in the reply and reads as a word with its space (text that cannot
+/// appear in a prompt: `Ġ` stands for the space in the vocabulary). A model trained with
+/// that template would end its replies with it; this one, greedy, ends there after `k`
+/// tokens. Returns the tokenizer, the token and `k`.
+fn tokenizer_with_turn_end(reply: &[u32]) -> (Tokenizer, u32, usize) {
+    let json: Value = serde_json::from_slice(include_bytes!("../assets/tokenizer.json")).unwrap();
+    let text_of = |id: u32| {
+        json["model"]["vocab"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .find(|(_, v)| v.as_u64() == Some(u64::from(id)))
+            .map(|(t, _)| t.clone())
+            .unwrap()
+    };
+    let (k, id, end) = (2..reply.len())
+        .map(|k| (k, reply[k], text_of(reply[k])))
+        .find(|(k, id, t)| {
+            !reply[..*k].contains(id) && t.starts_with('Ġ') && t.chars().count() >= 3
+        })
+        .unwrap_or_else(|| panic!("no token to end the turn with in {reply:?}"));
+    let mut json = json;
+    json["added_tokens"].as_array_mut().unwrap().push(json!({
+        "id": id, "content": end, "single_word": false, "lstrip": false, "rstrip": false,
+        "normalized": false, "special": true,
+    }));
+    let config = json!({"chat_template": chatml(&end), "eos_token": "<|endoftext|>"});
+    let tok = Tokenizer::from_bytes(&serde_json::to_vec(&json).unwrap(), Some(&config)).unwrap();
+    (tok, id, k)
+}
+
+/// A backend that records every token it feeds (in order), around the CPU reference.
+struct Recorder {
+    inner: mamba2_wgpu::CpuBackend,
+    fed: std::sync::Arc<std::sync::Mutex<Vec<u32>>>,
+}
+
+impl Backend for Recorder {
+    fn config(&self) -> &mamba2_wgpu::config::ModelConfig {
+        self.inner.config()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn reset(&mut self) -> mamba2_wgpu::Result<()> {
+        self.fed.lock().unwrap().clear();
+        self.inner.reset()
+    }
+    fn prefill_sample(
+        &mut self,
+        tokens: &[u32],
+        sampling: &Sampling,
+        pos: u64,
+    ) -> mamba2_wgpu::Result<u32> {
+        self.fed.lock().unwrap().extend_from_slice(tokens);
+        self.inner.prefill_sample(tokens, sampling, pos)
+    }
+    fn prefill_logits(&mut self, tokens: &[u32]) -> mamba2_wgpu::Result<Vec<Vec<f32>>> {
+        self.fed.lock().unwrap().extend_from_slice(tokens);
+        self.inner.prefill_logits(tokens)
+    }
+    fn decode(
+        &mut self,
+        first: u32,
+        pos: u64,
+        max_new: usize,
+        sampling: &Sampling,
+        stop: &[u32],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> mamba2_wgpu::Result<usize> {
+        let mut sampled = Vec::new();
+        let n = self
+            .inner
+            .decode(first, pos, max_new, sampling, stop, &mut |t| {
+                sampled.push(t);
+                on_token(t)
+            })?;
+        // `first` and every sampled token but the last were fed.
+        let mut fed = self.fed.lock().unwrap();
+        fed.push(first);
+        fed.extend_from_slice(&sampled[..n.saturating_sub(1)]);
+        Ok(n)
+    }
+    fn snapshot(&self) -> mamba2_wgpu::Result<Box<dyn std::any::Any + Send>> {
+        self.inner.snapshot()
+    }
+    fn restore(&mut self, snapshot: &(dyn std::any::Any + Send)) -> mamba2_wgpu::Result<()> {
+        self.inner.restore(snapshot)
+    }
+    fn state(&self) -> mamba2_wgpu::Result<mamba2_wgpu::state::State<f32>> {
+        Backend::state(&self.inner)
+    }
+}
+
+fn cpu_backend(model: &Model) -> mamba2_wgpu::CpuBackend {
+    mamba2_wgpu::CpuBackend::new(
+        mamba2_wgpu::CpuModel::<f32>::new(&model.config, &model.weights).unwrap(),
+    )
+}
+
+/// `mamba2 chat` feeds a conversation turn by turn and the server reads it whole from each
+/// request (`chat::conversation_tokens`); both go through `chat::input_after`, and here the
+/// tokens match: before every turn, what the chat's state has read is exactly the
+/// server's prompt for the same messages — without a template (the embedded model) and
+/// with one whose replies end on their own end-of-turn token, which also stops the chat's
+/// replies (the chat is asked to stop at EOS, as `mamba2 chat` does).
+#[test]
+fn chat_turns_feed_exactly_the_servers_tokens_for_the_conversation() {
+    let (model, plain) = assets::embedded().unwrap();
+    let first = "Tell me a fortune";
+    // The template's first reply, greedy, to find the token that ends it.
+    let mut probe = plain.clone();
+    probe.chat_template = Some(chatml(""));
+    let prompt =
+        mamba2_wgpu::chat::conversation_tokens(&probe, &[("user".to_string(), first.to_string())])
+            .unwrap();
+    let mut session = Session::new(Box::new(cpu_backend(&model)));
+    let greedy = |n: usize, stop: &Tokenizer| GenerateOptions {
+        max_new_tokens: n,
+        sampling: Sampling::greedy(),
+        stop: stop.eos.into_iter().collect(),
+    };
+    let (reply, _) = session
+        .generate(&prompt, &greedy(24, &probe), |_| true)
+        .unwrap();
+    let (templated, end, k) = tokenizer_with_turn_end(&reply);
+    assert_eq!(
+        mamba2_wgpu::chat::stop_ids(&templated),
+        vec![plain.eos.unwrap(), end]
+    );
+    assert_eq!(
+        mamba2_wgpu::chat::stop_ids(&plain),
+        vec![plain.eos.unwrap()]
+    );
+    for tok in [plain, templated] {
+        let with_template = tok.chat_template.is_some();
+        let fed = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let backend = Recorder {
+            inner: cpu_backend(&model),
+            fed: fed.clone(),
+        };
+        let mut chat = mamba2_wgpu::chat::Chat::new(Session::new(Box::new(backend)), tok);
+        for (turn, user) in [first, "Another one", "And a last one"].iter().enumerate() {
+            let mut messages = chat.messages.clone();
+            messages.push(("user".to_string(), user.to_string()));
+            let want = mamba2_wgpu::chat::conversation_tokens(&chat.tokenizer, &messages).unwrap();
+            let mut at = None;
+            let opts = greedy(24, &chat.tokenizer);
+            let r = chat
+                .say_with(user, &opts, |e| {
+                    if let mamba2_wgpu::chat::TurnEvent::Started { position, .. } = e {
+                        at = Some(position);
+                    }
+                    true
+                })
+                .unwrap();
+            let fed = fed.lock().unwrap();
+            assert_eq!(
+                at,
+                Some(want.len() as u64),
+                "turn {turn} (template: {with_template})"
+            );
+            assert_eq!(
+                &fed[..want.len()],
+                &want[..],
+                "turn {turn} (template: {with_template})"
+            );
+            if with_template && turn == 0 {
+                assert_eq!(r.finish, mamba2_wgpu::session::Finish::Stop);
+                assert_eq!(r.tokens, k, "the reply ended at the end-of-turn token");
+                assert_eq!(chat.session.pending(), Some(end));
+            }
+        }
+    }
+}
+
+/// The server stops a chat reply on the template's end-of-turn token (not the EOS here),
+/// as `mamba2 chat` does: `finish_reason: "stop"` after the tokens before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_chat_replies_end_at_the_templates_end_of_turn_token() {
+    let (model, plain) = assets::embedded().unwrap();
+    let Some(b) = gpu_backend(&model) else { return };
+    let messages = [("user".to_string(), "Tell me a fortune".to_string())];
+    let mut probe = plain.clone();
+    probe.chat_template = Some(chatml(""));
+    let prompt = mamba2_wgpu::chat::conversation_tokens(&probe, &messages).unwrap();
+    let mut session = Session::new(b);
+    let spec = |tok: &Tokenizer| Spec {
+        prompt: prompt.clone(),
+        max_new: 24,
+        sampling: Sampling::greedy(),
+        stop_ids: mamba2_wgpu::chat::stop_ids(tok),
+    };
+    let (reply, _) = tokio::task::block_in_place(|| {
+        let s = spec(&probe);
+        session.reset().unwrap();
+        let opts = GenerateOptions {
+            max_new_tokens: s.max_new,
+            sampling: s.sampling,
+            stop: s.stop_ids.clone(),
+        };
+        session.generate(&s.prompt, &opts, |_| true).unwrap()
+    });
+    let (tok, _, k) = tokenizer_with_turn_end(&reply);
+    assert_eq!(
+        mamba2_wgpu::chat::conversation_tokens(&tok, &messages).unwrap(),
+        prompt
+    );
+    let (want, n) = tokio::task::block_in_place(|| solo(&mut session, &tok, &prompt, &spec(&tok)));
+    assert_eq!(n, k);
+    let Some(srv) = start(&model, &tok, ServerConfig::default(), None) else {
+        return;
+    };
+    let (status, v) = srv
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Tell me a fortune"}],
+                   "max_tokens": 24, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], k, "{v}");
     tokio::task::block_in_place(|| srv.stop());
 }

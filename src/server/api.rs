@@ -1,6 +1,7 @@
 //! The HTTP routes: OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`,
 //! plus `/health` and `/metrics`. A handler parses and tokenizes the request, refuses what
-//! cannot run (400 naming the field, 503 with `Retry-After` when the queue is full), then
+//! cannot run (400 naming the field, 503 with `Retry-After` when the queue is full; every
+//! error, 401, 404, 405 and 413 included, in OpenAI's JSON shape), then
 //! hands a `Job` to the engine thread and relays its events, as one JSON body or as
 //! server-sent events. A client that goes away drops its receiver; the engine sees that
 //! and frees the slot.
@@ -11,7 +12,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
@@ -59,11 +61,7 @@ fn authorize(app: &App, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let Some(key) = &app.config.api_key else {
         return Ok(());
     };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
+    if super::auth::key_matches(headers, key) {
         Ok(())
     } else {
         Err(Box::new(error(
@@ -97,10 +95,35 @@ enum Kind {
     Completion,
 }
 
-pub async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+/// The request body, or the error response: a body over the limit is a 413 in the same
+/// JSON shape as every other error (axum's own rejection is plain text).
+fn read_body(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, Box<Response>> {
+    body.map_err(|e| {
+        let status = e.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!(
+                "the request body is larger than this server takes ({} bytes)",
+                app.config.body_limit
+            )
+        } else {
+            format!("the request body could not be read: {}", e.body_text())
+        };
+        Box::new(error(app, status, &message, None))
+    })
+}
+
+pub async fn chat(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     if let Err(r) = authorize(&app, &headers) {
         return *r;
     }
+    let body = match read_body(&app, body) {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
     let req = match ChatRequest::parse(&body, lengths(&app), app.next_seed()) {
         Ok(r) => r,
         Err(e) => return bad(&app, e),
@@ -116,10 +139,18 @@ pub async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) 
     }
 }
 
-pub async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     if let Err(r) = authorize(&app, &headers) {
         return *r;
     }
+    let body = match read_body(&app, body) {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
     let req = match CompletionRequest::parse(&body, lengths(&app), app.next_seed()) {
         Ok(r) => r,
         Err(e) => return bad(&app, e),
@@ -468,4 +499,14 @@ pub async fn metrics(State(app): State<Arc<App>>, headers: HeaderMap) -> Respons
 
 pub async fn not_found(State(app): State<Arc<App>>) -> Response {
     error(&app, StatusCode::NOT_FOUND, "no such route", None)
+}
+
+/// A route asked with a method it does not take (axum adds the `Allow` header).
+pub async fn method_not_allowed(State(app): State<Arc<App>>, method: Method) -> Response {
+    error(
+        &app,
+        StatusCode::METHOD_NOT_ALLOWED,
+        &format!("this route does not take {method}"),
+        None,
+    )
 }

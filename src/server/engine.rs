@@ -31,8 +31,7 @@ use crate::sampling::Sampling;
 use crate::session::Backend;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
-/// Tokens of a prompt fed per step (chunks end at multiples of it, counted from position
-/// 0, so a prompt is cut the same way whatever runs beside it).
+/// Tokens of a prompt fed per step by default (`Engine::prefill_chunk`).
 pub const PREFILL_CHUNK: usize = 512;
 /// Decode tokens per step while other sequences wait.
 const DECODE_QUANTUM: usize = 16;
@@ -45,7 +44,8 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub max_new: usize,
     pub sampling: Sampling,
-    /// Token ids that end the reply (the tokenizer's EOS).
+    /// Token ids that end the reply (`chat::stop_ids`: the EOS and the template's
+    /// end-of-turn token).
     pub stop_ids: Vec<u32>,
     /// Strings that end the reply (not included in it).
     pub stop_text: Vec<String>,
@@ -105,6 +105,10 @@ struct Seq {
     over: bool,
     /// It ended on an error (non-finite logits, a device error): its state is not cached.
     failed: bool,
+    /// Its client heard the end (`Done` or `Error`).
+    answered: bool,
+    /// Counted in `requests_cancelled_total` (once, whichever check saw the client go).
+    cancelled: bool,
 }
 
 /// What the engine thread owns.
@@ -115,6 +119,10 @@ pub struct Engine {
     pub metrics: Arc<Metrics>,
     /// Sequences decoded at once (the others wait in the queue).
     pub slots: usize,
+    /// Tokens of a prompt fed per step, `PREFILL_CHUNK` unless a test wants a prompt read
+    /// in many steps (chunks end at multiples of it, counted from position 0, so a prompt
+    /// is cut the same way whatever runs beside it).
+    pub prefill_chunk: usize,
 }
 
 impl Engine {
@@ -186,7 +194,13 @@ impl Engine {
         open: &mut bool,
     ) -> bool {
         Self::intake(jobs, waiting, open, active.is_empty());
-        waiting.retain(|j| !j.events.is_closed());
+        waiting.retain(|j| {
+            let gone = j.events.is_closed();
+            if gone {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
         while active.len() < self.slots.max(1)
             && let Some(job) = waiting.pop_front()
         {
@@ -212,6 +226,11 @@ impl Engine {
         seq
     }
 
+    /// `prefill_chunk`, at least one token.
+    fn chunk(&self) -> usize {
+        self.prefill_chunk.max(1)
+    }
+
     /// After the last request: metrics to zero, the prefix cache written to its directory.
     fn shut_down(&mut self) {
         self.metrics.queued.store(0, Ordering::Relaxed);
@@ -223,7 +242,7 @@ impl Engine {
         }
     }
 
-    /// The batched loop: each round, prompt chunks (up to `PREFILL_CHUNK` tokens) of the
+    /// The batched loop: each round, prompt chunks (up to `prefill_chunk` tokens) of the
     /// sequences still reading their prompts (in the backend's own store), then
     /// `DECODE_QUANTUM` steps of the batch.
     fn run_batched(mut self, jobs: Receiver<Job>) {
@@ -240,9 +259,9 @@ impl Engine {
                 continue;
             }
             // Prompt chunks of the sequences not yet in the batch, in turn, up to
-            // PREFILL_CHUNK prompt tokens per round (at least one chunk): short prompts
+            // prefill_chunk prompt tokens per round (at least one chunk): short prompts
             // join together instead of one per round, long ones do not stall the batch.
-            let mut budget = PREFILL_CHUNK;
+            let mut budget = self.chunk();
             let mut tried = 0;
             loop {
                 let reading: Vec<usize> = (0..active.len())
@@ -364,7 +383,7 @@ impl Engine {
         let mut steps = DECODE_QUANTUM;
         for seq in active.iter_mut().filter(|s| s.slot.is_some() && !s.over) {
             if seq.job.events.is_closed() {
-                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                seq.cancel(&self.metrics);
                 seq.over = true;
                 continue;
             }
@@ -547,16 +566,17 @@ impl Engine {
     /// One step of `seq`, whose state the backend holds. Returns whether it finished.
     fn step(&mut self, seq: &mut Seq, quantum: usize) -> Result<bool> {
         if seq.job.events.is_closed() {
-            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            seq.cancel(&self.metrics);
             return Ok(true);
         }
         let prompt_len = seq.job.prompt.len();
         let pos = seq.fed.len();
         if pos < prompt_len {
-            // Chunks end at multiples of PREFILL_CHUNK and of `--cache-every`, so that an
+            // Chunks end at multiples of prefill_chunk and of `--cache-every`, so that an
             // entry is left every `every` tokens whatever it is.
             let every = self.cache.config().every;
-            let mut end = ((pos / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(prompt_len);
+            let chunk = self.chunk();
+            let mut end = ((pos / chunk + 1) * chunk).min(prompt_len);
             if let Some(k) = pos.checked_div(every) {
                 end = end.min((k + 1) * every);
             }
@@ -628,7 +648,7 @@ impl Engine {
         }
         if ended || seq.job.events.is_closed() {
             if seq.job.events.is_closed() {
-                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                seq.cancel(&self.metrics);
             }
             self.remember(&seq.fed);
             return Ok(true);
@@ -669,6 +689,7 @@ fn no_batch() -> crate::Error {
 /// the reply (sending `Done` where the client still listens); else its text goes out.
 fn handle_token(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool {
     if seq.job.events.is_closed() {
+        seq.cancel(metrics);
         return true;
     }
     if seq.job.stop_ids.contains(&t) {
@@ -682,6 +703,7 @@ fn handle_token(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bo
         Err(e) => {
             let _ = seq.job.events.send(Event::Error(e.to_string()));
             metrics.failed.fetch_add(1, Ordering::Relaxed);
+            seq.answered = true;
             return true;
         }
     };
@@ -712,6 +734,17 @@ impl Seq {
             slot: None,
             over: false,
             failed: false,
+            answered: false,
+            cancelled: false,
+        }
+    }
+
+    /// Counts the request as cancelled, once: its client went away before the reply's end
+    /// (one that leaves after hearing it is not counted).
+    fn cancel(&mut self, metrics: &Metrics) {
+        if !self.cancelled && !self.answered && !self.failed {
+            self.cancelled = true;
+            metrics.cancelled.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -726,6 +759,7 @@ impl Seq {
             finish: why,
             usage: self.usage(),
         });
+        self.answered = true;
         metrics.completed.fetch_add(1, Ordering::Relaxed);
     }
 

@@ -16,7 +16,7 @@ pub struct Metrics {
     pub rejected: AtomicU64,
     pub completed: AtomicU64,
     pub failed: AtomicU64,
-    /// Requests whose client went away before the end.
+    /// Requests whose client went away before the end (while queued or running).
     pub cancelled: AtomicU64,
     pub queued: AtomicUsize,
     pub active: AtomicUsize,
@@ -74,7 +74,7 @@ impl Metrics {
         );
         counter(
             "requests_cancelled_total",
-            "Generations whose client went away first.",
+            "Requests whose client went away before the reply ended, queued or running.",
             "counter",
             &[("", get(&self.cancelled))],
         );

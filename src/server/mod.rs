@@ -4,6 +4,7 @@
 //! reaches the engine unchecked, and a slow or vanished client only drops its own channel.
 
 pub mod api;
+pub mod auth;
 pub mod engine;
 pub mod metrics;
 pub mod request;
@@ -44,6 +45,9 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Largest request body, in bytes.
     pub body_limit: usize,
+    /// Prompt tokens read per engine step (`engine::PREFILL_CHUNK`; tests make it small to
+    /// read a short prompt in many steps between the other streams' tokens).
+    pub prefill_chunk: usize,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +61,7 @@ impl Default for ServerConfig {
             max_prompt: 65536,
             api_key: None,
             body_limit: 16 << 20,
+            prefill_chunk: engine::PREFILL_CHUNK,
         }
     }
 }
@@ -121,6 +126,7 @@ impl Server {
             cache,
             metrics: metrics.clone(),
             slots: config.slots,
+            prefill_chunk: config.prefill_chunk,
         };
         let engine = std::thread::Builder::new()
             .name("mamba2-engine".into())
@@ -130,7 +136,9 @@ impl Server {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let app = Arc::new(App {
-            stop_ids: tokenizer.eos.into_iter().collect(),
+            // The tokens that end a turn in `mamba2 chat` too: the EOS and the chat
+            // template's end-of-turn token where that is another one.
+            stop_ids: crate::chat::stop_ids(&tokenizer),
             config: config.clone(),
             tokenizer,
             metrics,
@@ -148,6 +156,8 @@ impl Server {
             .route("/health", get(api::health))
             .route("/metrics", get(api::metrics))
             .fallback(api::not_found)
+            // After the routes: it applies to those already added.
+            .method_not_allowed_fallback(api::method_not_allowed)
             .layer(DefaultBodyLimit::max(config.body_limit))
             .with_state(app);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
