@@ -5,16 +5,22 @@
 //!   `tokenizer.ggml.pre` names (the GPT-2 split for the GPT-2/NeoX family, the Llama-3
 //!   split for its family; another name is refused rather than tokenized wrongly);
 //! - `llama`: SentencePiece BPE, merges ranked by the `scores` of the merged pieces (how
-//!   llama.cpp's SPM tokenizer picks them), `▁` for spaces and byte fallback `<0xNN>`.
+//!   llama.cpp's SPM tokenizer picks them), `▁` for spaces, one `▁` in front of the text
+//!   unless `tokenizer.ggml.add_space_prefix` is false, and byte fallback `<0xNN>`.
 //!
 //! Token types (llama.cpp's `token_type`): 3 control and 4 user-defined tokens become added
 //! tokens (control ones special). The chat template is `tokenizer.chat_template`.
+
+use std::path::Path;
 
 use serde_json::{Value as Json, json};
 
 use crate::error::{Error, Result};
 use crate::model::gguf::{GgufInfo, Value};
 use crate::tokenizer::Tokenizer;
+
+/// The keys without which a GGUF file has no tokenizer of its own.
+const REQUIRED: [&str; 2] = ["tokenizer.ggml.model", "tokenizer.ggml.tokens"];
 
 /// `tokenizer.ggml.pre` names whose pre-tokenizer is GPT-2's regex (`ByteLevel`'s own).
 const GPT2_SPLIT: [&str; 8] = [
@@ -30,6 +36,37 @@ const GPT2_SPLIT: [&str; 8] = [
 /// Names whose pre-tokenizer is Llama 3's regex.
 const LLAMA3_SPLIT: [&str; 4] = ["llama3", "llama-v3", "llama-bpe", "smaug-bpe"];
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The tokenizer of the GGUF model `path` names (the file, or the directory holding it): a
+/// `tokenizer.json` beside the file wins over the metadata (a model's own tokenizer.json
+/// is the exact one; the metadata is a rebuild of it). `None`: neither.
+pub fn for_gguf_model(path: &Path, info: &GgufInfo) -> Result<Option<Tokenizer>> {
+    let beside = if path.is_dir() {
+        Some(path)
+    } else {
+        path.parent()
+    };
+    match beside.filter(|d| d.join("tokenizer.json").is_file()) {
+        Some(dir) => Tokenizer::from_dir(dir),
+        None => from_gguf(info),
+    }
+}
+
+/// Why a GGUF model has no tokenizer (`for_gguf_model` gave `None`), for the commands that
+/// need text: the file, the `tokenizer.ggml.*` keys it lacks, and where a tokenizer.json
+/// would be read.
+pub fn missing(info: &GgufInfo) -> String {
+    let lacks: Vec<String> = REQUIRED
+        .iter()
+        .filter(|k| info.get(k).is_none())
+        .map(|k| format!("`{k}`"))
+        .collect();
+    format!(
+        "{} has no tokenizer: its metadata lacks {} and no tokenizer.json lies beside it",
+        info.path.display(),
+        lacks.join(" and ")
+    )
+}
 
 /// The tokenizer of a GGUF file, or `None` when it has no `tokenizer.ggml.model`.
 pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
@@ -102,7 +139,18 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
     let bos = id("tokenizer.ggml.bos_token_id")?;
     let eos = id("tokenizer.ggml.eos_token_id")?;
     let unk = id("tokenizer.ggml.unknown_token_id")?;
-    let flag = |key: &str, default: bool| info.get(key).and_then(Value::as_bool).unwrap_or(default);
+    // A flag of another type is refused: read as its default it would tokenize wrongly
+    // without a word.
+    let opt_flag = |key: &str, default: bool| -> Result<bool> {
+        match info.get(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(err(
+                key,
+                format!("expected a bool, found {} {}", v.type_name(), v.summary()),
+            )),
+        }
+    };
 
     let mut vocab = serde_json::Map::new();
     for (i, t) in tokens.iter().enumerate() {
@@ -183,6 +231,22 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
             })?;
             let merges = spm_merges(&tokens, &scores, &types);
             let unk_token = unk.map(|u| tokens[u as usize].clone());
+            // llama.cpp (src/llama-vocab.cpp, `llama_vocab::impl::load`) sets
+            // `add_space_prefix = true` for SPM vocabularies and then reads
+            // `tokenizer.ggml.add_space_prefix` as an optional override; its detokenizer
+            // removes the leading space only when the prefix was added. Both follow it here.
+            let space_prefix = opt_flag("tokenizer.ggml.add_space_prefix", true)?;
+            let mut normalizers =
+                vec![json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"})];
+            let mut decoders = vec![
+                json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+                json!({"type": "ByteFallback"}),
+                json!({"type": "Fuse"}),
+            ];
+            if space_prefix {
+                normalizers.insert(0, json!({"type": "Prepend", "prepend": "▁"}));
+                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+            }
             let model = json!({"type": "BPE", "dropout": null, "unk_token": unk_token,
                 "continuing_subword_prefix": null, "end_of_word_suffix": null,
                 "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
@@ -190,14 +254,9 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
             (
                 json!({"version": "1.0", "truncation": null, "padding": null,
                     "added_tokens": added,
-                    "normalizer": {"type": "Sequence", "normalizers": [
-                        {"type": "Prepend", "prepend": "▁"},
-                        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+                    "normalizer": {"type": "Sequence", "normalizers": normalizers},
                     "pre_tokenizer": null, "post_processor": null,
-                    "decoder": {"type": "Sequence", "decoders": [
-                        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-                        {"type": "ByteFallback"}, {"type": "Fuse"},
-                        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+                    "decoder": {"type": "Sequence", "decoders": decoders},
                     "model": model}),
                 true,
             )
@@ -210,7 +269,8 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
         }
     };
     let mut tok_json = tok_json;
-    if let Some(b) = bos.filter(|_| flag("tokenizer.ggml.add_bos_token", add_bos_default)) {
+    let add_bos = opt_flag("tokenizer.ggml.add_bos_token", add_bos_default)?;
+    if let Some(b) = bos.filter(|_| add_bos) {
         let text = &tokens[b as usize];
         tok_json["post_processor"] = json!({"type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": text, "type_id": 0}},

@@ -537,6 +537,67 @@ fn gpt2_metadata_tokenizes_like_its_tokenizer_json() {
     assert_eq!(chat.as_deref(), Some("hello"));
 }
 
+/// A SentencePiece BPE model trained by scripts/make_spm_tokenizer_fixture.py, written as
+/// `llama` GGUF metadata (as llama.cpp's converter writes it), rebuilt by the GGUF path:
+/// the ids SentencePiece itself gives each text, with the `▁` prefix (key absent: the
+/// default) and without it (`add_space_prefix = false`), and the text back from them.
+#[test]
+fn llama_metadata_tokenizes_like_sentencepiece() {
+    let text = std::fs::read_to_string(dir().join("spm.tokens.json")).unwrap();
+    let oracle: Json = serde_json::from_str(&text).unwrap();
+    let bos = oracle["bos"].as_u64().unwrap() as u32;
+    let ids = |v: &Json| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect()
+    };
+    // (file, the oracle's ids for it, whether the file asks for BOS: llama.cpp adds it in
+    // front, SentencePiece's own encode never does).
+    for (file, key, with_bos) in [
+        ("spm.gguf", "space_prefix", true),
+        ("spm.no_space_prefix.gguf", "no_space_prefix", false),
+    ] {
+        let info = GgufFile::open(&dir().join(file)).unwrap().info();
+        let tok = mamba2_wgpu::gguf_tokenizer::from_gguf(&info)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            tok.vocab_size() as u64,
+            oracle["vocab_size"].as_u64().unwrap()
+        );
+        assert_eq!(tok.eos, Some(2), "{file}");
+        for case in oracle["cases"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            let mut want = ids(&case[key]);
+            if with_bos {
+                want.insert(0, bos);
+            }
+            assert_eq!(
+                tok.encode(text).unwrap(),
+                want,
+                "{file}: {text:?} (SentencePiece's pieces: {})",
+                case[format!("{key}_pieces")]
+            );
+            assert_eq!(tok.decode(&want).unwrap(), text, "{file}: decoded");
+        }
+    }
+    // A flag stored as another type is refused, naming the key (read as its default it
+    // would tokenize wrongly without a word).
+    let mut info = GgufFile::open(&dir().join("spm.gguf")).unwrap().info();
+    info.metadata
+        .push(("tokenizer.ggml.add_space_prefix".into(), Value::U8(0)));
+    let e = mamba2_wgpu::gguf_tokenizer::from_gguf(&info)
+        .err()
+        .expect("a uint8 flag is refused")
+        .to_string();
+    assert!(
+        e.contains("`tokenizer.ggml.add_space_prefix`: expected a bool, found uint8 0"),
+        "{e}"
+    );
+}
+
 /// A copy of `g1.f32.gguf` with `edit` applied, written to a temporary file.
 fn broken(name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
     let mut bytes = std::fs::read(dir().join("g1.f32.gguf")).unwrap();
@@ -544,6 +605,330 @@ fn broken(name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
     let path = std::env::temp_dir().join(format!("mamba2-gguf-{}-{name}.gguf", std::process::id()));
     std::fs::write(&path, bytes).unwrap();
     path
+}
+
+/// A fresh directory of its own for `name` (no tokenizer.json of /tmp's beside a file).
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("mamba2-gguf-{}-{name}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A copy of fixture `src` with `edit` applied, as `name`.gguf in a scratch directory.
+fn edited(src: &str, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+    let mut bytes = std::fs::read(dir().join(src)).unwrap();
+    edit(&mut bytes);
+    let path = scratch(name).join(format!("{name}.gguf"));
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+/// `src`'s bytes with metadata key `key` (GGUF value type `ty`, value bytes `value`) added
+/// in front of the others, the data section moved to the next multiple of 32 after the
+/// grown header: still a valid file.
+fn with_key(src: &Path, key: &str, ty: u32, value: &[u8]) -> Vec<u8> {
+    let g = GgufFile::open(src).unwrap();
+    assert_eq!(g.alignment, 32);
+    let bytes = std::fs::read(src).unwrap();
+    // The header ends after the last tensor info (name, n_dims, ne[n_dims], type, offset).
+    let at = info_at(&bytes, &g.tensors.last().unwrap().name);
+    let n_dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    let header_end = at + 4 + 8 * n_dims + 4 + 8;
+    let count = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
+    let mut out = bytes[..16].to_vec();
+    out.extend((count + 1).to_le_bytes());
+    out.extend((key.len() as u64).to_le_bytes());
+    out.extend(key.as_bytes());
+    out.extend(ty.to_le_bytes());
+    out.extend(value);
+    out.extend(&bytes[24..header_end]);
+    out.resize(out.len().next_multiple_of(32), 0);
+    out.extend(&bytes[g.data_offset as usize..]);
+    out
+}
+
+/// A GGUF string value's bytes.
+fn gguf_str(s: &str) -> Vec<u8> {
+    [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat()
+}
+
+/// `g1.f32.gguf` with its matrices (the embedding, every ssm_in and ssm_out) stored as
+/// ggml type `ty`, each value written by `encode`, the rest as it was (f32): how llama.cpp's
+/// converter stores a model with `--outtype f16|bf16` (2-D weights halved, norms and
+/// vectors f32). The header keeps its length (types and offsets are rewritten in place);
+/// the data section is laid out anew. Returns the file and how many tensors changed type.
+fn g1_matrices_as(name: &str, ty: u32, encode: impl Fn(f32) -> Vec<u8>) -> (PathBuf, usize) {
+    let src = dir().join("g1.f32.gguf");
+    let g = GgufFile::open(&src).unwrap();
+    let mut bytes = std::fs::read(&src).unwrap();
+    let mut data: Vec<u8> = Vec::new();
+    let mut changed = 0;
+    for t in &g.tensors {
+        assert_eq!(t.dtype, DType::F32, "{}", t.name);
+        let at = info_at(&bytes, &t.name);
+        let n_dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        let ty_at = at + 4 + 8 * n_dims;
+        let matrix = ["token_embd.", ".ssm_in.", ".ssm_out."]
+            .iter()
+            .any(|m| t.name.contains(m));
+        let (id, payload) = if matrix {
+            changed += 1;
+            (ty, t.to_f32().into_iter().flat_map(&encode).collect())
+        } else {
+            (0, t.bytes().to_vec())
+        };
+        data.resize(data.len().next_multiple_of(32), 0);
+        bytes[ty_at..ty_at + 4].copy_from_slice(&id.to_le_bytes());
+        bytes[ty_at + 4..ty_at + 12].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        data.extend(payload);
+    }
+    bytes.truncate(g.data_offset as usize);
+    bytes.extend(data);
+    let path = scratch(name).join("g1.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    (path, changed)
+}
+
+/// F16 and BF16 GGUF tensors (`g1_matrices_as`). The oracle is the f32 file with the same
+/// matrices rounded by the `half` crate: both widen to exactly the same f32 values, so on
+/// the CPU reference the logits are equal bit for bit. On the GPU, as stored (the file's
+/// preferred format is its half type), they are held to the tolerance the f32 file has in
+/// each GPU format (`f32_gguf_in_every_gpu_format`). How far the rounding moves the logits
+/// from the f32 file's is bounded too (relative weight error 2^-11 for f16, 2^-8 for
+/// bf16): measured 6.1e-4 and 6.0e-3 of the logit range (3.7), allowed 2e-3 and 1e-2.
+#[test]
+fn f16_and_bf16_gguf_tensors_load_and_match_the_rounded_f32_path() {
+    use half::{bf16, f16};
+    let o = oracle();
+    let p = prompt(&o, "g1.f32.gguf");
+    let exact = cpu_logits(&Model::load(&dir().join("g1.f32.gguf")).unwrap(), &p);
+    let range = exact.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    type Case = (&'static str, u32, DType, WeightFormat, fn(f32) -> f32, f32);
+    let cases: [Case; 2] = [
+        (
+            "f16",
+            1,
+            DType::F16,
+            WeightFormat::F16,
+            |v| f16::from_f32(v).to_f32(),
+            2e-3,
+        ),
+        (
+            "bf16",
+            30,
+            DType::BF16,
+            WeightFormat::BF16,
+            |v| bf16::from_f32(v).to_f32(),
+            1e-2,
+        ),
+    ];
+    for (name, ty, dtype, format, round, allowed) in cases {
+        let (file, changed) = g1_matrices_as(name, ty, |v| match ty {
+            1 => f16::from_f32(v).to_le_bytes().to_vec(),
+            _ => bf16::from_f32(v).to_le_bytes().to_vec(),
+        });
+        let (rounded, _) = g1_matrices_as(&format!("{name}-rounded"), 0, |v| {
+            round(v).to_le_bytes().to_vec()
+        });
+        let model = Model::load(&file).unwrap();
+        let g = model.gguf.as_ref().unwrap();
+        assert!(
+            g.types.contains(&(dtype, changed)),
+            "{name}: {:?} (want {changed} {dtype:?})",
+            g.types
+        );
+        assert_eq!(model.preferred_format(), format, "{name}");
+        let want = cpu_logits(&Model::load(&rounded).unwrap(), &p);
+        let got = cpu_logits(&model, &p);
+        assert_eq!(
+            got, want,
+            "{name}: CPU logits vs the f32 file rounded by `half`"
+        );
+        let moved = worst(&want, &exact);
+        eprintln!("{name}: rounding moves the logits {moved:e} of range {range:.1}");
+        assert!(moved <= allowed * range, "{name}: moved {moved:e}");
+        let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
+            return;
+        };
+        let opts = EngineOptions {
+            format,
+            ..Default::default()
+        };
+        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+        let gpu = b.prefill_logits(&p).unwrap();
+        let e = worst(&gpu, &want);
+        eprintln!("{name} on the GPU as stored: max |Δlogit| {e:e}");
+        assert!(e <= 1e-5 * range + 1e-4, "{name} on the GPU: {e:e}");
+    }
+}
+
+fn mamba2(args: &[&str], model: &Path) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_mamba2"))
+        .args(args)
+        .arg("--model")
+        .arg(model)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// `--model DIR` where DIR holds one `.gguf` runs that file (the same text as naming it);
+/// with a second `.gguf` beside it, every command refuses the directory naming both.
+#[test]
+fn model_dir_holding_one_gguf_runs_it_and_two_are_refused() {
+    let d = scratch("dir");
+    let file = d.join("k256.q4_k.gguf");
+    std::fs::copy(dir().join("k256.q4_k.gguf"), &file).unwrap();
+    let generate = ["generate", "--device", "cpu", "-n", "5", "hi!"];
+    let (by_dir, by_file) = (mamba2(&generate, &d), mamba2(&generate, &file));
+    assert!(by_dir.status.success(), "{}", stderr(&by_dir));
+    assert!(by_file.status.success(), "{}", stderr(&by_file));
+    assert!(stdout(&by_dir).starts_with("hi!"), "{}", stdout(&by_dir));
+    assert_eq!(stdout(&by_dir), stdout(&by_file));
+    let info = mamba2(&["info"], &d);
+    assert!(
+        stdout(&info).contains("format     GGUF mamba2 (llama.cpp)"),
+        "{}",
+        stdout(&info)
+    );
+    std::fs::copy(dir().join("g1.f32.gguf"), d.join("g1.f32.gguf")).unwrap();
+    for args in [&["info"][..], &generate[..]] {
+        let out = mamba2(args, &d);
+        assert!(!out.status.success(), "{args:?}");
+        let e = stderr(&out);
+        assert!(
+            e.contains(&format!(
+                "{}: holds 2 GGUF files (g1.f32.gguf, k256.q4_k.gguf): name one with --model",
+                d.display()
+            )),
+            "{args:?}: {e}"
+        );
+    }
+}
+
+/// `mamba2 info` on a GGUF whose tokenizer cannot be built (an unknown
+/// `tokenizer.ggml.pre`) still describes the whole file, the tokenizer's problem as a line.
+#[test]
+fn info_describes_a_gguf_whose_tokenizer_cannot_be_built() {
+    let file = edited("k256.q4_k.gguf", "pre", |b| {
+        let k = b"tokenizer.ggml.pre";
+        let at = b.windows(k.len()).position(|w| w == k).unwrap() + k.len() + 4 + 8;
+        assert_eq!(&b[at..at + 5], b"gpt-2");
+        b[at..at + 5].copy_from_slice(b"qwen9");
+    });
+    let out = mamba2(&["info"], &file);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{}\n{text}", stderr(&out));
+    for want in [
+        "format     GGUF mamba2 (llama.cpp)",
+        "tokenizer  cannot be built, so text commands refuse this model (use --prompt-ids): ",
+        "metadata key `tokenizer.ggml.pre`: pre-tokenizer `qwen9` is not known",
+        "gguf       version 3, 20 tensors (f32 ×15, Q4_K ×4, Q6_K ×1)",
+        "  tokenizer.ggml.pre = \"qwen9\"",
+        "gpu        --dtype q4_k by default",
+    ] {
+        assert!(text.contains(want), "{want:?} not in:\n{text}");
+    }
+}
+
+/// `mamba2 info --chat-template` prints a template longer than the description's summary
+/// in full, as stored; a model without one is an error naming the key.
+#[test]
+fn info_prints_the_whole_chat_template() {
+    let template = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}\
+                    {% if add_generation_prompt %}<|assistant|>\n{% endif %}";
+    let d = scratch("template");
+    let file = d.join("t.gguf");
+    let src = dir().join("k256.q4_k.gguf");
+    std::fs::write(
+        &file,
+        with_key(&src, "tokenizer.chat_template", 8, &gguf_str(template)),
+    )
+    .unwrap();
+    let out = mamba2(&["info", "--chat-template"], &file);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), format!("{template}\n"));
+    let out = mamba2(&["info"], &file);
+    let text = stdout(&out);
+    assert!(
+        text.contains(&format!(
+            "chat template yes ({} chars; `mamba2 info --chat-template` prints it)",
+            template.chars().count()
+        )),
+        "{text}"
+    );
+    let out = mamba2(&["info", "--chat-template"], &src);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("has no chat template (no `tokenizer.chat_template` metadata key)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A GGUF without tokenizer metadata: the commands that need text name the file and the
+/// `tokenizer.ggml.*` keys it lacks (not a tokenizer.json it was never meant to have);
+/// `info` says the same in its tokenizer line, and ids still run.
+#[test]
+fn text_commands_name_the_missing_gguf_tokenizer_keys() {
+    let file = edited("k256.q4_k.gguf", "notok", |b| {
+        for k in [&b"tokenizer.ggml.model"[..], b"tokenizer.ggml.tokens"] {
+            let at = b.windows(k.len()).position(|w| w == k).unwrap();
+            b[at + k.len() - 1] = b'X';
+        }
+    });
+    let want = format!(
+        "{} has no tokenizer: its metadata lacks `tokenizer.ggml.model` and \
+         `tokenizer.ggml.tokens` and no tokenizer.json lies beside it",
+        file.display()
+    );
+    let text = file.with_file_name("text.txt");
+    std::fs::write(&text, "some text to score").unwrap();
+    let text = text.to_str().unwrap();
+    for (args, hint) in [
+        (
+            &["generate", "--device", "cpu", "hello"][..],
+            "pass the prompt as --prompt-ids",
+        ),
+        (&["chat", "--device", "cpu"][..], "chat needs one"),
+        (
+            &["perplexity", "--device", "cpu", "--file", text][..],
+            "perplexity scores text",
+        ),
+    ] {
+        let out = mamba2(args, &file);
+        assert!(!out.status.success(), "{args:?}");
+        let e = stderr(&out);
+        assert!(e.contains(&format!("{want}: {hint}")), "{args:?}: {e}");
+    }
+    let out = mamba2(&["info"], &file);
+    assert!(
+        stdout(&out).contains(&format!("tokenizer  none: {want} (use --prompt-ids)")),
+        "{}",
+        stdout(&out)
+    );
+    let out = mamba2(
+        &[
+            "generate",
+            "--device",
+            "cpu",
+            "-n",
+            "3",
+            "--prompt-ids",
+            "71,72",
+        ],
+        &file,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
 }
 
 /// Where tensor `name`'s info (after its name) starts in the header.
@@ -629,7 +1014,49 @@ fn broken_gguf_files_are_refused_with_clear_errors() {
         let at = info_at(b, t) + 4 + 16;
         b[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
     }));
-    assert!(e.contains("type IQ2_XXS is not supported"), "{e}");
+    assert!(e.contains("type IQ2_XXS (id 16) is not supported"), "{e}");
+    // An id ggml does not define at all: the message names the tensor and the bare id.
+    let e = load_error(&broken("type200", |b| {
+        let at = info_at(b, t) + 4 + 16;
+        b[at..at + 4].copy_from_slice(&200u32.to_le_bytes());
+    }));
+    assert!(
+        e.contains("tensor `blk.1.ssm_out.weight`") && e.contains("type id 200 is not a ggml type"),
+        "{e}"
+    );
+    // `general.alignment` (the fixture has none: 32) must be a power of two stored as
+    // uint32, as the GGUF spec defines it; anything else is refused naming the key.
+    for (name, ty, value, want) in [
+        (
+            "align24",
+            4u32,
+            24u32.to_le_bytes().to_vec(),
+            "found uint32 24",
+        ),
+        ("align0", 4, 0u32.to_le_bytes().to_vec(), "found uint32 0"),
+        (
+            "align-u64",
+            10,
+            32u64.to_le_bytes().to_vec(),
+            "found uint64 32",
+        ),
+        (
+            "align-str",
+            8,
+            [&2u64.to_le_bytes()[..], b"32"].concat(),
+            "found string \"32\"",
+        ),
+    ] {
+        let g1 = dir().join("g1.f32.gguf");
+        let e = load_error(&broken(name, |b| {
+            *b = with_key(&g1, "general.alignment", ty, &value);
+        }));
+        assert!(
+            e.contains("metadata key `general.alignment`: expected a power of two as uint32")
+                && e.contains(want),
+            "{name}: {e}"
+        );
+    }
     // Every truncation point of the header: an error, never a panic.
     let bytes = std::fs::read(dir().join("g1.f32.gguf")).unwrap();
     let g = GgufFile::open(&dir().join("g1.f32.gguf")).unwrap();

@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 
 use egui_kittest::Harness;
 use egui_kittest::kittest::Queryable;
-use mamba2_wgpu::DeviceChoice;
 use mamba2_wgpu::reference::State;
 use mamba2_wgpu::session::Finish;
 use mamba2_wgpu::ui::chat::Role;
 use mamba2_wgpu::ui::{ChatApp, InspectorApp, LoadRequest, ModelSource};
+use mamba2_wgpu::{DeviceChoice, WeightFormat};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -225,6 +225,49 @@ fn chat_shows_a_bad_model_dir_in_the_window() {
     h.get_by_label("Open model").click();
     h.step();
     wait_until(&mut h, "the embedded model", |a| a.ready(), chat_errors);
+}
+
+/// A Q4_K GGUF opened with no format asked for (what `mamba2 app --model FILE` sends
+/// without --dtype) goes up as stored, like every other command's default, and the
+/// drop-down says so; a format chosen there still wins when the model is reopened.
+#[test]
+fn chat_opens_a_gguf_in_its_stored_format() {
+    let file =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/k256.q4_k.gguf");
+    let device = gpu_device();
+    if device == DeviceChoice::Auto {
+        // The CPU reference has no weight formats to check.
+        return;
+    }
+    let app = ChatApp::new(LoadRequest::new(ModelSource::Dir(file), device));
+    let mut h = Harness::builder()
+        .with_size([1100.0, 700.0])
+        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
+    wait_until(&mut h, "the GGUF to load", |a| a.ready(), chat_errors);
+    let format = |a: &ChatApp| {
+        a.inspector
+            .info
+            .as_ref()
+            .and_then(|i| i.gpu.as_ref())
+            .map(|g| g.format)
+    };
+    assert_eq!(h.state().form.format, None);
+    assert_eq!(format(h.state()), Some("q4_k"));
+    h.step();
+    assert!(
+        h.query_by(|n| n.value().is_some_and(|v| v == "as stored (q4_k)"))
+            .is_some(),
+        "the drop-down shows the stored format"
+    );
+    h.state_mut().form.format = Some(WeightFormat::F16);
+    h.get_by_label("Open model").click();
+    h.step();
+    wait_until(
+        &mut h,
+        "the GGUF reopened as f16",
+        |a| a.ready() && format(a) == Some("f16"),
+        chat_errors,
+    );
 }
 
 fn inspector_harness(size: [f32; 2]) -> Harness<'static, InspectorApp> {

@@ -22,7 +22,9 @@ pub fn run(args: AppArgs) -> anyhow::Result<()> {
     };
     args.device.check()?;
     let mut req = LoadRequest::new(source, args.device.device);
-    req.format = args.device.dtype.unwrap_or(mamba2_wgpu::WeightFormat::F16);
+    // No --dtype: as stored, decided once the window's worker has read the model (the
+    // default of every other command, `EngineArgs::engine_options`).
+    req.format = args.device.dtype;
     req.fused &= !args.device.no_fuse;
     // Model errors (a bad directory, a lost device) are shown in the window; only a
     // window that cannot open at all fails here.

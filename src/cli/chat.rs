@@ -85,12 +85,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     args.check()?;
     let (model, tokenizer) = args.model.load()?;
     note_unused_ctx(&model, args.ctx);
-    let tokenizer = tokenizer.with_context(|| {
-        format!(
-            "{} has no tokenizer.json: chat needs one",
-            args.model.name()
-        )
-    })?;
+    let tokenizer = tokenizer.ok_or_else(|| args.model.no_tokenizer(&model, "chat needs one"))?;
     let mut backend = args.engine.open(&model, args.ctx)?;
     let key = state_key(&model, &args.engine, backend.as_mut());
     let session = Session::new(backend);

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::Args;
 use mamba2_wgpu::gpu::kernels::Section;
 use mamba2_wgpu::{GenerateOptions, Sampling, Session};
@@ -98,11 +98,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (prompt, tokenizer) = match (&args.prompt_ids, args.text()) {
         (Some(ids), _) => (ids.clone(), None),
         (None, text) => {
-            let tok = tokenizer.with_context(|| {
-                format!(
-                    "{} has no tokenizer.json: pass the prompt as --prompt-ids",
-                    args.model.name()
-                )
+            let tok = tokenizer.ok_or_else(|| {
+                args.model
+                    .no_tokenizer(&model, "pass the prompt as --prompt-ids")
             })?;
             (tok.encode(text.unwrap_or_default())?, Some(tok))
         }

@@ -1,6 +1,7 @@
 //! `mamba2 info`: what a model directory holds, before anything runs.
 
 use super::{ModelArgs, check_at_least, note_unused_ctx};
+use anyhow::bail;
 use clap::Args;
 use mamba2_wgpu::config::{BlockKind, MlpAct};
 
@@ -12,13 +13,23 @@ pub struct InfoArgs {
     /// max_position_embeddings).
     #[arg(long, value_name = "N")]
     ctx: Option<usize>,
+    /// Print the model's chat template in full, as stored, instead of the description
+    /// (which says only whether there is one).
+    #[arg(long, conflicts_with = "ctx")]
+    chat_template: bool,
 }
 
 pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     if let Some(ctx) = args.ctx {
         check_at_least("--ctx", ctx, 1)?;
     }
-    let (model, tokenizer) = args.model.load()?;
+    // A tokenizer that cannot be built (an unknown `tokenizer.ggml.pre`, a broken
+    // tokenizer.json) is one line of the description: the rest of the file is still worth
+    // seeing, and is what one reads to find out why.
+    let (model, tokenizer) = args.model.load_parts()?;
+    if args.chat_template {
+        return print_chat_template(&args.model, &model, &tokenizer);
+    }
     note_unused_ctx(&model, args.ctx);
     let c = &model.config;
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
@@ -159,17 +170,29 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         );
     }
     match &tokenizer {
-        Some(t) => println!(
+        Ok(Some(t)) => println!(
             "tokenizer  {} tokens; end of sequence {}; chat template {}",
             t.vocab_size(),
             t.eos_token.as_deref().unwrap_or("none"),
-            if t.chat_template.is_some() {
-                "yes"
-            } else {
-                "no"
+            match &t.chat_template {
+                Some(c) => format!(
+                    "yes ({} chars; `mamba2 info --chat-template` prints it)",
+                    c.chars().count()
+                ),
+                None => "no".into(),
             }
         ),
-        None => println!("tokenizer  none (use --prompt-ids)"),
+        Ok(None) => match &model.gguf {
+            Some(g) => println!(
+                "tokenizer  none: {} (use --prompt-ids)",
+                mamba2_wgpu::gguf_tokenizer::missing(g)
+            ),
+            None => println!("tokenizer  none (use --prompt-ids)"),
+        },
+        Err(e) => println!(
+            "tokenizer  cannot be built, so text commands refuse this model (use --prompt-ids): \
+             {e}"
+        ),
     }
     if let Some(g) = &model.gguf {
         print_gguf(g);
@@ -189,6 +212,41 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             format!(" ({} blocks go up as stored)", held.join(", "))
         };
         println!("gpu        --dtype {} by default{stored}", format.name());
+    }
+    Ok(())
+}
+
+/// `--chat-template`: the template in full, as the tokenizer holds it (a GGUF file's
+/// `tokenizer.chat_template`, or tokenizer_config.json's), or else the GGUF key itself when
+/// the tokenizer cannot be built. A model without one is an error, so that a script
+/// piping the output never gets an empty template.
+fn print_chat_template(
+    args: &ModelArgs,
+    model: &mamba2_wgpu::Model,
+    tokenizer: &mamba2_wgpu::Result<Option<mamba2_wgpu::Tokenizer>>,
+) -> anyhow::Result<()> {
+    let from_tokenizer = match tokenizer {
+        Ok(Some(t)) => t.chat_template.clone(),
+        _ => None,
+    };
+    let from_gguf = || {
+        model
+            .gguf
+            .as_ref()
+            .and_then(|g| g.get("tokenizer.chat_template"))
+            .and_then(|v| v.as_str())
+            .map(str::to_string)
+    };
+    let Some(template) = from_tokenizer.or_else(from_gguf) else {
+        let where_ = match &model.gguf {
+            Some(_) => "no `tokenizer.chat_template` metadata key",
+            None => "no chat_template in tokenizer_config.json",
+        };
+        bail!("{} has no chat template ({where_})", args.name());
+    };
+    print!("{template}");
+    if !template.ends_with('\n') {
+        println!();
     }
     Ok(())
 }

@@ -46,7 +46,9 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         (None, None) => ModelSource::Embedded,
     };
     let mut req = LoadRequest::new(source, args.device.device);
-    req.format = args.device.dtype.unwrap_or(mamba2_wgpu::WeightFormat::F16);
+    // No --dtype: as stored, decided once the window's worker has read the model (the
+    // default of every other command, `EngineArgs::engine_options`).
+    req.format = args.device.dtype;
     req.fused &= !args.device.no_fuse;
     mamba2_wgpu::ui::run_inspector(req, args.prompt, !args.paused).map_err(|e| anyhow!(e))
 }

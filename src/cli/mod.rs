@@ -78,17 +78,57 @@ impl ModelArgs {
         Ok(loaded)
     }
 
+    /// The model, and apart from it whether its tokenizer could be built: for `mamba2 info`,
+    /// which describes a file whose tokenizer metadata it cannot use instead of failing.
+    /// (The same tokenizer as `load`: the GGUF rule is `gguf_tokenizer::for_gguf_model`.)
+    pub fn load_parts(
+        &self,
+    ) -> anyhow::Result<(
+        mamba2_wgpu::Model,
+        mamba2_wgpu::Result<Option<mamba2_wgpu::Tokenizer>>,
+    )> {
+        let loaded = match &self.model {
+            Some(path) => {
+                let model = mamba2_wgpu::Model::load(path)?;
+                let tokenizer = match &model.gguf {
+                    Some(g) => mamba2_wgpu::gguf_tokenizer::for_gguf_model(path, g),
+                    None => mamba2_wgpu::Tokenizer::from_dir(path),
+                };
+                (model, tokenizer)
+            }
+            None => {
+                let (m, t) = mamba2_wgpu::assets::embedded()?;
+                (m, Ok(Some(t)))
+            }
+        };
+        for n in &loaded.0.config.notices {
+            eprintln!("note: {n}");
+        }
+        Ok(loaded)
+    }
+
+    /// The error for a loaded `model` without a tokenizer, for a command that needs text
+    /// (`hint` says what to do instead): a GGUF file is named with the `tokenizer.ggml.*`
+    /// keys it lacks, a directory with its missing tokenizer.json.
+    pub fn no_tokenizer(&self, model: &mamba2_wgpu::Model, hint: &str) -> anyhow::Error {
+        match &model.gguf {
+            Some(g) => anyhow!("{}: {hint}", mamba2_wgpu::gguf_tokenizer::missing(g)),
+            None => anyhow!("{} has no tokenizer.json: {hint}", self.name()),
+        }
+    }
+
     /// Refuses a model directory without `tokenizer.json` before its weights are read, for
-    /// a command that needs text (`hint` says what to do instead). A directory that does
-    /// not exist is left to `load`, whose message says so.
+    /// a command that needs text (`hint` says what to do instead). A directory holding one
+    /// GGUF file passes (its metadata is judged once read), one holding several is refused
+    /// with `gguf_path`'s message naming them. A directory that does not exist is left to
+    /// `load`, whose message says so.
     pub fn require_tokenizer(&self, hint: &str) -> anyhow::Result<()> {
         match &self.model {
-            Some(dir)
-                if dir.is_dir()
-                    && !dir.join("tokenizer.json").exists()
-                    && !matches!(mamba2_wgpu::model::gguf::gguf_path(dir), Ok(Some(_))) =>
-            {
-                bail!("{} has no tokenizer.json: {hint}", self.name())
+            Some(dir) if dir.is_dir() && !dir.join("tokenizer.json").exists() => {
+                match mamba2_wgpu::model::gguf::gguf_path(dir)? {
+                    Some(_) => Ok(()),
+                    None => bail!("{} has no tokenizer.json: {hint}", self.name()),
+                }
             }
             _ => Ok(()),
         }

@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Args;
 use mamba2_wgpu::Session;
 use mamba2_wgpu::perplexity::perplexity;
@@ -33,7 +32,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let text = read_text_arg("--file", &args.file)?;
     let (model, tokenizer) = args.model.load()?;
     let tokenizer =
-        tokenizer.with_context(|| format!("{} has no tokenizer.json", args.model.name()))?;
+        tokenizer.ok_or_else(|| args.model.no_tokenizer(&model, "perplexity scores text"))?;
     let tokens = tokenizer.encode_with(&text, false)?;
     // A window never holds more than --ctx tokens, so that is all the KV caches need.
     let mut session = Session::new(args.engine.open(&model, Some(args.ctx))?);

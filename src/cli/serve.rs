@@ -105,8 +105,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("--host {} --port {}: cannot bind", args.host, args.port))?;
     let (model, tokenizer) = args.model.load()?;
     note_unused_ctx(&model, args.ctx);
-    let tokenizer = tokenizer
-        .with_context(|| format!("{} has no tokenizer: serve needs one", args.model.name()))?;
+    let tokenizer = tokenizer.ok_or_else(|| args.model.no_tokenizer(&model, "serve needs one"))?;
     let mut backend = args.engine.open(&model, args.ctx)?;
     let key = state_key(&model, &args.engine, backend.as_mut());
     let cache = PrefixCache::open(

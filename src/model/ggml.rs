@@ -74,9 +74,10 @@ const TYPE_NAMES: [(u32, &str); 36] = [
 ];
 
 impl GgmlType {
-    /// The type of GGUF type id `id`, or `Err(name)` for one this engine does not read
-    /// (`name` is ggml's, or `unknown type N`).
-    pub fn from_id(id: u32) -> Result<Self, String> {
+    /// The type of GGUF type id `id`, or, for one this engine does not read, `Err` with
+    /// ggml's name for it (`None`: an id ggml does not define, from a newer ggml or a
+    /// corrupt file — messages then name the bare id).
+    pub fn from_id(id: u32) -> Result<Self, Option<&'static str>> {
         Ok(match id {
             0 => GgmlType::F32,
             1 => GgmlType::F16,
@@ -90,10 +91,7 @@ impl GgmlType {
             13 => GgmlType::Q5_K,
             14 => GgmlType::Q6_K,
             _ => {
-                return Err(TYPE_NAMES
-                    .iter()
-                    .find(|(i, _)| *i == id)
-                    .map_or_else(|| format!("unknown type {id}"), |(_, n)| n.to_string()));
+                return Err(TYPE_NAMES.iter().find(|(i, _)| *i == id).map(|(_, n)| *n));
             }
         })
     }
@@ -243,8 +241,8 @@ mod tests {
     #[test]
     fn ids_and_sizes() {
         assert_eq!(GgmlType::from_id(12), Ok(GgmlType::Q4_K));
-        assert_eq!(GgmlType::from_id(16), Err("IQ2_XXS".to_string()));
-        assert_eq!(GgmlType::from_id(999), Err("unknown type 999".to_string()));
+        assert_eq!(GgmlType::from_id(16), Err(Some("IQ2_XXS")));
+        assert_eq!(GgmlType::from_id(999), Err(None));
         assert_eq!(GgmlType::Q6_K.bytes_of(512), Some(420));
         assert_eq!(GgmlType::Q4_K.bytes_of(100), None);
         assert_eq!(GgmlType::F32.bytes_of(u64::MAX), None);

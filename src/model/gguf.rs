@@ -239,10 +239,17 @@ impl GgufFile {
             }
             let type_id = r.u32(&format!("the type of tensor `{name}`"))?;
             let offset = r.u64(&format!("the offset of tensor `{name}`"))?;
-            let ty = GgmlType::from_id(type_id).map_err(|t| {
+            let ty = GgmlType::from_id(type_id).map_err(|name| {
+                let what = match name {
+                    Some(name) => format!("type {name} (id {type_id}) is not supported"),
+                    None => format!(
+                        "type id {type_id} is not a ggml type (a type newer than this engine, \
+                         or a corrupt file)"
+                    ),
+                };
                 bad(format!(
-                    "type {t} is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, \
-                     Q4_K, Q5_K, Q6_K are)"
+                    "{what}; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K \
+                     are read"
                 ))
             })?;
             if ne.contains(&0) {

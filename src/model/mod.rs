@@ -87,17 +87,7 @@ impl Model {
     pub fn load_with_tokenizer(path: &Path) -> Result<(Self, Option<Tokenizer>)> {
         let model = Self::load(path)?;
         let tokenizer = match &model.gguf {
-            Some(info) => {
-                let beside = path
-                    .is_dir()
-                    .then(|| path.to_path_buf())
-                    .or_else(|| path.parent().map(Path::to_path_buf))
-                    .filter(|d| d.join("tokenizer.json").is_file());
-                match beside {
-                    Some(dir) => Tokenizer::from_dir(&dir)?,
-                    None => crate::gguf_tokenizer::from_gguf(info)?,
-                }
-            }
+            Some(info) => crate::gguf_tokenizer::for_gguf_model(path, info)?,
             None => Tokenizer::from_dir(path)?,
         };
         Ok((model, tokenizer))

@@ -14,6 +14,9 @@ use crate::ui::chat_worker::{ChatCommand, ChatEvent, ChatHandle, GenSettings};
 use crate::ui::inspector::{InspectorPanel, PanelAction};
 use crate::ui::load::{LoadRequest, ModelSource};
 
+/// The weight-format choice that keeps the model's own (the default).
+pub const AS_STORED: &str = "as stored";
+
 /// Who wrote a message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -61,7 +64,8 @@ impl Message {
 pub struct ModelForm {
     pub path: String,
     pub device: String,
-    pub format: WeightFormat,
+    /// `None`: as stored (the model's own format, `Model::preferred_format`).
+    pub format: Option<WeightFormat>,
 }
 
 /// The chat window.
@@ -366,11 +370,19 @@ impl ChatApp {
                 .on_hover_text("auto, cpu, gpu, gpu:INDEX or gpu:NAME");
         });
         // A drop-down: eleven formats in a row widened the side panel past the window.
+        // "as stored" first, the default: a Q4_K GGUF stays Q4_K unless another is chosen.
+        let open = self.inspector.info.as_ref().and_then(|i| i.gpu.as_ref());
+        let shown = match (self.form.format, open) {
+            (Some(f), _) => f.name().to_string(),
+            (None, Some(g)) => format!("{AS_STORED} ({})", g.format),
+            (None, None) => AS_STORED.to_string(),
+        };
         egui::ComboBox::from_label("weights")
-            .selected_text(self.form.format.name())
+            .selected_text(shown)
             .show_ui(ui, |ui| {
+                ui.selectable_value(&mut self.form.format, None, AS_STORED);
                 for f in WeightFormat::ALL {
-                    ui.selectable_value(&mut self.form.format, f, f.name());
+                    ui.selectable_value(&mut self.form.format, Some(f), f.name());
                 }
             });
         if ui

@@ -49,18 +49,19 @@ impl ModelSource {
 pub struct LoadRequest {
     pub source: ModelSource,
     pub device: DeviceChoice,
-    pub format: WeightFormat,
+    /// `None`: as stored, the model's own `Model::preferred_format` (a Q4_K GGUF stays
+    /// Q4_K), the default of every front-end; known only once the model is read.
+    pub format: Option<WeightFormat>,
     pub fused: bool,
 }
 
 impl LoadRequest {
     pub fn new(source: ModelSource, device: DeviceChoice) -> Self {
-        let d = EngineOptions::default();
         LoadRequest {
             source,
             device,
-            format: d.format,
-            fused: d.fused,
+            format: None,
+            fused: EngineOptions::default().fused,
         }
     }
 }
@@ -336,13 +337,14 @@ pub fn info_ui(ui: &mut Ui, info: &ModelInfo) {
 /// CPU fallback). Errors are sentences for the window.
 pub fn open(req: LoadRequest, notice: &mut dyn FnMut(&str)) -> Result<Loaded, String> {
     let label = req.source.label();
-    let opts = EngineOptions {
-        format: req.format,
+    let mut opts = EngineOptions {
         fused: req.fused,
         ..Default::default()
     };
     let (model, tokenizer) = match req.source {
         ModelSource::Preset { name, seed } => {
+            // Random weights have no stored format: the engine default unless one is asked.
+            opts.format = req.format.unwrap_or(opts.format);
             return open_preset(&name, seed, &req.device, opts, notice);
         }
         ModelSource::Memory {
@@ -360,6 +362,7 @@ pub fn open(req: LoadRequest, notice: &mut dyn FnMut(&str)) -> Result<Loaded, St
                 .map_err(|e| format!("could not load {}: {e}", dir.display()))?
         }
     };
+    opts.format = req.format.unwrap_or_else(|| model.preferred_format());
     let mut backend = crate::device::open_backend(&model, &req.device, opts, notice)
         .map_err(|e| format!("could not open {label}: {e}"))?;
     let info = ModelInfo {
