@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GGUF fixtures for tests/gguf.rs, in llama.cpp's `mamba2` layout, written with the `gguf`
+"""GGUF fixtures for tests/gguf*.rs, in llama.cpp's `mamba2` layout, written with the `gguf`
 package (PyPI, gguf-py 0.19) and quantized and run by llama.cpp itself.
 
   pip install gguf numpy

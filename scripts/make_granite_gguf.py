@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A GGUF fixture in llama.cpp's `granitehybrid` layout (IBM Granite-4.0-H), written with the
 `gguf` package (PyPI, gguf-py 0.19) from tests/fixtures/granite_moe_hybrid (whose HF oracle
-tests/gguf.rs compares it with).
+tests/gguf_hybrid.rs compares it with).
 
   pip install gguf numpy
   python3 scripts/make_granite_gguf.py --out tests/fixtures/gguf

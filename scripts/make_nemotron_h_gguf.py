@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """GGUF fixtures in llama.cpp's `nemotron_h` layout, written with the `gguf` package (PyPI)
-from tests/fixtures/nemotron_h_hybrid (whose HF oracle tests/gguf.rs compares them with).
+from tests/fixtures/nemotron_h_hybrid (whose HF oracle tests/gguf_hybrid.rs compares them with).
 
   pip install gguf numpy
   python3 scripts/make_nemotron_h_gguf.py --out tests/fixtures/gguf

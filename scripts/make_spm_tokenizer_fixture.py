@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The SentencePiece (`tokenizer.ggml.model = "llama"`) tokenizer fixture of tests/gguf.rs:
+"""The SentencePiece (`tokenizer.ggml.model = "llama"`) tokenizer fixture of tests/gguf_tokenizer.rs:
 a tiny SentencePiece BPE model trained here, written as GGUF metadata the way llama.cpp's
 converter writes one (`convert_hf_to_gguf.py`, `_create_vocab_sentencepiece`: pieces,
 scores, token types 1 normal / 2 unknown / 3 control / 6 byte, then bos/eos/unk ids), and

@@ -2,7 +2,7 @@
 //! its big matrices rounded through f16, q8_0, q6_k, q4_k and q4_0, on the CPU reference
 //! (which runs the k-quants' zero-padded superblocks on the model's 320- and 640-wide rows;
 //! the GPU engine, like llama.cpp, falls back to a 32-value block type there). The GPU
-//! kernels are held to the CPU reference on the same rounded weights elsewhere (gguf.rs,
+//! kernels are held to the CPU reference on the same rounded weights elsewhere (gguf_mamba2.rs,
 //! gpu_kernels.rs), so these figures are the formats' own.
 
 mod common;

@@ -1,0 +1,303 @@
+//! Hybrid GGUF layouts against the HF oracles of the safetensors fixtures they were written
+//! from: llama.cpp's `nemotron_h` (scripts/make_nemotron_h_gguf.py; f32 and Q8_0),
+//! `nemotron_h_moe` and `granitehybrid` (scripts/make_granite_gguf.py) files on the CPU
+//! reference and the GPU, and the random quantized `nemotron_h_moe` files (`moe64`) run as
+//! stored against the CPU reference.
+
+mod common;
+
+use common::gguf::{cpu_logits, dir, max_abs, worst};
+use mamba2_wgpu::gpu::backend::GpuBackend;
+use mamba2_wgpu::gpu::engine::{Engine, EngineOptions};
+use mamba2_wgpu::model::gguf::GgufFile;
+use mamba2_wgpu::model::{DType, Model};
+use mamba2_wgpu::{Backend, WeightFormat};
+
+/// The prompt and prompt logits of a safetensors fixture's HF oracle.
+fn hf_oracle(fixture: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let prompt = common::oracle_ids(fixture, "prompt_ids");
+    let bytes = std::fs::read(common::fixture(fixture).join("oracle.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let l = st.tensor("prompt_logits").unwrap();
+    let v = l.shape()[1];
+    let logits: Vec<f32> = l
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (prompt, logits.chunks(v).map(<[f32]>::to_vec).collect())
+}
+
+/// llama.cpp's `nemotron_h` layout (scripts/make_nemotron_h_gguf.py, from the
+/// nemotron_h_hybrid fixture): the layer kinds come from the per-layer metadata arrays, the
+/// attention and MLP tensors from their GGUF names, and the logits equal HF transformers'
+/// (f32 file) or stay within Q8_0's rounding (the Q8_0 file, whose 96- and 64-wide rows are
+/// Q8_0 blocks), on the CPU reference and on the GPU.
+#[test]
+fn nemotron_h_gguf_matches_the_hf_oracle() {
+    let (prompt, want) = hf_oracle("nemotron_h_hybrid");
+    let st = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    // The Q8_0 file's oracle: the fixture with the same matrices (those 32-multiple wide:
+    // ssm_out, attn_output, ffn_down) rounded through ggml's q8_0 blocks, on the CPU.
+    let q8_want = {
+        use mamba2_wgpu::model::MixerWeights;
+        use mamba2_wgpu::model::quant::{pack, unpack};
+        use mamba2_wgpu::model::safetensors::Tensor;
+        let round = |t: &Tensor| {
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            let p = pack(WeightFormat::Q8_0, &t.to_f32(), rows, cols);
+            Tensor::from_f32(t.name.clone(), t.shape.clone(), &unpack(&p))
+        };
+        let mut m = st.clone();
+        for l in &mut m.weights.layers {
+            match &mut l.mixer {
+                MixerWeights::Mamba2(w) => w.out_proj = round(&w.out_proj),
+                MixerWeights::Attention(w) => w.o = round(&w.o),
+                MixerWeights::Mlp(w) => w.down = round(&w.down),
+                MixerWeights::Moe(_) => unreachable!(),
+            }
+        }
+        cpu_logits(&m, &prompt)
+    };
+    // (file, oracle, tolerance): f32 against HF, within float rounding; Q8_0 against the
+    // same weights rounded as the file stores them (its blocks differ from HF by 0.36 of a
+    // logit range of 20).
+    for (file, want, tol) in [
+        ("nemotron_h_hybrid.f32.gguf", &want, 1e-4f32),
+        ("nemotron_h_hybrid.q8_0.gguf", &q8_want, 1e-4),
+    ] {
+        let model = Model::load(&dir().join(file)).unwrap();
+        let c = &model.config;
+        assert_eq!(c.pattern(), st.config.pattern(), "{file}");
+        assert_eq!(c.attention, st.config.attention, "{file}");
+        assert_eq!(c.mlp, st.config.mlp, "{file}");
+        assert_eq!(
+            (c.vocab_size, c.n_groups, c.head_dim),
+            (101, 2, 12),
+            "{file}"
+        );
+        let got = cpu_logits(&model, &prompt);
+        let e = got
+            .iter()
+            .zip(want.iter())
+            .map(|(g, w)| max_abs(g, w))
+            .fold(0f32, f32::max);
+        assert!(e <= tol, "{file}: CPU max |Δlogit| vs its oracle {e:e}");
+        let Some(mut b) = f32_gpu(&model) else {
+            return;
+        };
+        let e = worst(&b.prefill_logits(&prompt).unwrap(), &got);
+        assert!(e <= 1e-3, "{file}: GPU vs CPU max |Δlogit| {e:e}");
+    }
+    // Unknown architectures are refused by name.
+    let mut bytes = std::fs::read(dir().join("nemotron_h_hybrid.f32.gguf")).unwrap();
+    let at = bytes.windows(10).position(|w| w == b"nemotron_h").unwrap();
+    bytes[at..at + 10].copy_from_slice(b"nemotron_x");
+    let path = std::env::temp_dir().join(format!("nemotron-x-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Model::load(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("nemotron_x") || err.contains("general.architecture"),
+        "{err}"
+    );
+}
+
+/// A GPU backend running `model` in f32 with f32 KV caches (`None` without a GPU).
+fn f32_gpu(model: &Model) -> Option<GpuBackend> {
+    let ctx = common::gpu(&Engine::needs(&model.config, WeightFormat::F32))?;
+    let opts = EngineOptions {
+        format: WeightFormat::F32,
+        context: Some(64),
+        kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+        ..Default::default()
+    };
+    Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
+}
+
+/// llama.cpp's `nemotron_h_moe` layout (scripts/make_nemotron_h_gguf.py, from the
+/// nemotron_h_moe and nemotron_h_latent fixtures: routing from the `expert_*` keys, the
+/// experts stacked per layer, the router's correction bias as `exp_probs_b`, the latent
+/// projections as `ffn_latent_{down,up}`) and `granitehybrid` layout
+/// (scripts/make_granite_gguf.py, from granite_moe_hybrid: each layer a mixer and an MoE
+/// block, gates apart from ups, µP scales from the `*_scale` keys): the config equals the
+/// safetensors one, and the logits equal HF transformers' on the CPU reference and, token by
+/// token through the decode graph, on the GPU, whose 24 greedy ids are HF's.
+#[test]
+fn moe_ggufs_match_the_hf_oracle() {
+    for (fixture, arch) in [
+        ("nemotron_h_moe", "nemotron_h_moe"),
+        ("nemotron_h_latent", "nemotron_h_moe"),
+        ("granite_moe_hybrid", "granitehybrid"),
+    ] {
+        let file = format!("{fixture}.f32.gguf");
+        let (prompt, want) = hf_oracle(fixture);
+        let st = Model::load(&common::fixture(fixture)).unwrap();
+        let model = Model::load(&dir().join(&file)).unwrap();
+        let c = &model.config;
+        assert_eq!(
+            c.format.name(),
+            format!("GGUF {arch} (llama.cpp)"),
+            "{file}"
+        );
+        assert_eq!(c.blocks, st.config.blocks, "{file}");
+        assert_eq!(c.scales, st.config.scales, "{file}");
+        assert_eq!(c.tie_embeddings, st.config.tie_embeddings, "{file}");
+        // (GGUF holds the attention scale as an f32.)
+        let scale_free = |a: &Option<mamba2_wgpu::config::AttentionConfig>| {
+            a.clone().map(|a| {
+                (
+                    a.scale as f32,
+                    mamba2_wgpu::config::AttentionConfig { scale: 0.0, ..a },
+                )
+            })
+        };
+        assert_eq!(
+            scale_free(&c.attention),
+            scale_free(&st.config.attention),
+            "{file}"
+        );
+        assert_eq!(c.mlp, st.config.mlp, "{file}");
+        assert_eq!(c.moe, st.config.moe, "{file}");
+        let e = worst(&cpu_logits(&model, &prompt), &want);
+        assert!(e <= 1e-4, "{file}: CPU max |Δlogit| vs HF {e:e}");
+        let Some(mut b) = f32_gpu(&model) else {
+            continue;
+        };
+        let e = worst(&b.prefill_logits(&prompt).unwrap(), &want);
+        assert!(e <= 1e-4, "{file}: GPU max |Δlogit| vs HF {e:e}");
+        let ids = common::session_greedy(Box::new(b), &prompt, 24);
+        assert_eq!(
+            ids,
+            common::oracle_ids(fixture, "greedy_ids"),
+            "{file}: greedy ids"
+        );
+    }
+}
+
+/// Quantized `nemotron_h_moe` files (scripts/make_nemotron_h_gguf.py's random `moe64`: every
+/// matrix but the routers in gguf-py's Q8_0 blocks, the experts stacked; in
+/// `moe64.q4_0.gguf`, `.q4_1`, `.q5_0`, `.q5_1` the stacked experts in those blocks) used as
+/// stored, the expert banks
+/// in the file's own blocks: the GPU's logits equal the CPU reference's on the same file,
+/// prefill and decode graph alike, and the Q8_0 file's equal the f32 file's with the same
+/// matrices rounded through ggml's q8_0 blocks.
+#[test]
+fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
+    use mamba2_wgpu::gpu::device_weights::DeviceMixer;
+    use mamba2_wgpu::gpu::engine::PrefillMode;
+    use mamba2_wgpu::model::ggml::GgmlType;
+    let f32_model = Model::load(&dir().join("moe64.f32.gguf")).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 101).collect();
+    for (file, experts, format) in [
+        ("moe64.q8_0.gguf", GgmlType::Q8_0, WeightFormat::Q8_0),
+        ("moe64.q4_0.gguf", GgmlType::Q4_0, WeightFormat::Q8_0),
+        ("moe64.q5_0.gguf", GgmlType::Q5_0, WeightFormat::Q8_0),
+        ("moe64.q4_1.gguf", GgmlType::Q4_1, WeightFormat::Q8_0),
+        ("moe64.q5_1.gguf", GgmlType::Q5_1, WeightFormat::Q8_0),
+    ] {
+        let model = Model::load(&dir().join(file)).unwrap();
+        assert_eq!(model.config.pattern(), "ME*E");
+        assert_eq!(model.config.moe, f32_model.config.moe);
+        let counts = GgufFile::open(&dir().join(file)).unwrap().type_counts();
+        let n_of = |t: GgmlType| {
+            counts
+                .iter()
+                .find(|&&(d, _)| d == DType::Quant(t))
+                .map_or(0, |&(_, n)| n)
+        };
+        // The four stacked expert matrices, and the twelve others in Q8_0.
+        let others = if experts == GgmlType::Q8_0 {
+            0
+        } else {
+            n_of(experts)
+        };
+        assert_eq!(n_of(GgmlType::Q8_0) + others, 16, "{counts:?}");
+        assert!(n_of(experts) >= 4, "{file}: {counts:?}");
+        let want = cpu_logits(&model, &prompt);
+        let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+        if experts == GgmlType::Q8_0 {
+            let q8 = |k: usize| {
+                if k.is_multiple_of(32) {
+                    WeightFormat::Q8_0
+                } else {
+                    WeightFormat::F32
+                }
+            };
+            let rounded = cpu_logits(&common::rounded(&f32_model, q8), &prompt);
+            let e = worst(&rounded, &want);
+            assert!(
+                e <= 1e-5 * range,
+                "CPU: max |Δlogit| {e:e} of range {range}"
+            );
+        }
+        for (prefill, rel, floor) in [
+            (PrefillMode::Chunked, 1e-5, 1e-4),
+            // The decode graph rounds the activations to 8 bits.
+            (PrefillMode::Decode, 2e-2, 0.1),
+        ] {
+            let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
+                return;
+            };
+            let opts = EngineOptions {
+                format,
+                prefill,
+                context: Some(64),
+                // (An f16 KV cache would move the logits by its own rounding.)
+                kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+                ..Default::default()
+            };
+            let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+            for l in [1, 3] {
+                let DeviceMixer::Moe(m) = &b.engine.weights.layers[l].mixer else {
+                    panic!("{file}: layer {l} is an MoE layer");
+                };
+                // The shared expert's slices (Q8_0 in both files) sit in a bank of
+                // their own where the experts' blocks are of another type.
+                let routed = model.config.moe.as_ref().unwrap().experts;
+                for (first, _, up, down) in m.banks() {
+                    let want = if first < routed {
+                        experts
+                    } else {
+                        GgmlType::Q8_0
+                    };
+                    for bank in [up, down] {
+                        assert_eq!(bank.format.ggml(), Some(want), "{file}: {}", bank.name);
+                    }
+                }
+                assert_eq!(m.up.len(), 1 + usize::from(experts != GgmlType::Q8_0));
+            }
+            let got = b.prefill_logits(&prompt).unwrap();
+            let bound = rel * range + floor;
+            let per_pos: Vec<f32> = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| worst(std::slice::from_ref(g), std::slice::from_ref(w)))
+                .collect();
+            let e = per_pos.iter().fold(0f32, |m, &v| m.max(v));
+            eprintln!("{file} ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
+            let beyond: Vec<usize> = (0..per_pos.len()).filter(|&p| per_pos[p] > bound).collect();
+            if prefill == PrefillMode::Chunked {
+                assert!(
+                    beyond.is_empty(),
+                    "{file} on the GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
+                );
+                continue;
+            }
+            // The decode graph's 8-bit activations can tip a router's near tie to the other
+            // expert at one position (the GPU's decode of moe64.q5_1.gguf spikes at
+            // positions 20 and 37, Δ 0.9 and 2.9, its neighbours at the usual 0.04, while
+            // its chunked prefill, f32 activations, is within 1e-5 everywhere). The flipped position takes another expert's
+            // output; later ones see it only through the state, which moved little. A kernel
+            // at fault misses the bound at most positions: here at most two positions may,
+            // each alone and within the logits' range.
+            assert!(
+                beyond.len() <= 2
+                    && beyond.iter().all(|&p| {
+                        per_pos[p] <= range && per_pos.get(p + 1).is_none_or(|&n| n <= bound)
+                    }),
+                "{file} on the GPU ({prefill:?}): positions {beyond:?} beyond {bound} \
+                 (max |Δlogit| {e:e} of range {range}): {per_pos:?}"
+            );
+        }
+    }
+}

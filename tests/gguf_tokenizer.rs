@@ -1,0 +1,150 @@
+//! Tokenizers rebuilt from GGUF metadata: `gpt2` metadata written from the embedded model's
+//! tokenizer.json against that tokenizer, and SentencePiece (`llama`) metadata
+//! (tests/fixtures/gguf/spm*.gguf, made by scripts/make_spm_tokenizer_fixture.py) against
+//! SentencePiece's own ids.
+
+mod common;
+
+use std::path::Path;
+
+use common::gguf::dir;
+use mamba2_wgpu::model::gguf::{GgufFile, GgufInfo, Value};
+use serde_json::Value as Json;
+
+/// The embedded model's tokenizer.json, rewritten as `gpt2` GGUF metadata (tokens, merges,
+/// types), rebuilt by the GGUF path: the same ids on real text.
+#[test]
+fn gpt2_metadata_tokenizes_like_its_tokenizer_json() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let json: Json =
+        serde_json::from_str(&std::fs::read_to_string(root.join("assets/tokenizer.json")).unwrap())
+            .unwrap();
+    let vocab = json["model"]["vocab"].as_object().unwrap();
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (t, id) in vocab {
+        tokens[id.as_u64().unwrap() as usize] = t.clone();
+    }
+    let merges: Vec<Value> = json["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| match m {
+            Json::String(s) => Value::Str(s.clone()),
+            Json::Array(p) => Value::Str(format!(
+                "{} {}",
+                p[0].as_str().unwrap(),
+                p[1].as_str().unwrap()
+            )),
+            _ => panic!("merge {m}"),
+        })
+        .collect();
+    let types: Vec<Value> = (0..tokens.len())
+        .map(|i| Value::I32(if i == 0 { 3 } else { 1 }))
+        .collect();
+    let info = GgufInfo {
+        path: "test.gguf".into(),
+        version: 3,
+        metadata: vec![
+            ("tokenizer.ggml.model".into(), Value::Str("gpt2".into())),
+            ("tokenizer.ggml.pre".into(), Value::Str("gpt-2".into())),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(tokens.into_iter().map(Value::Str).collect()),
+            ),
+            ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+            ("tokenizer.ggml.merges".into(), Value::Array(merges)),
+            ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+            // Its post-processor adds `<|endoftext|>` first.
+            ("tokenizer.ggml.bos_token_id".into(), Value::U32(0)),
+            ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+            (
+                "tokenizer.chat_template".into(),
+                Value::Str("{% for m in messages %}{{ m.content }}{% endfor %}".into()),
+            ),
+        ],
+        types: Vec::new(),
+        tensors: 0,
+        file_len: 0,
+    };
+    let ours = mamba2_wgpu::gguf_tokenizer::from_gguf(&info)
+        .unwrap()
+        .unwrap();
+    let (_, theirs) = mamba2_wgpu::assets::embedded().unwrap();
+    let text = std::fs::read_to_string(root.join("assets/fortunes-copyright.txt")).unwrap();
+    for line in text
+        .lines()
+        .chain(["  two  spaces, ünïcödé — and <|endoftext|> too"])
+    {
+        assert_eq!(
+            ours.encode(line).unwrap(),
+            theirs.encode(line).unwrap(),
+            "{line:?}"
+        );
+    }
+    assert_eq!(ours.eos, Some(0));
+    let chat = ours
+        .render_chat(&[("user".into(), "hello".into())], true)
+        .unwrap();
+    assert_eq!(chat.as_deref(), Some("hello"));
+}
+
+/// A SentencePiece BPE model trained by scripts/make_spm_tokenizer_fixture.py, written as
+/// `llama` GGUF metadata (as llama.cpp's converter writes it), rebuilt by the GGUF path:
+/// the ids SentencePiece itself gives each text, with the `▁` prefix (key absent: the
+/// default) and without it (`add_space_prefix = false`), and the text back from them.
+#[test]
+fn llama_metadata_tokenizes_like_sentencepiece() {
+    let text = std::fs::read_to_string(dir().join("spm.tokens.json")).unwrap();
+    let oracle: Json = serde_json::from_str(&text).unwrap();
+    let bos = oracle["bos"].as_u64().unwrap() as u32;
+    let ids = |v: &Json| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect()
+    };
+    // (file, the oracle's ids for it, whether the file asks for BOS: llama.cpp adds it in
+    // front, SentencePiece's own encode never does).
+    for (file, key, with_bos) in [
+        ("spm.gguf", "space_prefix", true),
+        ("spm.no_space_prefix.gguf", "no_space_prefix", false),
+    ] {
+        let info = GgufFile::open(&dir().join(file)).unwrap().info();
+        let tok = mamba2_wgpu::gguf_tokenizer::from_gguf(&info)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            tok.vocab_size() as u64,
+            oracle["vocab_size"].as_u64().unwrap()
+        );
+        assert_eq!(tok.eos, Some(2), "{file}");
+        for case in oracle["cases"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            let mut want = ids(&case[key]);
+            if with_bos {
+                want.insert(0, bos);
+            }
+            assert_eq!(
+                tok.encode(text).unwrap(),
+                want,
+                "{file}: {text:?} (SentencePiece's pieces: {})",
+                case[format!("{key}_pieces")]
+            );
+            assert_eq!(tok.decode(&want).unwrap(), text, "{file}: decoded");
+        }
+    }
+    // A flag stored as another type is refused, naming the key (read as its default it
+    // would tokenize wrongly without a word).
+    let mut info = GgufFile::open(&dir().join("spm.gguf")).unwrap().info();
+    info.metadata
+        .push(("tokenizer.ggml.add_space_prefix".into(), Value::U8(0)));
+    let e = mamba2_wgpu::gguf_tokenizer::from_gguf(&info)
+        .err()
+        .expect("a uint8 flag is refused")
+        .to_string();
+    assert!(
+        e.contains("`tokenizer.ggml.add_space_prefix`: expected a bool, found uint8 0"),
+        "{e}"
+    );
+}

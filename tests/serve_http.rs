@@ -1,0 +1,396 @@
+//! The server's HTTP front, with reqwest on 127.0.0.1:0: replies equal their solo
+//! `generate`, streamed or not and concurrently; every bad request gets a clear
+//! OpenAI-style error, a full queue a 503, and a client that vanishes mid-stream frees its
+//! slot; stop strings end the reply right before them. GPU tests run on lavapipe in CI.
+
+mod serve_common;
+
+use std::time::Duration;
+
+use mamba2_wgpu::sampling::Sampling;
+use mamba2_wgpu::server::ServerConfig;
+use mamba2_wgpu::{Session, assets};
+use serde_json::{Value, json};
+use serve_common::{Spec, completion_body, gpu_backend, solo, sse, start, streamed_text};
+
+/// An OpenAI error body: JSON, with the message, the type, the parameter and the code.
+async fn error_body(r: reqwest::Response) -> Value {
+    let json = r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/json");
+    let text = r.text().await.unwrap();
+    assert!(json, "not JSON: {text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let e = &v["error"];
+    assert!(e["message"].is_string(), "{v}");
+    assert_eq!(e["type"], "invalid_request_error", "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_replies_equal_solo_generate_streamed_or_not_and_concurrently() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(srv) = start(
+        &model,
+        &tok,
+        ServerConfig {
+            slots: 4,
+            ..Default::default()
+        },
+        None,
+    ) else {
+        return;
+    };
+    let prompts: Vec<String> = (0..32)
+        .map(|i| {
+            format!(
+                "Fortune number {i}: the {}",
+                ["wise", "old", "quick", "happy"][i % 4]
+            )
+        })
+        .collect();
+    // Solo runs, on a backend of their own.
+    let mut session = Session::new(gpu_backend(&model).unwrap());
+    let want: Vec<String> = tokio::task::block_in_place(|| {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let seed = (i % 2 == 1).then_some(i as u64);
+                let spec = Spec {
+                    prompt: tok.encode(p).unwrap(),
+                    max_new: 10,
+                    sampling: match seed {
+                        Some(s) => Sampling {
+                            temperature: 0.8,
+                            top_k: 30,
+                            top_p: 1.0,
+                            seed: s,
+                        },
+                        None => Sampling::greedy(),
+                    },
+                    stop_ids: tok.eos.into_iter().collect(),
+                };
+                solo(&mut session, &tok, &spec.prompt, &spec).0
+            })
+            .collect()
+    });
+    // One non-streamed and one streamed request.
+    let (status, body) = srv
+        .post(
+            "/v1/completions",
+            completion_body(&prompts[0], 10, None, false),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], want[0]);
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        tok.encode(&prompts[0]).unwrap().len()
+    );
+    let r = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&completion_body(&prompts[1], 10, Some(1), true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    assert_eq!(streamed_text(&sse(r).await), want[1]);
+    // 32 at once, streamed and not, on 4 slots (28 wait in the queue).
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let client = srv.client.clone();
+        let url = format!("{}/v1/completions", srv.base);
+        let body = completion_body(p, 10, (i % 2 == 1).then_some(i as u64), i % 3 == 0);
+        tasks.push(tokio::spawn(async move {
+            let r = client.post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            if body["stream"] == true {
+                streamed_text(&sse(r).await)
+            } else {
+                let v: Value = r.json().await.unwrap();
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            }
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.unwrap(), want[i], "request {i}");
+    }
+    // Chat completions stream a role first and end with a finish reason.
+    let r = srv
+        .client
+        .post(format!("{}/v1/chat/completions", srv.base))
+        .json(
+            &json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+                      "stream": true, "stream_options": {"include_usage": true}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let ev = sse(r).await;
+    let first: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let usage: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert!(usage["usage"]["completion_tokens"].as_u64().unwrap() <= 4);
+    let models = srv
+        .client
+        .get(format!("{}/v1/models", srv.base))
+        .send()
+        .await
+        .unwrap()
+        .json::<Value>()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["object"], "model");
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_refuses_bad_requests_and_survives_a_vanishing_client() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(srv) = start(
+        &model,
+        &tok,
+        ServerConfig {
+            slots: 1,
+            queue: 0,
+            max_prompt: 64,
+            body_limit: 4096,
+            ..Default::default()
+        },
+        None,
+    ) else {
+        return;
+    };
+    let cases: [(&str, &str, &str); 9] = [
+        ("/v1/chat/completions", "{not json", "not valid JSON"),
+        ("/v1/chat/completions", "[1, 2]", "JSON object"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#,
+            "message list is empty",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": "hi"}"#,
+            "messages: expected an array",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}"#,
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}"#,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": 7}"#,
+            "prompt: expected a string",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "x", "stream": "yes"}"#,
+            "stream",
+        ),
+        ("/v1/completions", r#"{"prompt": "x", "seed": 1.5}"#, "seed"),
+    ];
+    for (path, body, says) in cases {
+        let (status, v) = srv.raw(path, body).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{body}: {msg}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    // Over the prompt limit.
+    let long = "word ".repeat(200);
+    let (status, v) = srv.post("/v1/completions", json!({"prompt": long})).await;
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("more than the 64"),
+        "{v}"
+    );
+    // More than --max-completion is refused, naming the field.
+    let (status, v) = srv
+        .post(
+            "/v1/completions",
+            completion_body("Once upon a time", 65_537, None, true),
+        )
+        .await;
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_tokens: 65537 tokens: this server gives at most 65536"),
+        "{v}"
+    );
+    // A long stream holds the only slot; the next request finds the queue full.
+    let r = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&completion_body("Once upon a time", 65_536, None, true))
+        .send()
+        .await
+        .unwrap();
+    let mut r = r;
+    let chunk = r.chunk().await.unwrap().unwrap();
+    assert!(chunk.starts_with(b"data: "));
+    let busy = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&completion_body("hello", 2, None, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(busy.status(), 503);
+    assert_eq!(busy.headers()["retry-after"], "1");
+    // The client goes away mid-stream: its slot is freed and the server goes on.
+    drop(r);
+    let mut freed = false;
+    for _ in 0..200 {
+        if srv.metric("active_slots").await == 0.0 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(freed, "the vanished client's slot was freed");
+    assert!(srv.metric("requests_cancelled_total").await >= 1.0);
+    let (status, v) = srv
+        .post("/v1/completions", completion_body("hello", 2, None, false))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert!(srv.metric("requests_rejected_total").await >= 1.0);
+    // Unknown routes.
+    let r = srv
+        .client
+        .get(format!("{}/v2/nothing", srv.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    // A body over the limit and a route asked with the wrong method get OpenAI error
+    // bodies too, not axum's plain text.
+    let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(8192));
+    let r = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let v = error_body(r).await;
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("larger than this server takes (4096 bytes)"),
+        "{v}"
+    );
+    for (method, path, allowed) in [
+        (reqwest::Method::GET, "/v1/chat/completions", "POST"),
+        (reqwest::Method::DELETE, "/v1/completions", "POST"),
+        (reqwest::Method::POST, "/v1/models", "GET"),
+        (reqwest::Method::PUT, "/health", "GET"),
+    ] {
+        let r = srv
+            .client
+            .request(method.clone(), format!("{}{path}", srv.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 405, "{method} {path}");
+        let allow = r.headers()["allow"].to_str().unwrap().to_string();
+        assert!(allow.contains(allowed), "{method} {path}: Allow {allow}");
+        let v = error_body(r).await;
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("does not take {method}")),
+            "{v}"
+        );
+    }
+    tokio::task::block_in_place(|| srv.stop());
+}
+
+/// `stop` over HTTP: the reply ends right before the first stop string (a string that
+/// straddles two tokens of the greedy reply here, held back while it might still be one),
+/// with `finish_reason: "stop"`, streamed or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_stop_strings_end_the_reply_before_them_streamed_or_not() {
+    let (model, tok) = assets::embedded().unwrap();
+    let Some(srv) = start(&model, &tok, ServerConfig::default(), None) else {
+        return;
+    };
+    let url = format!("{}/v1/completions", srv.base);
+    let prompt = "The secret of a happy life is";
+    // The greedy reply without a stop string: one piece per token.
+    let r = srv
+        .client
+        .post(&url)
+        .json(&completion_body(prompt, 24, None, true))
+        .send()
+        .await
+        .unwrap();
+    let events = sse(r).await;
+    let pieces: Vec<String> = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .filter(|t| !t.is_empty())
+        .collect();
+    let full = pieces.concat();
+    // The last two characters of one piece and the first two of the next, from the third
+    // piece on: the reply ends where that string first appears.
+    let (stop, at) = (2..pieces.len() - 1)
+        .find_map(|k| {
+            let tail: String = {
+                let c: Vec<char> = pieces[k].chars().collect();
+                c[c.len().saturating_sub(2)..].iter().collect()
+            };
+            let head: String = pieces[k + 1].chars().take(2).collect();
+            let stop = format!("{tail}{head}");
+            let at = full.find(&stop)?;
+            (at > 0 && !stop.trim().is_empty()).then_some((stop, at))
+        })
+        .unwrap_or_else(|| panic!("no stop string to cut {pieces:?} at"));
+    let want = &full[..at];
+    assert!(want.len() < full.len());
+    // Not streamed, with a list of stop strings (one that never comes).
+    let mut body = completion_body(prompt, 24, None, false);
+    body["stop"] = json!(["a stop string that never comes", stop]);
+    let (status, v) = srv.post("/v1/completions", body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want, "stop {stop:?} in {full:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    // Streamed, with one stop string: no chunk carries a piece of it.
+    let mut body = completion_body(prompt, 24, None, true);
+    body["stop"] = json!(stop);
+    let r = srv.client.post(&url).json(&body).send().await.unwrap();
+    let events = sse(r).await;
+    assert_eq!(streamed_text(&events), want, "stop {stop:?} in {full:?}");
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "stop", "{last}");
+    tokio::task::block_in_place(|| srv.stop());
+}
