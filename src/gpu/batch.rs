@@ -264,15 +264,32 @@ impl Batch {
         steps: usize,
         on_token: &mut dyn FnMut(usize, &Ctrl) -> bool,
     ) -> Result<()> {
+        self.step_while(engine, steps, on_token, &mut || true)
+    }
+
+    /// `step`, asking `more` before submitting each step after the first: false submits
+    /// no more (the steps in flight still finish and report). A server ends a round of
+    /// steps early this way when a new request can join.
+    pub fn step_while(
+        &mut self,
+        engine: &Engine,
+        steps: usize,
+        on_token: &mut dyn FnMut(usize, &Ctrl) -> bool,
+        more: &mut dyn FnMut() -> bool,
+    ) -> Result<()> {
         let ctx = engine.ctx().clone();
         let size = std::mem::size_of::<Ctrl>();
         let mut inflight: VecDeque<(usize, usize, wgpu::SubmissionIndex, MapResult)> =
             VecDeque::new();
         let mut submitted = 0;
+        let mut steps = steps;
         loop {
             let running: Vec<usize> = (0..self.slots)
                 .filter(|&i| self.lanes[i].live && !self.lanes[i].ended)
                 .collect();
+            if submitted > 0 && submitted < steps && inflight.len() < RING && !more() {
+                steps = submitted;
+            }
             if submitted < steps && !running.is_empty() && inflight.len() < RING {
                 let n = lanes_for(running.last().map_or(1, |&i| i + 1), self.slots);
                 let greedy = running.iter().filter(|&&i| self.lanes[i].greedy).count();

@@ -277,7 +277,7 @@ impl Engine {
                 let before = active[i].fed.len();
                 let r = self
                     .switch_to(&mut active, &mut loaded, i)
-                    .and_then(|()| self.step(&mut active[i], 0));
+                    .and_then(|()| self.step(&mut active[i], 0, &mut || false));
                 budget = budget.saturating_sub((active[i].fed.len() - before).max(1));
                 match r {
                     Ok(true) => active[i].over = true,
@@ -291,7 +291,7 @@ impl Engine {
                     Err(e) => self.fail(&mut active[i], &e),
                 }
             }
-            self.decode_batch(&mut active);
+            self.decode_batch(&mut active, &jobs, &mut waiting, &mut open);
             // Replies that are over leave (their state cached) and free their slot.
             let mut i = 0;
             while i < active.len() {
@@ -377,7 +377,13 @@ impl Engine {
     }
 
     /// Up to `DECODE_QUANTUM` steps of every sequence in the batch.
-    fn decode_batch(&mut self, active: &mut [Seq]) {
+    fn decode_batch(
+        &mut self,
+        active: &mut [Seq],
+        jobs: &Receiver<Job>,
+        waiting: &mut VecDeque<Job>,
+        open: &mut bool,
+    ) {
         let ctx = self.backend.context();
         // Sequences that cannot go on end before the step: a closed client, a full context.
         let mut steps = DECODE_QUANTUM;
@@ -417,8 +423,53 @@ impl Engine {
         if by_slot.iter().all(Option::is_none) {
             return;
         }
+        // With a slot free (from the start, or once a reply ends during the round), a
+        // request that comes in ends the round early: it waits for the steps in flight, not
+        // for the whole quantum, before its prompt is read (its time to first token, on top
+        // of its prompt's).
+        let free_at_start = active.len() < self.slots;
+        let ended = std::cell::Cell::new(0usize);
+        let mut more = || {
+            if !free_at_start && ended.get() == 0 {
+                return true;
+            }
+            Self::intake(jobs, waiting, open, false);
+            waiting.is_empty()
+        };
         let t0 = Instant::now();
         let (tok, metrics) = (self.tokenizer.clone(), self.metrics.clone());
+        let mut on_token = |slot: usize, c: &crate::gpu::graph::Ctrl| -> bool {
+            let Some(i) = by_slot.get(slot).copied().flatten() else {
+                return false;
+            };
+            let seq = &mut active[i];
+            if let Some(p) = seq.pending.replace(c.token) {
+                seq.fed.push(p);
+            }
+            if seq.over {
+                return false;
+            }
+            if c.nonfinite != 0 {
+                let _ = seq.job.events.send(Event::Error(format!(
+                    "the logits at position {} hold a NaN or an infinity",
+                    c.kv_len
+                )));
+                metrics.failed.fetch_add(1, Ordering::Relaxed);
+                seq.over = true;
+                seq.failed = true;
+                return false;
+            }
+            if handle_token(seq, c.token, &tok, &metrics) {
+                seq.over = true;
+                return false;
+            }
+            if seq.completion >= seq.job.max_new {
+                seq.end(FinishReason::Length, &metrics);
+                seq.over = true;
+                return false;
+            }
+            true
+        };
         let r = {
             let Some(gpu) = self.backend.gpu() else {
                 return;
@@ -426,38 +477,18 @@ impl Engine {
             let Some(batch) = gpu.batch.as_mut() else {
                 return;
             };
-            batch.step(&gpu.engine, steps, &mut |slot, c| {
-                let Some(i) = by_slot.get(slot).copied().flatten() else {
-                    return false;
-                };
-                let seq = &mut active[i];
-                if let Some(p) = seq.pending.replace(c.token) {
-                    seq.fed.push(p);
-                }
-                if seq.over {
-                    return false;
-                }
-                if c.nonfinite != 0 {
-                    let _ = seq.job.events.send(Event::Error(format!(
-                        "the logits at position {} hold a NaN or an infinity",
-                        c.kv_len
-                    )));
-                    metrics.failed.fetch_add(1, Ordering::Relaxed);
-                    seq.over = true;
-                    seq.failed = true;
-                    return false;
-                }
-                if handle_token(seq, c.token, &tok, &metrics) {
-                    seq.over = true;
-                    return false;
-                }
-                if seq.completion >= seq.job.max_new {
-                    seq.end(FinishReason::Length, &metrics);
-                    seq.over = true;
-                    return false;
-                }
-                true
-            })
+            batch.step_while(
+                &gpu.engine,
+                steps,
+                &mut |slot, c| {
+                    let go = on_token(slot, c);
+                    if !go {
+                        ended.set(ended.get() + 1);
+                    }
+                    go
+                },
+                &mut more,
+            )
         };
         self.metrics
             .decode_ns
@@ -490,8 +521,17 @@ impl Engine {
             } else {
                 DECODE_QUANTUM
             };
+            // With a place free, a request that comes in ends the turn early: it waits for
+            // the tokens in flight, not for the whole quantum, before its prompt is read.
+            let free = active.len() < self.slots.max(1);
+            let mut arrived = || {
+                free && {
+                    Self::intake(&jobs, &mut waiting, &mut open, false);
+                    !waiting.is_empty()
+                }
+            };
             let done = match self.switch_to(&mut active, &mut loaded, turn) {
-                Ok(()) => self.step(&mut active[turn], quantum),
+                Ok(()) => self.step(&mut active[turn], quantum, &mut arrived),
                 Err(e) => Err(e),
             };
             let finished = match done {
@@ -564,7 +604,12 @@ impl Engine {
     }
 
     /// One step of `seq`, whose state the backend holds. Returns whether it finished.
-    fn step(&mut self, seq: &mut Seq, quantum: usize) -> Result<bool> {
+    fn step(
+        &mut self,
+        seq: &mut Seq,
+        quantum: usize,
+        yield_now: &mut dyn FnMut() -> bool,
+    ) -> Result<bool> {
         if seq.job.events.is_closed() {
             seq.cancel(&self.metrics);
             return Ok(true);
@@ -622,6 +667,8 @@ impl Engine {
         let t0 = Instant::now();
         let mut sampled = Vec::with_capacity(want);
         let mut ended = false;
+        // The turn gave way to a new request (`yield_now`): the reply goes on next turn.
+        let mut yielded = false;
         let job_stop = seq.job.stop_ids.clone();
         let sampling = seq.job.sampling;
         let next_pos = seq.fed.len() as u64 + 1;
@@ -633,7 +680,10 @@ impl Engine {
                 if !ended {
                     ended = handle_token(seq, t, &self.tokenizer, &self.metrics);
                 }
-                !ended
+                if !ended && !yielded {
+                    yielded = yield_now();
+                }
+                !ended && !yielded
             };
             backend.decode(first, next_pos, want, &sampling, &job_stop, &mut on_token)?
         };
@@ -653,7 +703,7 @@ impl Engine {
             self.remember(&seq.fed);
             return Ok(true);
         }
-        if seq.completion >= seq.job.max_new || n < want {
+        if seq.completion >= seq.job.max_new || (n < want && !yielded) {
             // The caches filled up (n < want without a stop) or the length was reached.
             return self.finish(seq, FinishReason::Length);
         }
