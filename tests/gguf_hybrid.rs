@@ -8,7 +8,7 @@ mod common;
 
 use common::gguf::{cpu_logits, dir, max_abs, worst};
 use mamba2_wgpu::gpu::backend::GpuBackend;
-use mamba2_wgpu::gpu::engine::{Engine, EngineOptions};
+use mamba2_wgpu::gpu::engine::EngineOptions;
 use mamba2_wgpu::model::gguf::GgufFile;
 use mamba2_wgpu::model::{DType, Model};
 use mamba2_wgpu::{Backend, WeightFormat};
@@ -104,14 +104,13 @@ fn nemotron_h_gguf_matches_the_hf_oracle() {
 
 /// A GPU backend running `model` in f32 with f32 KV caches (`None` without a GPU).
 fn f32_gpu(model: &Model) -> Option<GpuBackend> {
-    let ctx = common::gpu(&Engine::needs(&model.config, WeightFormat::F32))?;
     let opts = EngineOptions {
         format: WeightFormat::F32,
         context: Some(64),
         kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
         ..Default::default()
     };
-    Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
+    common::gguf::gpu_with(model, opts)
 }
 
 /// llama.cpp's `nemotron_h_moe` layout (scripts/make_nemotron_h_gguf.py, from the
@@ -235,9 +234,6 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
             // The decode graph rounds the activations to 8 bits.
             (PrefillMode::Decode, 2e-2, 0.1),
         ] {
-            let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
-                return;
-            };
             let opts = EngineOptions {
                 format,
                 prefill,
@@ -246,7 +242,9 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
                 kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
                 ..Default::default()
             };
-            let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+            let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+                return;
+            };
             for l in [1, 3] {
                 let DeviceMixer::Moe(m) = &b.engine.weights.layers[l].mixer else {
                     panic!("{file}: layer {l} is an MoE layer");

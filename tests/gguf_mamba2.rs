@@ -9,8 +9,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::gguf::{cpu_logits, dir, files, info_at, max_abs, oracle, prompt, scratch, worst};
-use mamba2_wgpu::gpu::backend::GpuBackend;
-use mamba2_wgpu::gpu::engine::{Engine, EngineOptions};
+use mamba2_wgpu::gpu::engine::EngineOptions;
 use mamba2_wgpu::model::gguf::GgufFile;
 use mamba2_wgpu::model::{DType, Model};
 use mamba2_wgpu::{Backend, WeightFormat};
@@ -114,15 +113,14 @@ fn gguf_models_on_the_gpu() {
             runs.push((WeightFormat::Q8_0, PrefillMode::Chunked, 1e-5, 1e-4));
         }
         for (format, prefill, rel, floor) in runs {
-            let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
-                return;
-            };
             let opts = EngineOptions {
                 format,
                 prefill,
                 ..Default::default()
             };
-            let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+            let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+                return;
+            };
             let got = b.prefill_logits(&p).unwrap();
             let e = got
                 .iter()
@@ -162,14 +160,13 @@ fn f32_gguf_in_every_gpu_format() {
     ] {
         let want = cpu_logits(&common::rounded(&model, |k| format.for_cols(k)), &p);
         let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
-        let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
-            return;
-        };
         let opts = EngineOptions {
             format,
             ..Default::default()
         };
-        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+        let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+            return;
+        };
         let got = b.prefill_logits(&p).unwrap();
         let (e, moved) = (worst(&got, &want), worst(&want, &exact));
         eprintln!(
@@ -277,14 +274,13 @@ fn f16_and_bf16_gguf_tensors_load_and_match_the_rounded_f32_path() {
         let moved = worst(&want, &exact);
         eprintln!("{name}: rounding moves the logits {moved:e} of range {range:.1}");
         assert!(moved <= allowed * range, "{name}: moved {moved:e}");
-        let Some(ctx) = common::gpu(&Engine::needs(&model.config, format)) else {
-            return;
-        };
         let opts = EngineOptions {
             format,
             ..Default::default()
         };
-        let mut b = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+        let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+            return;
+        };
         let gpu = b.prefill_logits(&p).unwrap();
         let e = worst(&gpu, &want);
         eprintln!("{name} on the GPU as stored: max |Δlogit| {e:e}");

@@ -137,15 +137,7 @@ fn solo_completion(
     let spec = Spec {
         prompt: tok.encode(prompt).unwrap(),
         max_new: max,
-        sampling: match seed {
-            Some(s) => Sampling {
-                temperature: 0.8,
-                top_k: 30,
-                top_p: 1.0,
-                seed: s,
-            },
-            None => Sampling::greedy(),
-        },
+        sampling: serve_common::sampling(seed),
         stop_ids: mamba2_wgpu::chat::stop_ids(tok),
     };
     solo(session, tok, &spec.prompt, &spec).0

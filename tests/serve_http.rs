@@ -7,7 +7,6 @@ mod serve_common;
 
 use std::time::Duration;
 
-use mamba2_wgpu::sampling::Sampling;
 use mamba2_wgpu::server::ServerConfig;
 use mamba2_wgpu::{Session, assets};
 use serde_json::{Value, json};
@@ -62,15 +61,7 @@ async fn http_replies_equal_solo_generate_streamed_or_not_and_concurrently() {
                 let spec = Spec {
                     prompt: tok.encode(p).unwrap(),
                     max_new: 10,
-                    sampling: match seed {
-                        Some(s) => Sampling {
-                            temperature: 0.8,
-                            top_k: 30,
-                            top_p: 1.0,
-                            seed: s,
-                        },
-                        None => Sampling::greedy(),
-                    },
+                    sampling: serve_common::sampling(seed),
                     stop_ids: tok.eos.into_iter().collect(),
                 };
                 solo(&mut session, &tok, &spec.prompt, &spec).0

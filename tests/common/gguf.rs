@@ -4,6 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
+use mamba2_wgpu::EngineOptions;
+use mamba2_wgpu::gpu::GpuBackend;
+use mamba2_wgpu::gpu::engine::Engine;
 use mamba2_wgpu::model::Model;
 use mamba2_wgpu::model::gguf::GgufFile;
 use mamba2_wgpu::reference::{CpuModel, Logits, Scan};
@@ -92,4 +95,11 @@ pub fn with_key(src: &Path, key: &str, ty: u32, value: &[u8]) -> Vec<u8> {
     out.resize(out.len().next_multiple_of(32), 0);
     out.extend(&bytes[g.data_offset as usize..]);
     out
+}
+
+/// A GPU backend running `model` with `opts`, or None (the test is skipped, loudly, or fails
+/// under MAMBA2_REQUIRE_GPU) without an adapter.
+pub fn gpu_with(model: &Model, opts: EngineOptions) -> Option<GpuBackend> {
+    let ctx = super::gpu(&Engine::needs(&model.config, opts.format))?;
+    Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
 }

@@ -278,3 +278,16 @@ pub fn completion_body(prompt: &str, max: usize, seed: Option<u64>, stream: bool
     }
     b
 }
+
+/// Greedy, or with `seed` the tests' sampled setting (temperature 0.8, top-k 30).
+pub fn sampling(seed: Option<u64>) -> Sampling {
+    match seed {
+        Some(s) => Sampling {
+            temperature: 0.8,
+            top_k: 30,
+            top_p: 1.0,
+            seed: s,
+        },
+        None => Sampling::greedy(),
+    }
+}
