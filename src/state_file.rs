@@ -70,13 +70,6 @@ impl StateDtype {
             StateDtype::F16 => 2,
         }
     }
-    /// `v` as stored in this dtype (f16 rounds to nearest).
-    pub fn round(self, v: &[f32]) -> Vec<f32> {
-        match self {
-            StateDtype::F32 => v.to_vec(),
-            StateDtype::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
-        }
-    }
 }
 
 impl std::str::FromStr for StateDtype {

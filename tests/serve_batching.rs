@@ -16,7 +16,7 @@ use mamba2_wgpu::{Session, Tokenizer, assets};
 use serde_json::Value;
 use serve_common::{
     Running, Spec, completion_body, gpu_backend, no_cache, run_engine, solo, sse_data, start,
-    streamed_text,
+    streamed_text, tokenizer_without_eos,
 };
 
 /// Eight requests of different prompt lengths and reply lengths, greedy and sampled.
@@ -141,15 +141,6 @@ fn solo_completion(
         stop_ids: mamba2_wgpu::chat::stop_ids(tok),
     };
     solo(session, tok, &spec.prompt, &spec).0
-}
-
-/// The embedded model's tokenizer without its end-of-sequence token: replies run to their
-/// `max_tokens` (a stream meant to outlast the test must not end on its own).
-fn tokenizer_without_eos() -> Tokenizer {
-    let (_, mut tok) = assets::embedded().unwrap();
-    tok.eos = None;
-    tok.eos_token = None;
-    tok
 }
 
 /// With more than one slot the replies decode together in the GPU batch. Clients that

@@ -5,12 +5,11 @@
 
 mod serve_common;
 
-use mamba2_wgpu::model::Model;
 use mamba2_wgpu::sampling::Sampling;
 use mamba2_wgpu::server::ServerConfig;
 use mamba2_wgpu::{Backend, GenerateOptions, Session, Tokenizer, assets};
 use serde_json::{Value, json};
-use serve_common::{Spec, gpu_backend, solo, start};
+use serve_common::{Spec, cpu_backend, gpu_backend, solo, start};
 
 /// A ChatML-like template over the embedded tokenizer: `<|endoftext|>` opens a message and
 /// `end` closes each reply (the model's own end-of-turn token, not the EOS).
@@ -116,12 +115,6 @@ impl Backend for Recorder {
     fn state(&self) -> mamba2_wgpu::Result<mamba2_wgpu::state::State<f32>> {
         Backend::state(&self.inner)
     }
-}
-
-fn cpu_backend(model: &Model) -> mamba2_wgpu::CpuBackend {
-    mamba2_wgpu::CpuBackend::new(
-        mamba2_wgpu::CpuModel::<f32>::new(&model.config, &model.weights).unwrap(),
-    )
 }
 
 /// `mamba2 chat` feeds a conversation turn by turn and the server reads it whole from each

@@ -20,27 +20,12 @@ use mamba2_wgpu::sampling::Sampling;
 use mamba2_wgpu::server::ServerConfig;
 use mamba2_wgpu::server::engine::{Engine, Event, Job, PREFILL_CHUNK};
 use mamba2_wgpu::state::State;
-use mamba2_wgpu::{Backend, CpuBackend, CpuModel, Result, Tokenizer};
-use serve_common::{Running, completion_body, gpu_backend, no_cache, start_on};
+use mamba2_wgpu::{Backend, CpuBackend, Result, Tokenizer};
+use serve_common::{
+    Running, Spec, completion_body, cpu_backend, gpu_backend, no_cache, start_on,
+    tokenizer_without_eos,
+};
 use tokio::sync::mpsc::UnboundedReceiver;
-
-/// A server over `backend` on 127.0.0.1:0 with two slots.
-fn serve(backend: Box<dyn Backend>, tok: &Tokenizer) -> Running {
-    let (model, _) = assets::embedded().unwrap();
-    let config = ServerConfig {
-        slots: 2,
-        ..Default::default()
-    };
-    start_on(backend, &model, tok, config, None)
-}
-
-/// The embedded tokenizer with no end of sequence: the running reply never stops by itself.
-fn endless_tokenizer() -> Tokenizer {
-    let (_, mut tok) = assets::embedded().unwrap();
-    tok.eos = None;
-    tok.eos_token = None;
-    tok
-}
 
 /// Starts an endless stream and returns how many of its events have come so far (a
 /// counter the reading task keeps up to date) and the task.
@@ -108,7 +93,11 @@ async fn a_newcomer_ends_the_batchs_round_early() {
     let Some(backend) = gpu_backend(&model) else {
         return;
     };
-    let srv = serve(backend, &endless_tokenizer());
+    let config = ServerConfig {
+        slots: 2,
+        ..Default::default()
+    };
+    let srv = start_on(backend, &model, &tokenizer_without_eos(), config, None);
     newcomers_get_in_within(&srv, 8).await;
     tokio::task::block_in_place(|| srv.stop());
 }
@@ -175,18 +164,15 @@ impl Backend for Arrival {
     }
 }
 
-/// A job of `max_new` tokens and where its events go.
-fn job(prompt: Vec<u32>, max_new: usize) -> (Job, UnboundedReceiver<Event>) {
-    let (events, heard) = tokio::sync::mpsc::unbounded_channel();
-    let job = Job {
-        prompt,
+/// A greedy request of `max_new` tokens with no stop token.
+fn job(tok: &Tokenizer, prompt: &str, max_new: usize) -> (Job, UnboundedReceiver<Event>) {
+    Spec {
+        prompt: tok.encode(prompt).unwrap(),
         max_new,
         sampling: Sampling::greedy(),
         stop_ids: Vec::new(),
-        stop_text: Vec::new(),
-        events,
-    };
-    (job, heard)
+    }
+    .job()
 }
 
 /// Sequences taking turns on one state (the CPU reference): a reply running alone decodes
@@ -196,21 +182,19 @@ fn job(prompt: Vec<u32>, max_new: usize) -> (Job, UnboundedReceiver<Event>) {
 #[test]
 fn a_newcomer_ends_a_turn_early() {
     let (model, tok) = assets::embedded().unwrap();
-    let cpu = CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap());
     let (tx, rx) = mpsc::channel();
-    let prompt = |text: &str| tok.encode(text).unwrap();
-    let (runner, mut runner_heard) = job(prompt("A long story:"), 100);
-    let (newcomer, mut newcomer_heard) = job(prompt("A newcomer:"), 3);
+    let (runner, mut runner_heard) = job(&tok, "A long story:", 100);
+    let (newcomer, mut newcomer_heard) = job(&tok, "A newcomer:", 3);
     let calls = Arc::new(Mutex::new(Vec::new()));
     let backend = Arrival {
-        inner: cpu,
+        inner: cpu_backend(&model),
         newcomer: Some((newcomer, tx.clone())),
         at: 5,
         calls: calls.clone(),
     };
     let engine = Engine {
         backend: Box::new(backend),
-        tokenizer: Arc::new(endless_tokenizer()),
+        tokenizer: Arc::new(tokenizer_without_eos()),
         cache: no_cache(&model),
         metrics: Default::default(),
         slots: 2,

@@ -184,6 +184,13 @@ impl Engine {
         }
     }
 
+    /// Takes whatever `jobs` has into `waiting` without blocking; whether a request waits
+    /// (a running round or turn then gives way to it where a slot is free).
+    fn newcomer_waits(jobs: &Receiver<Job>, waiting: &mut VecDeque<Job>, open: &mut bool) -> bool {
+        Self::intake(jobs, waiting, open, false);
+        !waiting.is_empty()
+    }
+
     /// Takes new requests and admits waiting ones up to the slots (a client that left
     /// before its turn frees its place); false when nothing is active.
     fn admit(
@@ -429,13 +436,8 @@ impl Engine {
         // of its prompt's).
         let free_at_start = active.len() < self.slots;
         let ended = std::cell::Cell::new(0usize);
-        let mut more = || {
-            if !free_at_start && ended.get() == 0 {
-                return true;
-            }
-            Self::intake(jobs, waiting, open, false);
-            waiting.is_empty()
-        };
+        let mut more =
+            || !((free_at_start || ended.get() > 0) && Self::newcomer_waits(jobs, waiting, open));
         let t0 = Instant::now();
         let (tok, metrics) = (self.tokenizer.clone(), self.metrics.clone());
         let mut on_token = |slot: usize, c: &crate::gpu::graph::Ctrl| -> bool {
@@ -524,12 +526,7 @@ impl Engine {
             // With a place free, a request that comes in ends the turn early: it waits for
             // the tokens in flight, not for the whole quantum, before its prompt is read.
             let free = active.len() < self.slots.max(1);
-            let mut arrived = || {
-                free && {
-                    Self::intake(&jobs, &mut waiting, &mut open, false);
-                    !waiting.is_empty()
-                }
-            };
+            let mut arrived = || free && Self::newcomer_waits(&jobs, &mut waiting, &mut open);
             let done = match self.switch_to(&mut active, &mut loaded, turn) {
                 Ok(()) => self.step(&mut active[turn], quantum, &mut arrived),
                 Err(e) => Err(e),

@@ -88,6 +88,38 @@ pub struct Spec {
     pub stop_ids: Vec<u32>,
 }
 
+impl Spec {
+    /// The engine's job for this request, and where its events go.
+    pub fn job(&self) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (events, heard) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt: self.prompt.clone(),
+            max_new: self.max_new,
+            sampling: self.sampling,
+            stop_ids: self.stop_ids.clone(),
+            stop_text: Vec::new(),
+            events,
+        };
+        (job, heard)
+    }
+}
+
+/// The embedded model's tokenizer without its end-of-sequence token: replies run to their
+/// `max_tokens` (a stream meant to outlast the test must not end on its own).
+pub fn tokenizer_without_eos() -> Tokenizer {
+    let (_, mut tok) = mamba2_wgpu::assets::embedded().unwrap();
+    tok.eos = None;
+    tok.eos_token = None;
+    tok
+}
+
+/// The CPU reference over `model`.
+pub fn cpu_backend(model: &Model) -> mamba2_wgpu::CpuBackend {
+    mamba2_wgpu::CpuBackend::new(
+        mamba2_wgpu::CpuModel::<f32>::new(&model.config, &model.weights).unwrap(),
+    )
+}
+
 /// What one job heard: its text, finish and usage.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Heard {
@@ -118,17 +150,9 @@ pub fn run_engine(
     let thread = std::thread::spawn(move || engine.run(rx));
     let mut outs = Vec::new();
     for s in specs {
-        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
-        tx.send(Job {
-            prompt: s.prompt.clone(),
-            max_new: s.max_new,
-            sampling: s.sampling,
-            stop_ids: s.stop_ids.clone(),
-            stop_text: Vec::new(),
-            events: etx,
-        })
-        .unwrap();
-        outs.push(erx);
+        let (job, heard) = s.job();
+        tx.send(job).unwrap();
+        outs.push(heard);
     }
     let heard = outs
         .into_iter()
