@@ -435,9 +435,9 @@ impl Engine {
         // for the whole quantum, before its prompt is read (its time to first token, on top
         // of its prompt's).
         let free_at_start = active.len() < self.slots;
-        let ended = std::cell::Cell::new(0usize);
+        let one_ended = std::cell::Cell::new(false);
         let mut more =
-            || !((free_at_start || ended.get() > 0) && Self::newcomer_waits(jobs, waiting, open));
+            || !((free_at_start || one_ended.get()) && Self::newcomer_waits(jobs, waiting, open));
         let t0 = Instant::now();
         let (tok, metrics) = (self.tokenizer.clone(), self.metrics.clone());
         let mut on_token = |slot: usize, c: &crate::gpu::graph::Ctrl| -> bool {
@@ -485,7 +485,7 @@ impl Engine {
                 &mut |slot, c| {
                     let go = on_token(slot, c);
                     if !go {
-                        ended.set(ended.get() + 1);
+                        one_ended.set(true);
                     }
                     go
                 },
