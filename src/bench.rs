@@ -528,6 +528,11 @@ pub fn decode(
     if tokens < 2 {
         return Err(Error::InvalidInput("bench needs at least 2 tokens".into()));
     }
+    // A GPU idle through the model's build is still ramping up for the first few hundred
+    // tokens: `warmup` tokens alone left a job's first decode of a model slow (Granite-4.0-
+    // H-Tiny 1.887 ms/token with 38 of 100 tokens over 1.5× the median, 1.751 once warm;
+    // runs 186–187).
+    warm_up(backend)?;
     backend.reset()?;
     // Decode speed with `cached` tokens already in the KV caches: their values do not
     // change the work, so the caches are taken as filled (zeros) up to that length.
@@ -796,14 +801,17 @@ pub fn prefill(
     // GPU idles at low clocks, and one short prompt does not bring them back (H200: a 2.7b
     // 5-token block timed 43.7 ms first, 10.5 once warm, run 95; 0.3 s of warm-up still
     // left Nemotron 3 Nano's first 5-token blocks at 51.7 ms against 20.7 for 32 tokens
-    // after them, run 97).
+    // after them, run 97). The first run builds the prefill blocks and compiles their
+    // pipelines (seconds on the MoE presets, the GPU idle), so the clock starts after it:
+    // timed from before it, the warm-up was that one run, and a job's first prefill
+    // length measured a GPU still ramping up (Granite-4.0-H-Tiny's 512 tokens: 108.3 ms
+    // measured first in run 187, 27.3 measured after 128 tokens in run 189).
+    backend.reset()?;
+    backend.prefill_sample(&prompt, &greedy, tokens as u64)?;
     let warm_start = Instant::now();
-    loop {
+    while warm_start.elapsed() < PREFILL_WARMUP {
         backend.reset()?;
         backend.prefill_sample(&prompt, &greedy, tokens as u64)?;
-        if warm_start.elapsed() >= PREFILL_WARMUP {
-            break;
-        }
     }
     let mut times = Vec::new();
     for _ in 0..runs {
@@ -1242,10 +1250,10 @@ const WARM_UP: std::time::Duration = std::time::Duration::from_millis(300);
 const WARM_UP_TOKENS: usize = 512;
 
 /// Decodes and drops tokens for `WARM_UP` (at most `WARM_UP_TOKENS`, and no more than the
-/// KV caches hold) before batch 1's timed runs: their 2 × 32 steps after 4 warm-up tokens
-/// are over in a fraction of a second, and as a job's first measurement on a fresh H200
-/// they ran up to 1.8× slow (BENCHMARKS.md, runs 129–133: Codestral batch 1 5.89 ms/step
-/// against 3.32), a GPU still ramping up.
+/// KV caches hold) before a decode measurement and batch 1's timed runs: the latter's 2 ×
+/// 32 steps after 4 warm-up tokens are over in a fraction of a second, and as a job's
+/// first measurement on a fresh H200 they ran up to 1.8× slow (BENCHMARKS.md, runs
+/// 129–133: Codestral batch 1 5.89 ms/step against 3.32), a GPU still ramping up.
 fn warm_up(backend: &mut GpuBackend) -> Result<()> {
     const CHUNK: usize = 16;
     backend.reset()?;
