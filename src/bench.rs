@@ -776,11 +776,11 @@ fn gemm_rates(profile: &[crate::gpu::profiler::KernelTime], tokens: usize) -> Ve
     out
 }
 
-/// Least time `prefill` spends in warm-up runs before it times any.
-const PREFILL_WARMUP: std::time::Duration = std::time::Duration::from_millis(1000);
+/// Least time `prefill` spends in warm-up runs, after its first, before it times any.
+const PREFILL_WARMUP: std::time::Duration = std::time::Duration::from_millis(2000);
 
-/// Times prompts of `tokens` tokens: `runs` timed runs after warm-up runs of at least
-/// PREFILL_WARMUP (one at the least), then one profiled run for the split.
+/// Times prompts of `tokens` tokens: `runs` timed runs after one run and warm-up runs of at
+/// least PREFILL_WARMUP, then one profiled run for the split.
 pub fn prefill(
     backend: &mut GpuBackend,
     preset_name: &str,
@@ -801,11 +801,12 @@ pub fn prefill(
     // GPU idles at low clocks, and one short prompt does not bring them back (H200: a 2.7b
     // 5-token block timed 43.7 ms first, 10.5 once warm, run 95; 0.3 s of warm-up still
     // left Nemotron 3 Nano's first 5-token blocks at 51.7 ms against 20.7 for 32 tokens
-    // after them, run 97). The first run builds the prefill blocks and compiles their
-    // pipelines (seconds on the MoE presets, the GPU idle), so the clock starts after it:
-    // timed from before it, the warm-up was that one run, and a job's first prefill
-    // length measured a GPU still ramping up (Granite-4.0-H-Tiny's 512 tokens: 108.3 ms
-    // measured first in run 187, 27.3 measured after 128 tokens in run 189).
+    // after them, run 97). The clock starts after the first run, which builds the prefill
+    // blocks and compiles their pipelines (counted from before it, that run could be the
+    // whole warm-up). 1 s was not always enough: Granite-4.0-H-Tiny's kernels ran at half
+    // speed for ~1.3 s after its build, so a job's first prompt length measured 2–3× its
+    // kernel time (run 189: 128 tokens measured first 71.8 ms against 33.0 of kernels; 512
+    // tokens 27.3 ms measured next, 108.3 measured first in run 187).
     backend.reset()?;
     backend.prefill_sample(&prompt, &greedy, tokens as u64)?;
     let warm_start = Instant::now();

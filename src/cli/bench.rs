@@ -46,7 +46,7 @@ pub struct BenchArgs {
     /// Also time prompts of these lengths (chunked prefill), e.g. 512,4096.
     #[arg(long, value_delimiter = ',')]
     prefill: Vec<usize>,
-    /// Timed runs per prefill length (after warm-up runs of at least 1 s).
+    /// Timed runs per prefill length (after a first run and at least 2 s of warm-up runs).
     #[arg(long, default_value_t = 3)]
     prefill_runs: usize,
     /// Skip the decode benchmark (with --prefill).
