@@ -531,9 +531,8 @@ pub fn decode(
     // A GPU idle through the model's build is still ramping up for the first few hundred
     // tokens: `warmup` tokens alone left a job's first decode of a model slow (Granite-4.0-
     // H-Tiny 1.887 ms/token with 38 of 100 tokens over 1.5× the median, 1.751 once warm;
-    // runs 186–187).
+    // runs 186–187). (It leaves the state reset.)
     warm_up(backend)?;
-    backend.reset()?;
     // Decode speed with `cached` tokens already in the KV caches: their values do not
     // change the work, so the caches are taken as filled (zeros) up to that length.
     backend
