@@ -158,7 +158,8 @@ fn team_sum(v: f32, lid: u32) -> f32 {
 // q8_0 GEMV reads them: d = amax/127, q = round(v/d) (ties to even), four int8 per u32
 // (model::quant mirrors it). Every invocation calls it with its own element's value (0
 // past the end); blocks from NB on (in the row) are not written, nor (Q8_ROWS, the expert
-// up projection's folded activation) elements from R on: the next workgroup's rows.
+// up projection's folded activation) elements from R on: the next workgroup's rows; nor
+// (Q8_BLOCK, the experts' down pass making the next pre-norm) elements from TR on.
 // Word i of the q8 values and scale b of the blocks: to the output buffers, or (X_LOCAL,
 // the pre-norm folded into a GEMV) to the workgroup's own vec4 words.
 fn q8_put(i: u32, word: u32) {
@@ -177,7 +178,11 @@ fn q8_live(lid: u32) -> bool {
 #if Q8_ROWS
     return lid < R;
 #else
+#if Q8_BLOCK
+    return lid < TR;
+#else
     return true;
+#endif
 #endif
 }
 

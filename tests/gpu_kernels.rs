@@ -1346,3 +1346,179 @@ fn mlp_activation_every_form() {
         }
     }
 }
+
+/// A one-token experts' down pass that also makes the next block's pre-norm
+/// (`expert_gemv::NormTail`): `rows` residual values (d_model), experts of `cols` inputs.
+struct TailCase {
+    name: &'static str,
+    rows: usize,
+    cols: usize,
+    experts: usize,
+    slots: usize,
+    format: WeightFormat,
+}
+
+const TAIL_CASES: [TailCase; 4] = [
+    TailCase {
+        name: "nemotron-3-nano's d_model 2688, 6 chosen + 2 shared slices, q8_0",
+        rows: 2688,
+        cols: 96,
+        experts: 10,
+        slots: 8,
+        format: WeightFormat::Q8_0,
+    },
+    TailCase {
+        name: "d_model 200: a last block of 8 rows, q8_0",
+        rows: 200,
+        cols: 64,
+        experts: 5,
+        slots: 3,
+        format: WeightFormat::Q8_0,
+    },
+    TailCase {
+        name: "granite-4.0-h-tiny's d_model 1536, q4_k",
+        rows: 1536,
+        cols: 256,
+        experts: 4,
+        slots: 2,
+        format: WeightFormat::Q4_K,
+    },
+    TailCase {
+        name: "one expert, q6_k",
+        rows: 64,
+        cols: 256,
+        experts: 1,
+        slots: 1,
+        format: WeightFormat::Q6_K,
+    },
+];
+
+/// The residual the pass writes is the plain down pass's, bit for bit, and the CPU's sum to
+/// f32 rounding; the q8 blocks are the host's of `x ⊙ w` (x: that residual), the per-block
+/// Σx² the host's in row order, and every block's count is back at 0 for the next token
+/// (checked over two tokens).
+#[test]
+fn experts_down_pass_makes_the_next_pre_norm() {
+    use mamba2_wgpu::gpu::kernels::expert_gemv::{
+        Bank, ExpertBuffers, ExpertPass, NormTail, expert_gemv, takes_norm_tail,
+    };
+    let Some(g) = Gpu::new() else { return };
+    for c in TAIL_CASES {
+        let w = rand(60, c.experts * c.rows * c.cols, -1.0, 1.0);
+        let (bank, wf) = matrix(&g, c.format, &w, c.experts * c.rows, c.cols);
+        if !takes_norm_tail(&g.k, &bank, c.rows, c.slots, true).unwrap() {
+            panic!("{}: this device's down pass cannot make the norm", c.name);
+        }
+        let kp = bank.kp;
+        let blocks = c.rows.div_ceil(32);
+        let nw_off = 7;
+        let params = rand(61, nw_off + c.rows, 0.5, 1.5);
+        let pbuf = g.buf(&params);
+        let (xq, xd, part, counts) = (
+            g.zeros(blocks * 8),
+            g.zeros(blocks),
+            g.zeros(blocks),
+            g.zeros(blocks),
+        );
+        for token in 0..2u64 {
+            let what = format!("{} (token {token})", c.name);
+            // Each slot's activation as q8 blocks of KP values.
+            let mut acts = Vec::new();
+            let (mut aq, mut ad) = (Vec::new(), Vec::new());
+            for s in 0..c.slots {
+                let mut x = rand(62 + 10 * token + s as u64, c.cols, -2.0, 2.0);
+                x.resize(kp, 0.0);
+                let (q, d) = q8_blocks(&x);
+                acts.push(dequant(&q, &d, kp));
+                aq.extend(q);
+                ad.extend(d);
+            }
+            let ids: Vec<u32> = (0..c.slots)
+                .map(|s| ((s as u64 * 7 + token * 3) % c.experts as u64) as u32)
+                .collect();
+            let wts = rand(63 + token, c.slots, 0.1, 1.0);
+            let resid0 = rand(64 + token, c.rows, -3.0, 3.0);
+            let aqb = g
+                .ctx()
+                .storage_with("aq", bytemuck::cast_slice(&aq))
+                .unwrap();
+            let (adb, idb, wtb) = (
+                g.buf(&ad),
+                g.ctx()
+                    .storage_with("ids", bytemuck::cast_slice(&ids))
+                    .unwrap(),
+                g.buf(&wts),
+            );
+            let (plain, tailed) = (g.buf(&resid0), g.buf(&resid0));
+            for (dst, tail) in [(&plain, false), (&tailed, true)] {
+                let d = expert_gemv(
+                    &g.k,
+                    "down",
+                    &bank,
+                    Bank {
+                        first: 0,
+                        count: c.experts,
+                        rows_per_expert: c.rows,
+                    },
+                    ExpertPass::Down,
+                    1,
+                    c.slots,
+                    ExpertBuffers {
+                        src: &adb,
+                        q8: Some((&aqb, &adb)),
+                        dst,
+                        ids: &idb,
+                        weights: Some(&wtb),
+                        store: false,
+                        act: None,
+                        route: None,
+                        norm_tail: tail.then_some(NormTail {
+                            params: &pbuf,
+                            nw_off,
+                            xq: &xq,
+                            xd: &xd,
+                            part: &part,
+                            counts: &counts,
+                        }),
+                    },
+                )
+                .unwrap();
+                g.run(&d);
+            }
+            let x = g.read(&tailed, c.rows);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&x), bits(&g.read(&plain, c.rows)), "{what}: residual");
+            let want: Vec<f32> = (0..c.rows)
+                .map(|r| {
+                    let mut y = resid0[r];
+                    for s in 0..c.slots {
+                        let row = &wf[(ids[s] as usize * c.rows + r) * c.cols..][..c.cols];
+                        let dot: f32 = row.iter().zip(&acts[s]).map(|(a, b)| a * b).sum();
+                        y += wts[s] * dot;
+                    }
+                    y
+                })
+                .collect();
+            assert_nmse(&format!("{what}: residual"), &x, &want, 1e-9);
+            let v: Vec<f32> = (0..c.rows).map(|r| x[r] * params[nw_off + r]).collect();
+            let got_q: Vec<u32> =
+                bytemuck::cast_slice(&g.ctx().read(&xq, 32 * blocks as u64).unwrap())[..8 * blocks]
+                    .to_vec();
+            assert_q8_of(&what, &got_q, &g.read(&xd, blocks), &v);
+            let got_part = g.read(&part, blocks);
+            for (b, got) in got_part.iter().enumerate() {
+                let want: f32 = x[32 * b..(32 * b + 32).min(c.rows)]
+                    .iter()
+                    .fold(0.0, |s, v| s + v * v);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want,
+                    "{what}: Σx² of block {b}: {got} against {want}"
+                );
+            }
+            let left: Vec<u32> =
+                bytemuck::cast_slice(&g.ctx().read(&counts, 4 * blocks as u64).unwrap())[..blocks]
+                    .to_vec();
+            assert!(left.iter().all(|&n| n == 0), "{what}: counts left {left:?}");
+        }
+    }
+}

@@ -210,6 +210,7 @@ fn up_pass_routing(
                 params: m.has_correction_bias().then_some((bias, 0)),
                 counts: Some((&counts, 0)),
             }),
+            norm_tail: None,
         },
     )
     .unwrap();
@@ -765,5 +766,43 @@ fn moe_chat_turns_and_snapshots_match_the_cpu() {
             x1, x2,
             "{pattern}: a restored snapshot continues as the original"
         );
+    }
+}
+
+/// Fused q8_0 decode in which every Mamba2 block after an MoE block takes its pre-norm from
+/// the experts' last down pass (`expert_gemv::NormTail`: no norm dispatch; in_proj applies
+/// the 1/rms from the per-block sums), Nemotron-H's router and relu² experts with the
+/// shared expert as expert slices (as Nemotron 3 Nano's), in one bank and in several:
+/// against the CPU reference as the other q8_0 tests judge it.
+#[test]
+fn moe_down_pass_makes_the_next_mamba2_pre_norm() {
+    let mut config = tiny_moe("MEMEM*EM", false);
+    if let Some(m) = config.moe.as_mut() {
+        m.shared.as_mut().unwrap().intermediate = 2 * m.intermediate;
+    }
+    let model = Model::synthetic(config, 29);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let toks = tokens(90, 7, model.config.vocab_size);
+    let want = cpu
+        .forward(&mut cpu.new_state(), &toks, Scan::Chunked(16), Logits::All)
+        .unwrap();
+    for bank in [None, Some(4096)] {
+        let what = format!("bank={bank:?}");
+        let Some(mut gpu) = backend(&model, WeightFormat::Q8_0, true, PrefillMode::Decode, bank)
+        else {
+            return;
+        };
+        let graph = gpu.engine.graph(mamba2_wgpu::gpu::graph::Tail::Greedy);
+        let names: Vec<&str> = graph.dispatches.iter().map(|d| d.kernel()).collect();
+        let tails = names.iter().filter(|n| n.ends_with("+next_norm")).count();
+        let takers = names
+            .iter()
+            .filter(|n| n.starts_with("rms+in_proj"))
+            .count();
+        assert_eq!((tails, takers), (3, 3), "{what}: {names:?}");
+        let got = gpu.prefill_logits(&toks).unwrap();
+        let (median, p80) = typical_nmse(&got, &want);
+        assert!(median <= 3e-3, "{what}: median logits NMSE {median:e}");
+        assert!(p80 <= 3e-2, "{what}: 80th percentile NMSE {p80:e}");
     }
 }

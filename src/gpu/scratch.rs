@@ -52,6 +52,11 @@ pub struct Scratch {
     pub moe_mid: wgpu::Buffer,
     pub moe_xq: wgpu::Buffer,
     pub moe_xd: wgpu::Buffer,
+    /// The next pre-norm made by an experts' down pass (`expert_gemv::NormTail`): Σx² per
+    /// block of 32 residual values, and how many of each block's workgroups finished (u32,
+    /// zero between tokens).
+    pub norm_part: wgpu::Buffer,
+    pub norm_count: wgpu::Buffer,
     /// MoE: how often each expert of each MoE layer was chosen `[MoE layers][E]` (u32).
     pub expert_counts: wgpu::Buffer,
     /// Latent MoE: the latent input of the routed experts and their weighted sum
@@ -177,6 +182,8 @@ impl Scratch {
             moe_mid: ctx.storage_zeroed("moe mid", single(top_k * expert_mid))?,
             moe_xq: ctx.storage_zeroed("moe xq", single(top_k * expert_mid / 4))?,
             moe_xd: ctx.storage_zeroed("moe xd", single(top_k * expert_mid / 32))?,
+            norm_part: ctx.storage_zeroed("norm partials", single(c.d_model.div_ceil(32)))?,
+            norm_count: ctx.storage_zeroed("norm counts", single(c.d_model.div_ceil(32)))?,
             expert_counts: ctx.storage_zeroed("expert counts", single(moe_layers * experts))?,
             latent: ctx.storage_zeroed("moe latent", single(latent))?,
             latent_sum: ctx.storage_zeroed("moe latent sum", single(latent))?,
@@ -221,6 +228,8 @@ impl Scratch {
             &self.moe_mid,
             &self.moe_xq,
             &self.moe_xd,
+            &self.norm_part,
+            &self.norm_count,
             &self.expert_counts,
             &self.latent,
             &self.latent_sum,

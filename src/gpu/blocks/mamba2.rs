@@ -88,14 +88,27 @@ pub fn fusable(c: &ModelConfig, format: crate::model::quant::WeightFormat) -> bo
         .is_multiple_of(crate::gpu::kernels::gemv::group_unit(format))
 }
 
-/// One decode token through the layer, after the pre-norm, or (fused, `pre_norm`: the
-/// norm weights' offset in the layer's parameters) with the pre-norm folded into in_proj's
-/// prologue, which reads the residual (`gemv::folds_norm` says where it can).
+/// Where a decode token's pre-norm comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreNorm {
+    /// The norm kernel's dispatch before the block wrote `h` and its q8 blocks.
+    Made,
+    /// Folded into in_proj's prologue, which reads the residual (`gemv::folds_norm` says
+    /// where it can): the norm weights' offset in the layer's parameters.
+    Fold(usize),
+    /// Made by the experts' down pass before the block (`moe::tail_takes_next_norm`): the
+    /// q8 blocks of x ⊙ w without the 1/rms, which in_proj takes from the per-block Σx²
+    /// in `norm_part` (the group-norm prologue with one group of d_model).
+    Tail,
+}
+
+/// One decode token through the layer, its pre-norm as `pre_norm` says (fused only, but
+/// `Made`).
 pub fn decode(
     b: &BlockCtx,
     l: &MambaLayer,
     fused: bool,
-    pre_norm: Option<usize>,
+    pre_norm: PreNorm,
 ) -> Result<Vec<Dispatch>> {
     let (k, c, s) = (b.k, b.c, b.s);
     let eps = c.norm_eps;
@@ -103,10 +116,15 @@ pub fn decode(
     let q8 = b.q8();
     let gemv_in = |src| b.gemv_in(src, &s.mix);
     let mut d = Vec::new();
+    if !fused && pre_norm != PreNorm::Made {
+        return Err(crate::Error::Gpu(format!(
+            "the unfused Mamba2 graph takes its pre-norm from the norm kernel, not {pre_norm:?}"
+        )));
+    }
     if fused {
         let (name, input, src) = match pre_norm {
-            None => ("in_proj+conv", GemvInput::Plain, &s.h),
-            Some(nw_off) => (
+            PreNorm::Made => ("in_proj+conv", GemvInput::Plain, &s.h),
+            PreNorm::Fold(nw_off) => (
                 "norm+in_proj+conv",
                 GemvInput::Norm {
                     d: c.d_model,
@@ -116,7 +134,18 @@ pub fn decode(
                 },
                 &s.resid,
             ),
+            PreNorm::Tail => (
+                "rms+in_proj+conv",
+                GemvInput::Group {
+                    groups: 1,
+                    group_size: c.d_model,
+                    blocks_per_group: c.d_model.div_ceil(32),
+                    eps,
+                },
+                &s.h,
+            ),
         };
+        let part = (pre_norm == PreNorm::Tail).then_some(&s.norm_part);
         d.push(gemv::gemv(
             k,
             name,
@@ -127,6 +156,7 @@ pub fn decode(
                 params: Some(l.params),
                 conv_state: Some(l.conv_state),
                 ctrl: Some(&s.ctrl),
+                part,
                 ..gemv_in(src)
             },
         )?);

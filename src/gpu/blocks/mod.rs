@@ -73,14 +73,18 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
         &s.ctrl,
         &s.resid,
     )?];
+    let tails = norm_tails(b, w, fused && !batch)?;
     let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
         // Fused, an MoE block's router takes its pre-norm in its prologue, and so do a
         // Mamba2 block's quantized in_proj and an attention block's quantized qkv
-        // projection where `gemv::folds_norm` allows.
+        // projection where `gemv::folds_norm` allows; a Mamba2 block after an MoE block
+        // may take it from the experts' last down pass instead (`norm_tails`).
         let norm_off = layer.norm_offset(b.layout);
+        let tail_norm = tails[i];
         let fold_norm = fused
             && !batch
+            && !tail_norm
             && match &layer.mixer {
                 DeviceMixer::Moe(_) => true,
                 DeviceMixer::Mamba2 { in_proj, .. } => {
@@ -89,7 +93,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 DeviceMixer::Attention { qkv, .. } => gemv::folds_norm(k, qkv, false)?,
                 _ => false,
             };
-        let mut ds = if fold_norm {
+        let mut ds = if fold_norm || tail_norm {
             Vec::new()
         } else {
             vec![pre_norm(
@@ -113,7 +117,14 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                         b.format.name()
                     )));
                 }
-                mamba2::decode(b, &l, fuse, fold_norm.then_some(norm_off))?
+                let pre_norm = if tail_norm {
+                    mamba2::PreNorm::Tail
+                } else if fold_norm {
+                    mamba2::PreNorm::Fold(norm_off)
+                } else {
+                    mamba2::PreNorm::Made
+                };
+                mamba2::decode(b, &l, fuse, pre_norm)?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
                 let pre_norm = fold_norm.then_some((&layer.params, norm_off));
@@ -139,6 +150,13 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                     &layer.params,
                     moe_index - 1,
                     fused.then_some(norm_off),
+                    tails.get(i + 1).is_some_and(|&t| t).then(|| {
+                        let next = &w.layers[i + 1];
+                        moe::NextNorm {
+                            params: &next.params,
+                            nw_off: next.norm_offset(b.layout),
+                        }
+                    }),
                 )?
             }
             _ => unreachable!("the state store is built from the same blocks"),
@@ -285,6 +303,30 @@ pub fn prefill_graph(
         )?);
     }
     Ok(Graph { dispatches: d })
+}
+
+/// Which blocks of a one-token fused decode graph (`fused`) take their pre-norm from the
+/// MoE block before them (`moe::tail_takes_next_norm`): Mamba2 blocks whose in_proj reads
+/// q8 blocks, over whole q8 blocks of d_model (Nemotron 3 Nano: 22 of its 23). The norm's
+/// dispatch goes: on an H100 (run 191) about 3.1 µs a block, of which the down pass's
+/// counts and tail take back about 2.2 (Nano 2.044 → 2.036 ms/token; the Granite-4.0-H
+/// presets, whose in_proj folded the norm before, gain as much).
+fn norm_tails(b: &BlockCtx, w: &DeviceWeights, fused: bool) -> Result<Vec<bool>> {
+    let mut tails = vec![false; w.layers.len()];
+    if !fused || !b.c.d_model.is_multiple_of(32) {
+        return Ok(tails);
+    }
+    for (i, pair) in w.layers.windows(2).enumerate() {
+        let (DeviceMixer::Moe(m), DeviceMixer::Mamba2 { in_proj, .. }) =
+            (&pair[0].mixer, &pair[1].mixer)
+        else {
+            continue;
+        };
+        tails[i + 1] = in_proj.format.reads_q8()
+            && mamba2::fusable(b.c, b.format)
+            && moe::tail_takes_next_norm(b, m)?;
+    }
+    Ok(tails)
 }
 
 /// An MLP layer's biases as its activation kernel takes them.

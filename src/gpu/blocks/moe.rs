@@ -14,7 +14,7 @@ use crate::config::{MlpAct, MlpConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gpu::device_weights::DeviceMoe;
 use crate::gpu::kernels::expert_gemv::{
-    ActFold, Bank, ExpertBuffers, ExpertPass, RouteFold, expert_gemv,
+    ActFold, Bank, ExpertBuffers, ExpertPass, NormTail, RouteFold, expert_gemv, takes_norm_tail,
 };
 use crate::gpu::kernels::gemm::{GemmOutput, SortedRows, TILE, expert_gemm, gemm, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, NormOut};
@@ -50,17 +50,60 @@ fn expert_shape(m: &MoeConfig) -> MlpConfig {
     }
 }
 
+/// The next block's pre-norm weights (`params [nw_off..nw_off + d_model]`), for the down
+/// pass that makes that norm (`tail_takes_next_norm`).
+#[derive(Clone, Copy)]
+pub struct NextNorm<'a> {
+    pub params: &'a wgpu::Buffer,
+    pub nw_off: usize,
+}
+
+/// Whether a fused one-token MoE block can make the next block's pre-norm in its last down
+/// pass (`expert_gemv::NormTail`): its experts' down passes are the last to write the
+/// residual (no latent projection after them, no shared expert of its own shape after
+/// them), the activations are q8 blocks and the last bank's workgroups tile the q8 blocks.
+/// MAMBA2_NORM_TAIL=0 keeps the norm's own dispatch (for measuring).
+pub fn tail_takes_next_norm(b: &BlockCtx, w: &DeviceMoe) -> Result<bool> {
+    if !norm_tail_enabled()? || w.latent.is_some() || w.shared.is_some() || b.q8().is_none() {
+        return Ok(false);
+    }
+    let m = shape(b)?;
+    match w.down.last() {
+        Some(down) => takes_norm_tail(b.k, down, w.d_model, m.slots(), true),
+        None => Ok(false),
+    }
+}
+
+/// MAMBA2_NORM_TAIL: 0 keeps every decode pre-norm a dispatch of its own (or folded), 1
+/// (the default) lets the experts' down pass make the next one.
+fn norm_tail_enabled() -> Result<bool> {
+    match std::env::var("MAMBA2_NORM_TAIL") {
+        Err(_) => Ok(true),
+        Ok(s) => match s.trim() {
+            "0" => Ok(false),
+            "1" => Ok(true),
+            _ => Err(Error::InvalidInput(format!(
+                "MAMBA2_NORM_TAIL={s}: want 0 (the pre-norm's own dispatch) or 1 (made by the \
+                 experts' down pass)"
+            ))),
+        },
+    }
+}
+
 /// One decode token through an MoE block; `index` counts the MoE layers before this one
 /// (its row of the expert-load counters). Unfused, after the pre-norm into `h` and its q8
 /// blocks. Fused (`pre_norm`: the norm weights' offset in `params`), the router GEMV
 /// makes the pre-norm in its prologue and writes `h` for the experts, and non-gated
-/// experts take their activation in the up pass: two dispatches fewer.
+/// experts take their activation in the up pass: two dispatches fewer. With `next_norm`
+/// (where `tail_takes_next_norm`), the last down pass also makes the next block's
+/// pre-norm: its q8 blocks without the 1/rms into `xq`/`xd`, the sums into `norm_part`.
 pub fn decode(
     b: &BlockCtx,
     w: &DeviceMoe,
     params: &wgpu::Buffer,
     index: usize,
     pre_norm: Option<usize>,
+    next_norm: Option<NextNorm>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let m = shape(b)?;
@@ -133,6 +176,14 @@ pub fn decode(
         resid: &s.resid,
         store: false,
         route,
+        norm_tail: next_norm.map(|n| NormTail {
+            params: n.params,
+            nw_off: n.nw_off,
+            xq: &s.xq,
+            xd: &s.xd,
+            part: &s.norm_part,
+            counts: &s.norm_count,
+        }),
     };
     match &w.latent {
         None => d.extend(experts(b, w, stage, fused)?),
@@ -154,6 +205,7 @@ pub fn decode(
                     h_q8: None,
                     resid: &s.latent_sum,
                     store: true,
+                    norm_tail: None,
                     ..stage
                 },
                 fused,
@@ -402,6 +454,8 @@ struct Stage<'a> {
     store: bool,
     /// The routing, when the first up pass does it.
     route: Option<RouteFold<'a>>,
+    /// The next block's pre-norm, made by the last down pass.
+    norm_tail: Option<NormTail<'a>>,
 }
 
 /// The routed experts of one decode token: up per bank, the activation of every choice,
@@ -446,6 +500,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 }),
                 weights: route.as_ref().map(|_| st.weights),
                 route,
+                norm_tail: None,
             },
         )?);
     }
@@ -467,10 +522,22 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
         )?;
         d.push(moe_section(act));
     }
-    for (first, count, _, down) in w.banks() {
+    let banks = w.banks().count();
+    let mut norm_tail = st.norm_tail;
+    for (i, (first, count, _, down)) in w.banks().enumerate() {
+        let tail = if i + 1 == banks {
+            norm_tail.take()
+        } else {
+            None
+        };
+        let name = format!("experts.down[{first}..{}]+residual", first + count);
         d.push(expert_gemv(
             k,
-            &format!("experts.down[{first}..{}]+residual", first + count),
+            &if tail.is_some() {
+                format!("{name}+next_norm")
+            } else {
+                name
+            },
             down,
             Bank {
                 first,
@@ -490,6 +557,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 store: st.store && first == 0,
                 act: None,
                 route: None,
+                norm_tail: tail,
             },
         )?);
     }

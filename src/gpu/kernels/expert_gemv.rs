@@ -86,6 +86,63 @@ pub struct ExpertBuffers<'a> {
     pub act: Option<ActFold<'a>>,
     /// `Up`: the routing folded into the prologue (`ids` and `weights` are then written).
     pub route: Option<RouteFold<'a>>,
+    /// `Down`, one token: the next block's pre-norm made in the epilogue.
+    pub norm_tail: Option<NormTail<'a>>,
+}
+
+/// The next block's RMS pre-norm, made by the down pass that finishes the residual (one
+/// token, the last bank, adding into the residual): the q8 blocks of `x ⊙ w`
+/// (`w = params[nw_off..nw_off + M]`) into `xq [M/32·8]`, `xd [M/32]` without the 1/rms, and
+/// Σx² per block of 32 rows into `part [⌈M/32⌉]`, which the next GEMV turns into the 1/rms
+/// (`GemvInput::Group` with one group of M). `counts [⌈M/32⌉]` (u32, zero between tokens):
+/// how many of a block's workgroups finished; the last one makes the block. The norm's own
+/// dispatch goes.
+pub struct NormTail<'a> {
+    pub params: &'a wgpu::Buffer,
+    pub nw_off: usize,
+    pub xq: &'a wgpu::Buffer,
+    pub xd: &'a wgpu::Buffer,
+    pub part: &'a wgpu::Buffer,
+    pub counts: &'a wgpu::Buffer,
+}
+
+/// The most storage buffers a down pass with the norm tail binds: the bank's weights and
+/// scales, its q8 inputs, the residual, ids, weights, and the tail's five.
+const NORM_TAIL_BUFFERS: u32 = 12;
+
+/// Whether a one-token down pass of `w` (`rows_per_expert` rows, `top_k` slots, q8 inputs
+/// with `q8_in`) can make the next pre-norm in its tail: its workgroups' rows tile the q8
+/// blocks and the device binds the buffers it needs.
+pub fn takes_norm_tail(
+    k: &Kernels,
+    w: &DeviceMatrix,
+    rows_per_expert: usize,
+    top_k: usize,
+    q8_in: bool,
+) -> Result<bool> {
+    let buffers = k.ctx.device.limits().max_storage_buffers_per_shader_stage;
+    let (team, wg) = down_team_and_wg(k, w, rows_per_expert, top_k, q8_in)?;
+    Ok(buffers >= NORM_TAIL_BUFFERS && tiles_blocks((wg / team) as usize))
+}
+
+/// Whether workgroups of `rows` rows tile the q8 blocks: several to a block, or whole
+/// blocks each.
+fn tiles_blocks(rows: usize) -> bool {
+    32 % rows == 0 || rows.is_multiple_of(32)
+}
+
+/// The team and workgroup of a down pass: a row spans every choice's vectors.
+fn down_team_and_wg(
+    k: &Kernels,
+    w: &DeviceMatrix,
+    m: usize,
+    top_k: usize,
+    q8_in: bool,
+) -> Result<(u32, u32)> {
+    let per_row = top_k * w.kp / super::gemv::vector_width(w.format);
+    let q8 = q8_in && w.format.reads_q8();
+    let unroll = q8.then(|| super::gemv::gemv_unroll(w.format)).transpose()?;
+    team_and_wg(k, m, per_row, false, unroll)
 }
 
 /// What the up pass needs to route its token itself (`route_select.wgsl`, the routing
@@ -187,12 +244,6 @@ pub fn expert_gemv(
             }
         )));
     }
-    let vw = super::gemv::vector_width(w.format);
-    // A down projection's row spans every choice's vectors.
-    let per_row = match pass {
-        ExpertPass::Up => w.kp / vw,
-        ExpertPass::Down => top_k * w.kp / vw,
-    };
     let fold = b.act.as_ref().filter(|_| pass == ExpertPass::Up);
     if b.act.is_some() && fold.is_none() {
         return Err(Error::Gpu(format!(
@@ -200,9 +251,13 @@ pub fn expert_gemv(
         )));
     }
     let unroll = super::gemv::gemv_unroll(w.format)?;
-    let q8_in = b.q8.is_some() && w.format.reads_q8();
-    let down_unroll = (pass == ExpertPass::Down && q8_in).then_some(unroll);
-    let (team, wg) = team_and_wg(k, m, per_row, fold.is_some(), down_unroll)?;
+    let (team, wg) = match pass {
+        ExpertPass::Up => {
+            let per_row = w.kp / super::gemv::vector_width(w.format);
+            team_and_wg(k, m, per_row, fold.is_some(), None)?
+        }
+        ExpertPass::Down => down_team_and_wg(k, w, m, top_k, b.q8.is_some())?,
+    };
     // Input vectors are padded to 32 values (what norms and activations write).
     let xs = w.cols.next_multiple_of(32);
     let u = |v: usize| Const::U32(v as u32);
@@ -289,6 +344,38 @@ pub fn expert_gemv(
         check_len(&format!("{name}: weights"), wt, tokens * top_k)?;
         flags.push("DOWN");
         entries.push((7, wt));
+    }
+    if let Some(n) = &b.norm_tail {
+        let rows = (wg / team) as usize;
+        if pass != ExpertPass::Down || tokens != 1 || b.store || !tiles_blocks(rows) {
+            return Err(Error::Gpu(format!(
+                "{name}: only a one-token down pass adding into the residual, with workgroups \
+                 of a divisor or multiple of 32 rows (not {rows}), makes the next pre-norm"
+            )));
+        }
+        let blocks = m.div_ceil(32);
+        check_len(&format!("{name}: norm params"), n.params, n.nw_off + m)?;
+        check_len(&format!("{name}: norm xq"), n.xq, blocks * 8)?;
+        check_len(&format!("{name}: norm xd"), n.xd, blocks)?;
+        check_len(&format!("{name}: norm part"), n.part, blocks)?;
+        check_len(&format!("{name}: norm counts"), n.counts, blocks)?;
+        flags.extend(["NORM_TAIL", "Q8_OUT", "Q8_BLOCK"]);
+        if let Some(piece) = k.q8_shuffle() {
+            flags.push("Q8_SHUFFLE");
+            consts.push(piece);
+        }
+        consts.extend([
+            ("NB", u(blocks)),
+            ("NW_OFF", u(n.nw_off)),
+            ("TR", u(rows.max(32))),
+        ]);
+        entries.extend([
+            (9, n.xq),
+            (10, n.xd),
+            (14, n.params),
+            (15, n.part),
+            (16, n.counts),
+        ]);
     }
     let sources = if b.route.is_some() { ROUTED } else { SOURCES };
     let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, false)?;

@@ -814,9 +814,12 @@ pub fn gemv(
         }
         wg as u32
     } else {
-        let kind = match input {
-            GemvInput::Group { .. } => WgKind::Group,
-            GemvInput::Plain | GemvInput::Norm { .. } => WgKind::Plain,
+        // (An in_proj whose pre-norm an experts' down pass made reads one group's partials:
+        // it keeps the plain GEMVs' size.)
+        let kind = match (input, output) {
+            (GemvInput::Group { .. }, GemvOutput::Mixer(_)) => WgKind::Plain,
+            (GemvInput::Group { .. }, _) => WgKind::Group,
+            (GemvInput::Plain | GemvInput::Norm { .. }, _) => WgKind::Plain,
         };
         one_token_wg(k, kind)?.max(team).max((gsub * groups) as u32)
     };
