@@ -102,8 +102,8 @@ pub enum PreNorm {
     Tail,
 }
 
-/// One decode token through the layer, its pre-norm as `pre_norm` says (fused only, but
-/// `Made`).
+/// One decode token through the layer, its pre-norm where `pre_norm` says (the unfused
+/// graph takes only `Made`).
 pub fn decode(
     b: &BlockCtx,
     l: &MambaLayer,
