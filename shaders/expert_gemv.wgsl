@@ -303,6 +303,20 @@ fn main(
     // workgroup of the token's first slot writes it out for the down pass and the expert
     // load. The shared expert's slots need none.
     let s = z % KS;
+#if RT_SHUFFLE
+    // (route_rank: the counts summed by shuffles, and the slot's id written by the
+    // invocation that ranks it: two barriers fewer before the first weight load.)
+    if (s < K) {
+        route_rank(z / KS, lid, s);
+    } else if (lid == 0u) {
+        rt_want_id = E + s - K;
+    }
+    if (s == 0u && wid.x == 0u && wid.y == 0u) {
+        workgroupBarrier();
+        route_write(z / KS, lid);
+    }
+    let id = workgroupUniformLoad(&rt_want_id);
+#else
     if (s < K) {
         route_select(z / KS, lid);
     }
@@ -312,12 +326,14 @@ fn main(
     if (lid == 0u) {
         up_id = select(E + s - K, rt_slot_id[min(s, K - 1u)], s < K);
     }
+    let id = workgroupUniformLoad(&up_id);
+#endif
 #else
     if (lid == 0u) {
         up_id = ids[z];
     }
-#endif
     let id = workgroupUniformLoad(&up_id);
+#endif
     if (id < E0 || id >= E0 + NE) {
         return;
     }

@@ -41,6 +41,78 @@ fn rt_eligible(e: u32) -> bool {
 // Token t's K choices into rt_slot_id / rt_slot_w (visible to the whole workgroup on
 // return). Call from uniform control flow.
 fn route_select(t: u32, lid: u32) {
+    rt_scores(t, lid);
+    // Invocation lid counts, for candidate lid / TPC (and every WG / TPC after it), the
+    // candidates j ≡ lid (mod TPC) that beat it.
+    for (var e = lid / TPC; e < E; e += WG / TPC) {
+        if (rt_eligible(e)) {
+            let c = rt_score[e];
+            var beaten_by = 0u;
+            for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
+                beaten_by += u32(rt_eligible(j) && ranks_before(rt_score[j], j, c, e));
+            }
+            atomicAdd(&rt_rank[e], beaten_by);
+        }
+    }
+    workgroupBarrier();
+    for (var e = lid; e < E; e += WG) {
+        if (rt_eligible(e)) {
+            let rank = atomicLoad(&rt_rank[e]);
+            if (rank < K) {
+                rt_slot_id[rank] = e;
+#if GROUPED
+                rt_slot_w[rank] = rt_prob[e];
+#else
+                rt_slot_w[rank] = rt_score[e];
+#endif
+            }
+        }
+    }
+    workgroupBarrier();
+}
+
+#if RT_SHUFFLE
+// The expert of slot `want`, for the decode up pass (route_rank).
+var<workgroup> rt_want_id: u32;
+
+// route_select with one candidate per TPC consecutive invocations (E ≤ WG / TPC, TPC at
+// most the smallest subgroup): their counts are summed by shuffles instead of workgroup
+// atomics, and the candidate's first invocation writes its slot, and its id to
+// `rt_want_id` when its rank is `want`. The same ranks, so the same choices. No barrier
+// after the count: whoever reads the slots (route_write) or the id takes one first. Call
+// from uniform control flow.
+fn route_rank(t: u32, lid: u32, want: u32) {
+    rt_scores(t, lid);
+    let e = lid / TPC;
+    let live = e < E && rt_eligible(min(e, E - 1u));
+    var beaten_by = 0u;
+    if (live) {
+        let c = rt_score[e];
+        for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
+            beaten_by += u32(rt_eligible(j) && ranks_before(rt_score[j], j, c, e));
+        }
+    }
+    // (A count that stopped at K still sums to K or more; one under K is exact.)
+    for (var o = TPC / 2u; o > 0u; o /= 2u) {
+        beaten_by += subgroupShuffleXor(beaten_by, o);
+    }
+    if (live && lid % TPC == 0u && beaten_by < K) {
+        rt_slot_id[beaten_by] = e;
+#if GROUPED
+        rt_slot_w[beaten_by] = rt_prob[e];
+#else
+        rt_slot_w[beaten_by] = rt_score[e];
+#endif
+        if (beaten_by == want) {
+            rt_want_id = e;
+        }
+    }
+}
+#endif
+
+// The candidates' scores (and with GROUPED the eligible groups), visible to the workgroup
+// on return. Call from uniform control flow.
+fn rt_scores(t: u32, lid: u32) {
     for (var e = lid; e < E; e += WG) {
         let l = logits[t * E + e];
 #if GROUPED
@@ -81,33 +153,6 @@ fn route_select(t: u32, lid: u32) {
         workgroupBarrier();
     }
 #endif
-    // Invocation lid counts, for candidate lid / TPC (and every WG / TPC after it), the
-    // candidates j ≡ lid (mod TPC) that beat it.
-    for (var e = lid / TPC; e < E; e += WG / TPC) {
-        if (rt_eligible(e)) {
-            let c = rt_score[e];
-            var beaten_by = 0u;
-            for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
-                beaten_by += u32(rt_eligible(j) && ranks_before(rt_score[j], j, c, e));
-            }
-            atomicAdd(&rt_rank[e], beaten_by);
-        }
-    }
-    workgroupBarrier();
-    for (var e = lid; e < E; e += WG) {
-        if (rt_eligible(e)) {
-            let rank = atomicLoad(&rt_rank[e]);
-            if (rank < K) {
-                rt_slot_id[rank] = e;
-#if GROUPED
-                rt_slot_w[rank] = rt_prob[e];
-#else
-                rt_slot_w[rank] = rt_score[e];
-#endif
-            }
-        }
-    }
-    workgroupBarrier();
 }
 
 // After route_select: token t's row of KS slots — the K chosen with their weights, then the

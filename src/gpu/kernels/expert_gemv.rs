@@ -333,6 +333,14 @@ pub fn expert_gemv(
         consts.extend(spec.consts.into_iter().filter(|(c, _)| *c != "KS"));
         flags.push("ROUTE");
         flags.extend(spec.flags);
+        // One candidate per TPC invocations that a subgroup holds: their counts summed by
+        // shuffles (`route_rank`), two barriers fewer before the first weight load.
+        // MAMBA2_ROUTE_SHUFFLE=0 keeps the workgroup atomics (for measuring).
+        let tpc = (wg as usize / r.moe.experts.next_power_of_two()).max(1);
+        let off = std::env::var("MAMBA2_ROUTE_SHUFFLE").is_ok_and(|v| v.trim() == "0");
+        if !off && k.shuffles() && tpc >= 2 && tpc <= k.ctx.caps.subgroup_min as usize {
+            flags.push("RT_SHUFFLE");
+        }
         entries.extend([(7, wt), (11, r.logits)]);
         entries.extend(spec.bias.map(|p| (12, p)));
         entries.extend(spec.counts.map(|c| (13, c)));
