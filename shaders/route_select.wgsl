@@ -46,12 +46,7 @@ fn route_select(t: u32, lid: u32) {
     // candidates j ≡ lid (mod TPC) that beat it.
     for (var e = lid / TPC; e < E; e += WG / TPC) {
         if (rt_eligible(e)) {
-            let c = rt_score[e];
-            var beaten_by = 0u;
-            for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
-                beaten_by += u32(rt_eligible(j) && ranks_before(rt_score[j], j, c, e));
-            }
-            atomicAdd(&rt_rank[e], beaten_by);
+            atomicAdd(&rt_rank[e], rt_beaten_by(e, lid));
         }
     }
     workgroupBarrier();
@@ -59,12 +54,7 @@ fn route_select(t: u32, lid: u32) {
         if (rt_eligible(e)) {
             let rank = atomicLoad(&rt_rank[e]);
             if (rank < K) {
-                rt_slot_id[rank] = e;
-#if GROUPED
-                rt_slot_w[rank] = rt_prob[e];
-#else
-                rt_slot_w[rank] = rt_score[e];
-#endif
+                rt_put(rank, e);
             }
         }
     }
@@ -87,28 +77,41 @@ fn route_rank(t: u32, lid: u32, want: u32) {
     let live = e < E && rt_eligible(min(e, E - 1u));
     var beaten_by = 0u;
     if (live) {
-        let c = rt_score[e];
-        for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
-            beaten_by += u32(rt_eligible(j) && ranks_before(rt_score[j], j, c, e));
-        }
+        beaten_by = rt_beaten_by(e, lid);
     }
-    // (A count that stopped at K still sums to K or more; one under K is exact.)
     for (var o = TPC / 2u; o > 0u; o /= 2u) {
         beaten_by += subgroupShuffleXor(beaten_by, o);
     }
     if (live && lid % TPC == 0u && beaten_by < K) {
-        rt_slot_id[beaten_by] = e;
-#if GROUPED
-        rt_slot_w[beaten_by] = rt_prob[e];
-#else
-        rt_slot_w[beaten_by] = rt_score[e];
-#endif
+        rt_put(beaten_by, e);
         if (beaten_by == want) {
             rt_want_id = e;
         }
     }
 }
 #endif
+
+// How many of the candidates j ≡ lid (mod TPC) beat eligible candidate e, counting no
+// further than K (the TPC shares of a rank under K are exact; one of K or more sums to K or
+// more).
+fn rt_beaten_by(e: u32, lid: u32) -> u32 {
+    let c = rt_score[e];
+    var beaten_by = 0u;
+    for (var j = lid % TPC; j < E && beaten_by < K; j += TPC) {
+        beaten_by += u32(rt_eligible(j) && ranks_before(rt_score[j], j, c, e));
+    }
+    return beaten_by;
+}
+
+// Candidate e, of rank `rank` < K, into its slot with its score (GROUPED: s; else the logit).
+fn rt_put(rank: u32, e: u32) {
+    rt_slot_id[rank] = e;
+#if GROUPED
+    rt_slot_w[rank] = rt_prob[e];
+#else
+    rt_slot_w[rank] = rt_score[e];
+#endif
+}
 
 // The candidates' scores (and with GROUPED the eligible groups), visible to the workgroup
 // on return. Call from uniform control flow.
