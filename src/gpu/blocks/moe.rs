@@ -77,17 +77,12 @@ pub fn tail_takes_next_norm(b: &BlockCtx, w: &DeviceMoe) -> Result<bool> {
 /// MAMBA2_NORM_TAIL: 0 keeps every decode pre-norm a dispatch of its own (or folded), 1
 /// (the default) lets the experts' down pass make the next one.
 fn norm_tail_enabled() -> Result<bool> {
-    match std::env::var("MAMBA2_NORM_TAIL") {
-        Err(_) => Ok(true),
-        Ok(s) => match s.trim() {
-            "0" => Ok(false),
-            "1" => Ok(true),
-            _ => Err(Error::InvalidInput(format!(
-                "MAMBA2_NORM_TAIL={s}: want 0 (the pre-norm's own dispatch) or 1 (made by the \
-                 experts' down pass)"
-            ))),
-        },
-    }
+    Ok(crate::gpu::kernels::env_switch(
+        "MAMBA2_NORM_TAIL",
+        "the pre-norm's own dispatch",
+        "made by the experts' down pass",
+    )?
+    .unwrap_or(true))
 }
 
 /// One decode token through an MoE block; `index` counts the MoE layers before this one

@@ -337,8 +337,13 @@ pub fn expert_gemv(
         // shuffles (`route_rank`), two barriers fewer before the first weight load.
         // MAMBA2_ROUTE_SHUFFLE=0 keeps the workgroup atomics (for measuring).
         let tpc = (wg as usize / r.moe.experts.next_power_of_two()).max(1);
-        let off = std::env::var("MAMBA2_ROUTE_SHUFFLE").is_ok_and(|v| v.trim() == "0");
-        if !off && k.shuffles() && tpc >= 2 && tpc <= k.ctx.caps.subgroup_min as usize {
+        let on = super::env_switch(
+            "MAMBA2_ROUTE_SHUFFLE",
+            "the workgroup atomics",
+            "subgroup shuffles where they fit",
+        )?
+        .unwrap_or(true);
+        if on && k.shuffles() && tpc >= 2 && tpc <= k.ctx.caps.subgroup_min as usize {
             flags.push("RT_SHUFFLE");
         }
         entries.extend([(7, wt), (11, r.logits)]);

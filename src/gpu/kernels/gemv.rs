@@ -636,17 +636,11 @@ pub fn team_override() -> Result<Option<u32>> {
 /// MAMBA2_NORM_FOLD=0|1 (for measuring): whether a Mamba2 block's one-token in_proj takes
 /// the pre-norm in its prologue (`folds_norm`), against the default.
 fn norm_fold_override() -> Result<Option<bool>> {
-    match std::env::var("MAMBA2_NORM_FOLD") {
-        Err(_) => Ok(None),
-        Ok(s) => match s.trim() {
-            "0" => Ok(Some(false)),
-            "1" => Ok(Some(true)),
-            _ => Err(Error::InvalidInput(format!(
-                "MAMBA2_NORM_FOLD={s}: want 0 (the pre-norm as its own dispatch) or 1 (folded \
-                 into in_proj where it can be)"
-            ))),
-        },
-    }
+    super::env_switch(
+        "MAMBA2_NORM_FOLD",
+        "the pre-norm as its own dispatch",
+        "folded into in_proj where it can be",
+    )
 }
 
 /// The most bytes of residual and norm weights a folded pre-norm's workgroups may read

@@ -380,6 +380,21 @@ impl Kernels {
     }
 }
 
+/// A measuring switch `name=0|1`: None when unset; any other value is an error that names
+/// the variable and what each value does (`off`, `on`).
+pub fn env_switch(name: &str, off: &str, on: &str) -> Result<Option<bool>> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(s) => match s.trim() {
+            "0" => Ok(Some(false)),
+            "1" => Ok(Some(true)),
+            _ => Err(Error::InvalidInput(format!(
+                "{name}={s}: want 0 ({off}) or 1 ({on})"
+            ))),
+        },
+    }
+}
+
 /// Checks that `buffer` holds at least `count` 4-byte values; `what` names it.
 pub fn check_len(what: &str, buffer: &wgpu::Buffer, count: usize) -> Result<()> {
     let need = 4 * count as u64;
