@@ -329,14 +329,14 @@ pub fn expert_gemv(
             .ok_or_else(|| Error::Gpu(format!("{name}: no routing weights given")))?;
         check_len(&format!("{name}: weights"), wt, tokens * top_k)?;
         let spec = super::moe_route::route_spec(name, r.moe, wg, r.params, r.counts)?;
+        // One candidate per TPC invocations that a subgroup holds: their counts summed by
+        // shuffles (`route_rank`), two barriers fewer before the first weight load.
+        // MAMBA2_ROUTE_SHUFFLE=0 keeps the workgroup atomics (for measuring).
+        let tpc = spec.tpc;
         // (`KS` is already the pass's slots.)
         consts.extend(spec.consts.into_iter().filter(|(c, _)| *c != "KS"));
         flags.push("ROUTE");
         flags.extend(spec.flags);
-        // One candidate per TPC invocations that a subgroup holds: their counts summed by
-        // shuffles (`route_rank`), two barriers fewer before the first weight load.
-        // MAMBA2_ROUTE_SHUFFLE=0 keeps the workgroup atomics (for measuring).
-        let tpc = (wg as usize / r.moe.experts.next_power_of_two()).max(1);
         let on = super::env_switch(
             "MAMBA2_ROUTE_SHUFFLE",
             "the workgroup atomics",

@@ -53,6 +53,7 @@ pub fn moe_route(
         mut flags,
         bias,
         counts,
+        ..
     } = route_spec(name, m, wg, b.params, b.counts)?;
     consts.push(("WG", Const::U32(wg)));
     let mut entries = vec![(0, b.logits), (2, b.ids), (3, b.weights)];
@@ -87,6 +88,8 @@ pub struct RouteSpec<'a> {
     pub bias: Option<&'a wgpu::Buffer>,
     /// The expert-load counters.
     pub counts: Option<&'a wgpu::Buffer>,
+    /// Invocations per candidate (`TPC`).
+    pub tpc: usize,
 }
 
 /// `route_select.wgsl` for a workgroup of `wg` invocations: checks the router's shape, that
@@ -148,5 +151,6 @@ pub fn route_spec<'a>(
         flags,
         bias,
         counts: counts.map(|(c, _)| c),
+        tpc,
     })
 }
