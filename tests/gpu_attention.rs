@@ -2,7 +2,9 @@
 //! attention_prefill) against the CPU oracle `reference::attention` in f64, from one table
 //! of cases. The oracle reads the K/V the GPU stored (read back, so f16 caches are compared
 //! on the same rounded values) and the queries rotated on the host. Cache rows past the
-//! ones a case stores hold NaN: a kernel that reads past the length fails. The qkv GEMV
+//! ones a case stores hold NaN: a kernel that reads past the length fails. Every decode
+//! pipeline that holds a case's length gives the same bits (a batch runs the one its
+//! longest lane needs, and a lane must equal its run alone). The qkv GEMV
 //! that stores K/V itself (fused decode), with or without the pre-norm in its prologue,
 //! against the norm, the GEMV and kv_store, bit for bit.
 
@@ -72,6 +74,7 @@ const CASES: &[Case] = &[
     Case { name: "nemotron-h-8b: f32 cache, len 37", kernel: Decode, heads: 32, kv_heads: 8, head_dim: 128, ctx: 300, pos0: 36, tokens: 1, format: F32, rope: None, tol: 2e-6 },
     Case { name: "granite-4.0-h-tiny: H 12, Hkv 4, hd 64, len 300", kernel: Decode, heads: 12, kv_heads: 4, head_dim: 64, ctx: 1000, pos0: 299, tokens: 1, format: F16, rope: None, tol: 2e-6 },
     Case { name: "granite-4.0-h-tiny: long segments, len 5001 of 20000", kernel: Decode, heads: 12, kv_heads: 4, head_dim: 64, ctx: 20000, pos0: 5000, tokens: 1, format: F16, rope: None, tol: 2e-6 },
+    Case { name: "nemotron-3-nano: H 32, Hkv 2, hd 128, segments of 64, len 9000 of 16384", kernel: Decode, heads: 32, kv_heads: 2, head_dim: 128, ctx: 16384, pos0: 8999, tokens: 1, format: F16, rope: None, tol: 2e-6 },
     Case { name: "mqa: H 16, Hkv 1, hd 128 (two head chunks), len 300", kernel: Decode, heads: 16, kv_heads: 1, head_dim: 128, ctx: 1000, pos0: 299, tokens: 1, format: F16, rope: None, tol: 2e-6 },
     Case { name: "mqa, ragged head chunks: H 9, Hkv 1, hd 128 (5 + 4), len 77", kernel: Decode, heads: 9, kv_heads: 1, head_dim: 128, ctx: 200, pos0: 76, tokens: 1, format: F32, rope: None, tol: 2e-6 },
     Case { name: "mha + rope: H 8, Hkv 8, hd 64, len 1000 = ctx", kernel: Decode, heads: 8, kv_heads: 8, head_dim: 64, ctx: 1000, pos0: 999, tokens: 1, format: F16, rope: Some(10000.0), tol: 1e-5 },
@@ -274,12 +277,32 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
             // (The store once: with RoPE it rotates q in place.)
             g.run(&[&store]);
             let nan = vec![f32::NAN; t_cap * os];
-            for d in attn.shorter.iter().map(|(_, d)| d).chain([&attn]) {
+            // The narrowest pipeline that holds the length: the one a lone sequence runs.
+            let mut alone: Option<usize> = None;
+            let len = (c.pos0 + c.tokens) as u32;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (most, d) in attn
+                .shorter
+                .iter()
+                .map(|(m, d)| (*m, d))
+                .chain([(u32::MAX, &attn)])
+            {
                 g.ctx()
                     .queue
                     .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
                 g.run(&[d, &comb]);
                 outs.push(g.read(&o, c.tokens * os));
+                // A batch records the pipeline its longest lane needs, so every pipeline
+                // that holds this length must give the same bits (batched == alone).
+                if len <= most {
+                    let n = outs.len() - 1;
+                    let a = *alone.get_or_insert(n);
+                    assert!(
+                        bits(&outs[n]) == bits(&outs[a]),
+                        "{}: pipelines {a} and {n} both hold length {len} but give other bits",
+                        c.name
+                    );
+                }
             }
         }
         Prefill => {

@@ -140,6 +140,20 @@ pub fn check_overrides() -> Result<()> {
     Ok(())
 }
 
+/// Softmax invocations per row, P, one for every tile: a power of two, at most 32 (each
+/// reads the row's P partial maxima and sums), that fits the widest workgroup of rows
+/// (`rows`, each tile's). Each of a row's P partial sums adds the keys ≡ its index (mod P)
+/// of a tile, so a tile's sum of exp(score − max) depends on P: with one P, every tile that
+/// holds a segment adds its keys in the same order (the keys past the segment add exact
+/// zeros), and a lane batched with a longer one, which may run a wider tile, keeps the
+/// bits of its run alone. (A P per tile, the most each allowed, made the 4-row tile's sums
+/// differ from the 8-row tiles' wherever a kv head serves more than 4 query heads.)
+fn softmax_share(wg: usize, rows: impl Iterator<Item = usize>) -> usize {
+    rows.map(|r| (1usize << (wg / r).ilog2()).min(32))
+        .min()
+        .expect("tiles")
+}
+
 /// Workgroup memory of a pipeline: the queries (rows × hd), the scores (rows × keys), two
 /// WG-long reduction arrays and three per-row values, all 4-byte.
 fn workgroup_bytes(hd: usize, rows: usize, keys: usize) -> usize {
@@ -203,6 +217,13 @@ pub fn attention_decode(
     if nseg > 65535 {
         return Err(Error::Gpu(format!("{name}: {nseg} segments")));
     }
+    // The tiles in use: the narrowest maybe overridden (`MAMBA2_ATTN_ROWS`).
+    let tiles: Vec<DecodeTile> = TILES
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| if i == 0 { narrowest(t) } else { t })
+        .collect();
+    let p = softmax_share(WG, tiles.iter().map(|t| head_rows(&c, t.max_rows).0));
     // One pipeline per tile; the widest serves any length.
     let dispatch = |t: DecodeTile| -> Result<Dispatch> {
         let (rows, chunks) = head_rows(&c, t.max_rows);
@@ -212,9 +233,6 @@ pub fn attention_decode(
                 "{name}: {bytes} bytes of workgroup memory ({t:?}, {rows} heads, hd {hd})"
             )));
         }
-        // Softmax invocations per row: a power of two, at most 32 (each reads the row's
-        // P partial maxima and sums).
-        let p = (1usize << (WG / rows).ilog2()).min(32);
         let mut consts = consts.clone();
         consts.extend([
             ("R", u(rows)),
@@ -243,14 +261,10 @@ pub fn attention_decode(
     };
     // Contexts whose segments fit a narrower tile take it (segments of `keys` keys up to
     // keys·NSEG rows in use).
-    let (widest, narrower) = TILES.split_last().expect("tiles");
+    let (widest, narrower) = tiles.split_last().expect("tiles");
     let shorter = narrower
         .iter()
-        .enumerate()
-        .map(|(i, &t)| {
-            let t = if i == 0 { narrowest(t) } else { t };
-            Ok(((t.keys * nseg) as u32, dispatch(t)?))
-        })
+        .map(|&t| Ok(((t.keys * nseg) as u32, dispatch(t)?)))
         .collect::<Result<Vec<_>>>()?;
     Ok(Dispatch {
         shorter,
