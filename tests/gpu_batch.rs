@@ -1,8 +1,9 @@
 //! Batched decode (lavapipe in CI): sequences in the slots of one batch, joining and
 //! leaving mid-way, greedy and seeded sampling side by side, must give every sequence the
 //! logits and tokens it gets alone — bitwise, at every step and lane count — on the pure
-//! Mamba2 fixture in every weight format and the hybrid in f32 and q8_0, and with more lanes
-//! than one workgroup sums (two rows of workgroups). A sequence that leaves hands
+//! Mamba2 fixture in every weight format and the hybrid in f32 and q8_0, with more lanes
+//! than one workgroup sums (two rows of workgroups), and beside a lane whose context needs
+//! a wider attention tile. A sequence that leaves hands
 //! back exactly the state of the same tokens fed alone.
 
 mod common;
@@ -393,6 +394,82 @@ fn more_lanes_exact(lanes: usize) {
         }
     }
     for (lane, (_, (tokens, _))) in alone.iter().enumerate() {
+        assert_eq!(&got[lane], tokens, "lane {lane}");
+    }
+}
+
+/// A lane batched with a lane whose context needs a wider attention tile runs that tile
+/// (a batch records the one its longest lane needs) and must still equal its run alone: a
+/// hybrid whose kv head serves 8 query heads (the narrowest tile takes 4 of them, the wider
+/// ones 8) with room for 16384 rows, one lane past 8192 rows (the narrowest tile's most at
+/// that capacity), one of 100 (segments of 32 keys: more than the 16 partial sums a row
+/// of the wide tiles takes, so a per-tile share of those sums would add them in another
+/// order: with a share per tile this test failed on lavapipe).
+#[test]
+fn a_short_lane_beside_a_long_one_keeps_its_bits() {
+    let mut config = tiny_hybrid("M*M", 1);
+    if let Some(a) = config.attention.as_mut() {
+        a.heads = 8;
+    }
+    let model = Model::synthetic(config, 21);
+    let vocab = model.config.vocab_size;
+    let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
+        return;
+    };
+    let opts = EngineOptions {
+        format: WeightFormat::F32,
+        fused: true,
+        chunk_size: Some(64),
+        prefill: PrefillMode::Chunked,
+        context: Some(16384),
+        kv: KvFormat::F16,
+        expert_bank_bytes: None,
+    };
+    let mut be = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+    let greedy = Sampling::greedy();
+    let new = 3;
+    let lanes: Vec<Vec<u32>> = [8300, 100]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(n, 500 + i as u64, vocab))
+        .collect();
+    let req = |p: &Vec<u32>| Req {
+        prompt: p.len(),
+        new,
+        sampling: greedy,
+        joins: 0,
+    };
+    let alone: Vec<_> = lanes.iter().map(|p| solo(&mut be, p, &req(p))).collect();
+    be.enable_batch(2).unwrap();
+    let mut got: Vec<Vec<u32>> = Vec::new();
+    for (lane, p) in lanes.iter().enumerate() {
+        be.reset().unwrap();
+        let first = be.prefill_sample(p, &greedy, p.len() as u64).unwrap();
+        got.push(vec![first]);
+        let batch = be.batch.as_mut().unwrap();
+        batch
+            .join(&be.engine, lane, first, p.len() as u64 + 1, &greedy, &[])
+            .unwrap();
+    }
+    let batch = be.batch.as_mut().unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for step in 0..new {
+        batch
+            .step(&be.engine, 1, &mut |lane, c| {
+                got[lane].push(c.token);
+                true
+            })
+            .unwrap();
+        for (lane, (_, logits)) in alone.iter().enumerate() {
+            let l = batch.logits(&be.engine, lane).unwrap();
+            assert!(
+                bits(&l) == bits(&logits[step]),
+                "lane {lane} ({} prompt tokens) step {step}: logits differ from its run alone",
+                lanes[lane].len()
+            );
+        }
+    }
+    for (lane, (tokens, _)) in alone.iter().enumerate() {
         assert_eq!(&got[lane], tokens, "lane {lane}");
     }
 }
