@@ -356,21 +356,31 @@ fn more_lanes_exact(lanes: usize) {
     let Some(mut be) = backend(&model, WeightFormat::Q8_0) else {
         return;
     };
+    let prompts: Vec<Vec<u32>> = (0..lanes)
+        .map(|lane| prompt(1 + lane % 5, 300 + lane as u64, vocab))
+        .collect();
+    greedy_lanes_equal_alone(&mut be, &prompts, 3);
+}
+
+/// Each prompt alone (greedy, `new` tokens), then all of them as the lanes of one batch:
+/// every lane's logits at every step and its tokens equal its run alone's.
+fn greedy_lanes_equal_alone(be: &mut GpuBackend, prompts: &[Vec<u32>], new: usize) {
     let greedy = Sampling::greedy();
-    let mut alone = Vec::new();
-    for lane in 0..lanes {
-        let p = prompt(1 + lane % 5, 300 + lane as u64, vocab);
-        let req = Req {
-            prompt: p.len(),
-            new: 3,
-            sampling: greedy,
-            joins: 0,
-        };
-        alone.push((p.clone(), solo(&mut be, &p, &req)));
-    }
-    be.enable_batch(lanes).unwrap();
+    let alone: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let req = Req {
+                prompt: p.len(),
+                new,
+                sampling: greedy,
+                joins: 0,
+            };
+            solo(be, p, &req)
+        })
+        .collect();
+    be.enable_batch(prompts.len()).unwrap();
     let mut got: Vec<Vec<u32>> = Vec::new();
-    for (lane, (p, _)) in alone.iter().enumerate() {
+    for (lane, p) in prompts.iter().enumerate() {
         be.reset().unwrap();
         let first = be.prefill_sample(p, &greedy, p.len() as u64).unwrap();
         got.push(vec![first]);
@@ -380,20 +390,24 @@ fn more_lanes_exact(lanes: usize) {
             .unwrap();
     }
     let batch = be.batch.as_mut().unwrap();
-    for step in 0..3 {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for step in 0..new {
         batch
             .step(&be.engine, 1, &mut |lane, c| {
                 got[lane].push(c.token);
                 true
             })
             .unwrap();
-        for (lane, (_, (_, logits))) in alone.iter().enumerate() {
+        for (lane, (_, logits)) in alone.iter().enumerate() {
             let l = batch.logits(&be.engine, lane).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert!(bits(&l) == bits(&logits[step]), "lane {lane} step {step}");
+            assert!(
+                bits(&l) == bits(&logits[step]),
+                "lane {lane} ({} prompt tokens) step {step}: logits differ from its run alone",
+                prompts[lane].len()
+            );
         }
     }
-    for (lane, (_, (tokens, _))) in alone.iter().enumerate() {
+    for (lane, (tokens, _)) in alone.iter().enumerate() {
         assert_eq!(&got[lane], tokens, "lane {lane}");
     }
 }
@@ -426,52 +440,12 @@ fn a_short_lane_beside_a_long_one_keeps_its_bits() {
         expert_bank_bytes: None,
     };
     let mut be = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
-    let greedy = Sampling::greedy();
-    let new = 3;
-    let lanes: Vec<Vec<u32>> = [8300, 100]
+    let prompts: Vec<Vec<u32>> = [8300, 100]
         .iter()
         .enumerate()
         .map(|(i, &n)| prompt(n, 500 + i as u64, vocab))
         .collect();
-    let req = |p: &Vec<u32>| Req {
-        prompt: p.len(),
-        new,
-        sampling: greedy,
-        joins: 0,
-    };
-    let alone: Vec<_> = lanes.iter().map(|p| solo(&mut be, p, &req(p))).collect();
-    be.enable_batch(2).unwrap();
-    let mut got: Vec<Vec<u32>> = Vec::new();
-    for (lane, p) in lanes.iter().enumerate() {
-        be.reset().unwrap();
-        let first = be.prefill_sample(p, &greedy, p.len() as u64).unwrap();
-        got.push(vec![first]);
-        let batch = be.batch.as_mut().unwrap();
-        batch
-            .join(&be.engine, lane, first, p.len() as u64 + 1, &greedy, &[])
-            .unwrap();
-    }
-    let batch = be.batch.as_mut().unwrap();
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for step in 0..new {
-        batch
-            .step(&be.engine, 1, &mut |lane, c| {
-                got[lane].push(c.token);
-                true
-            })
-            .unwrap();
-        for (lane, (_, logits)) in alone.iter().enumerate() {
-            let l = batch.logits(&be.engine, lane).unwrap();
-            assert!(
-                bits(&l) == bits(&logits[step]),
-                "lane {lane} ({} prompt tokens) step {step}: logits differ from its run alone",
-                lanes[lane].len()
-            );
-        }
-    }
-    for (lane, (tokens, _)) in alone.iter().enumerate() {
-        assert_eq!(&got[lane], tokens, "lane {lane}");
-    }
+    greedy_lanes_equal_alone(&mut be, &prompts, 3);
 }
 
 #[test]
