@@ -301,6 +301,16 @@ mod tests {
                         "{t:?} hd {hd}"
                     );
                 }
+                // One softmax share for the tiles a graph holds (any narrowest): a power
+                // of two of at most 32 whose rows × share fit every tile's workgroup.
+                for probe in probes {
+                    let tiles = [probe, TILES[1], TILES[2]];
+                    let p = softmax_share(WG, tiles.iter().map(|t| head_rows(&c, t.max_rows).0));
+                    assert!(p.is_power_of_two() && p <= 32, "{h}/{hkv}: P {p}");
+                    for t in tiles {
+                        assert!(head_rows(&c, t.max_rows).0 * p <= WG, "{t:?} {h}/{hkv}");
+                    }
+                }
             }
         }
     }
