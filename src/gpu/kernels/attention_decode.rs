@@ -140,9 +140,10 @@ pub fn check_overrides() -> Result<()> {
     Ok(())
 }
 
-/// Softmax invocations per row, P, one for every tile: a power of two, at most 32 (each
-/// reads the row's P partial maxima and sums), that fits the widest workgroup of rows
-/// (`rows`, each tile's). Each of a row's P partial sums adds the keys ≡ its index (mod P)
+/// Softmax invocations per row, P, the same for every tile of a graph: a power of two, at
+/// most 32 (each reads the row's P partial maxima and sums), the smallest that the tiles'
+/// rows (`rows`, one count per tile) would each take, so that rows × P fits every tile's
+/// workgroup. Each of a row's P partial sums adds the keys ≡ its index (mod P)
 /// of a tile, so a tile's sum of exp(score − max) depends on P: with one P, every tile that
 /// holds a segment adds its keys in the same order (the keys past the segment add exact
 /// zeros), and a lane batched with a longer one, which may run a wider tile, keeps the
