@@ -18,6 +18,8 @@ use mamba2_wgpu::gpu::kernels::expert_gemv::{
     Bank, ExpertBuffers, ExpertPass, RouteFold, expert_gemv,
 };
 use mamba2_wgpu::gpu::kernels::moe_route::{RouteBuffers, moe_route};
+use mamba2_wgpu::gpu::kernels::moe_sort::sorted_rows;
+use mamba2_wgpu::gpu::prefill::Prefill;
 use mamba2_wgpu::gpu::state_store::KvFormat;
 use mamba2_wgpu::gpu::weights::DeviceMatrix;
 use mamba2_wgpu::model::Model;
@@ -805,4 +807,43 @@ fn moe_down_pass_makes_the_next_mamba2_pre_norm() {
         assert!(median <= 3e-3, "{what}: median logits NMSE {median:e}");
         assert!(p80 <= 3e-2, "{what}: 80th percentile NMSE {p80:e}");
     }
+}
+
+/// A prefill block whose expert rows need more than the adapter binds: 64 experts of 2048
+/// rows, 8 chosen per token, make a 2048-token block's up-projection rows ~168 MB (lavapipe
+/// binds 128 MiB), though the weights fit. The block shrinks until every buffer fits; the
+/// logits still match the CPU reference. (It once failed binding the oversized buffer.)
+#[test]
+fn moe_prefill_block_fits_the_binding_limit() {
+    let mut config = tiny_moe("ME", false);
+    if let Some(m) = config.moe.as_mut() {
+        m.experts = 64;
+        m.top_k = 8;
+        m.intermediate = 2048;
+    }
+    let model = Model::synthetic(config, 12);
+    let toks = tokens(40, 6, model.config.vocab_size);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let want = cpu
+        .forward(&mut cpu.new_state(), &toks, Scan::Sequential, Logits::All)
+        .unwrap();
+    let Some(mut gpu) = backend(&model, WeightFormat::F32, true, PrefillMode::Chunked, None) else {
+        return;
+    };
+    // Chunks of 64: a block of 32 chunks, the 2048-token MoE block's whole size.
+    gpu.engine.chunk = 64;
+    let max_binding = gpu.engine.ctx().limits.max_storage_buffer_binding_size;
+    let block = Prefill::new(&gpu.engine, 64, false).unwrap().max_tokens;
+    let up_rows_bytes = 4 * 2048 * sorted_rows(2048, 8, 64) as u64;
+    if max_binding < up_rows_bytes {
+        assert!(
+            block < 2048,
+            "a block of {block} tokens under a {max_binding}-byte limit"
+        );
+    } else {
+        eprintln!("the adapter binds {max_binding} bytes: the 2048-token block fits as it is");
+    }
+    let got = gpu.prefill_logits(&toks).unwrap();
+    let e = common::nmse(&got.concat(), &want.concat());
+    assert!(e <= 1e-8, "logits NMSE {e:e} (binding limit {max_binding})");
 }

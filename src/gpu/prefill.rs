@@ -7,7 +7,7 @@
 //! continues from the carried state. The block graph comes from `gpu::blocks`.
 
 use crate::config::{BlockKind, ModelConfig};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::blocks::prefill_graph;
 use crate::gpu::engine::Engine;
 use crate::gpu::graph::Graph;
@@ -84,6 +84,10 @@ pub const SHORT_BLOCK: usize = crate::gpu::kernels::gemm::TILE.1;
 /// 130 stored experts: 2.4× the rows in tiles; 2048 tokens: 1.5×).
 pub const MAX_MOE_BLOCK: usize = 2048;
 
+/// The smallest block: the floor of `block_tokens`, of MAMBA2_PREFILL_BLOCK and of the
+/// halving that fits a block's buffers to the adapter's storage-binding limit.
+pub const MIN_BLOCK: usize = 64;
+
 /// Largest prompt block where the GEMMs run on the tensor cores: their 128 × 256 tiles
 /// need many tokens to fill the GPU evenly (Codestral's 4096 tokens on the H200: 509.4 ms in
 /// blocks of 2048, 499.4 ms in one of 4096; the block's buffers take ~1 GB for Codestral).
@@ -105,15 +109,15 @@ pub fn block_tokens(c: &ModelConfig, chunk: usize, coop: bool) -> usize {
         Ok(v) => parse_block(&v).unwrap_or(max),
         Err(_) => max,
     };
-    (32 * chunk).clamp(64, max)
+    (32 * chunk).clamp(MIN_BLOCK, max)
 }
 
 /// A MAMBA2_PREFILL_BLOCK value: a number of tokens, at least 64.
 fn parse_block(s: &str) -> Result<usize> {
     match s.trim().parse::<usize>() {
-        Ok(n) if n >= 64 => Ok(n),
-        _ => Err(crate::error::Error::InvalidInput(format!(
-            "MAMBA2_PREFILL_BLOCK={s}: want a number of tokens, at least 64"
+        Ok(n) if n >= MIN_BLOCK => Ok(n),
+        _ => Err(Error::InvalidInput(format!(
+            "MAMBA2_PREFILL_BLOCK={s}: want a number of tokens, at least {MIN_BLOCK}"
         ))),
     }
 }
@@ -150,11 +154,50 @@ pub fn check_overrides() -> Result<()> {
 
 impl Prefill {
     /// Allocates the block buffers for chunks of `chunk` tokens and builds the graphs
-    /// (`with_logits`: also the perplexity graph).
+    /// (`with_logits`: also the perplexity graph). The block takes `block_tokens` tokens,
+    /// halved (down to `MIN_BLOCK`) while one of its buffers would exceed what the adapter
+    /// binds: a 2048-token MoE block's expert rows need ~250 MiB at Nemotron 3 Nano's
+    /// shapes, and lavapipe binds 128.
     pub fn new(e: &Engine, chunk: usize, with_logits: bool) -> Result<Self> {
+        let mut t = block_tokens(&e.config, chunk, e.ctx().caps.coop_matrix);
+        loop {
+            let too_big = std::cell::Cell::new(false);
+            match Self::with_block(e, chunk, t, with_logits, &too_big) {
+                Err(err) if too_big.get() && t > MIN_BLOCK => {
+                    tracing::debug!("{err}; trying blocks of {} tokens", (t / 2).max(MIN_BLOCK));
+                    t = (t / 2).max(MIN_BLOCK);
+                }
+                done => return done,
+            }
+        }
+    }
+
+    /// `new` with a block of `t` tokens; sets `too_big` when a buffer exceeds the
+    /// adapter's storage-binding limit.
+    fn with_block(
+        e: &Engine,
+        chunk: usize,
+        t: usize,
+        with_logits: bool,
+        too_big: &std::cell::Cell<bool>,
+    ) -> Result<Self> {
         let c = &e.config;
         let ctx = e.ctx();
-        let t = block_tokens(c, chunk, ctx.caps.coop_matrix);
+        let max_binding = ctx.limits.max_storage_buffer_binding_size;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let buf = |label: &str, size: u64| -> Result<wgpu::Buffer> {
+            if size > max_binding {
+                too_big.set(true);
+                return Err(Error::Gpu(format!(
+                    "`{label}`: a prefill block of {t} tokens needs {:.1} MiB, more than the \
+                     {:.1} MiB adapter `{}` binds",
+                    mib(size),
+                    mib(max_binding),
+                    ctx.info.name
+                )));
+            }
+            ctx.storage_zeroed(label, size)
+        };
         let f32s = |n: usize| 4 * n.max(1) as u64;
         let cc = chunk_consts(c, chunk, t);
         let pad = |n: usize| n.next_multiple_of(32);
@@ -191,24 +234,24 @@ impl Prefill {
         let mut p = Prefill {
             chunk,
             max_tokens: t,
-            prompt: ctx.storage_zeroed("prefill prompt", f32s(t))?,
-            resid: ctx.storage_zeroed("prefill resid", f32s(yt * c.d_model))?,
-            h: ctx.storage_zeroed("prefill h", f32s(t * pad(c.d_model)))?,
-            mix: ctx.storage_zeroed("prefill mix", f32s(m(yt * c.d_in_proj())))?,
-            u: ctx.storage_zeroed("prefill u", f32s(m(t * c.conv_dim())))?,
+            prompt: buf("prefill prompt", f32s(t))?,
+            resid: buf("prefill resid", f32s(yt * c.d_model))?,
+            h: buf("prefill h", f32s(t * pad(c.d_model)))?,
+            mix: buf("prefill mix", f32s(m(yt * c.d_in_proj())))?,
+            u: buf("prefill u", f32s(m(t * c.conv_dim())))?,
             // Whole chunks of rows: the tensor-core chunk scan writes them.
-            y: ctx.storage_zeroed("prefill y", f32s(m(cc.chunks() * chunk * c.d_inner)))?,
-            v: ctx.storage_zeroed("prefill v", f32s(m(t * pad(c.d_inner))))?,
-            lam: ctx.storage_zeroed("prefill lam", f32s(m(cc.chunks() * c.n_heads * chunk)))?,
-            cb: ctx.storage_zeroed(
+            y: buf("prefill y", f32s(m(cc.chunks() * chunk * c.d_inner)))?,
+            v: buf("prefill v", f32s(m(t * pad(c.d_inner))))?,
+            lam: buf("prefill lam", f32s(m(cc.chunks() * c.n_heads * chunk)))?,
+            cb: buf(
                 "prefill cb",
                 f32s(m(cc.chunks() * c.n_groups * chunk * chunk)),
             )?,
-            cst: ctx.storage_zeroed(
+            cst: buf(
                 "prefill chunk states",
                 f32s(m(cc.chunks() * c.ssm_state_len())),
             )?,
-            cst16: ctx.storage_zeroed(
+            cst16: buf(
                 "prefill entering states (f16)",
                 f32s(if ctx.caps.coop_kernels() {
                     m(cc.states_f16_words())
@@ -216,23 +259,23 @@ impl Prefill {
                     1
                 }),
             )?,
-            qkv: ctx.storage_zeroed("prefill qkv", f32s(yt * qkv))?,
-            attn: ctx.storage_zeroed("prefill attn", f32s(t * attn))?,
-            mlp_up: ctx.storage_zeroed("prefill mlp up", f32s(yt * up))?,
-            mlp: ctx.storage_zeroed("prefill mlp", f32s(t * mlp))?,
-            router_logits: ctx.storage_zeroed("prefill router logits", f32s(t * experts))?,
-            moe_ids: ctx.storage_zeroed("prefill moe ids", f32s(t * top_k))?,
-            moe_weights: ctx.storage_zeroed("prefill moe weights", f32s(t * top_k))?,
-            moe_pairs: ctx.storage_zeroed("prefill moe pairs", f32s(rows))?,
-            moe_pos: ctx.storage_zeroed("prefill moe pos", f32s(t * top_k))?,
-            tile_expert: ctx.storage_zeroed("prefill moe tiles", f32s(rows / 64))?,
-            moe_up: ctx.storage_zeroed("prefill moe up", f32s(y_sorted * expert_up))?,
-            moe_mid: ctx.storage_zeroed("prefill moe mid", f32s(rows * expert_mid))?,
-            moe_down: ctx.storage_zeroed("prefill moe down", f32s(y_sorted * c.d_model))?,
-            moe_latent: ctx.storage_zeroed("prefill moe latent", f32s(t * latent))?,
-            moe_latent_sum: ctx.storage_zeroed("prefill moe latent sum", f32s(t * latent))?,
+            qkv: buf("prefill qkv", f32s(yt * qkv))?,
+            attn: buf("prefill attn", f32s(t * attn))?,
+            mlp_up: buf("prefill mlp up", f32s(yt * up))?,
+            mlp: buf("prefill mlp", f32s(t * mlp))?,
+            router_logits: buf("prefill router logits", f32s(t * experts))?,
+            moe_ids: buf("prefill moe ids", f32s(t * top_k))?,
+            moe_weights: buf("prefill moe weights", f32s(t * top_k))?,
+            moe_pairs: buf("prefill moe pairs", f32s(rows))?,
+            moe_pos: buf("prefill moe pos", f32s(t * top_k))?,
+            tile_expert: buf("prefill moe tiles", f32s(rows / 64))?,
+            moe_up: buf("prefill moe up", f32s(y_sorted * expert_up))?,
+            moe_mid: buf("prefill moe mid", f32s(rows * expert_mid))?,
+            moe_down: buf("prefill moe down", f32s(y_sorted * c.d_model))?,
+            moe_latent: buf("prefill moe latent", f32s(t * latent))?,
+            moe_latent_sum: buf("prefill moe latent sum", f32s(t * latent))?,
             logits: None,
-            part: ctx.storage_zeroed("prefill split-K partials", f32s(part_len(e, t)))?,
+            part: buf("prefill split-K partials", f32s(part_len(e, t)))?,
             graph: Graph::default(),
             logits_graph: None,
             short_graph: None,
@@ -252,7 +295,7 @@ impl Prefill {
         }
         if with_logits {
             let lt = t.min(MAX_LOGITS_BLOCK);
-            p.logits = Some(ctx.storage_zeroed("prefill logits", f32s(lt * c.vocab_size))?);
+            p.logits = Some(buf("prefill logits", f32s(lt * c.vocab_size))?);
             p.logits_graph = Some(prefill_graph(
                 &e.block_ctx(),
                 &e.weights,
