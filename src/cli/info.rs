@@ -212,6 +212,34 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             format!(" ({} blocks go up as stored)", held.join(", "))
         };
         println!("gpu        --dtype {} by default{stored}", format.name());
+        // q, k and v join into one GPU matrix of one type: where a file stores them in
+        // different types (a Q4_K_M file's v in Q6_K), they go up requantized to q8_0.
+        let mixed: Vec<String> = model
+            .weights
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match &l.mixer {
+                mamba2_wgpu::model::MixerWeights::Attention(a)
+                    if a.q.dtype != a.k.dtype || a.q.dtype != a.v.dtype =>
+                {
+                    Some(format!(
+                        "{i} ({}/{}/{})",
+                        a.q.dtype.name(),
+                        a.k.dtype.name(),
+                        a.v.dtype.name()
+                    ))
+                }
+                _ => None,
+            })
+            .collect();
+        if !mixed.is_empty() && format.reads_q8() {
+            println!(
+                "requantized q8_0 for attention whose q/k/v types differ (one GPU matrix, \
+                 one type): layers {}",
+                mixed.join(", ")
+            );
+        }
     }
     Ok(())
 }

@@ -101,6 +101,27 @@ impl DeviceMoe {
     }
 }
 
+/// The format of a matrix whose blocks cannot go up as stored (`upload_as`). Quantized
+/// blocks scaled on the way (Granite's residual multiplier) or joined with parts of another
+/// type (q, k and v make one matrix, and a Q4_K_M file stores some v projections in Q6_K)
+/// are requantized to q8_0, whose 8-bit grid keeps them closest: a second 4/5/6-bit
+/// rounding would add about as much error as the file's own. Everything else takes
+/// `format`'s choice for its width.
+fn requantized_format(
+    dtypes: &[DType],
+    format: WeightFormat,
+    scale: f32,
+    cols: usize,
+) -> WeightFormat {
+    let quantized = dtypes.iter().any(|d| matches!(d, DType::Quant(_)));
+    let mixed = dtypes.iter().any(|d| *d != dtypes[0]);
+    if quantized && format.reads_q8() && (scale != 1.0 || mixed) {
+        WeightFormat::Q8_0
+    } else {
+        format.for_cols(cols)
+    }
+}
+
 /// Experts per bank: as many as fit one storage binding of `max_binding` bytes (both
 /// projections), all of them when they fit. Under a quantized format a bank may hold any
 /// block format a GGUF stores (or q8_0, where it is requantized): sized for q8_0, whose
@@ -306,14 +327,8 @@ impl DeviceWeights {
                 }
                 bar.inc(t.numel() as u64);
             }
-            // Stored blocks scaled on the way (Granite's residual multiplier) are requantized
-            // to q8_0, whose 8-bit grid keeps them closest: a second 4/5/6-bit rounding
-            // would add about as much error as the file's own.
-            let format = if stored.is_some() && scale != 1.0 && format.reads_q8() {
-                WeightFormat::Q8_0
-            } else {
-                format.for_cols(cols)
-            };
+            let dtypes: Vec<DType> = parts.iter().map(|t| t.dtype).collect();
+            let format = requantized_format(&dtypes, format, scale, cols);
             let packed = pack_parallel(format, &values, rows, cols).map_err(|i| {
                 // Name the part (of a stacked matrix) holding the value.
                 let (r, c) = (i / cols, i % cols);
@@ -638,4 +653,46 @@ pub fn pack_parallel(
         out.scales.extend(p.scales);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ggml::GgmlType;
+
+    #[test]
+    fn mixed_or_scaled_stored_blocks_requantize_to_q8_0() {
+        let (q4k, q6k) = (DType::Quant(GgmlType::Q4_K), DType::Quant(GgmlType::Q6_K));
+        let q4 = WeightFormat::Q4_K;
+        // A Q4_K_M file's q and k in Q4_K beside v in Q6_K: q8_0, not a second 4-bit rounding.
+        assert_eq!(
+            requantized_format(&[q4k, q4k, q6k], q4, 1.0, 4096),
+            WeightFormat::Q8_0
+        );
+        assert_eq!(
+            requantized_format(&[DType::F16, q4k], q4, 1.0, 4096),
+            WeightFormat::Q8_0
+        );
+        // Granite's residual multiplier folded into stored blocks.
+        assert_eq!(
+            requantized_format(&[q4k], q4, 0.5, 4096),
+            WeightFormat::Q8_0
+        );
+        // Floats (safetensors, or a GGUF's f32 tensors) take the asked format for their
+        // width, and f32/f16 runs dequantize whatever is stored.
+        for (dtypes, format) in [
+            (&[DType::F16, DType::F16][..], q4),
+            (&[DType::F32][..], q4),
+            (&[q4k, q6k][..], WeightFormat::F16),
+            (&[q4k][..], WeightFormat::F32),
+        ] {
+            for cols in [4096, 2688] {
+                assert_eq!(
+                    requantized_format(dtypes, format, 1.0, cols),
+                    format.for_cols(cols),
+                    "{dtypes:?} {format:?} {cols}"
+                );
+            }
+        }
+    }
 }
