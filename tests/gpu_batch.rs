@@ -131,6 +131,9 @@ fn sampled(seed: u64, temperature: f32, top_k: usize, top_p: f32) -> Sampling {
     }
 }
 
+/// The requests of the batched table. With `SLOTS` slots they take every lane count from 1
+/// to 8 and back: one joins per step up to 8 live lanes, the next two wait for free slots
+/// (the first takes the one request 1 frees, below live ones), and they leave in turn.
 fn requests() -> Vec<Req> {
     let r = |prompt, new, sampling, joins| Req {
         prompt,
@@ -139,15 +142,21 @@ fn requests() -> Vec<Req> {
         joins,
     };
     vec![
-        r(5, 9, Sampling::greedy(), 0),
-        r(23, 4, sampled(7, 0.8, 0, 1.0), 0),
-        r(1, 12, sampled(11, 1.2, 5, 0.9), 0),
-        r(40, 6, Sampling::greedy(), 2),
-        // Joins the slot the second request freed, below live ones.
-        r(17, 8, sampled(3, 0.7, 0, 0.8), 5),
-        r(9, 7, Sampling::greedy(), 6),
+        r(5, 16, Sampling::greedy(), 0),
+        r(23, 8, sampled(7, 0.8, 0, 1.0), 1),
+        r(1, 12, sampled(11, 1.2, 5, 0.9), 2),
+        r(40, 7, Sampling::greedy(), 3),
+        r(3, 11, sampled(5, 1.0, 3, 1.0), 4),
+        r(31, 10, sampled(13, 0.9, 0, 0.95), 5),
+        r(12, 4, Sampling::greedy(), 6),
+        r(2, 9, sampled(17, 1.1, 8, 0.85), 7),
+        r(17, 6, sampled(3, 0.7, 0, 0.8), 7),
+        r(9, 3, Sampling::greedy(), 8),
     ]
 }
+
+/// Slots of the batched table.
+const SLOTS: usize = 8;
 
 fn prompt(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
     (0..n as u64)
@@ -206,9 +215,10 @@ fn batched_decode_equals_each_sequence_alone() {
             .zip(&prompts)
             .map(|(r, p)| solo(&mut be, p, r))
             .collect();
-        be.enable_batch(4).unwrap();
+        be.enable_batch(SLOTS).unwrap();
         // slot → (request, steps done); tokens per request.
-        let mut slots: Vec<Option<(usize, usize)>> = vec![None; 4];
+        let mut slots: Vec<Option<(usize, usize)>> = vec![None; SLOTS];
+        let mut lane_counts = std::collections::BTreeSet::new();
         let mut got: Vec<Vec<u32>> = vec![Vec::new(); reqs.len()];
         let mut step = 0;
         let mut next = 0;
@@ -238,7 +248,8 @@ fn batched_decode_equals_each_sequence_alone() {
             }
             let lanes = slots.iter().filter(|s| s.is_some()).count();
             let batch = be.batch.as_mut().unwrap();
-            let mut seen = [None; 4];
+            lane_counts.insert(lanes);
+            let mut seen = [None; SLOTS];
             batch
                 .step(&be.engine, 1, &mut |slot, c| {
                     assert_eq!(c.nonfinite, 0, "{}: non-finite logits", case.name);
@@ -246,7 +257,7 @@ fn batched_decode_equals_each_sequence_alone() {
                     true
                 })
                 .unwrap();
-            for slot in 0..4 {
+            for slot in 0..SLOTS {
                 let Some((r, done)) = slots[slot] else {
                     assert!(seen[slot].is_none(), "a free slot sampled");
                     continue;
@@ -272,6 +283,11 @@ fn batched_decode_equals_each_sequence_alone() {
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, &w.0, "{}: request {r}'s tokens", case.name);
         }
+        assert!(
+            lane_counts.iter().copied().eq(1..=SLOTS),
+            "{}: lane counts {lane_counts:?}, not every one of 1..={SLOTS}",
+            case.name
+        );
     }
 }
 
