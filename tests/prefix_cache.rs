@@ -4,7 +4,7 @@
 //! live in host memory, so every entry takes the host tier).
 
 use mamba2_wgpu::model::Model;
-use mamba2_wgpu::model::synthetic::tiny_moe;
+use mamba2_wgpu::model::synthetic::{tiny_config, tiny_moe};
 use mamba2_wgpu::prefix_cache::{CacheConfig, PrefixCache};
 use mamba2_wgpu::reference::CpuModel;
 use mamba2_wgpu::session::{Backend, CpuBackend};
@@ -97,4 +97,111 @@ fn an_f16_entry_spilled_to_disk_comes_back_the_same() {
     assert_eq!(fresh.state(), &to_f16(&state));
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The budgets and their order (a pure Mamba2 model, so every entry holds the same bytes):
+/// a full host tier drops its least recently used entry without a directory, and spills it
+/// to a file with one; a full disk deletes the least recently used file.
+#[test]
+fn full_tiers_let_go_of_the_least_recently_used_entry() {
+    let model = Model::synthetic(tiny_config(2, 16), 3);
+    let prompts: [&[u32]; 3] = [&[3, 1, 4], &[1, 5, 9, 2], &[6, 5]];
+    let feed = |p: &[u32]| {
+        let mut b = backend(&model);
+        b.prefill_logits(p).unwrap();
+        b
+    };
+    let hit = |c: &mut PrefixCache, p: &[u32]| {
+        let mut fresh = backend(&model);
+        c.resume(p, p.len(), &mut fresh, &mut |n| panic!("{n}"))
+    };
+    let entry = {
+        let mut c = cache(&model, StateDtype::F32, 1 << 30, None);
+        c.insert(prompts[0], &mut feed(prompts[0])).unwrap();
+        c.stats().bytes[1]
+    };
+    assert!(entry > 0);
+
+    // Room for two in memory, no directory: the third drops the least recently used,
+    // which a touch made the second one, not the first.
+    let mut c = cache(&model, StateDtype::F32, 2 * entry, None);
+    c.insert(prompts[0], &mut feed(prompts[0])).unwrap();
+    c.insert(prompts[1], &mut feed(prompts[1])).unwrap();
+    assert!(c.touch(prompts[0]));
+    c.insert(prompts[2], &mut feed(prompts[2])).unwrap();
+    assert_eq!(c.stats().entries, [0, 2, 0]);
+    assert_eq!(
+        hit(&mut c, prompts[1]),
+        0,
+        "the least recently used was dropped"
+    );
+    assert_eq!(hit(&mut c, prompts[0]), prompts[0].len());
+    assert_eq!(hit(&mut c, prompts[2]), prompts[2].len());
+
+    // Room for one in memory and about one file: each new entry spills the one before
+    // it, and the second spill deletes the older file.
+    let dir = std::env::temp_dir().join(format!("mamba2-prefix-lru-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let file = {
+        let mut c = cache(&model, StateDtype::F32, 1, Some(&dir));
+        c.insert(prompts[0], &mut feed(prompts[0])).unwrap();
+        c.stats().bytes[2]
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    let disk = file + file / 2;
+    let mut c = cache_with_disk(&model, entry, &dir, disk);
+    for p in prompts {
+        c.insert(p, &mut feed(p)).unwrap();
+    }
+    let s = c.stats();
+    assert_eq!(s.entries, [0, 1, 1], "one in memory, one on disk");
+    assert!(
+        s.bytes[2] > 0 && s.bytes[2] <= disk,
+        "{} bytes on disk",
+        s.bytes[2]
+    );
+    let files = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|f| {
+            let p = f.as_ref().unwrap().path();
+            p.extension().is_some_and(|x| x == "safetensors")
+        })
+        .count();
+    assert_eq!(files, 1, "the older file was deleted");
+    assert_eq!(hit(&mut c, prompts[0]), 0, "the oldest entry is gone");
+    assert_eq!(
+        hit(&mut c, prompts[2]),
+        prompts[2].len(),
+        "the newest is in memory"
+    );
+    assert_eq!(
+        hit(&mut c, prompts[1]),
+        prompts[1].len(),
+        "the middle one is on disk"
+    );
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `cache` in f32 with a directory and a disk budget.
+fn cache_with_disk(
+    model: &Model,
+    host_bytes: u64,
+    dir: &std::path::Path,
+    disk_bytes: u64,
+) -> PrefixCache {
+    let key = StateKey {
+        model: model.fingerprint(),
+        format: "f32".into(),
+        blocks: model.config.pattern(),
+    };
+    let cfg = CacheConfig {
+        device_bytes: 0,
+        host_bytes,
+        dir: Some(dir.to_path_buf()),
+        disk_bytes,
+        dtype: StateDtype::F32,
+        ..Default::default()
+    };
+    PrefixCache::open(key, &model.config, cfg, &mut |_| {}).unwrap()
 }
