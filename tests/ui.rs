@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use egui_kittest::Harness;
 use egui_kittest::kittest::Queryable;
+use mamba2_wgpu::gpu::kernels::Section;
 use mamba2_wgpu::reference::State;
 use mamba2_wgpu::session::Finish;
 use mamba2_wgpu::ui::chat::Role;
@@ -512,6 +513,50 @@ fn inspector_shows_the_expert_load_of_an_moe_model() {
     assert!(
         h.query_by_label_contains(&caption).is_some(),
         "heatmap caption `{caption}`"
+    );
+
+    // The timing table has a MOE section: the router and the expert passes.
+    let timestamps = h
+        .state()
+        .panel
+        .info
+        .as_ref()
+        .and_then(|i| i.gpu.as_ref())
+        .is_some_and(|g| g.timestamps);
+    if !timestamps {
+        eprintln!(
+            "\n!!!!!!!! no GPU timestamp queries: the MOE timing section is not checked !!!!!!!!\n"
+        );
+        return;
+    }
+    wait_until(
+        &mut h,
+        "a profile",
+        |a| !a.panel.timings.profiles.is_empty(),
+        inspector_errors,
+    );
+    let sum = h.state().panel.timings.summary();
+    let moe = sum
+        .sections
+        .iter()
+        .find(|(s, _)| *s == Section::Moe)
+        .map(|&(_, ns)| ns);
+    assert!(
+        moe.is_some_and(|ns| ns > 0.0),
+        "MOE time in {:?}",
+        sum.sections
+    );
+    assert!(
+        sum.kinds
+            .iter()
+            .any(|k| k.section == Section::Moe && k.count > 0),
+        "MOE kernel rows in {:?}",
+        sum.kinds
+    );
+    h.step();
+    assert!(
+        h.query_all_by_label("MOE").count() >= 2,
+        "a MOE section bar and kernel rows"
     );
 }
 
