@@ -246,3 +246,58 @@ fn text_commands_name_the_missing_gguf_tokenizer_keys() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// `perplexity --model FILE.gguf` scores text through the GGUF's own tokenizer: the mean
+/// NLL it prints equals the CPU reference's over the same windows of the same ids.
+#[test]
+fn perplexity_scores_text_through_a_gguf_file() {
+    let file = dir().join("k256.q4_k.gguf");
+    let text_file = scratch("ppl").join("text.txt");
+    let text = "the quick brown fox jumps over the lazy dog; \"hi!\" said the fox, twice.";
+    std::fs::write(&text_file, text).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mamba2"))
+        .args(["perplexity", "--device", "cpu", "--ctx", "32", "-f"])
+        .arg(&text_file)
+        .arg("--model")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (model, tok) = Model::load_with_tokenizer(&file).unwrap();
+    let ids = tok.unwrap().encode_with(text, false).unwrap();
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let (mut total, mut count) = (0.0, 0usize);
+    let windows: Vec<&[u32]> = ids.chunks(32).filter(|w| w.len() >= 2).collect();
+    assert!(windows.len() >= 2, "{} ids", ids.len());
+    for w in &windows {
+        let logits = cpu
+            .forward(
+                &mut cpu.new_state(),
+                &w[..w.len() - 1],
+                Scan::Sequential,
+                Logits::All,
+            )
+            .unwrap();
+        for (l, &t) in logits.iter().zip(&w[1..]) {
+            total += mamba2_wgpu::perplexity::nll_of(l, t);
+            count += 1;
+        }
+    }
+    let printed = stdout(&out);
+    let tail = format!(
+        "nats over {count} predicted tokens, {} windows of ≤ 32 tokens)",
+        windows.len()
+    );
+    assert!(printed.contains(&tail), "{tail} not in {printed}");
+    let nll: f64 = printed
+        .split("mean NLL ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no mean NLL in {printed}"));
+    let want = total / count as f64;
+    assert!(
+        (nll - want).abs() <= 1e-4,
+        "mean NLL {nll}, the reference's {want}"
+    );
+}
