@@ -26,17 +26,24 @@ fn cache(
     host_bytes: u64,
     dir: Option<&std::path::Path>,
 ) -> PrefixCache {
+    open(
+        model,
+        CacheConfig {
+            device_bytes: 0,
+            host_bytes,
+            dir: dir.map(std::path::Path::to_path_buf),
+            dtype,
+            ..Default::default()
+        },
+    )
+}
+
+/// A cache of `model`'s states with budgets `cfg`.
+fn open(model: &Model, cfg: CacheConfig) -> PrefixCache {
     let key = StateKey {
         model: model.fingerprint(),
         format: "f32".into(),
         blocks: model.config.pattern(),
-    };
-    let cfg = CacheConfig {
-        device_bytes: 0,
-        host_bytes,
-        dir: dir.map(std::path::Path::to_path_buf),
-        dtype,
-        ..Default::default()
     };
     PrefixCache::open(key, &model.config, cfg, &mut |_| {}).unwrap()
 }
@@ -149,7 +156,16 @@ fn full_tiers_let_go_of_the_least_recently_used_entry() {
     };
     let _ = std::fs::remove_dir_all(&dir);
     let disk = file + file / 2;
-    let mut c = cache_with_disk(&model, entry, &dir, disk);
+    let mut c = open(
+        &model,
+        CacheConfig {
+            device_bytes: 0,
+            host_bytes: entry,
+            dir: Some(dir.clone()),
+            disk_bytes: disk,
+            ..Default::default()
+        },
+    );
     for p in prompts {
         c.insert(p, &mut feed(p)).unwrap();
     }
@@ -181,27 +197,4 @@ fn full_tiers_let_go_of_the_least_recently_used_entry() {
     );
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// `cache` in f32 with a directory and a disk budget.
-fn cache_with_disk(
-    model: &Model,
-    host_bytes: u64,
-    dir: &std::path::Path,
-    disk_bytes: u64,
-) -> PrefixCache {
-    let key = StateKey {
-        model: model.fingerprint(),
-        format: "f32".into(),
-        blocks: model.config.pattern(),
-    };
-    let cfg = CacheConfig {
-        device_bytes: 0,
-        host_bytes,
-        dir: Some(dir.to_path_buf()),
-        disk_bytes,
-        dtype: StateDtype::F32,
-        ..Default::default()
-    };
-    PrefixCache::open(key, &model.config, cfg, &mut |_| {}).unwrap()
 }

@@ -467,13 +467,8 @@ fn inspector_steps_times_and_flags_nan() {
 #[test]
 fn inspector_shows_the_expert_load_of_an_moe_model() {
     let mut h = inspector_on("tiny-moe", [1280.0, 820.0]);
-    if h.state()
-        .panel
-        .info
-        .as_ref()
-        .and_then(|i| i.gpu.as_ref())
-        .is_none()
-    {
+    let gpu = h.state().panel.info.as_ref().and_then(|i| i.gpu.clone());
+    if gpu.is_none() {
         eprintln!("\n!!!!!!!! no GPU: the expert load (GPU counters) is not checked !!!!!!!!\n");
         return;
     }
@@ -516,14 +511,7 @@ fn inspector_shows_the_expert_load_of_an_moe_model() {
     );
 
     // The timing table has a MOE section: the router and the expert passes.
-    let timestamps = h
-        .state()
-        .panel
-        .info
-        .as_ref()
-        .and_then(|i| i.gpu.as_ref())
-        .is_some_and(|g| g.timestamps);
-    if !timestamps {
+    if !gpu.is_some_and(|g| g.timestamps) {
         eprintln!(
             "\n!!!!!!!! no GPU timestamp queries: the MOE timing section is not checked !!!!!!!!\n"
         );
