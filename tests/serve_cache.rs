@@ -57,6 +57,54 @@ fn prefix_cache_feeds_only_new_tokens_and_changes_nothing() {
     }
 }
 
+/// The same on a hybrid: its cached states hold the attention layers' KV rows too, from a
+/// device snapshot, from host memory, or from a file.
+#[test]
+fn prefix_cache_resumes_a_hybrid_with_its_kv_rows() {
+    let model = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    // The fixture has no tokenizer; its ids decode through the embedded one (the texts
+    // compared are a readable form of the ids).
+    let (_, tok) = assets::embedded().unwrap();
+    let Some(b) = gpu_backend(&model) else { return };
+    let mut solo_session = Session::new(b);
+    let vocab = model.config.vocab_size as u64;
+    let ids = |n: u64, seed: u64| -> Vec<u32> {
+        (0..n)
+            .map(|i| ((i * 37 + seed * 11 + i * i) % vocab) as u32)
+            .collect()
+    };
+    let base = ids(40, 1);
+    let mut longer = base.clone();
+    longer.extend(ids(9, 5));
+    let spec = |prompt: &[u32]| Spec {
+        prompt: prompt.to_vec(),
+        max_new: 12,
+        sampling: Sampling::greedy(),
+        stop_ids: Vec::new(),
+    };
+    let want = solo(&mut solo_session, &tok, &longer, &spec(&longer));
+    for cfg in [
+        CacheConfig::default(),
+        CacheConfig {
+            device_bytes: 0,
+            ..Default::default()
+        },
+        CacheConfig {
+            device_bytes: 0,
+            host_bytes: 1,
+            dir: Some(tempdir("hybrid-resume")),
+            ..Default::default()
+        },
+    ] {
+        let what = format!("{cfg:?}");
+        let cache = PrefixCache::open(key(&model), &model.config, cfg, &mut |_| {}).unwrap();
+        let backend = gpu_backend(&model).unwrap();
+        let heard = run_engine(backend, &tok, cache, 1, &[spec(&base), spec(&longer)]);
+        assert_eq!(heard[1].cached, base.len(), "{what}: {heard:?}");
+        assert_eq!(heard[1].text, want.0, "{what}");
+    }
+}
+
 /// `--cache-every N` leaves an entry every N prompt tokens, N a multiple of the prompt
 /// chunk or not: a prompt that shares 150 tokens with an earlier 250-token one resumes at
 /// 100 with entries every 100 (the chunks used to end only at multiples of 512).
