@@ -385,3 +385,59 @@ async fn http_stop_strings_end_the_reply_before_them_streamed_or_not() {
     assert_eq!(last["choices"][0]["finish_reason"], "stop", "{last}");
     tokio::task::block_in_place(|| srv.stop());
 }
+
+/// A hybrid's KV caches hold the context it was opened with (256 here): a longer prompt is
+/// refused with a 400 that says so, and a reply that reaches the end of the context ends
+/// there with `finish_reason: "length"`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_holds_a_hybrid_to_its_context() {
+    let (embedded, _) = assets::embedded().unwrap();
+    // No end-of-sequence token: the reply can only end at the context.
+    let tok = serve_common::tokenizer_without_eos();
+    let mut config = mamba2_wgpu::model::synthetic::tiny_hybrid("M*M", 2);
+    config.vocab_size = embedded.config.vocab_size;
+    let model = mamba2_wgpu::model::Model::synthetic(config, 7);
+    let Some(srv) = start(&model, &tok, ServerConfig::default(), None) else {
+        return;
+    };
+    // A prompt of `n` tokens or just under: words until the next would pass `n`.
+    let prompt_of = |n: usize| {
+        let mut text = String::from("Once");
+        for i in 0.. {
+            let next = format!("{text} {}", ["upon", "a", "time", "there"][i % 4]);
+            if tok.encode(&next).unwrap().len() > n {
+                break;
+            }
+            text = next;
+        }
+        (tok.encode(&text).unwrap().len(), text)
+    };
+    let (over, text) = prompt_of(300);
+    assert!(over > 256);
+    let (status, v) = srv
+        .post("/v1/completions", json!({"prompt": text, "max_tokens": 4}))
+        .await;
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("the prompt has {over} tokens, more than the 255")),
+        "{msg}"
+    );
+    let (p, text) = prompt_of(250);
+    assert!(p > 240, "{p}");
+    let (status, v) = srv
+        .post(
+            "/v1/completions",
+            json!({"prompt": text, "max_tokens": 40, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], p, "{v}");
+    let completion = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    assert!(
+        (1..=256 + 1 - p).contains(&completion),
+        "{completion} tokens after a {p}-token prompt in a 256-token context"
+    );
+    tokio::task::block_in_place(|| srv.stop());
+}
