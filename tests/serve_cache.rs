@@ -21,21 +21,12 @@ use serve_common::{Spec, gpu_backend, key, run_engine, solo, start};
 #[test]
 fn prefix_cache_feeds_only_new_tokens_and_changes_nothing() {
     let (model, tok) = assets::embedded().unwrap();
-    let Some(b) = gpu_backend(&model) else { return };
-    let mut solo_session = Session::new(b);
     let base: Vec<u32> = tok
         .encode("The quick brown fox jumps over the lazy dog.")
         .unwrap();
     let mut longer = base.clone();
     longer.extend(tok.encode_with(" Then it sat down and", false).unwrap());
-    let spec = |prompt: &[u32]| Spec {
-        prompt: prompt.to_vec(),
-        max_new: 12,
-        sampling: Sampling::greedy(),
-        stop_ids: Vec::new(),
-    };
-    let want = solo(&mut solo_session, &tok, &longer, &spec(&longer));
-    for cfg in [
+    let cfgs = [
         // Device snapshots.
         CacheConfig::default(),
         // Host memory only (f32).
@@ -43,18 +34,8 @@ fn prefix_cache_feeds_only_new_tokens_and_changes_nothing() {
             device_bytes: 0,
             ..Default::default()
         },
-    ] {
-        let cache = PrefixCache::open(key(&model), &model.config, cfg, &mut |_| {}).unwrap();
-        let backend = gpu_backend(&model).unwrap();
-        let heard = run_engine(backend, &tok, cache, 1, &[spec(&base), spec(&longer)]);
-        assert_eq!(heard[0].cached, 0);
-        assert_eq!(
-            heard[1].cached,
-            base.len(),
-            "the second request resumes at the first's end"
-        );
-        assert_eq!(heard[1].text, want.0);
-    }
+    ];
+    follow_up_resumes_like_a_fresh_run(&model, &tok, &base, &longer, cfgs);
 }
 
 /// The same on a hybrid: its cached states hold the attention layers' KV rows too, from a
@@ -65,8 +46,6 @@ fn prefix_cache_resumes_a_hybrid_with_its_kv_rows() {
     // The fixture has no tokenizer; its ids decode through the embedded one (the texts
     // compared are a readable form of the ids).
     let (_, tok) = assets::embedded().unwrap();
-    let Some(b) = gpu_backend(&model) else { return };
-    let mut solo_session = Session::new(b);
     let vocab = model.config.vocab_size as u64;
     let ids = |n: u64, seed: u64| -> Vec<u32> {
         (0..n)
@@ -76,14 +55,7 @@ fn prefix_cache_resumes_a_hybrid_with_its_kv_rows() {
     let base = ids(40, 1);
     let mut longer = base.clone();
     longer.extend(ids(9, 5));
-    let spec = |prompt: &[u32]| Spec {
-        prompt: prompt.to_vec(),
-        max_new: 12,
-        sampling: Sampling::greedy(),
-        stop_ids: Vec::new(),
-    };
-    let want = solo(&mut solo_session, &tok, &longer, &spec(&longer));
-    for cfg in [
+    let cfgs = [
         CacheConfig::default(),
         CacheConfig {
             device_bytes: 0,
@@ -95,12 +67,39 @@ fn prefix_cache_resumes_a_hybrid_with_its_kv_rows() {
             dir: Some(tempdir("hybrid-resume")),
             ..Default::default()
         },
-    ] {
+    ];
+    follow_up_resumes_like_a_fresh_run(&model, &tok, &base, &longer, cfgs);
+}
+
+/// Under each cache config, `base` then `longer` (which extends it) through one slot: the
+/// second resumes at the first's end and replies as a fresh run of `longer` does.
+fn follow_up_resumes_like_a_fresh_run<const N: usize>(
+    model: &Model,
+    tok: &mamba2_wgpu::Tokenizer,
+    base: &[u32],
+    longer: &[u32],
+    cfgs: [CacheConfig; N],
+) {
+    let Some(b) = gpu_backend(model) else { return };
+    let mut solo_session = Session::new(b);
+    let spec = |prompt: &[u32]| Spec {
+        prompt: prompt.to_vec(),
+        max_new: 12,
+        sampling: Sampling::greedy(),
+        stop_ids: Vec::new(),
+    };
+    let want = solo(&mut solo_session, tok, longer, &spec(longer));
+    for cfg in cfgs {
         let what = format!("{cfg:?}");
-        let cache = PrefixCache::open(key(&model), &model.config, cfg, &mut |_| {}).unwrap();
-        let backend = gpu_backend(&model).unwrap();
-        let heard = run_engine(backend, &tok, cache, 1, &[spec(&base), spec(&longer)]);
-        assert_eq!(heard[1].cached, base.len(), "{what}: {heard:?}");
+        let cache = PrefixCache::open(key(model), &model.config, cfg, &mut |_| {}).unwrap();
+        let backend = gpu_backend(model).unwrap();
+        let heard = run_engine(backend, tok, cache, 1, &[spec(base), spec(longer)]);
+        assert_eq!(heard[0].cached, 0, "{what}");
+        assert_eq!(
+            heard[1].cached,
+            base.len(),
+            "{what}: the second request resumes at the first's end"
+        );
         assert_eq!(heard[1].text, want.0, "{what}");
     }
 }
