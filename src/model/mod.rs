@@ -126,7 +126,9 @@ impl Model {
         if self.gguf.is_none() {
             return WeightFormat::F16;
         }
-        // The matrices the GPU stores in the engine format (GGUF models are all Mamba2).
+        // The Mamba2 projections, the embedding and the head decide (every architecture
+        // read from GGUF has Mamba2 layers); attention, MLP and expert matrices in a block
+        // type go up as stored whatever this picks (README.md lists the three exceptions).
         let w = &self.weights;
         let mut big: Vec<&Tensor> = vec![w.head(), &w.embedding];
         for m in w.layers.iter().filter_map(|l| l.mixer.mamba()) {
