@@ -221,7 +221,9 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             .enumerate()
             .filter_map(|(i, l)| match &l.mixer {
                 mamba2_wgpu::model::MixerWeights::Attention(a)
-                    if a.q.dtype != a.k.dtype || a.q.dtype != a.v.dtype =>
+                    if mamba2_wgpu::gpu::device_weights::mixed_blocks(&[
+                        a.q.dtype, a.k.dtype, a.v.dtype,
+                    ]) =>
                 {
                     Some(format!(
                         "{i} ({}/{}/{})",

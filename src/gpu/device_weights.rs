@@ -114,12 +114,18 @@ fn requantized_format(
     cols: usize,
 ) -> WeightFormat {
     let quantized = dtypes.iter().any(|d| matches!(d, DType::Quant(_)));
-    let mixed = dtypes.iter().any(|d| *d != dtypes[0]);
-    if quantized && format.reads_q8() && (scale != 1.0 || mixed) {
+    if format.reads_q8() && ((quantized && scale != 1.0) || mixed_blocks(dtypes)) {
         WeightFormat::Q8_0
     } else {
         format.for_cols(cols)
     }
+}
+
+/// Whether the parts of one matrix hold block-quantized values in more than one type (or
+/// beside floats), so that under a quantized format they go up requantized to q8_0 (`mamba2
+/// info` lists such attention layers).
+pub fn mixed_blocks(dtypes: &[DType]) -> bool {
+    dtypes.iter().any(|d| matches!(d, DType::Quant(_))) && dtypes.iter().any(|d| *d != dtypes[0])
 }
 
 /// Experts per bank: as many as fit one storage binding of `max_binding` bytes (both
@@ -672,6 +678,14 @@ mod tests {
         assert_eq!(
             requantized_format(&[DType::F16, q4k], q4, 1.0, 4096),
             WeightFormat::Q8_0
+        );
+        // Floats of two kinds are not blocks to keep: they take the asked format.
+        assert!(!mixed_blocks(&[DType::F16, DType::F32]));
+        assert!(!mixed_blocks(&[q4k, q4k, q4k]));
+        assert!(mixed_blocks(&[q4k, q4k, q6k]) && mixed_blocks(&[DType::F32, q6k]));
+        assert_eq!(
+            requantized_format(&[DType::F16, DType::F32], q4, 1.0, 4096),
+            q4.for_cols(4096)
         );
         // Granite's residual multiplier folded into stored blocks.
         assert_eq!(
