@@ -6,7 +6,8 @@
 //!   a newcomer waits for the rest of the round, up to 15);
 //! - sequences taking turns on one state (the CPU reference; turns of 64 tokens when a
 //!   reply runs alone), driven directly: a newcomer sent at a known token ends that turn
-//!   there.
+//!   there, and a long prompt is read a chunk per turn with the running reply decoding
+//!   between its chunks.
 
 mod serve_common;
 
@@ -109,7 +110,15 @@ struct Arrival {
     inner: CpuBackend,
     newcomer: Option<(Job, mpsc::Sender<Job>)>,
     at: usize,
-    calls: Arc<Mutex<Vec<usize>>>,
+    calls: Arc<Mutex<Vec<Call>>>,
+}
+
+/// A backend call the engine made, in order: a prompt piece fed (its tokens) or a decode
+/// (the tokens it sampled).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Call {
+    Prefill(usize),
+    Decode(usize),
 }
 
 impl Backend for Arrival {
@@ -123,9 +132,11 @@ impl Backend for Arrival {
         self.inner.reset()
     }
     fn prefill_sample(&mut self, tokens: &[u32], sampling: &Sampling, pos: u64) -> Result<u32> {
+        self.calls.lock().unwrap().push(Call::Prefill(tokens.len()));
         self.inner.prefill_sample(tokens, sampling, pos)
     }
     fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.calls.lock().unwrap().push(Call::Prefill(tokens.len()));
         self.inner.prefill_logits(tokens)
     }
     fn decode(
@@ -150,7 +161,7 @@ impl Backend for Arrival {
                 }
                 on_token(t)
             })?;
-        self.calls.lock().unwrap().push(n);
+        self.calls.lock().unwrap().push(Call::Decode(n));
         Ok(n)
     }
     fn snapshot(&self) -> Result<Box<dyn Any + Send>> {
@@ -175,21 +186,26 @@ fn job(tok: &Tokenizer, prompt: &str, max_new: usize) -> (Job, UnboundedReceiver
     .job()
 }
 
-/// Sequences taking turns on one state (the CPU reference): a reply running alone decodes
-/// turns of 64 tokens, and a newcomer that comes in at its 5th token of a turn ends that
-/// turn at once: the running reply's decode call samples 5 tokens, the newcomer's prompt
-/// is read next, and both replies still run to their length.
-#[test]
-fn a_newcomer_ends_a_turn_early() {
+/// Sequences taking turns on one state (the CPU reference) with prompts read `chunk`
+/// tokens a turn: a runner of `runner_max` greedy tokens, and a newcomer (`prompt`,
+/// `newcomer_max` tokens) that arrives at the runner's `at`-th decoded token. Both must run
+/// to their length; returns the backend calls in order.
+fn runner_and_newcomer(
+    runner_max: usize,
+    prompt: &str,
+    newcomer_max: usize,
+    at: usize,
+    chunk: usize,
+) -> Vec<Call> {
     let (model, tok) = assets::embedded().unwrap();
     let (tx, rx) = mpsc::channel();
-    let (runner, mut runner_heard) = job(&tok, "A long story:", 100);
-    let (newcomer, mut newcomer_heard) = job(&tok, "A newcomer:", 3);
+    let (runner, mut runner_heard) = job(&tok, "A long story:", runner_max);
+    let (newcomer, mut newcomer_heard) = job(&tok, prompt, newcomer_max);
     let calls = Arc::new(Mutex::new(Vec::new()));
     let backend = Arrival {
         inner: cpu_backend(&model),
         newcomer: Some((newcomer, tx.clone())),
-        at: 5,
+        at,
         calls: calls.clone(),
     };
     let engine = Engine {
@@ -198,7 +214,7 @@ fn a_newcomer_ends_a_turn_early() {
         cache: no_cache(&model),
         metrics: Default::default(),
         slots: 2,
-        prefill_chunk: PREFILL_CHUNK,
+        prefill_chunk: chunk,
     };
     let thread = std::thread::spawn(move || engine.run(rx));
     tx.send(runner).unwrap();
@@ -211,10 +227,64 @@ fn a_newcomer_ends_a_turn_early() {
             None => panic!("no end"),
         }
     };
-    assert_eq!(done(&mut newcomer_heard), 3);
-    assert_eq!(done(&mut runner_heard), 100);
+    assert_eq!(done(&mut newcomer_heard), newcomer_max);
+    assert_eq!(done(&mut runner_heard), runner_max);
     thread.join().unwrap();
-    let calls = calls.lock().unwrap().clone();
+    calls.lock().unwrap().clone()
+}
+
+/// A reply running alone decodes turns of 64 tokens, and a newcomer that comes in at its
+/// 5th token of a turn ends that turn at once: the running reply's decode call samples 5
+/// tokens, the newcomer's prompt is read next, and both replies still run to their length.
+#[test]
+fn a_newcomer_ends_a_turn_early() {
+    let calls = runner_and_newcomer(100, "A newcomer:", 3, 5, PREFILL_CHUNK);
     // The running reply's first decode call gave way at the newcomer's arrival.
-    assert_eq!(calls.first(), Some(&5), "tokens per decode call: {calls:?}");
+    let first = calls.iter().find(|c| matches!(c, Call::Decode(_)));
+    assert_eq!(first, Some(&Call::Decode(5)), "calls: {calls:?}");
+}
+
+/// A long prompt that comes in while a reply runs is read a chunk per turn, the running
+/// reply decoding between its chunks: it does not stall for the whole prompt.
+#[test]
+fn a_long_prompt_is_read_between_the_running_replys_turns() {
+    let (_, tok) = assets::embedded().unwrap();
+    let long = "one two three four five six seven eight nine ten ".repeat(6);
+    let prompt_len = tok.encode(&long).unwrap().len();
+    let chunk = 8;
+    let chunks = prompt_len.div_ceil(chunk);
+    assert!(chunks >= 6, "{prompt_len} tokens");
+    // The reply outlasts the prompt's reading (16 tokens a turn beside the newcomer).
+    let calls = runner_and_newcomer(300, &long, 3, 5, chunk);
+    // The newcomer's pieces: the prompt feeds after the runner's first decode.
+    let start = calls
+        .iter()
+        .position(|c| matches!(c, Call::Decode(_)))
+        .expect("a decode");
+    let pieces: Vec<usize> = (start..calls.len())
+        .filter(|&i| matches!(calls[i], Call::Prefill(_)))
+        .collect();
+    assert_eq!(pieces.len(), chunks, "calls: {calls:?}");
+    let fed: usize = pieces
+        .iter()
+        .map(|&i| match calls[i] {
+            Call::Prefill(n) => {
+                assert!(n <= chunk, "a piece of {n} tokens: {calls:?}");
+                n
+            }
+            Call::Decode(_) => unreachable!(),
+        })
+        .sum();
+    assert_eq!(fed, prompt_len);
+    // Between every two pieces, the running reply decoded.
+    for w in pieces.windows(2) {
+        assert!(
+            calls[w[0]..w[1]]
+                .iter()
+                .any(|c| matches!(c, Call::Decode(n) if *n > 0)),
+            "no decode between calls {} and {}: {calls:?}",
+            w[0],
+            w[1]
+        );
+    }
 }
