@@ -164,8 +164,8 @@ impl Prefill {
             let too_big = std::cell::Cell::new(false);
             match Self::with_block(e, chunk, t, with_logits, &too_big) {
                 Err(err) if too_big.get() && t > MIN_BLOCK => {
-                    tracing::debug!("{err}; trying blocks of {} tokens", (t / 2).max(MIN_BLOCK));
                     t = (t / 2).max(MIN_BLOCK);
+                    tracing::debug!("{err}; trying blocks of {t} tokens");
                 }
                 done => return done,
             }
@@ -231,6 +231,9 @@ impl Prefill {
         let yt = crate::gpu::kernels::gemm_coop::y_rows(t);
         let y_sorted = crate::gpu::kernels::gemm_coop::y_rows(rows);
         let m = |n: usize| if mamba { n } else { 1 };
+        // Every buffer before any graph: a block too big for the binding limit is
+        // refused before graphs are built for it.
+        let logits_tokens = with_logits.then(|| t.min(MAX_LOGITS_BLOCK));
         let mut p = Prefill {
             chunk,
             max_tokens: t,
@@ -274,7 +277,9 @@ impl Prefill {
             moe_down: buf("prefill moe down", f32s(y_sorted * c.d_model))?,
             moe_latent: buf("prefill moe latent", f32s(t * latent))?,
             moe_latent_sum: buf("prefill moe latent sum", f32s(t * latent))?,
-            logits: None,
+            logits: logits_tokens
+                .map(|lt| buf("prefill logits", f32s(lt * c.vocab_size)))
+                .transpose()?,
             part: buf("prefill split-K partials", f32s(part_len(e, t)))?,
             graph: Graph::default(),
             logits_graph: None,
@@ -293,9 +298,7 @@ impl Prefill {
                 false,
             )?);
         }
-        if with_logits {
-            let lt = t.min(MAX_LOGITS_BLOCK);
-            p.logits = Some(buf("prefill logits", f32s(lt * c.vocab_size))?);
+        if let Some(lt) = logits_tokens {
             p.logits_graph = Some(prefill_graph(
                 &e.block_ctx(),
                 &e.weights,
