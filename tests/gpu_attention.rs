@@ -280,7 +280,6 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
             // The narrowest pipeline that holds the length: the one a lone sequence runs.
             let mut alone: Option<usize> = None;
             let len = (c.pos0 + c.tokens) as u32;
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             for (most, d) in attn
                 .shorter
                 .iter()
@@ -298,7 +297,7 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
                     let n = outs.len() - 1;
                     let a = *alone.get_or_insert(n);
                     assert!(
-                        bits(&outs[n]) == bits(&outs[a]),
+                        common::bits(&outs[n]) == common::bits(&outs[a]),
                         "{}: pipelines {a} and {n} both hold length {len} but give other bits",
                         c.name
                     );

@@ -264,9 +264,8 @@ fn batched_decode_equals_each_sequence_alone() {
                 };
                 let token = seen[slot].expect("every live lane samples once per step");
                 let logits = batch.logits(&be.engine, slot).unwrap();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert!(
-                    bits(&logits) == bits(&want[r].1[done]),
+                    common::bits(&logits) == common::bits(&want[r].1[done]),
                     "{}: request {r} step {done} (slot {slot}, {lanes} live lanes): logits \
                      differ from its run alone",
                     case.name
@@ -406,7 +405,6 @@ fn greedy_lanes_equal_alone(be: &mut GpuBackend, prompts: &[Vec<u32>], new: usiz
             .unwrap();
     }
     let batch = be.batch.as_mut().unwrap();
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for step in 0..new {
         batch
             .step(&be.engine, 1, &mut |lane, c| {
@@ -417,7 +415,7 @@ fn greedy_lanes_equal_alone(be: &mut GpuBackend, prompts: &[Vec<u32>], new: usiz
         for (lane, (_, logits)) in alone.iter().enumerate() {
             let l = batch.logits(&be.engine, lane).unwrap();
             assert!(
-                bits(&l) == bits(&logits[step]),
+                common::bits(&l) == common::bits(&logits[step]),
                 "lane {lane} ({} prompt tokens) step {step}: logits differ from its run alone",
                 prompts[lane].len()
             );

@@ -452,7 +452,6 @@ fn rmsnorm_lanes_equal_each_lane_alone() {
         let q: Vec<u32> =
             bytemuck::cast_slice(&g.ctx().read(&xq, (n * w) as u64).unwrap()).to_vec();
         let s = g.read(&xd, n * w / 32);
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for l in 0..n {
             let lane = &x[l * d..(l + 1) * d];
             let (want, q1, s1) = one_lane_norm(&g, lane, &pbuf, wg);
@@ -462,15 +461,19 @@ fn rmsnorm_lanes_equal_each_lane_alone() {
                 &ref_rmsnorm(lane, &params[7..], 1e-5),
                 1e-7,
             );
-            assert_eq!(bits(&got[l * w..l * w + d]), bits(&want), "lane {l}'s norm");
+            assert_eq!(
+                common::bits(&got[l * w..l * w + d]),
+                common::bits(&want),
+                "lane {l}'s norm"
+            );
             assert_eq!(
                 &q[l * w / 4..l * w / 4 + d / 4],
                 &q1[..],
                 "lane {l}'s q8 values"
             );
             assert_eq!(
-                bits(&s[l * w / 32..l * w / 32 + d / 32]),
-                bits(&s1),
+                common::bits(&s[l * w / 32..l * w / 32 + d / 32]),
+                common::bits(&s1),
                 "lane {l}'s q8 scales"
             );
         }
@@ -1486,8 +1489,11 @@ fn experts_down_pass_makes_the_next_pre_norm() {
                 g.run(&d);
             }
             let x = g.read(&tailed, c.rows);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&x), bits(&g.read(&plain, c.rows)), "{what}: residual");
+            assert_eq!(
+                common::bits(&x),
+                common::bits(&g.read(&plain, c.rows)),
+                "{what}: residual"
+            );
             let want: Vec<f32> = (0..c.rows)
                 .map(|r| {
                     let mut y = resid0[r];

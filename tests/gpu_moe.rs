@@ -145,10 +145,9 @@ fn gpu_route(
     let single = run(1, None);
     assert_eq!(single[0], block[0], "the decode and prefill routers agree");
     let (ids, w) = up_pass_routing(&k, m, &l, &p);
-    let bits = |w: &[f32]| w.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
-        (&ids, bits(&w)),
-        (&single[0].0, bits(&single[0].1)),
+        (&ids, common::bits(&w)),
+        (&single[0].0, common::bits(&single[0].1)),
         "the up pass routing in its prologue writes the routing kernel's ids and weights"
     );
     Some(block.into_iter().take(t).collect())

@@ -87,6 +87,11 @@ pub fn kernels(largest: u64) -> Option<mamba2_wgpu::gpu::kernels::Kernels> {
     gpu(&needs).map(mamba2_wgpu::gpu::kernels::Kernels::new)
 }
 
+/// The bit patterns of `v`, for comparisons that must be exact (NaN included).
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// Normalized mean squared error: Σ(a−b)² / Σb².
 pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
