@@ -39,7 +39,7 @@
 // `[KS][64][M]` partials gemm_reduce sums in slice order), through workgroup memory.
 //
 // Constants: M, KP, KLEN (the K columns a workgroup multiplies: KP, or a slice's), XS,
-// YS; BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
+// YS, Y0 (Y's first row of W's: see gemm.wgsl); BT, BM, WT, WR, FT = BT/16/WT, FM = BM/16/WR, NT = 32·WT·WR;
 // BK, KQ = BK/16, XPR = BK/4 X slices (vec4) per token and step; XV = BT·XPR/NT X slices
 // and WV = BM·PW/NT W slices (16 bytes) per invocation, PW slices per row and step (BK/8
 // for f16, BK/16 for q8_0) of VP values each (8, 16); PF (1..4, PF·BK < 256); SPARE (DIRECT).
@@ -251,9 +251,9 @@ fn emu_store(c: Acc, ob: u32, lane: u32) {
 // for tiles past M.
 fn y_tile(tb: u32, mb: u32) -> u32 {
     if (mb < M) {
-        return tb * YS + mb;
+        return Y0 + tb * YS + mb;
     }
-    return SPARE * YS;
+    return Y0 + SPARE * YS;
 }
 #else
 // Writes (or adds) the 16×16 tile at outs[ob] to tokens tb.., rows mb.. of Y from y[base].
@@ -447,7 +447,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 #if SPLIT
     let base = wid.z * PSL;
 #else
-    let base = 0u;
+    let base = Y0;
 #endif
 #for i FT
 #for j FM

@@ -1,4 +1,4 @@
-// The end of a split-K GEMM (gemm.wgsl, SPLIT): y[t, m] (=|+=) Σ_z part[z][t][m] over the
+// The end of a split-K GEMM (gemm.wgsl, SPLIT): y[t, Y0 + m] (=|+=) Σ_z part[z][t][m] over the
 // KS slices in order, for the T = ctrl.prompt_len tokens of a block of at most PT (the
 // partials' token stride).
 // One invocation per (m, t).
@@ -19,9 +19,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         s += part[(z * PT + t) * M + m];
     }
 #if O_STORE
-    y[t * YS + m] = s;
+    y[Y0 + t * YS + m] = s;
 #endif
 #if O_ADD
-    y[t * YS + m] += s;
+    y[Y0 + t * YS + m] += s;
 #endif
 }

@@ -155,13 +155,14 @@ var<workgroup> dsh: array<f32, RR * (KP / 32u)>;
 #endif
 
 // Lane l's total of row `row` to its output (O_STORE | O_ADD | O_MIXER; lane 0 for the
-// one-token kernel).
+// one-token kernel), at value Y0 + row of the lane's (a part of a stacked projection whose
+// parts are stored in different formats: its rows' place in the whole).
 fn emit(l: u32, row: u32, total: f32) {
 #if O_STORE
-    dst[l * DST_LS + row] = total;
+    dst[Y0 + l * DST_LS + row] = total;
 #endif
 #if O_ADD
-    dst[l * DST_LS + row] += total;
+    dst[Y0 + l * DST_LS + row] += total;
 #endif
 #if O_MIXER
     mixer_row(l, row, total);

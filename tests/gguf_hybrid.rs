@@ -299,3 +299,61 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
         }
     }
 }
+
+/// Attention whose q, k and v a GGUF stores in different block types (llama.cpp's Q4_K_M
+/// keeps some v projections in Q6_K) goes up as stored: one GPU matrix per run of one type,
+/// each multiplied into its own rows of the projection (one-token GEMVs, and prefill GEMMs
+/// over a short block, split over K, and a long one). The GPU's logits equal the CPU
+/// reference's on the same blocks: prefill to f32 rounding, the decode graph within its
+/// 8-bit activations.
+#[test]
+fn attention_qkv_in_three_block_types_runs_as_stored() {
+    use mamba2_wgpu::gpu::device_weights::DeviceMixer;
+    use mamba2_wgpu::gpu::engine::PrefillMode;
+    let base = Model::load(&common::fixture("nemotron_h_mqa")).unwrap();
+    let types = [WeightFormat::Q5_1, WeightFormat::Q4_0, WeightFormat::Q8_0];
+    let model = common::qkv_in_blocks(&base, types, Some(WeightFormat::Q8_0));
+    let a = model.config.attention.as_ref().unwrap();
+    let rows = [
+        a.heads * a.head_dim,
+        a.kv_heads * a.head_dim,
+        a.kv_heads * a.head_dim,
+    ];
+    for len in [40, 100] {
+        let prompt: Vec<u32> = (0..len).map(|i| (i * 37 + 5) % 101).collect();
+        let want = cpu_logits(&model, &prompt);
+        let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+        // (The decode graph's 8-bit activations: on lavapipe 0.71 of a range of 25–29 here,
+        // and 0.72–0.88 with q, k and v all in Q8_0 or all in Q4_0, one matrix; a part in
+        // the wrong rows would garble k and v.)
+        for (prefill, rel) in [(PrefillMode::Chunked, 1e-5), (PrefillMode::Decode, 4e-2)] {
+            let opts = EngineOptions {
+                format: WeightFormat::Q8_0,
+                prefill,
+                context: Some(128),
+                kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+                ..Default::default()
+            };
+            let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+                return;
+            };
+            let mut attention = 0;
+            for l in &b.engine.weights.layers {
+                if let DeviceMixer::Attention { qkv, .. } = &l.mixer {
+                    let got: Vec<_> = qkv.iter().map(|m| (m.format, m.rows)).collect();
+                    let want: Vec<_> = types.into_iter().zip(rows).collect();
+                    assert_eq!(got, want, "the parts of {}", qkv[0].name);
+                    attention += 1;
+                }
+            }
+            assert!(attention > 0, "nemotron_h_mqa has attention layers");
+            let got = b.prefill_logits(&prompt).unwrap();
+            let e = worst(&got, &want);
+            eprintln!("{len} tokens ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
+            assert!(
+                e <= rel * range,
+                "{len} tokens on the GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
+            );
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! Batched decode (lavapipe in CI): sequences in the slots of one batch, joining and
 //! leaving mid-way, greedy and seeded sampling side by side, must give every sequence the
 //! logits and tokens it gets alone — bitwise, at every step and lane count — on the pure
-//! Mamba2 fixture in every weight format and the hybrid in f32 and q8_0, with more lanes
+//! Mamba2 fixture in every weight format and the hybrid in f32 and q8_0 (and with its q, k
+//! and v in three block types), with more lanes
 //! than one workgroup sums (two rows of workgroups), and beside a lane whose context needs
 //! a wider attention tile. A sequence that leaves hands
 //! back exactly the state of the same tokens fed alone.
@@ -102,6 +103,17 @@ const CASES: &[Case] = &[
     Case {
         name: "hybrid q8_0",
         model: || Model::synthetic(tiny_hybrid("*M-*M", 1), 9),
+        format: WeightFormat::Q8_0,
+    },
+    // q, k and v stored in three block types (a GGUF's mixed quantization): one GEMV per
+    // part into its rows of each lane's projection.
+    Case {
+        name: "hybrid q8_0, q/k/v in q5_1/q4_0/q8_0 blocks",
+        model: || {
+            let m = Model::synthetic(tiny_hybrid("*M-*M", 1), 12);
+            let types = [WeightFormat::Q5_1, WeightFormat::Q4_0, WeightFormat::Q8_0];
+            common::qkv_in_blocks(&m, types, None)
+        },
         format: WeightFormat::Q8_0,
     },
 ];

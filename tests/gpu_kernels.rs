@@ -383,6 +383,90 @@ fn gemv_lanes_equal_the_one_token_kernel_bitwise() {
     }
 }
 
+/// A part of a stacked projection (`GemvBuffers::dst_row0`, attention's q/k/v kept in
+/// their stored types): its rows land from row0 of each lane's output, bit for bit what
+/// the whole-buffer GEMV writes, stored or added, one token and over lanes, and every other
+/// value of the output stays as it was.
+#[test]
+fn gemv_writes_a_part_from_its_first_row() {
+    let Some(g) = Gpu::new() else { return };
+    let (rows, cols, row0, width) = (37, 256, 45, 101);
+    let w = rand(5, rows * cols, -1.0, 1.0);
+    for (n, cap) in [(1, 1), (3, 4)] {
+        let lanes = Lanes::new(n, cap);
+        for format in [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q6_K] {
+            let p = pack(format, &w, rows, cols);
+            let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
+            let stride = p.kp.next_multiple_of(256);
+            let mut src = vec![0f32; cap * stride];
+            for l in 0..cap {
+                let x = rand(20 + l as u64, cols, -2.0, 2.0);
+                src[l * stride..l * stride + cols].copy_from_slice(&x);
+            }
+            let (mut xq, mut xd) = (Vec::new(), Vec::new());
+            for l in 0..cap {
+                let (q, d) = q8_blocks(&src[l * stride..(l + 1) * stride]);
+                xq.extend(q);
+                xd.extend(d);
+            }
+            let (sb, qb, db) = (
+                g.buf(&src),
+                g.ctx()
+                    .storage_with("xq", bytemuck::cast_slice(&xq))
+                    .unwrap(),
+                g.buf(&xd),
+            );
+            let q8 = format.reads_q8().then_some((&qb, &db));
+            let before = rand(9, cap * width, -3.0, 3.0);
+            for output in [GemvOutput::Store, GemvOutput::Add] {
+                // The whole-buffer GEMV over the same lanes (rows `rows` apart, no offset).
+                let whole = g.buf(&vec![0f32; cap * rows]);
+                let lane_rows: Vec<f32> = (0..cap)
+                    .flat_map(|l| before[l * width + row0..l * width + row0 + rows].to_vec())
+                    .collect();
+                g.ctx()
+                    .queue
+                    .write_buffer(&whole, 0, bytemuck::cast_slice(&lane_rows));
+                let run = |dst: &wgpu::Buffer, dst_row0: usize| {
+                    g.run(
+                        &gemv(
+                            &g.k,
+                            "part",
+                            &m,
+                            GemvInput::Plain,
+                            output,
+                            GemvBuffers {
+                                lanes,
+                                dst_row0,
+                                ..gemv_buffers(&sb, q8, dst)
+                            },
+                        )
+                        .unwrap(),
+                    )
+                };
+                run(&whole, 0);
+                let part = g.buf(&before);
+                run(&part, row0);
+                let (want, got) = (g.read(&whole, cap * rows), g.read(&part, cap * width));
+                for (i, v) in got.iter().enumerate() {
+                    let (l, r) = (i / width, i % width);
+                    let expect = if l < n && (row0..row0 + rows).contains(&r) {
+                        want[l * rows + r - row0]
+                    } else {
+                        before[i]
+                    };
+                    assert_eq!(
+                        v.to_bits(),
+                        expect.to_bits(),
+                        "{} {output:?}, {n} of {cap} lanes: lane {l} value {r}",
+                        format.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn rmsnorm_writes_f32_and_q8_inputs() {
     let Some(g) = Gpu::new() else { return };

@@ -192,6 +192,8 @@ struct GemmShape {
     m: usize,
     k: usize,
     ys: usize,
+    /// Where W's rows start in each Y row (a part of a stacked projection).
+    y0: usize,
     out: GemmOutput,
     formats: &'static [WeightFormat],
     /// Block capacity (buffer rows, the full grid).
@@ -260,6 +262,7 @@ const GEMMS: &[GemmShape] = &[
         m: 3352,
         k: 768,
         ys: 3352,
+        y0: 0,
         out: Store,
         formats: &[
             F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
@@ -272,6 +275,7 @@ const GEMMS: &[GemmShape] = &[
         m: 768,
         k: 1536,
         ys: 768,
+        y0: 0,
         out: Add,
         formats: &[F32, F16, Q8_0, Q4_K, Q5_K, Q6_K],
         cap: 100,
@@ -282,6 +286,7 @@ const GEMMS: &[GemmShape] = &[
         m: 512,
         k: 8192,
         ys: 512,
+        y0: 0,
         out: Add,
         formats: &[F16, Q8_0, Q4_K],
         cap: 40,
@@ -292,6 +297,7 @@ const GEMMS: &[GemmShape] = &[
         m: 640,
         k: 4096,
         ys: 640,
+        y0: 0,
         out: Store,
         formats: &[F32, Q8_0, Q6_K],
         cap: 40,
@@ -302,6 +308,7 @@ const GEMMS: &[GemmShape] = &[
         m: 768,
         k: 1536,
         ys: 768,
+        y0: 0,
         out: Add,
         formats: &[
             F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
@@ -314,6 +321,7 @@ const GEMMS: &[GemmShape] = &[
         m: 37,
         k: 70,
         ys: 40,
+        y0: 0,
         out: Store,
         formats: &[F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 64,
@@ -324,6 +332,7 @@ const GEMMS: &[GemmShape] = &[
         m: 37,
         k: 70,
         ys: 40,
+        y0: 0,
         out: Store,
         formats: &[F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 80,
@@ -334,6 +343,7 @@ const GEMMS: &[GemmShape] = &[
         m: 129,
         k: 33,
         ys: 129,
+        y0: 0,
         out: Add,
         formats: &[F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 80,
@@ -344,16 +354,40 @@ const GEMMS: &[GemmShape] = &[
         m: 64,
         k: 1536,
         ys: 64,
+        y0: 0,
         out: Store,
         formats: &[F32],
         cap: 300,
         blocks: &[300, 129, 65],
     },
     GemmShape {
+        name: "the v part of a parted qkv projection: M 96 from row 48 of rows of 160, K 256",
+        m: 96,
+        k: 256,
+        ys: 160,
+        y0: 48,
+        out: Store,
+        formats: &[F32, F16, Q8_0, Q4_0, Q4_K, Q6_K],
+        cap: 70,
+        blocks: &[70, 5],
+    },
+    GemmShape {
+        name: "a part of odd rows from an odd row, short blocks: M 37 from row 9 of rows of 50, K 64",
+        m: 37,
+        k: 64,
+        ys: 50,
+        y0: 9,
+        out: Store,
+        formats: &[F32, Q8_0, Q5_1],
+        cap: 64,
+        blocks: &[64, 3],
+    },
+    GemmShape {
         name: "rows in whole 16s but not whole tiles: M 208, K 96, rows of 224",
         m: 208,
         k: 96,
         ys: 224,
+        y0: 0,
         out: Store,
         formats: &[F16, Q8_0],
         cap: 70,
@@ -1078,7 +1112,7 @@ fn run_gemm_with(
     s: &GemmShape,
     path: GemmPath,
 ) -> Res<Vec<Stat>> {
-    let (m, k, ys) = (s.m, s.k, s.ys);
+    let (m, k, ys, y0) = (s.m, s.k, s.ys, s.y0);
     // The split GEMM's buffers hold one token tile.
     let cap = if matches!(path, GemmPath::SplitK | GemmPath::CoopSplitEmulated) {
         TILE.1
@@ -1115,12 +1149,15 @@ fn run_gemm_with(
             // (A K whose padded width has no whole slices runs the plain GEMM: checked too.)
             let slices = part_slices(&g.k, &mat);
             let part = g.buf(&vec![f32::NAN; slices * TILE.1 * m])?;
-            gemm_split(&g.k, "gemm", &mat, TILE.1, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
+            gemm_split(
+                &g.k, "gemm", &mat, TILE.1, &xb, &part, &yb, ys, y0, out, &ctrl,
+            )
+            .map_err(err)?
         }
         GemmPath::BlockSplitK => {
             // The partials exactly as the engine sizes them.
             let part = g.buf(&vec![f32::NAN; part_values(&g.k, &mat, cap).max(1)])?;
-            gemm_split(&g.k, "gemm", &mat, cap, &xb, &part, &yb, ys, out, &ctrl).map_err(err)?
+            gemm_split(&g.k, "gemm", &mat, cap, &xb, &part, &yb, ys, y0, out, &ctrl).map_err(err)?
         }
         GemmPath::CoopSplitEmulated => {
             // The engine's slice count (across the table: 16 slices of 512 or 256 columns,
@@ -1148,6 +1185,7 @@ fn run_gemm_with(
                     &part,
                     &yb,
                     ys,
+                    y0,
                     out,
                     &ctrl,
                 )
@@ -1155,7 +1193,7 @@ fn run_gemm_with(
             ]
         }
         GemmPath::Plain => {
-            vec![gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, out, &ctrl).map_err(err)?]
+            vec![gemm(&g.k, "gemm", &mat, cap, &xb, &yb, ys, y0, out, &ctrl).map_err(err)?]
         }
         GemmPath::CoopEmulated(tile, _) => vec![
             gemm_coop(
@@ -1166,6 +1204,7 @@ fn run_gemm_with(
                 &xb,
                 &yb,
                 ys,
+                y0,
                 out,
                 &ctrl,
                 tile,
@@ -1187,7 +1226,7 @@ fn run_gemm_with(
         if out == Add {
             let resid = rand(seed + 1, t * m, -3.0, 3.0);
             for r in 0..t {
-                yh[r * ys..r * ys + m].copy_from_slice(&resid[r * m..(r + 1) * m]);
+                yh[r * ys + y0..r * ys + y0 + m].copy_from_slice(&resid[r * m..(r + 1) * m]);
             }
             g.write(&yb, &yh);
         }
@@ -1205,16 +1244,16 @@ fn run_gemm_with(
                     .map(|(&a, &b)| a as f64 * b as f64)
                     .sum();
                 let base = if out == Add {
-                    yh[r * ys + row] as f64
+                    yh[r * ys + y0 + row] as f64
                 } else {
                     0.0
                 };
-                want[r * ys + row] = (base + dot) as f32;
+                want[r * ys + y0 + row] = (base + dot) as f32;
             }
         }
-        let direct_taken = direct && m % 16 == 0;
+        let direct_taken = direct && m % 16 == 0 && y0 % 4 == 0;
         let region = |i: usize| {
-            if i / ys < t && i % ys < m {
+            if i / ys < t && (y0..y0 + m).contains(&(i % ys)) {
                 Region::Live
             } else if direct_taken && i / ys >= t {
                 // The direct epilogue's scratch: rows past the block's tokens.
@@ -1275,7 +1314,7 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
             let spare = direct.then_some(256);
             for emulate in [false, true] {
                 let (sources, consts, flags) =
-                    specialize(w, s.m, kp, s.k, s.ys, out, tile, spare, None, emulate);
+                    specialize(w, s.m, kp, s.k, s.ys, s.y0, out, tile, spare, None, emulate);
                 let what = format!("tile {tile}, {flags:?}");
                 let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
                 naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
@@ -1316,6 +1355,7 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
                     kp,
                     s.k,
                     s.ys,
+                    0,
                     Store,
                     tile,
                     spare,

@@ -212,8 +212,9 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             format!(" ({} blocks go up as stored)", held.join(", "))
         };
         println!("gpu        --dtype {} by default{stored}", format.name());
-        // q, k and v join into one GPU matrix of one type: where a file stores them in
-        // different types (a Q4_K_M file's v in Q6_K), they go up requantized to q8_0.
+        // q, k and v stored in different types (a Q4_K_M file's v in Q6_K) go up as
+        // stored in parts, one GEMV or GEMM each (a dispatch more per part and no folded
+        // pre-norm or K/V store for that layer's decode).
         let mixed: Vec<String> = model
             .weights
             .layers
@@ -237,8 +238,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             .collect();
         if !mixed.is_empty() && format.reads_q8() {
             println!(
-                "requantized q8_0 for attention whose q/k/v types differ (one GPU matrix, \
-                 one type): layers {}",
+                "q/k/v in parts (types differ, each kept as stored): layers {}",
                 mixed.join(", ")
             );
         }

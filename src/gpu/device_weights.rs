@@ -55,9 +55,12 @@ pub enum DeviceMixer {
         in_proj: DeviceMatrix,
         out_proj: DeviceMatrix,
     },
-    /// `qkv` is `[q; k; v]` stacked (one GEMV per token), `o` the output projection.
+    /// `qkv` is `[q; k; v]` stacked, `o` the output projection. `qkv` is one matrix (one
+    /// GEMV per token) but where a GGUF stores q, k and v in block types that differ (a
+    /// Q4_K_M file's Q6_K v): then its parts are the runs of one type, in order, each kept
+    /// as stored and multiplied into its own rows of the projection (`type_runs`).
     Attention {
-        qkv: DeviceMatrix,
+        qkv: Vec<DeviceMatrix>,
         o: DeviceMatrix,
     },
     /// `up` is `[I, d]`, or `[gate; up]` `[2I, d]` for gated MLPs; `bias`: where the up
@@ -103,10 +106,10 @@ impl DeviceMoe {
 
 /// The format of a matrix whose blocks cannot go up as stored (`upload_as`). Quantized
 /// blocks scaled on the way (Granite's residual multiplier) or joined with parts of another
-/// type (q, k and v make one matrix, and a Q4_K_M file stores some v projections in Q6_K)
-/// are requantized to q8_0, whose 8-bit grid keeps them closest: a second 4/5/6-bit
-/// rounding would add about as much error as the file's own. Everything else takes
-/// `format`'s choice for its width.
+/// type (an MLP's gate and up in different types; attention's q, k and v go up in parts
+/// instead, `type_runs`) are requantized to q8_0, whose 8-bit grid keeps them closest: a
+/// second 4/5/6-bit rounding would add about as much error as the file's own. Everything
+/// else takes `format`'s choice for its width.
 fn requantized_format(
     dtypes: &[DType],
     format: WeightFormat,
@@ -122,10 +125,26 @@ fn requantized_format(
 }
 
 /// Whether the parts of one matrix hold block-quantized values in more than one type (or
-/// beside floats), so that under a quantized format they go up requantized to q8_0 (`mamba2
-/// info` lists such attention layers).
+/// beside floats), so that under a quantized format they cannot go up as one matrix as
+/// stored (`mamba2 info` lists such attention layers).
 pub fn mixed_blocks(dtypes: &[DType]) -> bool {
     dtypes.iter().any(|d| matches!(d, DType::Quant(_))) && dtypes.iter().any(|d| *d != dtypes[0])
+}
+
+/// The parts of a stacked matrix (`dtypes`, in order) that go up as one GPU matrix each
+/// under `format`: all of them together, or, where a quantized format meets block types
+/// that differ (`mixed_blocks`), each run of consecutive parts of one type, so that every
+/// block goes up as stored. Ranges of part indices.
+pub fn type_runs(dtypes: &[DType], format: WeightFormat) -> Vec<std::ops::Range<usize>> {
+    let split = format.reads_q8() && mixed_blocks(dtypes);
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, d) in dtypes.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r) if !split || dtypes[r.start] == *d => r.end = i + 1,
+            _ => runs.push(i..i + 1),
+        }
+    }
+    runs
 }
 
 /// Experts per bank: as many as fit one storage binding of `max_binding` bytes (both
@@ -196,7 +215,7 @@ impl DeviceLayer {
     pub fn matrices(&self) -> Vec<&DeviceMatrix> {
         match &self.mixer {
             DeviceMixer::Mamba2 { in_proj, out_proj } => vec![in_proj, out_proj],
-            DeviceMixer::Attention { qkv, o } => vec![qkv, o],
+            DeviceMixer::Attention { qkv, o } => qkv.iter().chain([o]).collect(),
             DeviceMixer::Mlp { up, down, .. } => vec![up, down],
             DeviceMixer::Moe(m) => {
                 let mut v = vec![&m.router];
@@ -384,8 +403,20 @@ impl DeviceWeights {
                         return Err(gpu_unsupported(i, "attention projection biases"));
                     }
                     params.extend(finite_f32(&l.norm)?);
+                    let parts = [&a.q, &a.k, &a.v];
+                    let runs = type_runs(&parts.map(|t| t.dtype), format);
+                    let qkv = runs
+                        .iter()
+                        .map(|r| {
+                            let n = match runs.len() {
+                                1 => name("qkv_proj"),
+                                _ => format!("{}.{}", name("qkv_proj"), &"qkv"[r.clone()]),
+                            };
+                            upload(&n, &parts[r.clone()])
+                        })
+                        .collect::<Result<Vec<_>>>()?;
                     DeviceMixer::Attention {
-                        qkv: upload(&name("qkv_proj"), &[&a.q, &a.k, &a.v])?,
+                        qkv,
                         o: upload_out(&name("o_proj"), &[&a.o])?,
                     }
                 }
@@ -667,10 +698,35 @@ mod tests {
     use crate::model::ggml::GgmlType;
 
     #[test]
+    fn parts_of_different_block_types_go_up_in_runs_of_one_type() {
+        let (q4k, q6k, q8) = (
+            DType::Quant(GgmlType::Q4_K),
+            DType::Quant(GgmlType::Q6_K),
+            DType::Quant(GgmlType::Q8_0),
+        );
+        let q4 = WeightFormat::Q4_K;
+        // A Q4_K_M file's q and k in Q4_K beside v in Q6_K: two parts, each as stored.
+        assert_eq!(type_runs(&[q4k, q4k, q6k], q4), vec![0..2, 2..3]);
+        assert_eq!(type_runs(&[q6k, q4k, q8], q4), vec![0..1, 1..2, 2..3]);
+        assert_eq!(type_runs(&[q4k, q6k, q4k], q4), vec![0..1, 1..2, 2..3]);
+        // Floats beside blocks: the floats are quantized at load, the blocks kept.
+        assert_eq!(type_runs(&[DType::F16, q4k, q4k], q4), vec![0..1, 1..3]);
+        // One type, floats only, or a float run (which dequantizes everything): one matrix.
+        assert_eq!(type_runs(&[q4k, q4k, q4k], q4), vec![0..3]);
+        assert_eq!(
+            type_runs(&[DType::F16, DType::F32, DType::F16], q4),
+            vec![0..3]
+        );
+        assert_eq!(type_runs(&[q4k, q4k, q6k], WeightFormat::F16), vec![0..3]);
+    }
+
+    #[test]
     fn mixed_or_scaled_stored_blocks_requantize_to_q8_0() {
         let (q4k, q6k) = (DType::Quant(GgmlType::Q4_K), DType::Quant(GgmlType::Q6_K));
         let q4 = WeightFormat::Q4_K;
-        // A Q4_K_M file's q and k in Q4_K beside v in Q6_K: q8_0, not a second 4-bit rounding.
+        // A matrix joined from parts in Q4_K and Q6_K (an MLP's gate and up; attention's
+        // q, k and v go up in parts instead, `type_runs`): q8_0, not a second 4-bit
+        // rounding.
         assert_eq!(
             requantized_format(&[q4k, q4k, q6k], q4, 1.0, 4096),
             WeightFormat::Q8_0

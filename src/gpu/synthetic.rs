@@ -172,7 +172,7 @@ impl Engine {
                 BlockKind::Attention => {
                     let at = c.attention.as_ref().expect("attention layers have a shape");
                     let m = DeviceMixer::Attention {
-                        qkv: mat(&n("qkv_proj"), at.qkv_rows(), c.d_model, in_scale, a)?,
+                        qkv: vec![mat(&n("qkv_proj"), at.qkv_rows(), c.d_model, in_scale, a)?],
                         o: mat(
                             &n("o_proj"),
                             c.d_model,

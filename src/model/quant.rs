@@ -431,6 +431,17 @@ fn split_block(format: WeightFormat, block: &[u8], data: &mut Vec<u8>, scales: &
     }
 }
 
+/// A packed block-format matrix in ggml's byte layout, as a GGUF stores it (`repack_ggml`
+/// undone); None for the float formats and for rows padded past their columns.
+pub fn ggml_blocks(p: &Packed) -> Option<Vec<u8>> {
+    let ty = p.format.ggml()?;
+    if p.kp != p.cols {
+        return None;
+    }
+    let blocks = p.rows * p.cols / ty.block().0;
+    Some((0..blocks).flat_map(|i| join_block(p, i)).collect())
+}
+
 /// Block `i` of a packed matrix back in ggml's byte layout (`split_block` undone).
 fn join_block(p: &Packed, i: usize) -> Vec<u8> {
     let (d, s) = p.format.split();

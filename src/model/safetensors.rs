@@ -147,6 +147,39 @@ impl Tensor {
         }
     }
 
+    /// A tensor of ggml blocks of `ty` over owned bytes (what a GGUF file holds: tests build
+    /// quantized tensors with it); the rows must be whole blocks and the bytes exactly the
+    /// shape's.
+    pub fn from_ggml_blocks(
+        name: impl Into<String>,
+        ty: GgmlType,
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+    ) -> Result<Self> {
+        let name = name.into();
+        let cols = shape.last().copied().unwrap_or(0);
+        let numel = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64));
+        let want = numel.and_then(|n| ty.bytes_of(n));
+        if cols == 0 || !cols.is_multiple_of(ty.block().0) || want != Some(bytes.len() as u64) {
+            return Err(Error::InvalidInput(format!(
+                "{name}: {} bytes for {:?} values in {} blocks of {} values",
+                bytes.len(),
+                shape,
+                ty.name(),
+                ty.block().0
+            )));
+        }
+        let len = bytes.len();
+        Ok(Tensor {
+            name,
+            dtype: DType::Quant(ty),
+            shape,
+            bytes: Bytes::Owned(Arc::new(bytes)),
+            range: 0..len,
+            view_of: None,
+        })
+    }
+
     /// A tensor over `range` of a file mapping (a GGUF tensor; its extent already checked).
     pub(crate) fn mapped(
         name: String,

@@ -152,3 +152,59 @@ pub fn rounded(model: &Model, format_of: impl Fn(usize) -> WeightFormat) -> Mode
     }
     m
 }
+
+/// `t` (a float matrix) as ggml blocks of `format`, the bytes a GGUF file would hold.
+pub fn in_blocks(
+    t: &mamba2_wgpu::model::safetensors::Tensor,
+    format: WeightFormat,
+) -> mamba2_wgpu::model::safetensors::Tensor {
+    use mamba2_wgpu::model::quant::{ggml_blocks, pack};
+    let (rows, cols) = (t.shape[0], t.shape[1]);
+    let p = pack(format, &t.to_f32(), rows, cols);
+    let bytes = ggml_blocks(&p).expect("a block format over whole blocks");
+    let ty = format.ggml().expect("a block format");
+    mamba2_wgpu::model::safetensors::Tensor::from_ggml_blocks(
+        t.name.clone(),
+        ty,
+        t.shape.clone(),
+        bytes,
+    )
+    .unwrap()
+}
+
+/// `model` with every attention layer's q, k and v in ggml blocks of `types` (in that
+/// order, as a GGUF whose quantization mixes them stores them: llama.cpp's Q4_K_M keeps
+/// some v projections in Q6_K), and with `rest`, every other dense matrix (embedding, head,
+/// Mamba2, o and MLP projections) in blocks of that type.
+pub fn qkv_in_blocks(model: &Model, types: [WeightFormat; 3], rest: Option<WeightFormat>) -> Model {
+    use mamba2_wgpu::model::MixerWeights;
+    let mut m = model.clone();
+    let other = |t: &mut mamba2_wgpu::model::safetensors::Tensor| {
+        if let Some(f) = rest {
+            *t = in_blocks(t, f);
+        }
+    };
+    other(&mut m.weights.embedding);
+    m.weights.lm_head.as_mut().map(other);
+    for l in &mut m.weights.layers {
+        match &mut l.mixer {
+            MixerWeights::Mamba2(w) => {
+                other(&mut w.in_proj);
+                other(&mut w.out_proj);
+            }
+            MixerWeights::Attention(w) => {
+                for (t, f) in [&mut w.q, &mut w.k, &mut w.v].into_iter().zip(types) {
+                    *t = in_blocks(t, f);
+                }
+                other(&mut w.o);
+            }
+            MixerWeights::Mlp(w) => {
+                other(&mut w.up);
+                w.gate.as_mut().map(other);
+                other(&mut w.down);
+            }
+            MixerWeights::Moe(_) => panic!("qkv_in_blocks: an MoE layer"),
+        }
+    }
+    m
+}

@@ -1,4 +1,5 @@
-//! The attention block's dispatches. Decode (5 after the pre-norm): the `[q|k|v]` GEMV,
+//! The attention block's dispatches. Decode (5 after the pre-norm): the `[q|k|v]` GEMV (one
+//! per part where the projection's parts keep block types that differ, `DeviceMixer`),
 //! `kv_store` (the token's K/V into cache row `ctrl.kv_len`, RoPE when asked; fused without
 //! RoPE, the GEMV's epilogue stores them instead: 4), flash-decoding
 //! over the cached rows in segments (`attention_decode`) and the merge of the segments
@@ -13,7 +14,7 @@ use crate::gpu::kernels::attention_combine::attention_combine;
 use crate::gpu::kernels::attention_decode::{attention_decode, decode_partials_len};
 use crate::gpu::kernels::attention_prefill::attention_prefill;
 use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
-use crate::gpu::kernels::gemm::{GemmOutput, projection};
+use crate::gpu::kernels::gemm::{GemmOutput, gemm_split, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, KvOut};
 use crate::gpu::kernels::kv_store::kv_store;
 use crate::gpu::kernels::{Dispatch, Section};
@@ -59,10 +60,12 @@ fn attn_section(d: Dispatch) -> Dispatch {
 /// `pre_norm`: the layer's parameters and the norm weights' offset in them) with the
 /// pre-norm folded into the qkv GEMV's prologue, which reads the residual
 /// (`gemv::folds_norm` says where it can). `fused`, one token and no RoPE: the qkv GEMV
-/// stores the k and v rows into the caches itself (one dispatch fewer).
+/// stores the k and v rows into the caches itself (one dispatch fewer). `qkv` in parts of
+/// different formats: one GEMV each into its rows, after a pre-norm dispatch, and the K/V
+/// store dispatch.
 pub fn decode(
     b: &BlockCtx,
-    qkv: &DeviceMatrix,
+    qkv: &[DeviceMatrix],
     o: &DeviceMatrix,
     k_cache: &wgpu::Buffer,
     v_cache: &wgpu::Buffer,
@@ -71,7 +74,6 @@ pub fn decode(
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let ac = layer_consts(b)?;
-    let q8 = b.q8();
     let bufs = AttnBuffers {
         qkv: &s.qkv,
         k_cache,
@@ -82,6 +84,22 @@ pub fn decode(
     let d = ac.dims;
     let f32 = ac.format == KvFormat::F32;
     let (q_rows, kv_rows) = (d.q_len(), d.kv_len());
+    let qkv = match qkv {
+        [whole] => whole,
+        parts => {
+            if pre_norm.is_some() {
+                return Err(Error::Gpu(format!(
+                    "{}: a qkv projection in {} parts takes its pre-norm from a dispatch",
+                    parts[0].name,
+                    parts.len()
+                )));
+            }
+            let mut out = parted_gemvs(b, parts, ac.qkv_stride)?;
+            out.push(kv_store(k, "kv_store", ac, None, &bufs)?);
+            out.extend(attend_and_project(b, ac, &bufs, o)?);
+            return Ok(out);
+        }
+    };
     // The folded pre-norm's workgroup size: the norm kernel's, for the K/V check and the
     // GEMV alike.
     let norm_wg = pre_norm
@@ -133,8 +151,48 @@ pub fn decode(
     if !fold {
         out.push(kv_store(k, "kv_store", ac, None, &bufs)?);
     }
-    out.extend([
-        attention_decode(k, "attention", ac, &bufs, &s.attn_part)?,
+    out.extend(attend_and_project(b, ac, &bufs, o)?);
+    Ok(out)
+}
+
+/// A stacked projection's parts, one GEMV each into its rows of `s.qkv` (rows of `rows`).
+fn parted_gemvs(b: &BlockCtx, parts: &[DeviceMatrix], rows: usize) -> Result<Vec<Dispatch>> {
+    let mut row0 = 0;
+    let mut out = Vec::with_capacity(parts.len());
+    for part in parts {
+        out.push(attn_section(gemv::gemv(
+            b.k,
+            &format!("qkv_proj[{row0}..{}]", row0 + part.rows),
+            part,
+            GemvInput::Plain,
+            GemvOutput::Store,
+            GemvBuffers {
+                dst_row0: row0,
+                ..b.gemv_in(&b.s.h, &b.s.qkv)
+            },
+        )?));
+        row0 += part.rows;
+    }
+    if row0 != rows {
+        return Err(Error::Gpu(format!(
+            "{}: parts of {row0} rows in all for a projection of {rows}",
+            parts[0].name
+        )));
+    }
+    Ok(out)
+}
+
+/// Decode after the K/V store: flash-decoding over the cached rows, the merge of its
+/// segments, and o_proj into the residual.
+fn attend_and_project(
+    b: &BlockCtx,
+    ac: AttnConsts,
+    bufs: &AttnBuffers,
+    o: &DeviceMatrix,
+) -> Result<Vec<Dispatch>> {
+    let (k, s) = (b.k, b.s);
+    Ok(vec![
+        attention_decode(k, "attention", ac, bufs, &s.attn_part)?,
         attention_combine(
             k,
             "combine",
@@ -143,7 +201,7 @@ pub fn decode(
             &s.attn_part,
             &s.ctrl,
             &s.attn,
-            q8,
+            b.q8(),
         )?,
         attn_section(gemv::gemv(
             k,
@@ -153,8 +211,7 @@ pub fn decode(
             GemvOutput::Add,
             b.gemv_in(&s.attn, &s.resid),
         )?),
-    ]);
-    Ok(out)
+    ])
 }
 
 /// A prefill block through an attention layer (after the batched pre-norm into `p.h`).
@@ -162,7 +219,7 @@ pub fn prefill(
     b: &BlockCtx,
     p: &Prefill,
     tokens: usize,
-    qkv: &DeviceMatrix,
+    qkv: &[DeviceMatrix],
     o: &DeviceMatrix,
     k_cache: &wgpu::Buffer,
     v_cache: &wgpu::Buffer,
@@ -176,21 +233,33 @@ pub fn prefill(
         ctrl: &s.ctrl,
         lanes: crate::gpu::kernels::Lanes::ONE,
     };
-    let mut d: Vec<Dispatch> = projection(
-        k,
-        "qkv_proj",
-        qkv,
-        tokens,
-        &p.h,
-        &p.part,
-        &p.qkv,
-        qkv.rows,
-        GemmOutput::Store,
-        &s.ctrl,
-    )?
-    .into_iter()
-    .map(attn_section)
-    .collect();
+    // (A projection in parts of different formats: one GEMM each into its rows.)
+    let mut d: Vec<Dispatch> = Vec::new();
+    let mut row0 = 0;
+    for part in qkv {
+        let name = match qkv.len() {
+            1 => "qkv_proj".to_string(),
+            _ => format!("qkv_proj[{row0}..{}]", row0 + part.rows),
+        };
+        d.extend(
+            gemm_split(
+                k,
+                &name,
+                part,
+                tokens,
+                &p.h,
+                &p.part,
+                &p.qkv,
+                ac.qkv_stride,
+                row0,
+                GemmOutput::Store,
+                &s.ctrl,
+            )?
+            .into_iter()
+            .map(attn_section),
+        );
+        row0 += part.rows;
+    }
     d.push(kv_store(k, "kv_store", ac, Some(tokens), &bufs)?);
     d.push(attention_prefill(
         k,

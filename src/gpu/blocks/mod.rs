@@ -90,7 +90,11 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 DeviceMixer::Mamba2 { in_proj, .. } => {
                     mamba2::fusable(c, b.format) && gemv::folds_norm(k, in_proj, true)?
                 }
-                DeviceMixer::Attention { qkv, .. } => gemv::folds_norm(k, qkv, false)?,
+                // (A projection in parts of different formats takes a norm dispatch.)
+                DeviceMixer::Attention { qkv, .. } => match qkv.as_slice() {
+                    [whole] => gemv::folds_norm(k, whole, false)?,
+                    _ => false,
+                },
                 _ => false,
             };
         let mut ds = if fold_norm || tail_norm {
@@ -298,6 +302,7 @@ pub fn prefill_graph(
             &p.h,
             out,
             c.vocab_size,
+            0,
             GemmOutput::Store,
             &s.ctrl,
         )?);
@@ -352,7 +357,7 @@ fn mlp_bias<'a>(
 fn norm_wg(k: &Kernels, mixer: &DeviceMixer) -> Result<usize> {
     match mixer {
         DeviceMixer::Mamba2 { in_proj, .. } => gemv::norm_wg_for(k, in_proj, true),
-        DeviceMixer::Attention { qkv, .. } => gemv::norm_wg_for(k, qkv, false),
+        DeviceMixer::Attention { qkv, .. } => gemv::norm_wg_for(k, &qkv[0], false),
         _ => Ok(rmsnorm::CHUNK),
     }
 }

@@ -300,6 +300,7 @@ pub fn prefill(
                     &p.h,
                     &p.moe_latent,
                     stride,
+                    0,
                     GemmOutput::Store,
                     &s.ctrl,
                 )?
@@ -404,6 +405,7 @@ pub fn prefill(
                 &p.moe_latent_sum,
                 &p.resid,
                 b.c.d_model,
+                0,
                 GemmOutput::Add,
                 &s.ctrl,
             )?

@@ -23,18 +23,40 @@ pub enum GemmOutput {
     Add,
 }
 
-/// gemm.wgsl's shape constants for `w`, X rows of `xs` and Y rows of `ys` values.
-fn shape_consts(w: &DeviceMatrix, xs: usize, ys: usize) -> Vec<(&'static str, Const)> {
+/// gemm.wgsl's shape constants for `w`, X rows of `xs` and Y rows of `ys` values, W's
+/// rows from value `y0` of each.
+fn shape_consts(w: &DeviceMatrix, xs: usize, ys: usize, y0: usize) -> Vec<(&'static str, Const)> {
     vec![
         ("M", Const::U32(w.rows as u32)),
         ("KP", Const::U32(w.kp as u32)),
         ("XS", Const::U32(xs as u32)),
         ("YS", Const::U32(ys as u32)),
+        ("Y0", Const::U32(y0 as u32)),
     ]
 }
 
-/// The GEMM of a block of up to `max_tokens` tokens; `y` has rows of `ys` values. On the
-/// tensor cores (`gemm_coop`) where they serve `w`, else on FMA register tiles.
+/// Checks that W's rows, from value `y0`, fit Y rows of `ys` values and that Y holds
+/// `tokens` of them.
+pub fn check_y(
+    name: &str,
+    w_rows: usize,
+    tokens: usize,
+    y: &wgpu::Buffer,
+    ys: usize,
+    y0: usize,
+) -> Result<()> {
+    if tokens == 0 || y0 + w_rows > ys {
+        return Err(crate::error::Error::Gpu(format!(
+            "{name}: {tokens} tokens of {w_rows} rows from value {y0} of Y rows of {ys}"
+        )));
+    }
+    check_len(&format!("{name}: y"), y, (tokens - 1) * ys + y0 + w_rows)
+}
+
+/// The GEMM of a block of up to `max_tokens` tokens; `y` has rows of `ys` values, W's rows
+/// from value `y0` of each (0 but for a part of a stacked projection whose parts differ in
+/// format). On the tensor cores (`gemm_coop`) where they serve `w`, else on FMA register
+/// tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     k: &Kernels,
@@ -44,16 +66,17 @@ pub fn gemm(
     x: &wgpu::Buffer,
     y: &wgpu::Buffer,
     ys: usize,
+    y0: usize,
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     if super::gemm_coop::applies(k, w) {
-        let direct = super::gemm_coop::direct_fits(w.rows, max_tokens, y, ys);
+        let direct = super::gemm_coop::direct_fits(w.rows, max_tokens, y, ys, y0);
         let tile = super::gemm_coop::tile_for(k, w, max_tokens, direct)?;
         let emulate = !k.ctx.caps.coop_matrix;
         let build = |tile| {
             super::gemm_coop::gemm_coop(
-                k, name, w, max_tokens, x, y, ys, output, ctrl, tile, emulate,
+                k, name, w, max_tokens, x, y, ys, y0, output, ctrl, tile, emulate,
             )
         };
         let mut d = build(tile)?;
@@ -64,8 +87,8 @@ pub fn gemm(
     }
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
-    check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
-    let consts = shape_consts(w, xs, ys);
+    check_y(name, w.rows, max_tokens, y, ys, y0)?;
+    let consts = shape_consts(w, xs, ys, y0);
     let out = match output {
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
@@ -185,6 +208,7 @@ pub fn gemm_split(
     part: &wgpu::Buffer,
     y: &wgpu::Buffer,
     ys: usize,
+    y0: usize,
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
@@ -194,7 +218,7 @@ pub fn gemm_split(
     let tokens = if short { TILE.1 } else { max_tokens };
     let t = part_tokens(max_tokens);
     if splitk_off() {
-        return Ok(vec![gemm(k, name, w, tokens, x, y, ys, output, ctrl)?]);
+        return Ok(vec![gemm(k, name, w, tokens, x, y, ys, y0, output, ctrl)?]);
     }
     let coop_slices = if short && super::gemm_coop::applies(k, w) {
         super::gemm_coop::split_slices(w, super::gemm_coop::split_tile(k))
@@ -213,12 +237,13 @@ pub fn gemm_split(
             block_slices(k, w, max_tokens)
         };
         if slices == 1 {
-            return Ok(vec![gemm(k, name, w, tokens, x, y, ys, output, ctrl)?]);
+            return Ok(vec![gemm(k, name, w, tokens, x, y, ys, y0, output, ctrl)?]);
         }
         let xs = w.cols.next_multiple_of(32);
         check_len(&format!("{name}: x"), x, tokens * xs)?;
         check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
-        let mut consts = shape_consts(w, xs, ys);
+        // (The partials' rows are W's: the reduce puts them at `y0`.)
+        let mut consts = shape_consts(w, xs, ys, 0);
         consts.extend([
             ("KS", Const::U32(slices as u32)),
             ("PT", Const::U32(t as u32)),
@@ -259,6 +284,7 @@ pub fn gemm_split(
         part,
         y,
         ys,
+        y0,
         output,
         ctrl,
     )?;
@@ -281,7 +307,7 @@ pub fn projection(
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
-    gemm_split(k, name, w, max_tokens, x, part, y, ys, output, ctrl)
+    gemm_split(k, name, w, max_tokens, x, part, y, ys, 0, output, ctrl)
 }
 
 /// The rows of a prefill block's MoE, sorted by expert (`moe_sort`): `rows` of them in tiles
@@ -334,6 +360,7 @@ pub fn expert_gemm(
         ("KP", u(w.kp)),
         ("XS", u(xs)),
         ("YS", u(ys)),
+        ("Y0", u(0)),
         ("TR", u(rows)),
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),

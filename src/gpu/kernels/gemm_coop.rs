@@ -249,11 +249,13 @@ fn blocks_on() -> bool {
         .unwrap_or(true)
 }
 
-/// Whether a GEMM of `rows` rows of W over blocks of `max_tokens` into `y` (rows of `ys`)
-/// can store its accumulators straight into Y: W's rows in whole 16-row tiles and Y with
-/// `y_rows` rows (MAMBA2_COOP_NO_DIRECT=1 turns it off, for comparison).
-pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize) -> bool {
+/// Whether a GEMM of `rows` rows of W over blocks of `max_tokens` into `y` (rows of `ys`,
+/// W's from value `y0`) can store its accumulators straight into Y: W's rows in whole
+/// 16-row tiles, Y with `y_rows` rows, and a first row whose tiles start on 16 bytes, as a
+/// cooperative load or store wants (MAMBA2_COOP_NO_DIRECT=1 turns it off, for comparison).
+pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize, y0: usize) -> bool {
     rows.is_multiple_of(16)
+        && y0.is_multiple_of(4)
         && y.size() >= 4 * (y_rows(max_tokens) * ys) as u64
         && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1")
 }
@@ -431,6 +433,7 @@ pub fn specialize(
     kp: usize,
     cols: usize,
     ys: usize,
+    y0: usize,
     output: GemmOutput,
     tile: Tile,
     spare: Option<usize>,
@@ -453,6 +456,7 @@ pub fn specialize(
         ("KLEN", u(kp)),
         ("XS", u(cols.next_multiple_of(32))),
         ("YS", u(ys)),
+        ("Y0", u(y0)),
         ("BT", u(tile.bt)),
         ("BM", u(tile.bm)),
         ("WT", u(tile.wt)),
@@ -521,6 +525,7 @@ pub fn gemm_coop(
     x: &wgpu::Buffer,
     y: &wgpu::Buffer,
     ys: usize,
+    y0: usize,
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
     tile: Tile,
@@ -528,14 +533,14 @@ pub fn gemm_coop(
 ) -> Result<Dispatch> {
     check_takes(name, w)?;
     super::require_coop(k, name, emulate)?;
-    let direct = direct_fits(w.rows, max_tokens, y, ys);
+    let direct = direct_fits(w.rows, max_tokens, y, ys, y0);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
-    check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + w.rows)?;
+    super::gemm::check_y(name, w.rows, max_tokens, y, ys, y0)?;
     let spare = direct.then(|| max_tokens.next_multiple_of(tile.bt));
     let (sources, consts, flags) = specialize(
-        w.format, w.rows, w.kp, w.cols, ys, output, tile, spare, None, emulate,
+        w.format, w.rows, w.kp, w.cols, ys, y0, output, tile, spare, None, emulate,
     );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
     let mut entries = w.bindings();
@@ -686,6 +691,7 @@ pub fn specialize_split(
         kp,
         cols,
         rows,
+        0,
         GemmOutput::Store,
         tile,
         None,
@@ -789,7 +795,7 @@ pub fn expert_gemm_coop(
             bank.count, w.name, w.rows, tile.bt
         )));
     }
-    let direct = direct_fits(m, rows, y, ys);
+    let direct = direct_fits(m, rows, y, ys, 0);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
@@ -824,6 +830,7 @@ pub fn expert_gemm_coop(
         w.kp,
         w.cols,
         ys,
+        0,
         GemmOutput::Store,
         tile,
         direct.then_some(rows),
@@ -876,7 +883,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     for &tile in &tiles {
         for yb in [&y, &y_direct] {
             if tile
-                .check(WeightFormat::F16, direct_fits(w.rows, t, yb, m))
+                .check(WeightFormat::F16, direct_fits(w.rows, t, yb, m, 0))
                 .is_ok()
             {
                 runs.push((tile, yb));
@@ -906,6 +913,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
             &x,
             y,
             m,
+            0,
             GemmOutput::Add,
             &ctrl,
             tile,
@@ -998,12 +1006,13 @@ fn q8_case(
             &part,
             &y,
             m,
+            0,
             GemmOutput::Store,
             &ctrl,
         )?;
         r.run_now(ctx, Some(t as u32))?;
     } else {
-        let tile = tile_for(k, &w, t, direct_fits(m, t, &y, m))?;
+        let tile = tile_for(k, &w, t, direct_fits(m, t, &y, m, 0))?;
         what = format!("on tile {tile}");
         let d = gemm_coop(
             k,
@@ -1013,6 +1022,7 @@ fn q8_case(
             &x,
             &y,
             m,
+            0,
             GemmOutput::Store,
             &ctrl,
             tile,

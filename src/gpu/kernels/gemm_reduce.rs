@@ -1,4 +1,5 @@
 //! `gemm_reduce.wgsl`: the end of a split-K GEMM, `y [T][ys] (=|+=) Σ_z part [KS][PT][M]`
+//! (from value `y0` of each row)
 //! over the KS slices in order, for the T ≤ PT tokens of a block (`ctrl.prompt_len`).
 
 use super::gemm::GemmOutput;
@@ -12,7 +13,8 @@ const SOURCES: super::Sources = &[include_str!("../../../shaders/gemm_reduce.wgs
 const WG: u32 = 256;
 
 /// Sums `slices` partial products of `rows` outputs for up to `max_tokens` tokens (`pt`
-/// apart: the partials' token stride, at least `max_tokens`) into `y` (rows of `ys` values).
+/// apart: the partials' token stride, at least `max_tokens`) into `y` (rows of `ys` values,
+/// the sums from value `y0` of each).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_reduce(
     k: &Kernels,
@@ -23,6 +25,7 @@ pub fn gemm_reduce(
     part: &wgpu::Buffer,
     y: &wgpu::Buffer,
     ys: usize,
+    y0: usize,
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
@@ -32,13 +35,14 @@ pub fn gemm_reduce(
         )));
     }
     check_len(&format!("{name}: part"), part, slices * pt * rows)?;
-    check_len(&format!("{name}: y"), y, (max_tokens - 1) * ys + rows)?;
+    super::gemm::check_y(name, rows, max_tokens, y, ys, y0)?;
     let consts = [
         ("WG", Const::U32(WG)),
         ("M", Const::U32(rows as u32)),
         ("KS", Const::U32(slices as u32)),
         ("PT", Const::U32(pt as u32)),
         ("YS", Const::U32(ys as u32)),
+        ("Y0", Const::U32(y0 as u32)),
     ];
     let flag = match output {
         GemmOutput::Store => "O_STORE",

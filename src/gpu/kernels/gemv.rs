@@ -348,6 +348,9 @@ pub struct GemvBuffers<'a> {
     /// q8 input blocks `(xq, xd)` (q8_0 matrices).
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub dst: &'a wgpu::Buffer,
+    /// Where `W`'s row 0 goes in each lane's `dst` (`Store` and `Add`; 0 but for a part of
+    /// a stacked projection whose parts are stored in different formats, `PartedMatrix`).
+    pub dst_row0: usize,
     pub part: Option<&'a wgpu::Buffer>,
     /// Mixer epilogue: the layer's parameters, conv state and the control block.
     pub params: Option<&'a wgpu::Buffer>,
@@ -427,6 +430,7 @@ impl<'a> GemvBuffers<'a> {
             src,
             q8,
             dst,
+            dst_row0: 0,
             part: None,
             params: None,
             conv_state: None,
@@ -748,6 +752,23 @@ pub fn gemv(
     let lanes = b.lanes;
     let (n, cap) = (lanes.n, lanes.cap);
     check_len(&format!("{name}: dst"), b.dst, cap * m)?;
+    // A part's rows stay inside each lane's row (one lane: inside the buffer).
+    let dst_row = match cap {
+        1 => b.dst.size() as usize / 4,
+        _ => super::lane_stride(b.dst, lanes) as usize,
+    };
+    if b.dst_row0 > 0
+        && (!matches!(output, GemvOutput::Store | GemvOutput::Add)
+            || b.dst_row0 + m > dst_row
+            || b.kv.is_some()
+            || b.argmax_part.is_some())
+    {
+        return Err(Error::Gpu(format!(
+            "{name}: rows {}..{} of a stored or added output of {dst_row} values a lane,              without a K/V or argmax epilogue",
+            b.dst_row0,
+            b.dst_row0 + m
+        )));
+    }
     let groups = match input {
         GemvInput::Group { groups, .. } => groups,
         GemvInput::Plain | GemvInput::Norm { .. } => 1,
@@ -851,6 +872,7 @@ pub fn gemv(
         ("LANES", u(n)),
         ("X_LS", Const::U32(x_ls)),
         ("DST_LS", Const::U32(super::lane_stride(b.dst, lanes))),
+        ("Y0", u(b.dst_row0)),
         ("UNROLL", Const::U32(gemv_unroll(w.format)?)),
     ];
     if cap > 1 {
