@@ -16,7 +16,9 @@
 //   pre-norm made from the finished residual (see `norm_tail`).
 // Inputs are q8 blocks with Q8_IN (the quantized formats, the usual case: q8_0 here, the
 // 4/5/6-bit blocks through gemv_units.wgsl with block_quant.wgsl's bindings), else f32
-// (f32/f16 weights, and q8_0 ones then unpack their int8 values).
+// (f32/f16 weights, and q8_0 ones then unpack their int8 values). Every row's total is
+// multiplied by RS, the bank's output scale (Granite's residual multiplier on the down
+// projections; 1 elsewhere).
 
 #if W_F32
 @group(0) @binding(0) var<storage, read> w: array<vec4<f32>>;
@@ -279,7 +281,7 @@ fn main(
         }
     }
 #endif
-    let total = team_sum(acc, lid);
+    let total = RS * team_sum(acc, lid);
     if (lane == 0u && row_raw < M) {
 #if STORE
         dst[t * M + row] = total;
@@ -337,7 +339,7 @@ fn main(
     if (id < E0 || id >= E0 + NE) {
         return;
     }
-    let total = team_sum(lane_dot((id - E0) * M + row, z / KS, lane), lid);
+    let total = RS * team_sum(lane_dot((id - E0) * M + row, z / KS, lane), lid);
 #if ACT
     // relu(u)² of the workgroup's R rows (a multiple of 32: whole q8 blocks, zero past M),
     // as the activation kernel would write them: the dispatch between the passes is gone.

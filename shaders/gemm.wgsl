@@ -6,7 +6,8 @@
 // invocation owns 8 rows × 4 tokens in eight vec4 registers, fed by vec4 reads of the
 // tiles in workgroup memory. O_STORE writes Y rows of YS values (W's rows from value Y0 of
 // each: a part of a stacked projection whose parts are of different formats), O_ADD adds
-// into them (the residual).
+// into them (the residual), each product times RS (the matrix's output scale: Granite's
+// residual multiplier; the split partials are not scaled, gemm_reduce scales their sum).
 // SPLIT (where W's row tiles and the block's token tiles alone are too few workgroups to
 // fill the GPU: short blocks, and matrices of few rows such as the MoE routers): workgroup z
 // takes the z-th of KS slices of the K loop and O_PART stores its partial tile at
@@ -168,10 +169,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                 let t = t0 + tg * 4u + j;
                 if (t < tokens) {
 #if O_STORE
-                    y[Y0 + t * YS + m] = acc[i][j];
+                    y[Y0 + t * YS + m] = RS * acc[i][j];
 #endif
 #if O_ADD
-                    y[Y0 + t * YS + m] += acc[i][j];
+                    y[Y0 + t * YS + m] += RS * acc[i][j];
 #endif
 #if O_PART
                     y[(wid.z * PT + t) * M + m] = acc[i][j];

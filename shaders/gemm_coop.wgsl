@@ -20,7 +20,8 @@
 // f32 tile in workgroup memory: the caller guarantees M is a multiple of 16 and that Y has
 // rows up to the grid's last token tile plus 16 spare rows at SPARE, where the tiles past M
 // land (zero weights: their sums are never read). Rows past the block's tokens get sums of
-// zero inputs (O_STORE: 0; O_ADD: Y unchanged).
+// zero inputs (O_STORE: 0; O_ADD: Y unchanged). Only for an output scale RS of 1 (the
+// epilogue through workgroup memory multiplies by RS; a split's partials take RS = 1).
 //
 // Without COOP (lavapipe, the tests) four stand-ins replace the cooperative ops and the
 // rest of the kernel is the same: a fragment is its offset in workgroup memory (in
@@ -264,10 +265,10 @@ fn emit(ob: u32, lane: u32, tb: u32, mb: u32, tokens: u32, base: u32) {
         let t = tb + r;
         if (t < tokens && m < M) {
 #if O_STORE
-            y[base + t * YS + m] = outs[ob + r * 16u + col];
+            y[base + t * YS + m] = RS * outs[ob + r * 16u + col];
 #endif
 #if O_ADD
-            y[base + t * YS + m] += outs[ob + r * 16u + col];
+            y[base + t * YS + m] += RS * outs[ob + r * 16u + col];
 #endif
         }
     }

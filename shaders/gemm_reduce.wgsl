@@ -1,6 +1,6 @@
 // The end of a split-K GEMM (gemm.wgsl, SPLIT): y[t, Y0 + m] (=|+=) Σ_z part[z][t][m] over the
 // KS slices in order, for the T = ctrl.prompt_len tokens of a block of at most PT (the
-// partials' token stride).
+// partials' token stride), the sum times RS (the matrix's output scale).
 // One invocation per (m, t).
 
 @group(0) @binding(0) var<storage, read> part: array<f32>;
@@ -19,9 +19,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         s += part[(z * PT + t) * M + m];
     }
 #if O_STORE
-    y[Y0 + t * YS + m] = s;
+    y[Y0 + t * YS + m] = RS * s;
 #endif
 #if O_ADD
-    y[Y0 + t * YS + m] += s;
+    y[Y0 + t * YS + m] += RS * s;
 #endif
 }

@@ -156,13 +156,14 @@ var<workgroup> dsh: array<f32, RR * (KP / 32u)>;
 
 // Lane l's total of row `row` to its output (O_STORE | O_ADD | O_MIXER; lane 0 for the
 // one-token kernel), at value Y0 + row of the lane's (a part of a stacked projection whose
-// parts are stored in different formats: its rows' place in the whole).
+// parts are stored in different formats: its rows' place in the whole), times RS (the
+// matrix's output scale: Granite's residual multiplier on a block's last projection).
 fn emit(l: u32, row: u32, total: f32) {
 #if O_STORE
-    dst[Y0 + l * DST_LS + row] = total;
+    dst[Y0 + l * DST_LS + row] = RS * total;
 #endif
 #if O_ADD
-    dst[Y0 + l * DST_LS + row] += total;
+    dst[Y0 + l * DST_LS + row] += RS * total;
 #endif
 #if O_MIXER
     mixer_row(l, row, total);

@@ -357,3 +357,105 @@ fn attention_qkv_in_three_block_types_runs_as_stored() {
         }
     }
 }
+
+/// Granite's residual multiplier is an output scale of the projections that end a block
+/// (`DeviceMatrix::out_scale`), not folded into their values, so a GGUF's blocks there go
+/// up as stored: the Granite fixture with its out_proj in Q4_0 blocks (the other matrices
+/// rounded through the q8_0 the run packs them in) keeps them as Q4_0 on the GPU, scaled by
+/// 0.5, and its logits equal the CPU reference's (prefill to f32 rounding, the decode graph
+/// within its 8-bit activations at most positions).
+#[test]
+fn granite_block_ends_keep_their_stored_blocks() {
+    use mamba2_wgpu::gpu::device_weights::DeviceMixer;
+    use mamba2_wgpu::gpu::engine::PrefillMode;
+    use mamba2_wgpu::model::MixerWeights;
+    use mamba2_wgpu::model::quant::{pack, unpack};
+    use mamba2_wgpu::model::safetensors::Tensor;
+    let base = Model::load(&common::fixture("granite_moe_hybrid")).unwrap();
+    let mut model = common::rounded(&base, |k| WeightFormat::Q8_0.for_cols(k));
+    // The shared expert's down projection goes up in expert-wide column slices, each
+    // rounded on its own (its 32 columns as two slices of 16, zero-padded to a q8_0 block).
+    let width = model.config.moe.as_ref().unwrap().intermediate;
+    let mut mamba = 0;
+    for (l, b) in model.weights.layers.iter_mut().zip(&base.weights.layers) {
+        match (&mut l.mixer, &b.mixer) {
+            (MixerWeights::Mamba2(w), _) => {
+                w.out_proj = common::in_blocks(&w.out_proj, WeightFormat::Q4_0);
+                mamba += 1;
+            }
+            (MixerWeights::Moe(w), MixerWeights::Moe(bw)) => {
+                let down = &bw.shared.as_ref().unwrap().down;
+                let (rows, cols) = (down.shape[0], down.shape[1]);
+                let v = down.to_f32();
+                let mut out = vec![0f32; rows * cols];
+                for c0 in (0..cols).step_by(width) {
+                    let slice: Vec<f32> = (0..rows)
+                        .flat_map(|r| v[r * cols + c0..r * cols + c0 + width].to_vec())
+                        .collect();
+                    let q = unpack(&pack(WeightFormat::Q8_0, &slice, rows, width));
+                    for r in 0..rows {
+                        out[r * cols + c0..r * cols + c0 + width]
+                            .copy_from_slice(&q[r * width..(r + 1) * width]);
+                    }
+                }
+                let shared = w.shared.as_mut().unwrap();
+                shared.down = Tensor::from_f32(down.name.clone(), down.shape.clone(), &out);
+            }
+            _ => {}
+        }
+    }
+    assert!(mamba > 0, "granite_moe_hybrid has Mamba2 layers");
+    let residual = model.config.scales.residual as f32;
+    assert_ne!(residual, 1.0);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 101).collect();
+    let want = cpu_logits(&model, &prompt);
+    let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    for prefill in [PrefillMode::Chunked, PrefillMode::Decode] {
+        let opts = EngineOptions {
+            format: WeightFormat::Q8_0,
+            prefill,
+            context: Some(64),
+            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+            ..Default::default()
+        };
+        let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+            return;
+        };
+        for l in &b.engine.weights.layers {
+            if let DeviceMixer::Mamba2 { out_proj, .. } = &l.mixer {
+                assert_eq!(
+                    (out_proj.format, out_proj.out_scale),
+                    (WeightFormat::Q4_0, residual),
+                    "{}",
+                    out_proj.name
+                );
+            }
+        }
+        let got = b.prefill_logits(&prompt).unwrap();
+        let e = worst(&got, &want);
+        eprintln!("granite ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
+        if prefill == PrefillMode::Chunked {
+            assert!(
+                e <= 1e-5 * range,
+                "granite on the GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
+            );
+            continue;
+        }
+        // The decode graph's 8-bit activations: 0.1–0.3 at most positions on lavapipe
+        // (median 0.19), and a router whose top-3 of 10 is near a tie flips at a few (up to
+        // 2.85 here, the state carrying it a few positions on). The GPU run with a scale of
+        // 1 or 0.25 instead of 0.5 (tried) had a median of 4.1–4.5.
+        let mut per_pos: Vec<f32> = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| worst(std::slice::from_ref(g), std::slice::from_ref(w)))
+            .collect();
+        per_pos.sort_by(f32::total_cmp);
+        let median = per_pos[per_pos.len() / 2];
+        assert!(
+            median <= 4e-2 * range && e <= range,
+            "granite on the GPU ({prefill:?}): median |Δlogit| {median}, max {e} of range \
+             {range}"
+        );
+    }
+}

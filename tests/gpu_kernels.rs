@@ -386,9 +386,11 @@ fn gemv_lanes_equal_the_one_token_kernel_bitwise() {
 /// A part of a stacked projection (`GemvBuffers::dst_row0`, attention's q/k/v kept in
 /// their stored types): its rows land from row0 of each lane's output, bit for bit what
 /// the whole-buffer GEMV writes, stored or added, one token and over lanes, and every other
-/// value of the output stays as it was.
+/// value of the output stays as it was. With an output scale (`DeviceMatrix::out_scale`,
+/// Granite's residual multiplier) every stored row is the unscaled row times it, bit for
+/// bit.
 #[test]
-fn gemv_writes_a_part_from_its_first_row() {
+fn gemv_writes_a_part_from_its_first_row_and_scales_it() {
     let Some(g) = Gpu::new() else { return };
     let (rows, cols, row0, width) = (37, 256, 45, 101);
     let w = rand(5, rows * cols, -1.0, 1.0);
@@ -396,7 +398,6 @@ fn gemv_writes_a_part_from_its_first_row() {
         let lanes = Lanes::new(n, cap);
         for format in [WeightFormat::F32, WeightFormat::Q8_0, WeightFormat::Q6_K] {
             let p = pack(format, &w, rows, cols);
-            let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap();
             let stride = p.kp.next_multiple_of(256);
             let mut src = vec![0f32; cap * stride];
             for l in 0..cap {
@@ -418,7 +419,14 @@ fn gemv_writes_a_part_from_its_first_row() {
             );
             let q8 = format.reads_q8().then_some((&qb, &db));
             let before = rand(9, cap * width, -3.0, 3.0);
-            for output in [GemvOutput::Store, GemvOutput::Add] {
+            let mut unscaled = Vec::new();
+            for (rs, output) in [
+                (1.0, GemvOutput::Store),
+                (1.0, GemvOutput::Add),
+                (0.22, GemvOutput::Store),
+                (0.22, GemvOutput::Add),
+            ] {
+                let m = DeviceMatrix::upload(g.ctx(), "w", &p).unwrap().scaled(rs);
                 // The whole-buffer GEMV over the same lanes (rows `rows` apart, no offset).
                 let whole = g.buf(&vec![0f32; cap * rows]);
                 let lane_rows: Vec<f32> = (0..cap)
@@ -448,6 +456,19 @@ fn gemv_writes_a_part_from_its_first_row() {
                 let part = g.buf(&before);
                 run(&part, row0);
                 let (want, got) = (g.read(&whole, cap * rows), g.read(&part, cap * width));
+                if let GemvOutput::Store = output {
+                    if rs == 1.0 {
+                        unscaled = want.clone();
+                    }
+                    for (i, (a, b)) in want.iter().zip(&unscaled).enumerate().take(n * rows) {
+                        assert_eq!(
+                            a.to_bits(),
+                            (rs * b).to_bits(),
+                            "{} × {rs}, {n} of {cap} lanes: value {i}",
+                            format.name()
+                        );
+                    }
+                }
                 for (i, v) in got.iter().enumerate() {
                     let (l, r) = (i / width, i % width);
                     let expect = if l < n && (row0..row0 + rows).contains(&r) {
@@ -458,7 +479,7 @@ fn gemv_writes_a_part_from_its_first_row() {
                     assert_eq!(
                         v.to_bits(),
                         expect.to_bits(),
-                        "{} {output:?}, {n} of {cap} lanes: lane {l} value {r}",
+                        "{} {output:?} × {rs}, {n} of {cap} lanes: lane {l} value {r}",
                         format.name()
                     );
                 }

@@ -194,6 +194,9 @@ struct GemmShape {
     ys: usize,
     /// Where W's rows start in each Y row (a part of a stacked projection).
     y0: usize,
+    /// The matrix's output scale (Granite's residual multiplier on a block's last
+    /// projection).
+    rs: f32,
     out: GemmOutput,
     formats: &'static [WeightFormat],
     /// Block capacity (buffer rows, the full grid).
@@ -263,6 +266,7 @@ const GEMMS: &[GemmShape] = &[
         k: 768,
         ys: 3352,
         y0: 0,
+        rs: 1.0,
         out: Store,
         formats: &[
             F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
@@ -276,6 +280,7 @@ const GEMMS: &[GemmShape] = &[
         k: 1536,
         ys: 768,
         y0: 0,
+        rs: 1.0,
         out: Add,
         formats: &[F32, F16, Q8_0, Q4_K, Q5_K, Q6_K],
         cap: 100,
@@ -287,6 +292,7 @@ const GEMMS: &[GemmShape] = &[
         k: 8192,
         ys: 512,
         y0: 0,
+        rs: 1.0,
         out: Add,
         formats: &[F16, Q8_0, Q4_K],
         cap: 40,
@@ -298,6 +304,7 @@ const GEMMS: &[GemmShape] = &[
         k: 4096,
         ys: 640,
         y0: 0,
+        rs: 1.0,
         out: Store,
         formats: &[F32, Q8_0, Q6_K],
         cap: 40,
@@ -309,6 +316,7 @@ const GEMMS: &[GemmShape] = &[
         k: 1536,
         ys: 768,
         y0: 0,
+        rs: 1.0,
         out: Add,
         formats: &[
             F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
@@ -322,6 +330,7 @@ const GEMMS: &[GemmShape] = &[
         k: 70,
         ys: 40,
         y0: 0,
+        rs: 1.0,
         out: Store,
         formats: &[F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 64,
@@ -333,6 +342,7 @@ const GEMMS: &[GemmShape] = &[
         k: 70,
         ys: 40,
         y0: 0,
+        rs: 1.0,
         out: Store,
         formats: &[F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 80,
@@ -344,6 +354,7 @@ const GEMMS: &[GemmShape] = &[
         k: 33,
         ys: 129,
         y0: 0,
+        rs: 1.0,
         out: Add,
         formats: &[F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1],
         cap: 80,
@@ -355,10 +366,35 @@ const GEMMS: &[GemmShape] = &[
         k: 1536,
         ys: 64,
         y0: 0,
+        rs: 1.0,
         out: Store,
         formats: &[F32],
         cap: 300,
         blocks: &[300, 129, 65],
+    },
+    GemmShape {
+        name: "a block's last projection scaled by Granite's residual multiplier: M 208, K 96",
+        m: 208,
+        k: 96,
+        ys: 208,
+        y0: 0,
+        rs: 0.22,
+        out: Add,
+        formats: &[F32, F16, Q8_0, Q4_0, Q5_1],
+        cap: 100,
+        blocks: &[100, 37],
+    },
+    GemmShape {
+        name: "the same over short blocks (split over K): M 208, K 1024, ×0.22",
+        m: 208,
+        k: 1024,
+        ys: 208,
+        y0: 0,
+        rs: 0.22,
+        out: Add,
+        formats: &[F32, Q8_0, Q4_K, Q6_K],
+        cap: 64,
+        blocks: &[64, 17, 1],
     },
     GemmShape {
         name: "the v part of a parted qkv projection: M 96 from row 48 of rows of 160, K 256",
@@ -366,6 +402,7 @@ const GEMMS: &[GemmShape] = &[
         k: 256,
         ys: 160,
         y0: 48,
+        rs: 1.0,
         out: Store,
         formats: &[F32, F16, Q8_0, Q4_0, Q4_K, Q6_K],
         cap: 70,
@@ -377,6 +414,7 @@ const GEMMS: &[GemmShape] = &[
         k: 64,
         ys: 50,
         y0: 9,
+        rs: 1.0,
         out: Store,
         formats: &[F32, Q8_0, Q5_1],
         cap: 64,
@@ -388,6 +426,7 @@ const GEMMS: &[GemmShape] = &[
         k: 96,
         ys: 224,
         y0: 0,
+        rs: 1.0,
         out: Store,
         formats: &[F16, Q8_0],
         cap: 70,
@@ -1140,7 +1179,9 @@ fn run_gemm_with(
         }
     };
     let deq: Vec<f32> = unpack(&p).into_iter().map(to_f16).collect();
-    let mat = DeviceMatrix::upload(g.ctx(), "w", &p).map_err(err)?;
+    let mat = DeviceMatrix::upload(g.ctx(), "w", &p)
+        .map_err(err)?
+        .scaled(s.rs);
     let mut xh = vec![f32::NAN; cap * xs];
     let mut yh = vec![f32::NAN; y_len];
     let (xb, yb, ctrl) = (g.buf(&xh)?, g.buf(&yh)?, g.buf(&[0.0; 16])?);
@@ -1186,6 +1227,7 @@ fn run_gemm_with(
                     &yb,
                     ys,
                     y0,
+                    s.rs,
                     out,
                     &ctrl,
                 )
@@ -1248,10 +1290,10 @@ fn run_gemm_with(
                 } else {
                     0.0
                 };
-                want[r * ys + y0 + row] = (base + dot) as f32;
+                want[r * ys + y0 + row] = (base + s.rs as f64 * dot) as f32;
             }
         }
-        let direct_taken = direct && m % 16 == 0 && y0 % 4 == 0;
+        let direct_taken = direct && m % 16 == 0 && y0 % 4 == 0 && s.rs == 1.0;
         let region = |i: usize| {
             if i / ys < t && (y0..y0 + m).contains(&(i % ys)) {
                 Region::Live
@@ -1313,8 +1355,9 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
             }
             let spare = direct.then_some(256);
             for emulate in [false, true] {
-                let (sources, consts, flags) =
-                    specialize(w, s.m, kp, s.k, s.ys, s.y0, out, tile, spare, None, emulate);
+                let (sources, consts, flags) = specialize(
+                    w, s.m, kp, s.k, s.ys, s.y0, s.rs, out, tile, spare, None, emulate,
+                );
                 let what = format!("tile {tile}, {flags:?}");
                 let text = assemble("gemm_coop", sources, &consts, &flags).map_err(err)?;
                 naga_check(&text).map_err(|e| format!("{what}: {e}"))?;
@@ -1356,6 +1399,7 @@ fn coop_wgsl(w: WeightFormat, out: GemmOutput, s: &GemmShape) -> Res<Vec<Stat>> 
                     s.k,
                     s.ys,
                     0,
+                    1.0,
                     Store,
                     tile,
                     spare,

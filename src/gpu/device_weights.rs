@@ -105,19 +105,12 @@ impl DeviceMoe {
 }
 
 /// The format of a matrix whose blocks cannot go up as stored (`upload_as`). Quantized
-/// blocks scaled on the way (Granite's residual multiplier) or joined with parts of another
-/// type (an MLP's gate and up in different types; attention's q, k and v go up in parts
-/// instead, `type_runs`) are requantized to q8_0, whose 8-bit grid keeps them closest: a
-/// second 4/5/6-bit rounding would add about as much error as the file's own. Everything
-/// else takes `format`'s choice for its width.
-fn requantized_format(
-    dtypes: &[DType],
-    format: WeightFormat,
-    scale: f32,
-    cols: usize,
-) -> WeightFormat {
-    let quantized = dtypes.iter().any(|d| matches!(d, DType::Quant(_)));
-    if format.reads_q8() && ((quantized && scale != 1.0) || mixed_blocks(dtypes)) {
+/// blocks joined with parts of another type (an MLP's gate and up in different types;
+/// attention's q, k and v go up in parts instead, `type_runs`) are requantized to q8_0,
+/// whose 8-bit grid keeps them closest: a second 4/5/6-bit rounding would add about as much
+/// error as the file's own. Everything else takes `format`'s choice for its width.
+fn requantized_format(dtypes: &[DType], format: WeightFormat, cols: usize) -> WeightFormat {
+    if format.reads_q8() && mixed_blocks(dtypes) {
         WeightFormat::Q8_0
     } else {
         format.for_cols(cols)
@@ -201,6 +194,37 @@ pub struct DeviceLayer {
     /// f32 small tensors: `ParamLayout` for Mamba2, `[norm]` otherwise.
     pub params: wgpu::Buffer,
     pub mixer: DeviceMixer,
+}
+
+impl DeviceMixer {
+    /// The projections whose products end the block (added into the residual, or summed
+    /// into it with the routing weights): Mamba2's out_proj, attention's o_proj, an MLP's
+    /// down projection, an MoE's expert and shared-expert down projections, or, with latent
+    /// projections, fc2. Granite's residual multiplier is their `out_scale`.
+    pub fn block_ends_mut(&mut self) -> Vec<&mut DeviceMatrix> {
+        match self {
+            DeviceMixer::Mamba2 { out_proj, .. } => vec![out_proj],
+            DeviceMixer::Attention { o, .. } => vec![o],
+            DeviceMixer::Mlp { down, .. } => vec![down],
+            DeviceMixer::Moe(m) => match &mut m.latent {
+                Some((_, fc2)) => vec![fc2],
+                None => m
+                    .down
+                    .iter_mut()
+                    .chain(m.shared.as_mut().map(|(_, d)| d))
+                    .collect(),
+            },
+        }
+    }
+
+    /// `block_ends_mut` with their products multiplied by `s` (Granite's residual
+    /// multiplier).
+    pub fn with_block_ends_scaled(mut self, s: f32) -> Self {
+        for m in self.block_ends_mut() {
+            m.out_scale = s;
+        }
+        self
+    }
 }
 
 impl DeviceLayer {
@@ -308,8 +332,8 @@ impl DeviceWeights {
         let bar = crate::progress::bar(total, "uploading weights");
         // Every value is checked for NaN/±Inf as it is converted, and for what `format`
         // cannot hold as it is packed; an error names the checkpoint's tensor.
-        // `scale` multiplies every value (Granite's residual multiplier, folded into the
-        // projections that end a block).
+        // (Granite's residual multiplier is the block-ending projections' `out_scale`,
+        // `block_ends_mut`, not folded into their values.)
         // A GGUF's quantized blocks in a type the GPU holds go up as stored, never
         // requantized, when a quantized format was asked for (after the same check for
         // NaN/±Inf every weight gets); f32/f16 asks for everything dequantized. With
@@ -318,7 +342,6 @@ impl DeviceWeights {
         let upload_as = |name: &str,
                          parts: &[&crate::model::Tensor],
                          format: WeightFormat,
-                         scale: f32,
                          any_stored: bool|
          -> Result<DeviceMatrix> {
             let cols = parts[0].shape[1];
@@ -330,7 +353,6 @@ impl DeviceWeights {
             if let Some(stored) = stored
                 && format.reads_q8()
                 && (any_stored || stored == format)
-                && scale == 1.0
                 && parts
                     .iter()
                     .all(|t| t.dtype == parts[0].dtype && t.shape[1] == cols)
@@ -345,15 +367,11 @@ impl DeviceWeights {
             let mut starts = Vec::with_capacity(parts.len());
             for t in parts {
                 starts.push(values.len() / cols);
-                if scale == 1.0 {
-                    values.extend(finite_f32(t)?);
-                } else {
-                    values.extend(map_finite(t, |v| v * scale)?);
-                }
+                values.extend(finite_f32(t)?);
                 bar.inc(t.numel() as u64);
             }
             let dtypes: Vec<DType> = parts.iter().map(|t| t.dtype).collect();
-            let format = requantized_format(&dtypes, format, scale, cols);
+            let format = requantized_format(&dtypes, format, cols);
             let packed = pack_parallel(format, &values, rows, cols).map_err(|i| {
                 // Name the part (of a stacked matrix) holding the value.
                 let (r, c) = (i / cols, i % cols);
@@ -363,11 +381,7 @@ impl DeviceWeights {
             DeviceMatrix::upload(ctx, name, &packed)
         };
         let upload =
-            |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format, 1.0, true);
-        let resid_scale = c.scales.residual as f32;
-        let upload_out = |name: &str, parts: &[&crate::model::Tensor]| {
-            upload_as(name, parts, format, resid_scale, true)
-        };
+            |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format, true);
         let per_bank = experts_per_bank(c, format, bank_bytes);
         let embedding = upload("embedding", &[&w.embedding])?;
         let lm_head = w
@@ -395,7 +409,7 @@ impl DeviceWeights {
                     debug_assert_eq!(params.len(), layout.len);
                     DeviceMixer::Mamba2 {
                         in_proj: upload(&name("in_proj"), &[&m.in_proj])?,
-                        out_proj: upload_out(&name("out_proj"), &[&m.out_proj])?,
+                        out_proj: upload(&name("out_proj"), &[&m.out_proj])?,
                     }
                 }
                 MixerWeights::Attention(a) => {
@@ -417,7 +431,7 @@ impl DeviceWeights {
                         .collect::<Result<Vec<_>>>()?;
                     DeviceMixer::Attention {
                         qkv,
-                        o: upload_out(&name("o_proj"), &[&a.o])?,
+                        o: upload(&name("o_proj"), &[&a.o])?,
                     }
                 }
                 MixerWeights::Moe(m) => {
@@ -475,8 +489,6 @@ impl DeviceWeights {
                     // A latent MoE's experts read f32 inputs: no block formats.
                     let has_latent = m.latent.is_some();
                     let ef = expert_format(format, has_latent);
-                    // With latent projections the residual scale goes into fc2 instead.
-                    let down_scale = if has_latent { 1.0 } else { resid_scale };
                     let (mut up, mut down, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
                     for (b, r) in ranges.enumerate() {
                         firsts.push(r.start);
@@ -487,43 +499,30 @@ impl DeviceWeights {
                             &name(&format!("experts.up.bank{b}")),
                             &parts,
                             ef,
-                            1.0,
                             !has_latent,
                         )?);
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().map(|e| &e.down).collect();
                         let bank_name = name(&format!("experts.down.bank{b}"));
-                        down.push(upload_as(&bank_name, &parts, ef, down_scale, !has_latent)?);
+                        down.push(upload_as(&bank_name, &parts, ef, !has_latent)?);
                     }
                     let shared = match &m.shared {
                         Some(s) if slices.is_empty() => Some((
                             upload(&name("shared.up"), &ups(s))?,
-                            upload_out(&name("shared.down"), &[&s.down])?,
+                            upload(&name("shared.down"), &[&s.down])?,
                         )),
                         _ => None,
                     };
                     let latent_format = latent_format(format);
                     let latent = match &m.latent {
                         Some([fc1, fc2]) => Some((
-                            upload_as(&name("fc1_latent_proj"), &[fc1], latent_format, 1.0, true)?,
-                            upload_as(
-                                &name("fc2_latent_proj"),
-                                &[fc2],
-                                latent_format,
-                                resid_scale,
-                                true,
-                            )?,
+                            upload_as(&name("fc1_latent_proj"), &[fc1], latent_format, true)?,
+                            upload_as(&name("fc2_latent_proj"), &[fc2], latent_format, true)?,
                         )),
                         None => None,
                     };
                     DeviceMixer::Moe(Box::new(DeviceMoe {
-                        router: upload_as(
-                            &name("router"),
-                            &[&m.router],
-                            WeightFormat::F32,
-                            1.0,
-                            true,
-                        )?,
+                        router: upload_as(&name("router"), &[&m.router], WeightFormat::F32, true)?,
                         up,
                         down,
                         firsts,
@@ -555,11 +554,12 @@ impl DeviceWeights {
                     };
                     DeviceMixer::Mlp {
                         up,
-                        down: upload_out(&name("down_proj"), &[&m.down])?,
+                        down: upload(&name("down_proj"), &[&m.down])?,
                         bias,
                     }
                 }
-            };
+            }
+            .with_block_ends_scaled(c.scales.residual as f32);
             bar.inc((params.len()) as u64);
             layers.push(DeviceLayer {
                 kind: l.mixer.kind(),
@@ -721,18 +721,18 @@ mod tests {
     }
 
     #[test]
-    fn mixed_or_scaled_stored_blocks_requantize_to_q8_0() {
+    fn mixed_stored_blocks_requantize_to_q8_0() {
         let (q4k, q6k) = (DType::Quant(GgmlType::Q4_K), DType::Quant(GgmlType::Q6_K));
         let q4 = WeightFormat::Q4_K;
         // A matrix joined from parts in Q4_K and Q6_K (an MLP's gate and up; attention's
         // q, k and v go up in parts instead, `type_runs`): q8_0, not a second 4-bit
         // rounding.
         assert_eq!(
-            requantized_format(&[q4k, q4k, q6k], q4, 1.0, 4096),
+            requantized_format(&[q4k, q4k, q6k], q4, 4096),
             WeightFormat::Q8_0
         );
         assert_eq!(
-            requantized_format(&[DType::F16, q4k], q4, 1.0, 4096),
+            requantized_format(&[DType::F16, q4k], q4, 4096),
             WeightFormat::Q8_0
         );
         // Floats of two kinds are not blocks to keep: they take the asked format.
@@ -740,14 +740,12 @@ mod tests {
         assert!(!mixed_blocks(&[q4k, q4k, q4k]));
         assert!(mixed_blocks(&[q4k, q4k, q6k]) && mixed_blocks(&[DType::F32, q6k]));
         assert_eq!(
-            requantized_format(&[DType::F16, DType::F32], q4, 1.0, 4096),
+            requantized_format(&[DType::F16, DType::F32], q4, 4096),
             q4.for_cols(4096)
         );
-        // Granite's residual multiplier folded into stored blocks.
-        assert_eq!(
-            requantized_format(&[q4k], q4, 0.5, 4096),
-            WeightFormat::Q8_0
-        );
+        // Stored blocks of one type keep their format (Granite's residual multiplier is an
+        // output scale, not folded into them).
+        assert_eq!(requantized_format(&[q4k], q4, 4096), q4);
         // Floats (safetensors, or a GGUF's f32 tensors) take the asked format for their
         // width, and f32/f16 runs dequantize whatever is stored.
         for (dtypes, format) in [
@@ -758,7 +756,7 @@ mod tests {
         ] {
             for cols in [4096, 2688] {
                 assert_eq!(
-                    requantized_format(dtypes, format, 1.0, cols),
+                    requantized_format(dtypes, format, cols),
                     format.for_cols(cols),
                     "{dtypes:?} {format:?} {cols}"
                 );

@@ -105,6 +105,7 @@ fn random_matrix(
         kp,
         data,
         scales,
+        out_scale: 1.0,
     })
 }
 
@@ -312,7 +313,8 @@ impl Engine {
             layers.push(DeviceLayer {
                 kind,
                 params: ctx.storage_with(&n("params"), bytemuck::cast_slice(&params))?,
-                mixer,
+                // (Granite's residual multiplier, as on load: the same kernels run.)
+                mixer: mixer.with_block_ends_scaled(c.scales.residual as f32),
             });
             if i % 8 == 7 {
                 ctx.wait()?;

@@ -15,6 +15,10 @@ pub struct DeviceMatrix {
     pub data: wgpu::Buffer,
     /// The block scales of the quantized formats (`model::quant` has their layouts).
     pub scales: Option<wgpu::Buffer>,
+    /// What every product with this matrix is multiplied by before it is stored or added
+    /// (the kernels' RS): Granite's residual multiplier on the projections that end a
+    /// block, kept out of the values so that a GGUF's blocks go up as stored; 1 elsewhere.
+    pub out_scale: f32,
 }
 
 impl DeviceMatrix {
@@ -32,7 +36,16 @@ impl DeviceMatrix {
             kp: p.kp,
             data,
             scales,
+            out_scale: 1.0,
         })
+    }
+
+    /// The matrix with its products multiplied by `s` (`out_scale`).
+    pub fn scaled(self, s: f32) -> Self {
+        DeviceMatrix {
+            out_scale: s,
+            ..self
+        }
     }
 
     /// Device bytes (data + scales).

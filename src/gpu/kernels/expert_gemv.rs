@@ -272,6 +272,7 @@ pub fn expert_gemv(
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),
         ("UNROLL", Const::U32(unroll)),
+        ("RS", Const::F32(w.out_scale)),
     ];
     consts.extend(team_consts);
     let mut flags = w.flags();

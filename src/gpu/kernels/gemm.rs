@@ -24,14 +24,21 @@ pub enum GemmOutput {
 }
 
 /// gemm.wgsl's shape constants for `w`, X rows of `xs` and Y rows of `ys` values, W's
-/// rows from value `y0` of each.
-fn shape_consts(w: &DeviceMatrix, xs: usize, ys: usize, y0: usize) -> Vec<(&'static str, Const)> {
+/// rows from value `y0` of each, its products times `rs`.
+fn shape_consts(
+    w: &DeviceMatrix,
+    xs: usize,
+    ys: usize,
+    y0: usize,
+    rs: f32,
+) -> Vec<(&'static str, Const)> {
     vec![
         ("M", Const::U32(w.rows as u32)),
         ("KP", Const::U32(w.kp as u32)),
         ("XS", Const::U32(xs as u32)),
         ("YS", Const::U32(ys as u32)),
         ("Y0", Const::U32(y0 as u32)),
+        ("RS", Const::F32(rs)),
     ]
 }
 
@@ -71,7 +78,7 @@ pub fn gemm(
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     if super::gemm_coop::applies(k, w) {
-        let direct = super::gemm_coop::direct_fits(w.rows, max_tokens, y, ys, y0);
+        let direct = super::gemm_coop::direct_fits(w, max_tokens, y, ys, y0);
         let tile = super::gemm_coop::tile_for(k, w, max_tokens, direct)?;
         let emulate = !k.ctx.caps.coop_matrix;
         let build = |tile| {
@@ -88,7 +95,7 @@ pub fn gemm(
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
     check_y(name, w.rows, max_tokens, y, ys, y0)?;
-    let consts = shape_consts(w, xs, ys, y0);
+    let consts = shape_consts(w, xs, ys, y0, w.out_scale);
     let out = match output {
         GemmOutput::Store => "O_STORE",
         GemmOutput::Add => "O_ADD",
@@ -242,8 +249,8 @@ pub fn gemm_split(
         let xs = w.cols.next_multiple_of(32);
         check_len(&format!("{name}: x"), x, tokens * xs)?;
         check_len(&format!("{name}: part"), part, slices * t * w.rows)?;
-        // (The partials' rows are W's: the reduce puts them at `y0`.)
-        let mut consts = shape_consts(w, xs, ys, 0);
+        // (The partials' rows are W's, unscaled: the reduce puts them at `y0`, scaled.)
+        let mut consts = shape_consts(w, xs, ys, 0, 1.0);
         consts.extend([
             ("KS", Const::U32(slices as u32)),
             ("PT", Const::U32(t as u32)),
@@ -285,6 +292,7 @@ pub fn gemm_split(
         y,
         ys,
         y0,
+        w.out_scale,
         output,
         ctrl,
     )?;
@@ -361,6 +369,7 @@ pub fn expert_gemm(
         ("XS", u(xs)),
         ("YS", u(ys)),
         ("Y0", u(0)),
+        ("RS", Const::F32(w.out_scale)),
         ("TR", u(rows)),
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),

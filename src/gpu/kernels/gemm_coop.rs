@@ -253,11 +253,30 @@ fn blocks_on() -> bool {
 /// W's from value `y0`) can store its accumulators straight into Y: W's rows in whole
 /// 16-row tiles, Y with `y_rows` rows, and a first row whose tiles start on 16 bytes, as a
 /// cooperative load or store wants (MAMBA2_COOP_NO_DIRECT=1 turns it off, for comparison).
-pub fn direct_fits(rows: usize, max_tokens: usize, y: &wgpu::Buffer, ys: usize, y0: usize) -> bool {
+/// (`direct_fits` for a matrix: also no output scale, which that epilogue cannot apply.)
+pub fn direct_fits_rows(
+    rows: usize,
+    max_tokens: usize,
+    y: &wgpu::Buffer,
+    ys: usize,
+    y0: usize,
+) -> bool {
     rows.is_multiple_of(16)
         && y0.is_multiple_of(4)
         && y.size() >= 4 * (y_rows(max_tokens) * ys) as u64
         && std::env::var_os("MAMBA2_COOP_NO_DIRECT").is_none_or(|v| v != "1")
+}
+
+/// Whether `w`'s GEMM takes the direct epilogue (`direct_fits_rows`): only without an output
+/// scale (the accumulators go to Y as they are).
+pub fn direct_fits(
+    w: &DeviceMatrix,
+    max_tokens: usize,
+    y: &wgpu::Buffer,
+    ys: usize,
+    y0: usize,
+) -> bool {
+    w.out_scale == 1.0 && direct_fits_rows(w.rows, max_tokens, y, ys, y0)
 }
 
 /// K steps of loads in flight ahead of the multiplies (the kernel's PF register sets) for
@@ -434,6 +453,7 @@ pub fn specialize(
     cols: usize,
     ys: usize,
     y0: usize,
+    rs: f32,
     output: GemmOutput,
     tile: Tile,
     spare: Option<usize>,
@@ -457,6 +477,7 @@ pub fn specialize(
         ("XS", u(cols.next_multiple_of(32))),
         ("YS", u(ys)),
         ("Y0", u(y0)),
+        ("RS", Const::F32(rs)),
         ("BT", u(tile.bt)),
         ("BM", u(tile.bm)),
         ("WT", u(tile.wt)),
@@ -533,14 +554,25 @@ pub fn gemm_coop(
 ) -> Result<Dispatch> {
     check_takes(name, w)?;
     super::require_coop(k, name, emulate)?;
-    let direct = direct_fits(w.rows, max_tokens, y, ys, y0);
+    let direct = direct_fits(w, max_tokens, y, ys, y0);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: x"), x, max_tokens * xs)?;
     super::gemm::check_y(name, w.rows, max_tokens, y, ys, y0)?;
     let spare = direct.then(|| max_tokens.next_multiple_of(tile.bt));
     let (sources, consts, flags) = specialize(
-        w.format, w.rows, w.kp, w.cols, ys, y0, output, tile, spare, None, emulate,
+        w.format,
+        w.rows,
+        w.kp,
+        w.cols,
+        ys,
+        y0,
+        w.out_scale,
+        output,
+        tile,
+        spare,
+        None,
+        emulate,
     );
     let pipeline = k.pipeline("gemm_coop", sources, &consts, &flags, false)?;
     let mut entries = w.bindings();
@@ -692,6 +724,7 @@ pub fn specialize_split(
         cols,
         rows,
         0,
+        1.0,
         GemmOutput::Store,
         tile,
         None,
@@ -795,7 +828,7 @@ pub fn expert_gemm_coop(
             bank.count, w.name, w.rows, tile.bt
         )));
     }
-    let direct = direct_fits(m, rows, y, ys, 0);
+    let direct = w.out_scale == 1.0 && direct_fits_rows(m, rows, y, ys, 0);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
@@ -831,6 +864,7 @@ pub fn expert_gemm_coop(
         w.cols,
         ys,
         0,
+        w.out_scale,
         GemmOutput::Store,
         tile,
         direct.then_some(rows),
@@ -883,7 +917,7 @@ pub fn self_check(k: &Kernels, emulate: bool) -> Result<()> {
     for &tile in &tiles {
         for yb in [&y, &y_direct] {
             if tile
-                .check(WeightFormat::F16, direct_fits(w.rows, t, yb, m, 0))
+                .check(WeightFormat::F16, direct_fits(&w, t, yb, m, 0))
                 .is_ok()
             {
                 runs.push((tile, yb));
@@ -1007,12 +1041,13 @@ fn q8_case(
             &y,
             m,
             0,
+            1.0,
             GemmOutput::Store,
             &ctrl,
         )?;
         r.run_now(ctx, Some(t as u32))?;
     } else {
-        let tile = tile_for(k, &w, t, direct_fits(m, t, &y, m, 0))?;
+        let tile = tile_for(k, &w, t, direct_fits(&w, t, &y, m, 0))?;
         what = format!("on tile {tile}");
         let d = gemm_coop(
             k,

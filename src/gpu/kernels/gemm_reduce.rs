@@ -14,7 +14,7 @@ const WG: u32 = 256;
 
 /// Sums `slices` partial products of `rows` outputs for up to `max_tokens` tokens (`pt`
 /// apart: the partials' token stride, at least `max_tokens`) into `y` (rows of `ys` values,
-/// the sums from value `y0` of each).
+/// the sums, times `rs`, from value `y0` of each).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_reduce(
     k: &Kernels,
@@ -26,6 +26,7 @@ pub fn gemm_reduce(
     y: &wgpu::Buffer,
     ys: usize,
     y0: usize,
+    rs: f32,
     output: GemmOutput,
     ctrl: &wgpu::Buffer,
 ) -> Result<Dispatch> {
@@ -43,6 +44,7 @@ pub fn gemm_reduce(
         ("PT", Const::U32(pt as u32)),
         ("YS", Const::U32(ys as u32)),
         ("Y0", Const::U32(y0 as u32)),
+        ("RS", Const::F32(rs)),
     ];
     let flag = match output {
         GemmOutput::Store => "O_STORE",

@@ -757,6 +757,19 @@ pub fn gemv(
         1 => b.dst.size() as usize / 4,
         _ => super::lane_stride(b.dst, lanes) as usize,
     };
+    // (An output scale applies to stored and added rows; no block-ending projection has
+    // another epilogue.)
+    if w.out_scale != 1.0
+        && (!matches!(output, GemvOutput::Store | GemvOutput::Add)
+            || b.kv.is_some()
+            || b.argmax_part.is_some())
+    {
+        return Err(Error::Gpu(format!(
+            "{name}: an output scale of {} on {} needs a stored or added output without a K/V \
+             or argmax epilogue",
+            w.out_scale, w.name
+        )));
+    }
     if b.dst_row0 > 0
         && (!matches!(output, GemvOutput::Store | GemvOutput::Add)
             || b.dst_row0 + m > dst_row
@@ -873,6 +886,7 @@ pub fn gemv(
         ("X_LS", Const::U32(x_ls)),
         ("DST_LS", Const::U32(super::lane_stride(b.dst, lanes))),
         ("Y0", u(b.dst_row0)),
+        ("RS", Const::F32(w.out_scale)),
         ("UNROLL", Const::U32(gemv_unroll(w.format)?)),
     ];
     if cap > 1 {
