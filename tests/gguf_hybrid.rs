@@ -300,6 +300,24 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
     }
 }
 
+/// A GPU backend for `model` in q8_0 (GGUF blocks of the types the GPU holds go up as
+/// stored) with `context` tokens of f32 KV cache (an f16 cache would move the logits by its
+/// own rounding).
+fn q8_gpu(
+    model: &Model,
+    prefill: mamba2_wgpu::gpu::engine::PrefillMode,
+    context: usize,
+) -> Option<GpuBackend> {
+    let opts = EngineOptions {
+        format: WeightFormat::Q8_0,
+        prefill,
+        context: Some(context),
+        kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+        ..Default::default()
+    };
+    common::gguf::gpu_with(model, opts)
+}
+
 /// Attention whose q, k and v a GGUF stores in different block types (llama.cpp's Q4_K_M
 /// keeps some v projections in Q6_K) goes up as stored: one GPU matrix per run of one type,
 /// each multiplied into its own rows of the projection (one-token GEMVs, and prefill GEMMs
@@ -327,14 +345,7 @@ fn attention_qkv_in_three_block_types_runs_as_stored() {
         // and 0.72–0.88 with q, k and v all in Q8_0 or all in Q4_0, one matrix; a part in
         // the wrong rows would garble k and v.)
         for (prefill, rel) in [(PrefillMode::Chunked, 1e-5), (PrefillMode::Decode, 4e-2)] {
-            let opts = EngineOptions {
-                format: WeightFormat::Q8_0,
-                prefill,
-                context: Some(128),
-                kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
-                ..Default::default()
-            };
-            let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+            let Some(mut b) = q8_gpu(&model, prefill, 128) else {
                 return;
             };
             let mut attention = 0;
@@ -411,14 +422,7 @@ fn granite_block_ends_keep_their_stored_blocks() {
     let want = cpu_logits(&model, &prompt);
     let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
     for prefill in [PrefillMode::Chunked, PrefillMode::Decode] {
-        let opts = EngineOptions {
-            format: WeightFormat::Q8_0,
-            prefill,
-            context: Some(64),
-            kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
-            ..Default::default()
-        };
-        let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+        let Some(mut b) = q8_gpu(&model, prefill, 64) else {
             return;
         };
         for l in &b.engine.weights.layers {
