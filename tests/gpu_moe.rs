@@ -623,16 +623,16 @@ fn wide_moe(pattern: &str, granite: bool) -> mamba2_wgpu::config::ModelConfig {
     let m = c.moe.as_mut().unwrap();
     m.intermediate = 256;
     m.shared.as_mut().unwrap().intermediate = 256;
-    // The GPU folds Granite's residual multiplier into the matrices that end a block before
-    // quantizing them, and the k-quants' scale search is not scale-equivariant: with it, the
-    // CPU's rounded weights would not be the GPU's.
-    c.scales.residual = 1.0;
+    // (Granite's residual multiplier, 0.5 here, stays: on the GPU it is the down banks'
+    // output scale, so the CPU's rounded weights are the GPU's.)
+    assert_eq!(c.scales.residual != 1.0, granite, "tiny_moe's multipliers");
     c
 }
 
 /// Expert banks in the 4-, 5- and 6-bit block formats (multiplied as stored against the q8
 /// activations in decode, dequantized in the prefill GEMMs) against the CPU reference on
-/// the same weights rounded through the format.
+/// the same weights rounded through the format (Granite's with its residual multiplier as
+/// the down banks' output scale).
 #[test]
 fn moe_block_format_experts_match_the_rounded_cpu_reference() {
     use mamba2_wgpu::gpu::device_weights::DeviceMixer;
