@@ -1,7 +1,8 @@
 // The routed experts' outputs back into the residual of a prefill block: for token
-// t < ctrl.prompt_len, resid[t·OS + j] += Σ_k w[t·K + k] · y[pos[t·K + k], j], summed in
-// choice order (y: the down projections of the rows moe_sort laid out, D wide; grid row
-// y = token). STORE writes the sum instead (a latent MoE's sum, before fc2_latent_proj).
+// t < ctrl.prompt_len, resid[t·OS + j] += RS · Σ_k w[t·K + k] · y[pos[t·K + k], j], summed
+// in choice order (y: the down projections of the rows moe_sort laid out, D wide; grid row
+// y = token; RS: the down banks' output scale, which the expert GEMMs leave to this
+// kernel). STORE writes the sum instead (a latent MoE's sum, before fc2_latent_proj).
 
 @group(0) @binding(0) var<storage, read> y: array<f32>;
 @group(0) @binding(1) var<storage, read> pos: array<u32>;
@@ -21,8 +22,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         acc += wts[t * K + k] * y[pos[t * K + k] * D + j];
     }
 #if STORE
-    resid[t * OS + j] = acc;
+    resid[t * OS + j] = RS * acc;
 #else
-    resid[t * OS + j] += acc;
+    resid[t * OS + j] += RS * acc;
 #endif
 }

@@ -369,12 +369,13 @@ fn attention_qkv_in_three_block_types_runs_as_stored() {
     }
 }
 
-/// Granite's residual multiplier is an output scale of the projections that end a block
-/// (`DeviceMatrix::out_scale`), not folded into their values, so a GGUF's blocks there go
-/// up as stored: the Granite fixture with its out_proj in Q4_0 blocks (the other matrices
-/// rounded through the q8_0 the run packs them in) keeps them as Q4_0 on the GPU, scaled by
-/// 0.5, and its logits equal the CPU reference's (prefill to f32 rounding, the decode graph
-/// within its 8-bit activations at most positions).
+/// Granite's residual multiplier is not folded into the values of the projections that end
+/// a block, so a GGUF's blocks there go up as stored: the Granite fixture with its out_proj
+/// in Q4_0 blocks (the other matrices rounded through the q8_0 the run packs them in) keeps
+/// them as Q4_0 on the GPU, unscaled (the multiplier is in the gated norm's weight, out_proj's
+/// input; the other block ends take it as `DeviceMatrix::out_scale`), and its logits equal
+/// the CPU reference's (prefill to f32 rounding, the decode graph within its 8-bit
+/// activations at most positions).
 #[test]
 fn granite_block_ends_keep_their_stored_blocks() {
     use mamba2_wgpu::gpu::device_weights::DeviceMixer;
@@ -429,7 +430,7 @@ fn granite_block_ends_keep_their_stored_blocks() {
             if let DeviceMixer::Mamba2 { out_proj, .. } = &l.mixer {
                 assert_eq!(
                     (out_proj.format, out_proj.out_scale),
-                    (WeightFormat::Q4_0, residual),
+                    (WeightFormat::Q4_0, 1.0),
                     "{}",
                     out_proj.name
                 );
@@ -447,8 +448,8 @@ fn granite_block_ends_keep_their_stored_blocks() {
         }
         // The decode graph's 8-bit activations: 0.1–0.3 at most positions on lavapipe
         // (median 0.19), and a router whose top-3 of 10 is near a tie flips at a few (up to
-        // 2.85 here, the state carrying it a few positions on). The GPU run with a scale of
-        // 1 or 0.25 instead of 0.5 (tried) had a median of 4.1–4.5.
+        // 2.85 here, the state carrying it a few positions on). The GPU run with a
+        // multiplier of 1 or 0.25 instead of 0.5 (tried) had a median of 4.1–4.5.
         let mut per_pos: Vec<f32> = got
             .iter()
             .zip(&want)

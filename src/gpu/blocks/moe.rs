@@ -387,6 +387,7 @@ pub fn prefill(
                 &p.resid
             },
             ctrl: &s.ctrl,
+            scale: w.down.first().map_or(1.0, |d| d.out_scale),
             out_stride: if latent.is_some() {
                 x_stride
             } else {

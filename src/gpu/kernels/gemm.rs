@@ -330,7 +330,9 @@ pub struct SortedRows<'a> {
 
 /// One bank's grouped GEMM over sorted rows: `y [rows][ys] = X · W_eᵀ` where each tile of
 /// rows uses its own expert `e`'s `bank.rows_per_expert` rows of `w`; tiles of experts
-/// outside the bank are left alone.
+/// outside the bank are left alone. The rows are not scaled by `w.out_scale` (the down
+/// banks' Granite multiplier): `moe_combine` applies it to each token's sum, so that the
+/// cooperative GEMM keeps its direct epilogue.
 #[allow(clippy::too_many_arguments)]
 pub fn expert_gemm(
     k: &Kernels,
@@ -369,7 +371,8 @@ pub fn expert_gemm(
         ("XS", u(xs)),
         ("YS", u(ys)),
         ("Y0", u(0)),
-        ("RS", Const::F32(w.out_scale)),
+        // (Rows unscaled: `moe_combine` applies the bank's output scale.)
+        ("RS", Const::F32(1.0)),
         ("TR", u(rows)),
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),

@@ -802,8 +802,9 @@ pub fn gemm_coop_split(
 }
 
 /// One bank's grouped GEMM over sorted rows on the tensor cores (or their stand-ins with
-/// `emulate`): `gemm::expert_gemm`'s contract on `GROUPED_TILE`, the accumulators straight
-/// into Y where `direct_fits` (Y's rows past the sorted ones are then scratch).
+/// `emulate`): `gemm::expert_gemm`'s contract on `GROUPED_TILE` (rows unscaled), the
+/// accumulators straight into Y where `direct_fits_rows` (Y's rows past the sorted ones are
+/// then scratch).
 #[allow(clippy::too_many_arguments)]
 pub fn expert_gemm_coop(
     k: &Kernels,
@@ -828,7 +829,8 @@ pub fn expert_gemm_coop(
             bank.count, w.name, w.rows, tile.bt
         )));
     }
-    let direct = w.out_scale == 1.0 && direct_fits_rows(m, rows, y, ys, 0);
+    // (Rows unscaled: `moe_combine` applies the bank's output scale.)
+    let direct = direct_fits_rows(m, rows, y, ys, 0);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
     check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
@@ -864,7 +866,7 @@ pub fn expert_gemm_coop(
         w.cols,
         ys,
         0,
-        w.out_scale,
+        1.0,
         GemmOutput::Store,
         tile,
         direct.then_some(rows),

@@ -1,6 +1,8 @@
 //! `moe_combine.wgsl`: a prefill block's routed experts back into the residual —
-//! `resid [T][d] += Σ_k w [T, K] · y [pos [T, K]][d]`, the down projections of the rows
-//! `moe_sort` laid out, summed in choice order.
+//! `resid [T][d] += s · Σ_k w [T, K] · y [pos [T, K]][d]`, the down projections of the rows
+//! `moe_sort` laid out, summed in choice order, times the down banks' output scale `s`
+//! (Granite's residual multiplier: the expert GEMMs leave their rows unscaled, so that the
+//! cooperative GEMM may store its accumulators straight into them).
 
 use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::Result;
@@ -21,6 +23,8 @@ pub struct CombineBuffers<'a> {
     pub out_stride: usize,
     /// Store the sums instead of adding them.
     pub store: bool,
+    /// The down banks' output scale (`DeviceMatrix::out_scale`), applied to each sum.
+    pub scale: f32,
 }
 
 pub fn moe_combine(
@@ -46,6 +50,7 @@ pub fn moe_combine(
         ("D", u(d)),
         ("K", u(top_k)),
         ("OS", u(b.out_stride)),
+        ("RS", Const::F32(b.scale)),
     ];
     let flags: &[&str] = if b.store { &["STORE"] } else { &[] };
     let pipeline = k.pipeline("moe_combine", SOURCES, &consts, flags, false)?;
