@@ -488,6 +488,39 @@ fn gemv_writes_a_part_from_its_first_row_and_scales_it() {
     }
 }
 
+/// `q8_rows` (a latent MoE's experts read fc1's f32 output through it): each row's q8
+/// blocks are the host's rule over its K values, zero blocks past K up to the row's
+/// multiple of 32, rows `ds` apart, for one short row and rows wider than a workgroup's
+/// chunk (the grid-stride loop).
+#[test]
+fn q8_rows_make_the_host_blocks_of_each_row() {
+    use mamba2_wgpu::gpu::kernels::q8_rows::q8_rows;
+    let Some(g) = Gpu::new() else { return };
+    for (tokens, k, ss, ds) in [(1, 20, 32, 32), (3, 70, 80, 128), (2, 1000, 1000, 1024)] {
+        let src = rand(31, tokens * ss, -4.0, 4.0);
+        let sb = g.buf(&src);
+        let (qb, db) = (g.zeros(tokens * ds / 4), g.zeros(tokens * ds / 32));
+        g.run(&q8_rows(&g.k, "q8", k, tokens, &sb, ss, (&qb, &db), ds).unwrap());
+        let q: Vec<u32> = g
+            .read(&qb, tokens * ds / 4)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let d = g.read(&db, tokens * ds / 32);
+        let kp = k.next_multiple_of(32);
+        for t in 0..tokens {
+            let row = &src[t * ss..t * ss + k];
+            let what = format!("{tokens} rows of {k} values, row {t}");
+            assert_q8_of(
+                &what,
+                &q[t * ds / 4..t * ds / 4 + kp / 4],
+                &d[t * ds / 32..t * ds / 32 + kp / 32],
+                row,
+            );
+        }
+    }
+}
+
 #[test]
 fn rmsnorm_writes_f32_and_q8_inputs() {
     let Some(g) = Gpu::new() else { return };

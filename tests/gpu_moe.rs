@@ -629,16 +629,53 @@ fn wide_moe(pattern: &str, granite: bool) -> mamba2_wgpu::config::ModelConfig {
     c
 }
 
+/// `wide_moe`'s Nemotron-H flavour with latent projections of 256: the experts read and
+/// write 256 latent values, in every block format. (Without its shared expert: with one,
+/// this random model's near-flat router flips at some positions of the 8-bit decode in
+/// q5_0 and q8_0 — the decode's expert counts differ from the prefill's, which match the
+/// CPU — and the flips' positions move the median past the bound. The shared expert is
+/// the dense MLP path, tested elsewhere.)
+fn wide_latent_moe(pattern: &str) -> mamba2_wgpu::config::ModelConfig {
+    let mut c = wide_moe(pattern, false);
+    let m = c.moe.as_mut().unwrap();
+    m.latent = Some(256);
+    m.shared = None;
+    c
+}
+
+/// `model` with its latent projections rounded through f16, as the GPU holds them under the
+/// quantized formats (`device_weights::latent_format`).
+fn latent_in_f16(model: &Model) -> Model {
+    use mamba2_wgpu::model::MixerWeights;
+    use mamba2_wgpu::model::quant::unpack;
+    use mamba2_wgpu::model::safetensors::Tensor;
+    let mut m = model.clone();
+    for l in &mut m.weights.layers {
+        if let MixerWeights::Moe(w) = &mut l.mixer
+            && let Some(latent) = &mut w.latent
+        {
+            for t in latent.iter_mut() {
+                let (rows, cols) = (t.shape[0], t.shape[1]);
+                let v = unpack(&pack(WeightFormat::F16, &t.to_f32(), rows, cols));
+                *t = Tensor::from_f32(t.name.clone(), t.shape.clone(), &v);
+            }
+        }
+    }
+    m
+}
+
 /// Expert banks in the 4-, 5- and 6-bit block formats (multiplied as stored against the q8
 /// activations in decode, dequantized in the prefill GEMMs) against the CPU reference on
-/// the same weights rounded through the format (Granite's with its residual multiplier as
-/// the down banks' output scale).
+/// the same weights rounded through the format: Nemotron-H's experts, Granite's (with its
+/// residual multiplier as the down banks' output scale) and a latent MoE's (whose experts
+/// read the latent vector's q8 blocks in decode, `q8_rows`).
 #[test]
 fn moe_block_format_experts_match_the_rounded_cpu_reference() {
     use mamba2_wgpu::gpu::device_weights::DeviceMixer;
     for (pattern, config) in [
         ("nemotron ME*E", wide_moe("ME*E", false)),
         ("granite MEME*E", wide_moe("MEME*E", true)),
+        ("latent ME*E", wide_latent_moe("ME*E")),
     ] {
         let model = Model::synthetic(config, 17);
         let toks = tokens(40, 6, model.config.vocab_size);
@@ -651,7 +688,7 @@ fn moe_block_format_experts_match_the_rounded_cpu_reference() {
             WeightFormat::Q5_K,
             WeightFormat::Q6_K,
         ] {
-            let rounded = common::rounded(&model, |k| format.for_cols(k));
+            let rounded = latent_in_f16(&common::rounded(&model, |k| format.for_cols(k)));
             let cpu = CpuModel::<f32>::new(&rounded.config, &rounded.weights).unwrap();
             let want = cpu
                 .forward(&mut cpu.new_state(), &toks, Scan::Chunked(16), Logits::All)

@@ -149,7 +149,7 @@ pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64)
     let format = if format.reads_q8() {
         WeightFormat::Q8_0
     } else {
-        expert_format(format, false)
+        expert_format(format)
     };
     let bytes = |rows: usize, cols: usize| -> u64 { format.data_bytes(rows, cols) as u64 };
     let x = m.expert_width(c.d_model);
@@ -157,23 +157,11 @@ pub fn experts_per_bank(c: &ModelConfig, format: WeightFormat, max_binding: u64)
     ((max_binding / per_expert.max(1)) as usize).clamp(1, m.stored_experts())
 }
 
-/// The format of MoE expert banks: the model's, but f16 for bf16, and q8_0 for the 4/5/6-bit
-/// formats in a `latent` MoE (the expert GEMV reads the block formats against q8 inputs
-/// only, and the latent vector is f32).
-pub fn expert_format(format: WeightFormat, latent: bool) -> WeightFormat {
+/// The format of MoE expert banks: the model's, but f16 for bf16. (A latent MoE's experts
+/// too: in a quantized run they read the q8 blocks of the latent vector, `q8_rows`.)
+pub fn expert_format(format: WeightFormat) -> WeightFormat {
     match format {
         WeightFormat::BF16 => WeightFormat::F16,
-        WeightFormat::Q4_0
-        | WeightFormat::Q4_1
-        | WeightFormat::Q5_0
-        | WeightFormat::Q5_1
-        | WeightFormat::Q4_K
-        | WeightFormat::Q5_K
-        | WeightFormat::Q6_K
-            if latent =>
-        {
-            WeightFormat::Q8_0
-        }
         f => f,
     }
 }
@@ -337,13 +325,10 @@ impl DeviceWeights {
         // `block_ends_mut`, not folded into their values.)
         // A GGUF's quantized blocks in a type the GPU holds go up as stored, never
         // requantized, when a quantized format was asked for (after the same check for
-        // NaN/±Inf every weight gets); f32/f16 asks for everything dequantized. With
-        // `any_stored` false only blocks of `format` itself are kept (matrices whose kernel
-        // reads no other: a latent MoE's experts).
+        // NaN/±Inf every weight gets); f32/f16 asks for everything dequantized.
         let upload_as = |name: &str,
                          parts: &[&crate::model::Tensor],
-                         format: WeightFormat,
-                         any_stored: bool|
+                         format: WeightFormat|
          -> Result<DeviceMatrix> {
             let cols = parts[0].shape[1];
             let rows: usize = parts.iter().map(|t| t.shape[0]).sum();
@@ -353,7 +338,6 @@ impl DeviceWeights {
             };
             if let Some(stored) = stored
                 && format.reads_q8()
-                && (any_stored || stored == format)
                 && parts
                     .iter()
                     .all(|t| t.dtype == parts[0].dtype && t.shape[1] == cols)
@@ -381,8 +365,7 @@ impl DeviceWeights {
             })?;
             DeviceMatrix::upload(ctx, name, &packed)
         };
-        let upload =
-            |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format, true);
+        let upload = |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format);
         let per_bank = experts_per_bank(c, format, bank_bytes);
         let embedding = upload("embedding", &[&w.embedding])?;
         let lm_head = w
@@ -492,9 +475,7 @@ impl DeviceWeights {
                             .step_by(per_bank)
                             .map(move |a| a..(a + per_bank).min(g.end))
                     });
-                    // A latent MoE's experts read f32 inputs: no block formats.
-                    let has_latent = m.latent.is_some();
-                    let ef = expert_format(format, has_latent);
+                    let ef = expert_format(format);
                     let (mut up, mut down, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
                     for (b, r) in ranges.enumerate() {
                         firsts.push(r.start);
@@ -505,12 +486,11 @@ impl DeviceWeights {
                             &name(&format!("experts.up.bank{b}")),
                             &parts,
                             ef,
-                            !has_latent,
                         )?);
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().map(|e| &e.down).collect();
                         let bank_name = name(&format!("experts.down.bank{b}"));
-                        down.push(upload_as(&bank_name, &parts, ef, !has_latent)?);
+                        down.push(upload_as(&bank_name, &parts, ef)?);
                     }
                     let shared = match &m.shared {
                         Some(s) if slices.is_empty() => Some((
@@ -522,13 +502,13 @@ impl DeviceWeights {
                     let latent_format = latent_format(format);
                     let latent = match &m.latent {
                         Some([fc1, fc2]) => Some((
-                            upload_as(&name("fc1_latent_proj"), &[fc1], latent_format, true)?,
-                            upload_as(&name("fc2_latent_proj"), &[fc2], latent_format, true)?,
+                            upload_as(&name("fc1_latent_proj"), &[fc1], latent_format)?,
+                            upload_as(&name("fc2_latent_proj"), &[fc2], latent_format)?,
                         )),
                         None => None,
                     };
                     DeviceMixer::Moe(Box::new(DeviceMoe {
-                        router: upload_as(&name("router"), &[&m.router], WeightFormat::F32, true)?,
+                        router: upload_as(&name("router"), &[&m.router], WeightFormat::F32)?,
                         up,
                         down,
                         firsts,

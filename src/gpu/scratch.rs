@@ -63,6 +63,9 @@ pub struct Scratch {
     /// (`ceil32(L)` each, zero past L).
     pub latent: wgpu::Buffer,
     pub latent_sum: wgpu::Buffer,
+    /// The q8 blocks of `latent`, which block-format experts read (`q8_rows`).
+    pub latent_xq: wgpu::Buffer,
+    pub latent_xd: wgpu::Buffer,
     pub logits: wgpu::Buffer,
     /// One-token greedy decode: each lm_head workgroup's best logit, its id and whether
     /// any of its logits was NaN or ±Inf (`[workgroups]` of 4 u32; at most one per row,
@@ -187,6 +190,8 @@ impl Scratch {
             expert_counts: ctx.storage_zeroed("expert counts", single(moe_layers * experts))?,
             latent: ctx.storage_zeroed("moe latent", single(latent))?,
             latent_sum: ctx.storage_zeroed("moe latent sum", single(latent))?,
+            latent_xq: ctx.storage_zeroed("moe latent xq", single(latent / 4))?,
+            latent_xd: ctx.storage_zeroed("moe latent xd", single(latent / 32))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
             // (Only a one-token greedy lm_head writes its workgroups' winners; batches read
             // the logits.)
@@ -233,6 +238,8 @@ impl Scratch {
             &self.expert_counts,
             &self.latent,
             &self.latent_sum,
+            &self.latent_xq,
+            &self.latent_xd,
             &self.logits,
             &self.argmax_part,
             &self.probs,

@@ -211,7 +211,7 @@ impl Engine {
                     let stored = mo.stored_experts();
                     let firsts: Vec<usize> = (0..stored).step_by(per_bank).collect();
                     let x = mo.expert_width(c.d_model);
-                    let ef = crate::gpu::device_weights::expert_format(format, mo.latent.is_some());
+                    let ef = crate::gpu::device_weights::expert_format(format);
                     for (bank, &first) in firsts.iter().enumerate() {
                         let n_e = per_bank.min(stored - first);
                         let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;

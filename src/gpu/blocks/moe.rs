@@ -22,6 +22,7 @@ use crate::gpu::kernels::mlp_act::{ActBuffers, mlp_act};
 use crate::gpu::kernels::moe_combine::{CombineBuffers, moe_combine};
 use crate::gpu::kernels::moe_route::{RouteBuffers, moe_route};
 use crate::gpu::kernels::moe_sort::{SortBuffers, moe_sort, sorted_rows};
+use crate::gpu::kernels::q8_rows::q8_rows;
 use crate::gpu::kernels::rmsnorm;
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
@@ -182,7 +183,8 @@ pub fn decode(
     };
     match &w.latent {
         None => d.extend(experts(b, w, stage, fused)?),
-        // Latent MoE: the experts read fc1·h (f32) and their sum goes through fc2.
+        // Latent MoE: the experts read fc1·h (f32; in a quantized run its q8 blocks, which
+        // the expert GEMVs multiply the stored blocks with) and their sum goes through fc2.
         Some((fc1, fc2)) => {
             d.push(moe_section(gemv::gemv(
                 k,
@@ -192,12 +194,18 @@ pub fn decode(
                 GemvOutput::Store,
                 GemvBuffers::plain(&s.h, None, &s.latent),
             )?));
+            let latent_q8 = q8.map(|_| (&s.latent_xq, &s.latent_xd));
+            if let Some(q) = latent_q8 {
+                let l = fc1.rows;
+                let ds = l.next_multiple_of(32);
+                d.push(q8_rows(k, "latent_q8", l, 1, &s.latent, ds, q, ds)?);
+            }
             d.extend(experts(
                 b,
                 w,
                 Stage {
                     h: &s.latent,
-                    h_q8: None,
+                    h_q8: latent_q8,
                     resid: &s.latent_sum,
                     store: true,
                     norm_tail: None,

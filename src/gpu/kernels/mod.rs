@@ -25,6 +25,7 @@ pub mod moe_combine;
 pub mod moe_route;
 pub mod moe_sort;
 pub mod prefill_conv;
+pub mod q8_rows;
 pub mod residual_add;
 pub mod rmsnorm;
 pub mod sample;
