@@ -222,9 +222,12 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             .enumerate()
             .filter_map(|(i, l)| match &l.mixer {
                 mamba2_wgpu::model::MixerWeights::Attention(a)
-                    if mamba2_wgpu::gpu::device_weights::mixed_blocks(&[
-                        a.q.dtype, a.k.dtype, a.v.dtype,
-                    ]) =>
+                    if mamba2_wgpu::gpu::device_weights::type_runs(
+                        &[a.q.dtype, a.k.dtype, a.v.dtype],
+                        format,
+                    )
+                    .len()
+                        > 1 =>
                 {
                     Some(format!(
                         "{i} ({}/{}/{})",
@@ -236,7 +239,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
                 _ => None,
             })
             .collect();
-        if !mixed.is_empty() && format.reads_q8() {
+        if !mixed.is_empty() {
             println!(
                 "q/k/v in parts (types differ, each kept as stored): layers {}",
                 mixed.join(", ")

@@ -119,15 +119,16 @@ fn requantized_format(dtypes: &[DType], format: WeightFormat, cols: usize) -> We
 
 /// Whether the parts of one matrix hold block-quantized values in more than one type (or
 /// beside floats), so that under a quantized format they cannot go up as one matrix as
-/// stored (`mamba2 info` lists such attention layers).
-pub fn mixed_blocks(dtypes: &[DType]) -> bool {
+/// stored.
+fn mixed_blocks(dtypes: &[DType]) -> bool {
     dtypes.iter().any(|d| matches!(d, DType::Quant(_))) && dtypes.iter().any(|d| *d != dtypes[0])
 }
 
 /// The parts of a stacked matrix (`dtypes`, in order) that go up as one GPU matrix each
 /// under `format`: all of them together, or, where a quantized format meets block types
 /// that differ (`mixed_blocks`), each run of consecutive parts of one type, so that every
-/// block goes up as stored. Ranges of part indices.
+/// block goes up as stored. Ranges of part indices (`mamba2 info` lists the attention
+/// layers this splits).
 pub fn type_runs(dtypes: &[DType], format: WeightFormat) -> Vec<std::ops::Range<usize>> {
     let split = format.reads_q8() && mixed_blocks(dtypes);
     let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
@@ -190,7 +191,7 @@ impl DeviceMixer {
     /// MoE's expert and shared-expert down projections, or, with latent projections, fc2.
     /// Granite's residual multiplier is their `out_scale`. (Mamba2's out_proj takes it in
     /// its input instead: the gated norm's weight, in the layer's parameters.)
-    pub fn block_ends_mut(&mut self) -> Vec<&mut DeviceMatrix> {
+    fn block_ends_mut(&mut self) -> Vec<&mut DeviceMatrix> {
         match self {
             DeviceMixer::Mamba2 { .. } => Vec::new(),
             DeviceMixer::Attention { o, .. } => vec![o],

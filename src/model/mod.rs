@@ -128,7 +128,7 @@ impl Model {
         }
         // The Mamba2 projections, the embedding and the head decide (every architecture
         // read from GGUF has Mamba2 layers); attention, MLP and expert matrices in a block
-        // type go up as stored whatever this picks (README.md lists the three exceptions).
+        // type go up as stored whatever this picks (README.md lists the one exception).
         let w = &self.weights;
         let mut big: Vec<&Tensor> = vec![w.head(), &w.embedding];
         for m in w.layers.iter().filter_map(|l| l.mixer.mamba()) {

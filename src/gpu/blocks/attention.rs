@@ -155,31 +155,45 @@ pub fn decode(
     Ok(out)
 }
 
-/// A stacked projection's parts, one GEMV each into its rows of `s.qkv` (rows of `rows`).
-fn parted_gemvs(b: &BlockCtx, parts: &[DeviceMatrix], rows: usize) -> Result<Vec<Dispatch>> {
+/// The qkv projection's parts with their dispatch names and first rows in the projection's
+/// `rows` (`qkv_proj` for one matrix); an error unless the parts make up exactly those rows.
+fn qkv_parts(qkv: &[DeviceMatrix], rows: usize) -> Result<Vec<(String, usize, &DeviceMatrix)>> {
     let mut row0 = 0;
-    let mut out = Vec::with_capacity(parts.len());
-    for part in parts {
-        out.push(attn_section(gemv::gemv(
-            b.k,
-            &format!("qkv_proj[{row0}..{}]", row0 + part.rows),
-            part,
-            GemvInput::Plain,
-            GemvOutput::Store,
-            GemvBuffers {
-                dst_row0: row0,
-                ..b.gemv_in(&b.s.h, &b.s.qkv)
-            },
-        )?));
+    let mut out = Vec::with_capacity(qkv.len());
+    for part in qkv {
+        let name = match qkv.len() {
+            1 => "qkv_proj".to_string(),
+            _ => format!("qkv_proj[{row0}..{}]", row0 + part.rows),
+        };
+        out.push((name, row0, part));
         row0 += part.rows;
     }
     if row0 != rows {
         return Err(Error::Gpu(format!(
-            "{}: parts of {row0} rows in all for a projection of {rows}",
-            parts[0].name
+            "qkv_proj: parts of {row0} rows in all for a projection of {rows}"
         )));
     }
     Ok(out)
+}
+
+/// A stacked projection's parts, one GEMV each into its rows of `s.qkv` (rows of `rows`).
+fn parted_gemvs(b: &BlockCtx, parts: &[DeviceMatrix], rows: usize) -> Result<Vec<Dispatch>> {
+    qkv_parts(parts, rows)?
+        .into_iter()
+        .map(|(name, row0, part)| {
+            Ok(attn_section(gemv::gemv(
+                b.k,
+                &name,
+                part,
+                GemvInput::Plain,
+                GemvOutput::Store,
+                GemvBuffers {
+                    dst_row0: row0,
+                    ..b.gemv_in(&b.s.h, &b.s.qkv)
+                },
+            )?))
+        })
+        .collect()
 }
 
 /// Decode after the K/V store: flash-decoding over the cached rows, the merge of its
@@ -235,12 +249,7 @@ pub fn prefill(
     };
     // (A projection in parts of different formats: one GEMM each into its rows.)
     let mut d: Vec<Dispatch> = Vec::new();
-    let mut row0 = 0;
-    for part in qkv {
-        let name = match qkv.len() {
-            1 => "qkv_proj".to_string(),
-            _ => format!("qkv_proj[{row0}..{}]", row0 + part.rows),
-        };
+    for (name, row0, part) in qkv_parts(qkv, ac.qkv_stride)? {
         d.extend(
             gemm_split(
                 k,
@@ -258,7 +267,6 @@ pub fn prefill(
             .into_iter()
             .map(attn_section),
         );
-        row0 += part.rows;
     }
     d.push(kv_store(k, "kv_store", ac, Some(tokens), &bufs)?);
     d.push(attention_prefill(

@@ -349,7 +349,8 @@ pub struct GemvBuffers<'a> {
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub dst: &'a wgpu::Buffer,
     /// Where `W`'s row 0 goes in each lane's `dst` (`Store` and `Add`; 0 but for a part of
-    /// a stacked projection whose parts are stored in different formats, `PartedMatrix`).
+    /// a stacked projection whose parts are stored in different formats: attention's q/k/v,
+    /// `DeviceMixer::Attention`).
     pub dst_row0: usize,
     pub part: Option<&'a wgpu::Buffer>,
     /// Mixer epilogue: the layer's parameters, conv state and the control block.
@@ -752,32 +753,22 @@ pub fn gemv(
     let lanes = b.lanes;
     let (n, cap) = (lanes.n, lanes.cap);
     check_len(&format!("{name}: dst"), b.dst, cap * m)?;
-    // A part's rows stay inside each lane's row (one lane: inside the buffer).
+    // A part of a stacked projection (`dst_row0`) and an output scale (Granite's residual
+    // multiplier) apply to plain stored or added rows only (no K/V or argmax epilogue);
+    // a part's rows stay inside each lane's row (one lane: inside the buffer).
+    let plain_rows = matches!(output, GemvOutput::Store | GemvOutput::Add)
+        && b.kv.is_none()
+        && b.argmax_part.is_none();
     let dst_row = match cap {
         1 => b.dst.size() as usize / 4,
         _ => super::lane_stride(b.dst, lanes) as usize,
     };
-    // (An output scale applies to stored and added rows; no block-ending projection has
-    // another epilogue.)
-    if w.out_scale != 1.0
-        && (!matches!(output, GemvOutput::Store | GemvOutput::Add)
-            || b.kv.is_some()
-            || b.argmax_part.is_some())
-    {
+    if ((w.out_scale != 1.0 || b.dst_row0 > 0) && !plain_rows) || b.dst_row0 + m > dst_row {
         return Err(Error::Gpu(format!(
-            "{name}: an output scale of {} on {} needs a stored or added output without a K/V \
-             or argmax epilogue",
-            w.out_scale, w.name
-        )));
-    }
-    if b.dst_row0 > 0
-        && (!matches!(output, GemvOutput::Store | GemvOutput::Add)
-            || b.dst_row0 + m > dst_row
-            || b.kv.is_some()
-            || b.argmax_part.is_some())
-    {
-        return Err(Error::Gpu(format!(
-            "{name}: rows {}..{} of a stored or added output of {dst_row} values a lane,              without a K/V or argmax epilogue",
+            "{name}: {} scaled by {} into rows {}..{} of {dst_row} a lane needs a stored or \
+             added output without a K/V or argmax epilogue, inside the lane",
+            w.name,
+            w.out_scale,
             b.dst_row0,
             b.dst_row0 + m
         )));
