@@ -1666,3 +1666,209 @@ fn experts_down_pass_makes_the_next_pre_norm() {
         }
     }
 }
+
+/// A one-token GEMV adding into the residual that also makes the next block's pre-norm
+/// (`GemvBuffers::norm_tail`, a Mamba2 block's out_proj before another Mamba2 block):
+/// `rows` residual values (d_model) from `cols` inputs, in `groups` norm groups (0: a plain
+/// input).
+struct GemvTailCase {
+    name: &'static str,
+    rows: usize,
+    cols: usize,
+    groups: usize,
+    format: WeightFormat,
+}
+
+const GEMV_TAIL_CASES: [GemvTailCase; 5] = [
+    GemvTailCase {
+        name: "mamba2-130m's out_proj: d_model 768 from d_inner 1536, one group, q8_0",
+        rows: 768,
+        cols: 1536,
+        groups: 1,
+        format: WeightFormat::Q8_0,
+    },
+    GemvTailCase {
+        name: "8 groups, 1024 rows from 2048, q4_k",
+        rows: 1024,
+        cols: 2048,
+        groups: 8,
+        format: WeightFormat::Q4_K,
+    },
+    GemvTailCase {
+        name: "d_model 200 (a last block of 8 rows), plain input, f16",
+        rows: 200,
+        cols: 96,
+        groups: 0,
+        format: WeightFormat::F16,
+    },
+    GemvTailCase {
+        name: "2 groups, 96 rows, f32",
+        rows: 96,
+        cols: 128,
+        groups: 2,
+        format: WeightFormat::F32,
+    },
+    GemvTailCase {
+        name: "one block of rows, q6_k",
+        rows: 32,
+        cols: 256,
+        groups: 0,
+        format: WeightFormat::Q6_K,
+    },
+];
+
+/// The residual the GEMV writes is the plain added GEMV's, bit for bit; the q8 blocks are
+/// the host's of `x ⊙ w` (x: that residual), the per-block Σx² the host's in row order, and
+/// every block's count is back at 0 for the next token (checked over two tokens). A
+/// batch's norm dispatch in the tail's form (`rmsnorm_lanes_tail_form`) writes the same
+/// bits.
+#[test]
+fn gemv_adding_into_the_residual_makes_the_next_pre_norm() {
+    use mamba2_wgpu::gpu::kernels::Lanes;
+    use mamba2_wgpu::gpu::kernels::gemv::takes_norm_tail;
+    use mamba2_wgpu::gpu::kernels::norm_tail::NormTail;
+    use mamba2_wgpu::gpu::kernels::rmsnorm::rmsnorm_lanes_tail_form;
+    let Some(g) = Gpu::new() else { return };
+    for c in GEMV_TAIL_CASES {
+        let w = rand(70, c.rows * c.cols, -1.0, 1.0);
+        let (m, _) = matrix(&g, c.format, &w, c.rows, c.cols);
+        let input = match c.groups {
+            0 => GemvInput::Plain,
+            groups => GemvInput::Group {
+                groups,
+                group_size: c.cols / groups,
+                blocks_per_group: c.cols / groups / 32,
+                eps: 1e-5,
+            },
+        };
+        if !takes_norm_tail(&g.k, &m, input).unwrap() {
+            panic!("{}: this device's GEMV cannot make the norm", c.name);
+        }
+        let blocks = c.rows.div_ceil(32);
+        let nw_off = 5;
+        let params = rand(71, nw_off + c.rows, 0.5, 1.5);
+        let pbuf = g.buf(&params);
+        let (xq, xd, part, counts) = (
+            g.zeros(blocks * 8),
+            g.zeros(blocks),
+            g.zeros(blocks),
+            g.zeros(blocks),
+        );
+        for token in 0..2u64 {
+            let what = format!("{} (token {token})", c.name);
+            let mut u = rand(72 + token, c.cols, -2.0, 2.0);
+            u.resize(m.kp, 0.0);
+            let sums: Vec<f32> = u
+                .chunks(32)
+                .map(|b| b.iter().map(|a| a * a).sum())
+                .collect();
+            let (q, d) = q8_blocks(&u);
+            let (src, qb, db, sb) = (
+                g.buf(&u),
+                g.ctx()
+                    .storage_with("xq", bytemuck::cast_slice(&q))
+                    .unwrap(),
+                g.buf(&d),
+                g.buf(&sums),
+            );
+            let resid0 = rand(74 + token, c.rows, -3.0, 3.0);
+            let (plain, tailed) = (g.buf(&resid0), g.buf(&resid0));
+            let q8 = c.format.reads_q8().then_some((&qb, &db));
+            for (dst, tail) in [(&plain, false), (&tailed, true)] {
+                let b = GemvBuffers {
+                    part: (c.groups > 0).then_some(&sb),
+                    norm_tail: tail.then_some(NormTail {
+                        params: &pbuf,
+                        nw_off,
+                        xq: &xq,
+                        xd: &xd,
+                        part: &part,
+                        counts: &counts,
+                    }),
+                    ..gemv_buffers(&src, q8, dst)
+                };
+                g.run(&gemv(&g.k, "t", &m, input, GemvOutput::Add, b).unwrap());
+            }
+            let x = g.read(&tailed, c.rows);
+            assert_eq!(
+                common::bits(&x),
+                common::bits(&g.read(&plain, c.rows)),
+                "{what}: residual"
+            );
+            assert_ne!(
+                common::bits(&x),
+                common::bits(&resid0),
+                "{what}: nothing added"
+            );
+            let v: Vec<f32> = (0..c.rows).map(|r| x[r] * params[nw_off + r]).collect();
+            let got_q: Vec<u32> =
+                bytemuck::cast_slice(&g.ctx().read(&xq, 32 * blocks as u64).unwrap())[..8 * blocks]
+                    .to_vec();
+            assert_q8_of(&what, &got_q, &g.read(&xd, blocks), &v);
+            for (b, got) in g.read(&part, blocks).iter().enumerate() {
+                let want: f32 = x[32 * b..(32 * b + 32).min(c.rows)]
+                    .iter()
+                    .fold(0.0, |s, v| s + v * v);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want,
+                    "{what}: Σx² of block {b}: {got} against {want}"
+                );
+            }
+            let left: Vec<u32> =
+                bytemuck::cast_slice(&g.ctx().read(&counts, 4 * blocks as u64).unwrap())[..blocks]
+                    .to_vec();
+            assert!(left.iter().all(|&n| n == 0), "{what}: counts left {left:?}");
+            // A batch's norm in the tail's form (lane 0: this residual; lane 1: another)
+            // writes the tail's bits.
+            let other = rand(76 + token, c.rows, -3.0, 3.0);
+            let lanes_in = g.buf(&[x.clone(), other.clone()].concat());
+            let (lq, ld, lp) = (
+                g.zeros(2 * blocks * 8),
+                g.zeros(2 * blocks),
+                g.zeros(2 * blocks),
+            );
+            g.run(
+                &rmsnorm_lanes_tail_form(
+                    &g.k,
+                    "tail form",
+                    c.rows,
+                    nw_off,
+                    Lanes::new(2, 2),
+                    256,
+                    &lanes_in,
+                    &pbuf,
+                    (&lq, &ld),
+                    &lp,
+                )
+                .unwrap(),
+            );
+            let words: Vec<u32> =
+                bytemuck::cast_slice(&g.ctx().read(&lq, 64 * blocks as u64).unwrap())
+                    [..16 * blocks]
+                    .to_vec();
+            let (scales, sums) = (g.read(&ld, 2 * blocks), g.read(&lp, 2 * blocks));
+            assert_eq!(
+                words[..8 * blocks],
+                got_q[..],
+                "{what}: tail form's q8 words"
+            );
+            assert_eq!(
+                common::bits(&scales[..blocks]),
+                common::bits(&g.read(&xd, blocks)),
+                "{what}: tail form's q8 scales"
+            );
+            assert_eq!(
+                common::bits(&sums[..blocks]),
+                common::bits(&g.read(&part, blocks)),
+                "{what}: tail form's Σx²"
+            );
+            let v1: Vec<f32> = (0..c.rows).map(|r| other[r] * params[nw_off + r]).collect();
+            assert_q8_of(
+                &format!("{what}: tail form's lane 1"),
+                &words[8 * blocks..],
+                &scales[blocks..],
+                &v1,
+            );
+        }
+    }
+}

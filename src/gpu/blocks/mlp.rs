@@ -3,11 +3,11 @@
 //! q8_0 down),
 //! down GEMV adding into the residual. Prefill: the same as GEMMs over the block's tokens.
 
-use super::BlockCtx;
+use super::{BlockCtx, NextNorm};
 use crate::config::MlpConfig;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
-use crate::gpu::kernels::gemv::{self, GemvInput, GemvOutput};
+use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act, mlp_act_rows};
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
@@ -27,13 +27,16 @@ pub fn shape<'a>(b: &BlockCtx<'a>) -> Result<&'a MlpConfig> {
         .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))
 }
 
-/// One decode token through an MLP of shape `m` (after the pre-norm into `h`).
+/// One decode token through an MLP of shape `m` (after the pre-norm into `h`); with
+/// `next_norm` (one token, where `blocks::norm_tails` says), down_proj also makes the next
+/// block's pre-norm.
 pub fn decode(
     b: &BlockCtx,
     m: &MlpConfig,
     up: &DeviceMatrix,
     down: &DeviceMatrix,
     bias: Option<MlpBias>,
+    next_norm: Option<NextNorm>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let q8 = b.q8();
@@ -69,11 +72,18 @@ pub fn decode(
         )?,
         mlp_section(gemv::gemv(
             k,
-            "down_proj+residual",
+            if next_norm.is_some() {
+                "down_proj+residual+next_norm"
+            } else {
+                "down_proj+residual"
+            },
             down,
             GemvInput::Plain,
             GemvOutput::Add,
-            b.gemv_in(&s.mlp, &s.resid),
+            GemvBuffers {
+                norm_tail: next_norm.map(|n| n.tail(s)),
+                ..b.gemv_in(&s.mlp, &s.resid)
+            },
         )?),
     ])
 }

@@ -141,6 +141,73 @@ pub fn rmsnorm_lanes(
     Ok(dispatch)
 }
 
+/// The decode pre-norm of `lanes` lanes in the form a norm tail makes it
+/// (`norm_tail`, which makes it for one token): the q8 blocks of `x ⊙ w` without the 1/rms
+/// into `xq [L][W/4]`, `xd [L][W/32]` (W, a whole number of q8 blocks of at least D, their
+/// lane stride) and Σx² per block of 32 in row order into `part [L][P]` (P ≥ ⌈D/32⌉ its
+/// lane stride), so a batch's lanes read what their runs alone read where the block before
+/// makes the norm (`blocks::norm_tails`). `wg` as for `rmsnorm`.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_lanes_tail_form<'a>(
+    k: &Kernels,
+    name: &str,
+    d: usize,
+    nw_off: usize,
+    lanes: super::Lanes,
+    wg: usize,
+    src: &'a wgpu::Buffer,
+    params: &'a wgpu::Buffer,
+    (xq, xd): (&'a wgpu::Buffer, &'a wgpu::Buffer),
+    part: &'a wgpu::Buffer,
+) -> Result<Dispatch> {
+    let w = 32 * super::lane_stride(xd, lanes) as usize;
+    let part_ls = super::lane_stride(part, lanes) as usize;
+    if 4 * super::lane_stride(xq, lanes) as usize != w || w < d || part_ls < d.div_ceil(32) {
+        return Err(crate::error::Error::Gpu(format!(
+            "{name}: lane strides of {w} q8 values and {part_ls} block sums do not hold {d} \
+             values"
+        )));
+    }
+    check_len(&format!("{name}: src"), src, (lanes.n - 1) * d + d)?;
+    check_len(&format!("{name}: params"), params, nw_off + d)?;
+    check_len(&format!("{name}: xq"), xq, lanes.n * w / 4)?;
+    check_len(&format!("{name}: xd"), xd, lanes.n * w / 32)?;
+    check_len(&format!("{name}: part"), part, lanes.n * part_ls)?;
+    check_wg(k, name, wg)?;
+    let mut consts = vec![
+        ("WG", Const::U32(wg as u32)),
+        ("NB", Const::U32(d.div_ceil(32) as u32)),
+        ("KP", Const::U32(w as u32)),
+        ("RV", Const::U32(1)),
+        ("D", Const::U32(d as u32)),
+        ("SSL", Const::U32(d.div_ceil(wg) as u32)),
+        ("NW_OFF", Const::U32(nw_off as u32)),
+        ("EPS", Const::F32(0.0)),
+        ("PART_LS", Const::U32(part_ls as u32)),
+    ];
+    let mut extra = vec!["NORM_SUM", "TAIL_FORM", "Q8_OUT"];
+    if let Some(piece) = k.q8_shuffle() {
+        extra.push("Q8_SHUFFLE");
+        consts.push(piece);
+    }
+    let entries = vec![(0, src), (1, params)];
+    let tail = [(3, xq), (4, xd), (5, part)];
+    let mut dispatch = norm_dispatch_flags(
+        k,
+        name,
+        ("rmsnorm", SOURCES),
+        &consts,
+        entries,
+        None,
+        (d, wg),
+        lanes.n,
+        &extra,
+        &tail,
+    )?;
+    spread(&mut dispatch, d, lanes.n, wg);
+    Ok(dispatch)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn rows(
     k: &Kernels,
