@@ -159,28 +159,19 @@ fn team_sum(v: f32, lid: u32) -> f32 {
 // (model::quant mirrors it). Every invocation calls it with its own element's value (0
 // past the end); blocks from NB on (in the row) are not written, nor (Q8_ROWS, the expert
 // up projection's folded activation) elements from R on: the next workgroup's rows; nor
-// (Q8_BLOCK, norm_tail.wgsl's chunk of the next pre-norm) elements from TR on.
-// Word i of the q8 values and scale b of the blocks: to the output buffers, (X_LOCAL, the
-// pre-norm folded into a GEMV) to the workgroup's own vec4 words, or (Q8_BLOCK) to the
-// norm tail's (norm_tail.wgsl), which a GEMV binds beside the q8 input it reads.
+// (Q8_BLOCK, the experts' down pass making the next pre-norm) elements from TR on.
+// Word i of the q8 values and scale b of the blocks: to the output buffers, or (X_LOCAL,
+// the pre-norm folded into a GEMV) to the workgroup's own vec4 words.
 fn q8_put(i: u32, word: u32) {
 #if X_LOCAL
     xq[i / 4u][i % 4u] = word;
 #else
-#if Q8_BLOCK
-    txq[i] = word;
-#else
     xq[i] = word;
-#endif
 #endif
 }
 
 fn q8_put_d(b: u32, d: f32) {
-#if Q8_BLOCK
-    txd[b] = d;
-#else
     xd[b] = d;
-#endif
 }
 
 fn q8_live(lid: u32) -> bool {

@@ -13,7 +13,7 @@
 //   slots' activations as inputs: the weighted sum of the experts goes straight into the
 //   residual (each bank adds the slots it holds); STORE (the first bank of a latent MoE)
 //   writes instead of adding. NORM_TAIL (one token, the last bank): the next block's
-//   pre-norm made from the finished residual (norm_tail.wgsl).
+//   pre-norm made from the finished residual (see `norm_tail`).
 // Inputs are q8 blocks with Q8_IN (the quantized formats, the usual case: q8_0 here, the
 // 4/5/6-bit blocks through gemv_units.wgsl with block_quant.wgsl's bindings), else f32
 // (f32/f16 weights, and q8_0 ones then unpack their int8 values). Every row's total is
@@ -63,6 +63,68 @@ const VW: u32 = 16u;
 @group(0) @binding(7) var<storage, read> wts: array<f32>;
 var<workgroup> down_id: array<u32, KS>;
 var<workgroup> down_w: array<f32, KS>;
+#if NORM_TAIL
+// The next block's RMS pre-norm, made where the residual is finished (decode, one token):
+// the q8 blocks of x ⊙ w (norm weights `nparams[NW_OFF..]`) without the 1/rms, which
+// the next GEMV applies (gemv.wgsl's X_GROUP with one group), and Σx² per block of 32
+// rows (`npart`) from which it takes the 1/rms. The rows go in chunks of TR = max(R, 32):
+// a chunk's rows come from TR / R workgroups; each counts itself in `ncount[chunk's first
+// block]` after its rows, and the one that counts last makes the chunk (and sets the
+// count back to 0 for the next token).
+@group(0) @binding(9) var<storage, read_write> xq: array<u32>;
+@group(0) @binding(10) var<storage, read_write> xd: array<f32>;
+@group(0) @binding(14) var<storage, read> nparams: array<f32>;
+@group(0) @binding(15) var<storage, read_write> npart: array<f32>;
+@group(0) @binding(16) var<storage, read_write> ncount: array<atomic<u32>>;
+var<workgroup> tail_last: u32;
+var<workgroup> tail_sq: array<f32, TR>;
+
+// After the workgroup's rows from r0 went into the residual. Call from uniform control
+// flow.
+fn norm_tail(lid: u32, r0: u32) {
+    // Release: the rows this workgroup wrote, before its count (WGSL's atomics are
+    // relaxed; the barrier's device-scope fence orders them).
+    storageBarrier();
+    if (r0 >= M) {
+        return;
+    }
+    let first = (r0 / TR) * TR;
+    if (lid == 0u) {
+        let expect = (min(first + TR, M) - first + R - 1u) / R;
+        tail_last = u32(atomicAdd(&ncount[first / 32u], 1u) + 1u == expect);
+    }
+    if (workgroupUniformLoad(&tail_last) == 0u) {
+        return;
+    }
+    // Acquire: the chunk's other rows, which the other workgroups released.
+    storageBarrier();
+    let r = first + lid;
+    var x = 0.0;
+    var v = 0.0;
+    if (lid < TR && r < M) {
+        x = bitcast<f32>(atomicLoad(&dst[r]));
+        v = x * nparams[NW_OFF + r];
+    }
+    if (lid < TR) {
+        tail_sq[lid] = x * x;
+    }
+    q8_chunk(v, lid, first, 0u);
+    workgroupBarrier();
+    if (lid < TR / 32u) {
+        // In row order, whichever workgroup came last: the same bits every token.
+        var s = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            s += tail_sq[32u * lid + i];
+        }
+        if (first / 32u + lid < NB) {
+            npart[first / 32u + lid] = s;
+        }
+    }
+    if (lid == 0u) {
+        atomicStore(&ncount[first / 32u], 0u);
+    }
+}
+#endif
 #else
 var<workgroup> up_id: u32;
 #endif
@@ -225,7 +287,8 @@ fn main(
         dst[t * M + row] = total;
 #else
 #if NORM_TAIL
-        tail_add(t * M + row, total);
+        let i = t * M + row;
+        atomicStore(&dst[i], bitcast<u32>(bitcast<f32>(atomicLoad(&dst[i])) + total));
 #else
         dst[t * M + row] += total;
 #endif

@@ -16,8 +16,7 @@
 // the lane's NVT weight vectors loaded before the prologue) | EARLY (q8_0 with the folded pre-norm:
 // the first weights loaded before it);  O_STORE | O_ADD | O_MIXER; O_ARGMAX (with
 // O_STORE, one token: each workgroup's best row for the greedy argmax); O_KV (with
-// O_STORE, one token: the k and v rows also into the KV caches); NORM_TAIL (with O_ADD
-// into the residual: the next block's pre-norm, norm_tail.wgsl).
+// O_STORE, one token: the k and v rows also into the KV caches).
 
 // The group-norm factor of input column k (1 without X_GROUP).
 fn col_scale(k: u32) -> f32 {
@@ -134,9 +133,6 @@ fn main(
         workgroupBarrier();
     }
 #endif
-#if X_SUM
-    x_half_sums(lid);
-#endif
     var acc = 0.0;
 #if W_Q8
     // UNROLL vectors per lane and round, every load issued before the first product; the
@@ -219,9 +215,6 @@ fn main(
     if (lane == 0u && row_raw < M) {
         emit(0u, row, total);
     }
-#if NORM_TAIL
-    norm_tail(lid, first_row);
-#endif
 #if O_KV
     // The workgroup's rows through workgroup memory: an f16 cache word holds two rows
     // (R is even and k and v start on even rows, so both are this workgroup's).

@@ -38,12 +38,7 @@ fn x_d(i: u32) -> f32 {
 #else
 @group(0) @binding(2) var<storage, read> src: array<vec4<f32>>;
 #endif
-#if NORM_TAIL
-// The residual, written and read back through atomics (norm_tail.wgsl).
-@group(0) @binding(5) var<storage, read_write> dst: array<atomic<u32>>;
-#else
 @group(0) @binding(5) var<storage, read_write> dst: array<f32>;
-#endif
 #if O_MIXER
 @group(0) @binding(6) var<storage, read_write> conv_state: array<f32>;
 @group(0) @binding(7) var<storage, read> ctrl: array<Ctrl>;
@@ -168,11 +163,7 @@ fn emit(l: u32, row: u32, total: f32) {
     dst[Y0 + l * DST_LS + row] = RS * total;
 #endif
 #if O_ADD
-#if NORM_TAIL
-    tail_add(Y0 + l * DST_LS + row, RS * total);
-#else
     dst[Y0 + l * DST_LS + row] += RS * total;
-#endif
 #endif
 #if O_MIXER
     mixer_row(l, row, total);

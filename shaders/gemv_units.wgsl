@@ -6,29 +6,6 @@
 // the including shader gives the input's accessors `x_q(i)` (16-byte words, KP/16 per
 // vector) and `x_d(i)` (block scales, KP/32 per vector) and `col_scale(k)`.
 
-// Σ of the q8 values of 16-value half i of the input (the mins' share of the k-quants and
-// the offsets' of q4_1/q5_1): with X_SUM (the one-token GEMV) summed once per workgroup
-// in its prologue (`x_half_sums`) instead of by every row's lane, else from the loaded
-// values `x`.
-#if X_SUM
-var<workgroup> xsum_half: array<i32, KP / 16u>;
-
-fn x_half_sums(lid: u32) {
-    for (var i = lid; i < KP / 16u; i += WG) {
-        xsum_half[i] = dot16(vec4<u32>(0x01010101u), x_q(i));
-    }
-    workgroupBarrier();
-}
-#endif
-
-fn half_sum(i: u32, x: vec4<u32>) -> i32 {
-#if X_SUM
-    return xsum_half[i];
-#else
-    return dot16(vec4<u32>(0x01010101u), x);
-#endif
-}
-
 #if W_Q4_0
 // Block v of the row: its nibbles widened to bytes 16·(q − 8) (block_quant.wgsl's
 // `q4_bytes`). `unit_load` issues its loads, `unit_dot` uses them (so a lane can have
@@ -75,8 +52,9 @@ fn unit_load(row: u32, x: u32, v: u32) -> Unit {
 
 fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
     let n = vec4<u32>(0x0F0F0F0Fu);
+    let ones = vec4<u32>(0x01010101u);
     let idot = dot16(l.q & n, l.x0) + dot16((l.q >> vec4<u32>(4u)) & n, l.x1);
-    let isum = half_sum(2u * v, l.x0) + half_sum(2u * v + 1u, l.x1);
+    let isum = dot16(ones, l.x0) + dot16(ones, l.x1);
     let dm = unpack2x16float(l.dm);
     return (dm.x * f32(idot) + dm.y * f32(isum)) * (l.xs * col_scale(v * 32u));
 }
@@ -111,9 +89,10 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
 
 #if W_Q5_1
 fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
+    let ones = vec4<u32>(0x01010101u);
     let b = q5_levels(l.q, l.s.x);
     let idot = dot16(b[0], l.x0) + dot16(b[1], l.x1);
-    let isum = half_sum(2u * v, l.x0) + half_sum(2u * v + 1u, l.x1);
+    let isum = dot16(ones, l.x0) + dot16(ones, l.x1);
     let dm = unpack2x16float(l.s.y);
     return (dm.x * f32(idot) + dm.y * f32(isum)) * (l.xs * col_scale(v * 32u));
 }
@@ -164,9 +143,8 @@ fn unit_dot(l: Unit, row: u32, v: u32) -> f32 {
     let dm = unpack2x16float(l.sv.x);
     let s0 = k4_scale_min(l.sv, 2u * j);
     let s1 = k4_scale_min(l.sv, 2u * j + 1u);
-    let h = c % 2u;
-    let p0 = dm.x * s0.x * f32(dot16(lo, l.x0)) - dm.y * s0.y * f32(half_sum(2u * b0 + h, l.x0));
-    let p1 = dm.x * s1.x * f32(dot16(hi, l.x1)) - dm.y * s1.y * f32(half_sum(2u * b0 + 2u + h, l.x1));
+    let p0 = dm.x * s0.x * f32(dot16(lo, l.x0)) - dm.y * s0.y * f32(dot16(ones, l.x0));
+    let p1 = dm.x * s1.x * f32(dot16(hi, l.x1)) - dm.y * s1.y * f32(dot16(ones, l.x1));
     return p0 * (l.xd0 * col_scale(b0 * 32u)) + p1 * (l.xd1 * col_scale(b0 * 32u + 32u));
 }
 #endif

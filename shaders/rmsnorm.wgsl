@@ -18,15 +18,6 @@
 @group(0) @binding(4) var<storage, read_write> xd: array<f32>;
 #endif
 
-#if TAIL_FORM
-// The pre-norm in the form a norm tail makes it (norm_tail.wgsl) for a batch's lanes, so
-// each lane's next GEMV reads its run alone's bits: the q8 blocks of x ⊙ w without the
-// 1/rms (which the GEMV's group-norm prologue applies) and Σx² per block of 32 in row
-// order into `part` (lane t's from t·PART_LS); dst is not written.
-@group(0) @binding(5) var<storage, read_write> part: array<f32>;
-var<workgroup> tail_sq: array<f32, WG>;
-#endif
-
 #if !VEC4
 fn norm_x(i: u32) -> f32 {
     return src[i];
@@ -74,28 +65,6 @@ fn main(
         x0 = src[sbase + k0];
         w0 = params[NW_OFF + k0];
     }
-#if TAIL_FORM
-    for (var first = wid.x * WG; first < D; first += WG * nwg.x) {
-        let k = first + lid;
-        var x = 0.0;
-        var v = 0.0;
-        if (k < D) {
-            x = src[sbase + k];
-            v = x * params[NW_OFF + k];
-        }
-        tail_sq[lid] = x * x;
-        q8_chunk(v, lid, first, dbase);
-        workgroupBarrier();
-        if (lid < WG / 32u && first / 32u + lid < NB) {
-            var s = 0.0;
-            for (var i = 0u; i < 32u; i++) {
-                s += tail_sq[32u * lid + i];
-            }
-            part[t * PART_LS + first / 32u + lid] = s;
-        }
-        workgroupBarrier();
-    }
-#else
     let rstd = norm_rstd(sbase, lid, sg_lane, sg_size);
     // One element per invocation per chunk of WG; a token's workgroups share its chunks
     // (one workgroup per token in prefill, many per token in decode).
@@ -116,6 +85,5 @@ fn main(
         q8_chunk(v, lid, first, dbase);
 #endif
     }
-#endif
 #endif
 }

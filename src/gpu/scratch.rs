@@ -52,13 +52,9 @@ pub struct Scratch {
     pub moe_mid: wgpu::Buffer,
     pub moe_xq: wgpu::Buffer,
     pub moe_xd: wgpu::Buffer,
-    /// The next pre-norm made by the kernel that finishes the residual (`norm_tail`; a
-    /// batch's lanes in that form by a norm dispatch): the q8 blocks of x ⊙ w without the
-    /// 1/rms (apart from `xq`/`xd`, which that kernel may be reading; zero past d_model),
-    /// Σx² per block of 32 residual values, and how many of each block's workgroups
-    /// finished (one token; u32, zero between tokens).
-    pub norm_xq: wgpu::Buffer,
-    pub norm_xd: wgpu::Buffer,
+    /// The next pre-norm made by an experts' down pass (`expert_gemv::NormTail`): Σx² per
+    /// block of 32 residual values, and how many of each block's workgroups finished (u32,
+    /// zero between tokens).
     pub norm_part: wgpu::Buffer,
     pub norm_count: wgpu::Buffer,
     /// MoE: how often each expert of each MoE layer was chosen `[MoE layers][E]` (u32).
@@ -147,13 +143,6 @@ impl Scratch {
         let single = |n: usize| 4 * n.max(1) as u64;
         let input = |n: usize| if lanes > 1 { lane_width } else { n };
         let pad = |n: usize| input(n.next_multiple_of(32));
-        // The next pre-norm's q8 blocks (`norm_tail`): a lane's GEMV input row, or one
-        // token's whole superblocks.
-        let norm_width = if lanes > 1 {
-            lane_width
-        } else {
-            c.d_model.next_multiple_of(256)
-        };
         let qkv = c.attention.as_ref().map_or(0, |a| a.qkv_rows());
         let attn = c.attention.as_ref().map_or(0, |a| pad(a.q_width()));
         let y = pad(c.d_inner);
@@ -196,9 +185,7 @@ impl Scratch {
             moe_mid: ctx.storage_zeroed("moe mid", single(top_k * expert_mid))?,
             moe_xq: ctx.storage_zeroed("moe xq", single(top_k * expert_mid / 4))?,
             moe_xd: ctx.storage_zeroed("moe xd", single(top_k * expert_mid / 32))?,
-            norm_xq: ctx.storage_zeroed("norm xq", f32s(norm_width / 4))?,
-            norm_xd: ctx.storage_zeroed("norm xd", f32s(norm_width / 32))?,
-            norm_part: ctx.storage_zeroed("norm partials", f32s(c.d_model.div_ceil(32)))?,
+            norm_part: ctx.storage_zeroed("norm partials", single(c.d_model.div_ceil(32)))?,
             norm_count: ctx.storage_zeroed("norm counts", single(c.d_model.div_ceil(32)))?,
             expert_counts: ctx.storage_zeroed("expert counts", single(moe_layers * experts))?,
             latent: ctx.storage_zeroed("moe latent", single(latent))?,
@@ -246,8 +233,6 @@ impl Scratch {
             &self.moe_mid,
             &self.moe_xq,
             &self.moe_xd,
-            &self.norm_xq,
-            &self.norm_xd,
             &self.norm_part,
             &self.norm_count,
             &self.expert_counts,

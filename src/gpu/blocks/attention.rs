@@ -7,7 +7,7 @@
 //! o_proj adding into the residual. Prefill: the same with GEMMs, and causal tiled
 //! attention of the block's tokens over every cached row (`attention_prefill`).
 
-use super::{BlockCtx, NextNorm};
+use super::BlockCtx;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::attention_combine::attention_combine;
@@ -62,9 +62,7 @@ fn attn_section(d: Dispatch) -> Dispatch {
 /// (`gemv::folds_norm` says where it can). `fused`, one token and no RoPE: the qkv GEMV
 /// stores the k and v rows into the caches itself (one dispatch fewer). `qkv` in parts of
 /// different formats: one GEMV each into its rows, after a pre-norm dispatch, and the K/V
-/// store dispatch. With `next_norm` (one token, where `blocks::norm_tails` says), o_proj
-/// also makes the next block's pre-norm.
-#[allow(clippy::too_many_arguments)]
+/// store dispatch.
 pub fn decode(
     b: &BlockCtx,
     qkv: &[DeviceMatrix],
@@ -73,7 +71,6 @@ pub fn decode(
     v_cache: &wgpu::Buffer,
     fused: bool,
     pre_norm: Option<(&wgpu::Buffer, usize)>,
-    next_norm: Option<NextNorm>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let ac = layer_consts(b)?;
@@ -99,7 +96,7 @@ pub fn decode(
             }
             let mut out = parted_gemvs(b, parts, ac.qkv_stride)?;
             out.push(kv_store(k, "kv_store", ac, None, &bufs)?);
-            out.extend(attend_and_project(b, ac, &bufs, o, next_norm)?);
+            out.extend(attend_and_project(b, ac, &bufs, o)?);
             return Ok(out);
         }
     };
@@ -154,7 +151,7 @@ pub fn decode(
     if !fold {
         out.push(kv_store(k, "kv_store", ac, None, &bufs)?);
     }
-    out.extend(attend_and_project(b, ac, &bufs, o, next_norm)?);
+    out.extend(attend_and_project(b, ac, &bufs, o)?);
     Ok(out)
 }
 
@@ -200,13 +197,12 @@ fn parted_gemvs(b: &BlockCtx, parts: &[DeviceMatrix], rows: usize) -> Result<Vec
 }
 
 /// Decode after the K/V store: flash-decoding over the cached rows, the merge of its
-/// segments, and o_proj into the residual (and with `next_norm` the next block's pre-norm).
+/// segments, and o_proj into the residual.
 fn attend_and_project(
     b: &BlockCtx,
     ac: AttnConsts,
     bufs: &AttnBuffers,
     o: &DeviceMatrix,
-    next_norm: Option<NextNorm>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     Ok(vec![
@@ -223,18 +219,11 @@ fn attend_and_project(
         )?,
         attn_section(gemv::gemv(
             k,
-            if next_norm.is_some() {
-                "o_proj+residual+next_norm"
-            } else {
-                "o_proj+residual"
-            },
+            "o_proj+residual",
             o,
             GemvInput::Plain,
             GemvOutput::Add,
-            GemvBuffers {
-                norm_tail: next_norm.map(|n| n.tail(s)),
-                ..b.gemv_in(&s.attn, &s.resid)
-            },
+            b.gemv_in(&s.attn, &s.resid),
         )?),
     ])
 }

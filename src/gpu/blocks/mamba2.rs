@@ -2,12 +2,11 @@
 //! for narrow quantized in_proj matrices folded into in_proj's prologue, `gemv::folds_norm`),
 //! in_proj with the conv step and dt softplus in its epilogue, the SSD step with the gate
 //! and the per-block Σv², out_proj with the group norm in its prologue and the residual
-//! add in its epilogue (and, where the next block is a Mamba2 block that can take it, that
-//! block's pre-norm in its tail, `tail_takes_next_norm`). Unfused (7, the parity baseline): rmsnorm, gemv, conv_step,
+//! add in its epilogue. Unfused (7, the parity baseline): rmsnorm, gemv, conv_step,
 //! ssd_step, gated_norm, gemv, residual_add. Prefill: norm, in_proj GEMM, conv (+ conv
 //! state), the five chunked-SSD kernels, gated norm, out_proj GEMM with the residual.
 
-use super::{BlockCtx, NextNorm};
+use super::BlockCtx;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::gpu::device_weights::ParamLayout;
@@ -89,32 +88,6 @@ pub fn fusable(c: &ModelConfig, format: crate::model::quant::WeightFormat) -> bo
         .is_multiple_of(crate::gpu::kernels::gemv::group_unit(format))
 }
 
-/// out_proj's input in the fused decode: y's q8 blocks (or f32 values) scaled by the gated
-/// group norm, whose Σv² per block the SSD step wrote.
-fn out_proj_input(c: &ModelConfig, ssd: &SsdConsts) -> GemvInput {
-    GemvInput::Group {
-        groups: c.n_groups,
-        group_size: c.group_size(),
-        blocks_per_group: ssd.blocks() / c.n_groups,
-        eps: c.norm_eps,
-    }
-}
-
-/// Whether a fused one-token Mamba2 block's out_proj can make the next block's pre-norm in
-/// its tail (`gemv::takes_norm_tail`), so the norm's dispatch goes: the next block's in_proj
-/// reads q8 blocks (`next_reads_q8`) and MAMBA2_NORM_TAIL is not 0.
-pub fn tail_takes_next_norm(
-    b: &BlockCtx,
-    out_proj: &DeviceMatrix,
-    next_reads_q8: bool,
-) -> Result<bool> {
-    if !next_reads_q8 || !super::norm_tail_enabled()? || !fusable(b.c, b.format) {
-        return Ok(false);
-    }
-    let ssd = ssd_consts(b.c, b.layout);
-    gemv::takes_norm_tail(b.k, out_proj, out_proj_input(b.c, &ssd))
-}
-
 /// Where a decode token's pre-norm comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PreNorm {
@@ -123,22 +96,19 @@ pub enum PreNorm {
     /// Folded into in_proj's prologue, which reads the residual (`gemv::folds_norm` says
     /// where it can): the norm weights' offset in the layer's parameters.
     Fold(usize),
-    /// Made by the block before (the experts' down pass, `moe::tail_takes_next_norm`, or
-    /// a Mamba2 block's out_proj, `tail_takes_next_norm`): the q8 blocks of x ⊙ w without
-    /// the 1/rms in `norm_xq`/`norm_xd`, which in_proj takes from the per-block Σx² in
-    /// `norm_part` (the group-norm prologue with one group of d_model).
+    /// Made by the experts' down pass before the block (`moe::tail_takes_next_norm`): the
+    /// q8 blocks of x ⊙ w without the 1/rms, which in_proj takes from the per-block Σx²
+    /// in `norm_part` (the group-norm prologue with one group of d_model).
     Tail,
 }
 
 /// One decode token through the layer, its pre-norm where `pre_norm` says (the unfused
-/// graph takes only `Made`); with `next_norm` (fused, where `tail_takes_next_norm`),
-/// out_proj also makes the next block's pre-norm.
+/// graph takes only `Made`).
 pub fn decode(
     b: &BlockCtx,
     l: &MambaLayer,
     fused: bool,
     pre_norm: PreNorm,
-    next_norm: Option<NextNorm>,
 ) -> Result<Vec<Dispatch>> {
     let (k, c, s) = (b.k, b.c, b.s);
     let eps = c.norm_eps;
@@ -146,10 +116,9 @@ pub fn decode(
     let q8 = b.q8();
     let gemv_in = |src| b.gemv_in(src, &s.mix);
     let mut d = Vec::new();
-    if !fused && (pre_norm != PreNorm::Made || next_norm.is_some()) {
+    if !fused && pre_norm != PreNorm::Made {
         return Err(crate::Error::Gpu(format!(
-            "the unfused Mamba2 graph takes its pre-norm from the norm kernel, not {pre_norm:?}, \
-             and leaves the next one to it"
+            "the unfused Mamba2 graph takes its pre-norm from the norm kernel, not {pre_norm:?}"
         )));
     }
     if fused {
@@ -176,9 +145,7 @@ pub fn decode(
                 &s.h,
             ),
         };
-        let tail = pre_norm == PreNorm::Tail;
-        let part = tail.then_some(&s.norm_part);
-        let x = gemv_in(src);
+        let part = (pre_norm == PreNorm::Tail).then_some(&s.norm_part);
         d.push(gemv::gemv(
             k,
             name,
@@ -190,12 +157,7 @@ pub fn decode(
                 conv_state: Some(l.conv_state),
                 ctrl: Some(&s.ctrl),
                 part,
-                q8: if tail {
-                    Some((&s.norm_xq, &s.norm_xd))
-                } else {
-                    x.q8
-                },
-                ..x
+                ..gemv_in(src)
             },
         )?);
         d.push(ssd_step::ssd_step(
@@ -215,18 +177,18 @@ pub fn decode(
         )?);
         d.push(gemv::gemv(
             k,
-            if next_norm.is_some() {
-                "out_proj+norm+residual+next_norm"
-            } else {
-                "out_proj+norm+residual"
-            },
+            "out_proj+norm+residual",
             l.out_proj,
-            out_proj_input(c, &ssd),
+            GemvInput::Group {
+                groups: c.n_groups,
+                group_size: c.group_size(),
+                blocks_per_group: ssd.blocks() / c.n_groups,
+                eps,
+            },
             GemvOutput::Add,
             GemvBuffers {
                 dst: &s.resid,
                 part: Some(&s.part),
-                norm_tail: next_norm.map(|n| n.tail(s)),
                 ..gemv_in(&s.y)
             },
         )?);

@@ -3,11 +3,11 @@
 //! q8_0 down),
 //! down GEMV adding into the residual. Prefill: the same as GEMMs over the block's tokens.
 
-use super::{BlockCtx, NextNorm};
+use super::BlockCtx;
 use crate::config::MlpConfig;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
-use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
+use crate::gpu::kernels::gemv::{self, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::{ActBuffers, MlpBias, mlp_act, mlp_act_rows};
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
@@ -27,16 +27,13 @@ pub fn shape<'a>(b: &BlockCtx<'a>) -> Result<&'a MlpConfig> {
         .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))
 }
 
-/// One decode token through an MLP of shape `m` (after the pre-norm into `h`); with
-/// `next_norm` (one token, where `blocks::norm_tails` says), down_proj also makes the next
-/// block's pre-norm.
+/// One decode token through an MLP of shape `m` (after the pre-norm into `h`).
 pub fn decode(
     b: &BlockCtx,
     m: &MlpConfig,
     up: &DeviceMatrix,
     down: &DeviceMatrix,
     bias: Option<MlpBias>,
-    next_norm: Option<NextNorm>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let q8 = b.q8();
@@ -72,18 +69,11 @@ pub fn decode(
         )?,
         mlp_section(gemv::gemv(
             k,
-            if next_norm.is_some() {
-                "down_proj+residual+next_norm"
-            } else {
-                "down_proj+residual"
-            },
+            "down_proj+residual",
             down,
             GemvInput::Plain,
             GemvOutput::Add,
-            GemvBuffers {
-                norm_tail: next_norm.map(|n| n.tail(s)),
-                ..b.gemv_in(&s.mlp, &s.resid)
-            },
+            b.gemv_in(&s.mlp, &s.resid),
         )?),
     ])
 }

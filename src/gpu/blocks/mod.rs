@@ -18,7 +18,6 @@ use crate::gpu::kernels::chunk::ChunkConsts;
 use crate::gpu::kernels::gemm::{GemmOutput, gemm};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput};
 use crate::gpu::kernels::mlp_act::MlpBias;
-use crate::gpu::kernels::norm_tail::NormTail;
 use crate::gpu::kernels::rmsnorm::{self, NormBuffers};
 use crate::gpu::kernels::{Dispatch, Kernels, Lanes, advance, argmax, embed, sample};
 use crate::gpu::prefill::Prefill;
@@ -56,42 +55,6 @@ impl BlockCtx<'_> {
     }
 }
 
-/// The next block's pre-norm weights (`params [nw_off..nw_off + d_model]`), for the
-/// kernel that finishes the residual and makes that norm in its tail
-/// (`kernels::norm_tail`; `norm_tails` says which blocks take it so).
-#[derive(Clone, Copy)]
-pub struct NextNorm<'a> {
-    pub params: &'a wgpu::Buffer,
-    pub nw_off: usize,
-}
-
-impl<'a> NextNorm<'a> {
-    /// The tail's buffers: the pre-norm's q8 blocks into `norm_xq`/`norm_xd`, Σx² per
-    /// block into `norm_part`.
-    pub fn tail(self, s: &'a Scratch) -> NormTail<'a> {
-        NormTail {
-            params: self.params,
-            nw_off: self.nw_off,
-            xq: &s.norm_xq,
-            xd: &s.norm_xd,
-            part: &s.norm_part,
-            counts: &s.norm_count,
-        }
-    }
-}
-
-/// MAMBA2_NORM_TAIL: 0 keeps every decode pre-norm a dispatch of its own (or folded), 1
-/// (the default) lets the kernel that finishes the residual before a Mamba2 block make it
-/// (`norm_tails`).
-fn norm_tail_enabled() -> Result<bool> {
-    Ok(crate::gpu::kernels::env_switch(
-        "MAMBA2_NORM_TAIL",
-        "the pre-norm's own dispatch",
-        "made by the kernel before it",
-    )?
-    .unwrap_or(true))
-}
-
 /// The decode graph of one token: `fused` picks the Mamba2 recipe (shapes the fused
 /// kernels cannot take run the unfused one), `tail` what ends it. Over several lanes (a
 /// batch): fused Mamba2, attention and MLP blocks only, and the sampler tails.
@@ -110,9 +73,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
         &s.ctrl,
         &s.resid,
     )?];
-    // (A batch takes the same blocks' norms in the tails' form, so its lanes read their
-    // runs alone's bits.)
-    let tails = norm_tails(b, w, fused)?;
+    let tails = norm_tails(b, w, fused && !batch)?;
     let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
         // Fused, an MoE block's router takes its pre-norm in its prologue, and so do a
@@ -136,20 +97,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 },
                 _ => false,
             };
-        let mut ds = if tail_norm && batch {
-            vec![rmsnorm::rmsnorm_lanes_tail_form(
-                k,
-                "norm (tail form)",
-                c.d_model,
-                norm_off,
-                b.lanes,
-                norm_wg(k, &layer.mixer)?,
-                &s.resid,
-                &layer.params,
-                (&s.norm_xq, &s.norm_xd),
-                &s.norm_part,
-            )?]
-        } else if fold_norm || tail_norm {
+        let mut ds = if fold_norm || tail_norm {
             Vec::new()
         } else {
             vec![pre_norm(
@@ -180,12 +128,11 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 } else {
                     mamba2::PreNorm::Made
                 };
-                mamba2::decode(b, &l, fuse, pre_norm, next_norm(w, b, &tails, i))?
+                mamba2::decode(b, &l, fuse, pre_norm)?
             }
             (DeviceMixer::Attention { qkv, o }, DeviceLayerState::Attention { k: kc, v: vc }) => {
                 let pre_norm = fold_norm.then_some((&layer.params, norm_off));
-                let next = next_norm(w, b, &tails, i);
-                attention::decode(b, qkv, o, kc, vc, fused, pre_norm, next)?
+                attention::decode(b, qkv, o, kc, vc, fused, pre_norm)?
             }
             (DeviceMixer::Mlp { up, down, bias }, DeviceLayerState::Stateless) => mlp::decode(
                 b,
@@ -193,7 +140,6 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 up,
                 down,
                 mlp_bias(b, &layer.params, *bias, &b.s.resid),
-                next_norm(w, b, &tails, i),
             )?,
             (DeviceMixer::Moe(_), DeviceLayerState::Stateless) if batch => {
                 return Err(crate::Error::Gpu(
@@ -208,7 +154,13 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                     &layer.params,
                     moe_index - 1,
                     fused.then_some(norm_off),
-                    next_norm(w, b, &tails, i),
+                    tails.get(i + 1).is_some_and(|&t| t).then(|| {
+                        let next = &w.layers[i + 1];
+                        moe::NextNorm {
+                            params: &next.params,
+                            nw_off: next.norm_offset(b.layout),
+                        }
+                    }),
                 )?
             }
             _ => unreachable!("the state store is built from the same blocks"),
@@ -358,59 +310,28 @@ pub fn prefill_graph(
     Ok(Graph { dispatches: d })
 }
 
-/// Which blocks of a fused decode graph (`fused`) take their pre-norm from the kernel that
-/// finishes the residual before them (`kernels::norm_tail`; a batch takes a norm dispatch
-/// in that form there, `rmsnorm::rmsnorm_lanes_tail_form`): Mamba2 blocks
-/// whose in_proj reads q8 blocks, over whole q8 blocks of d_model, after an MoE block
-/// (`moe::tail_takes_next_norm`: the experts' last down pass makes it; Nemotron 3 Nano: 22
-/// of its 23), a Mamba2 block (`mamba2::tail_takes_next_norm`: its out_proj; every Mamba2
-/// block but the first of a pure Mamba2 model), an attention block (its o_proj) or an MLP
-/// (its down_proj). The norm's dispatch goes: on an
-/// H100 (run 191) about 3.1 µs a block, of which the down pass's counts and tail take back
-/// about 2.2 (Nano 2.044 → 2.036 ms/token; the Granite-4.0-H presets, whose in_proj folded
-/// the norm before, gain as much).
+/// Which blocks of a one-token fused decode graph (`fused`) take their pre-norm from the
+/// MoE block before them (`moe::tail_takes_next_norm`): Mamba2 blocks whose in_proj reads
+/// q8 blocks, over whole q8 blocks of d_model (Nemotron 3 Nano: 22 of its 23). The norm's
+/// dispatch goes: on an H100 (run 191) about 3.1 µs a block, of which the down pass's
+/// counts and tail take back about 2.2 (Nano 2.044 → 2.036 ms/token; the Granite-4.0-H
+/// presets, whose in_proj folded the norm before, gain as much).
 fn norm_tails(b: &BlockCtx, w: &DeviceWeights, fused: bool) -> Result<Vec<bool>> {
     let mut tails = vec![false; w.layers.len()];
     if !fused || !b.c.d_model.is_multiple_of(32) {
         return Ok(tails);
     }
     for (i, pair) in w.layers.windows(2).enumerate() {
-        let DeviceMixer::Mamba2 { in_proj, .. } = &pair[1].mixer else {
+        let (DeviceMixer::Moe(m), DeviceMixer::Mamba2 { in_proj, .. }) =
+            (&pair[0].mixer, &pair[1].mixer)
+        else {
             continue;
         };
-        let reads_q8 = in_proj.format.reads_q8() && mamba2::fusable(b.c, b.format);
-        tails[i + 1] = reads_q8
-            && match &pair[0].mixer {
-                DeviceMixer::Moe(m) => moe::tail_takes_next_norm(b, m)?,
-                DeviceMixer::Mamba2 { out_proj, .. } => {
-                    mamba2::tail_takes_next_norm(b, out_proj, reads_q8)?
-                }
-                // An attention block's o_proj and an MLP's down_proj add their plain input.
-                DeviceMixer::Attention { o: last, .. } | DeviceMixer::Mlp { down: last, .. } => {
-                    norm_tail_enabled()? && gemv::takes_norm_tail(b.k, last, GemvInput::Plain)?
-                }
-            };
+        tails[i + 1] = in_proj.format.reads_q8()
+            && mamba2::fusable(b.c, b.format)
+            && moe::tail_takes_next_norm(b, m)?;
     }
     Ok(tails)
-}
-
-/// The next block's pre-norm for block `i`'s last kernel to make, where `norm_tails` says
-/// the next block takes it so.
-fn next_norm<'a>(
-    w: &'a DeviceWeights,
-    b: &BlockCtx,
-    tails: &[bool],
-    i: usize,
-) -> Option<NextNorm<'a>> {
-    // (A batch's out_proj has no tail: its norm goes in the tails' form, `decode_graph`.)
-    let one_token = b.lanes.cap <= 1;
-    (one_token && tails.get(i + 1).is_some_and(|&t| t)).then(|| {
-        let next = &w.layers[i + 1];
-        NextNorm {
-            params: &next.params,
-            nw_off: next.norm_offset(b.layout),
-        }
-    })
 }
 
 /// An MLP layer's biases as its activation kernel takes them.

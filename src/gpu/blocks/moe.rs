@@ -9,7 +9,7 @@
 //! (token, choice) pairs sorted by expert (`moe_sort`), grouped GEMMs per bank over whole
 //! tiles of one expert's rows, the activation, and `moe_combine` back into the residual.
 
-use super::{BlockCtx, NextNorm, mlp};
+use super::{BlockCtx, mlp};
 use crate::config::{MlpAct, MlpConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gpu::device_weights::DeviceMoe;
@@ -51,14 +51,21 @@ fn expert_shape(m: &MoeConfig) -> MlpConfig {
     }
 }
 
+/// The next block's pre-norm weights (`params [nw_off..nw_off + d_model]`), for the down
+/// pass that makes that norm (`tail_takes_next_norm`).
+#[derive(Clone, Copy)]
+pub struct NextNorm<'a> {
+    pub params: &'a wgpu::Buffer,
+    pub nw_off: usize,
+}
+
 /// Whether a fused one-token MoE block can make the next block's pre-norm in its last down
 /// pass (`expert_gemv::NormTail`): its experts' down passes are the last to write the
 /// residual (no latent projection after them, no shared expert of its own shape after
 /// them), the activations are q8 blocks and the last bank's workgroups tile the q8 blocks.
 /// MAMBA2_NORM_TAIL=0 keeps the norm's own dispatch (for measuring).
 pub fn tail_takes_next_norm(b: &BlockCtx, w: &DeviceMoe) -> Result<bool> {
-    if !super::norm_tail_enabled()? || w.latent.is_some() || w.shared.is_some() || b.q8().is_none()
-    {
+    if !norm_tail_enabled()? || w.latent.is_some() || w.shared.is_some() || b.q8().is_none() {
         return Ok(false);
     }
     let m = shape(b)?;
@@ -68,14 +75,24 @@ pub fn tail_takes_next_norm(b: &BlockCtx, w: &DeviceMoe) -> Result<bool> {
     }
 }
 
+/// MAMBA2_NORM_TAIL: 0 keeps every decode pre-norm a dispatch of its own (or folded), 1
+/// (the default) lets the experts' down pass make the next one.
+fn norm_tail_enabled() -> Result<bool> {
+    Ok(crate::gpu::kernels::env_switch(
+        "MAMBA2_NORM_TAIL",
+        "the pre-norm's own dispatch",
+        "made by the experts' down pass",
+    )?
+    .unwrap_or(true))
+}
+
 /// One decode token through an MoE block; `index` counts the MoE layers before this one
 /// (its row of the expert-load counters). Unfused, after the pre-norm into `h` and its q8
 /// blocks. Fused (`pre_norm`: the norm weights' offset in `params`), the router GEMV
 /// makes the pre-norm in its prologue and writes `h` for the experts, and non-gated
 /// experts take their activation in the up pass: two dispatches fewer. With `next_norm`
 /// (where `tail_takes_next_norm`), the last down pass also makes the next block's
-/// pre-norm: its q8 blocks without the 1/rms into `norm_xq`/`norm_xd`, the sums into
-/// `norm_part`.
+/// pre-norm: its q8 blocks without the 1/rms into `xq`/`xd`, the sums into `norm_part`.
 pub fn decode(
     b: &BlockCtx,
     w: &DeviceMoe,
@@ -155,7 +172,14 @@ pub fn decode(
         resid: &s.resid,
         store: false,
         route,
-        norm_tail: next_norm.map(|n| n.tail(s)),
+        norm_tail: next_norm.map(|n| NormTail {
+            params: n.params,
+            nw_off: n.nw_off,
+            xq: &s.xq,
+            xd: &s.xd,
+            part: &s.norm_part,
+            counts: &s.norm_count,
+        }),
     };
     match &w.latent {
         None => d.extend(experts(b, w, stage, fused)?),
@@ -201,7 +225,7 @@ pub fn decode(
     }
     if let (Some(sm), Some((up, down))) = (&m.shared, &w.shared) {
         d.extend(
-            mlp::decode(b, sm, up, down, None, None)?
+            mlp::decode(b, sm, up, down, None)?
                 .into_iter()
                 .map(|x| shared_named(moe_section(x))),
         );

@@ -17,8 +17,7 @@
 //! bit) instead of reading `ids`, and writes `ids`, `weights` and the expert load.
 
 use super::gemv::{team_for_lanes, team_size};
-pub use super::norm_tail::NormTail;
-use super::{Dispatch, Kernels, Label, Section, check_len, grid, norm_tail};
+use super::{Dispatch, Kernels, Label, Section, check_len, grid};
 use crate::config::MoeConfig;
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
@@ -30,13 +29,7 @@ const EXPERT_GEMV: &str = include_str!("../../../shaders/expert_gemv.wgsl");
 const BLOCK_QUANT: &str = include_str!("../../../shaders/block_quant.wgsl");
 const Q8_DOT: &str = include_str!("../../../shaders/q8_dot.wgsl");
 const GEMV_UNITS: &str = include_str!("../../../shaders/gemv_units.wgsl");
-const SOURCES: super::Sources = &[
-    BLOCK_QUANT,
-    Q8_DOT,
-    GEMV_UNITS,
-    norm_tail::NORM_TAIL,
-    EXPERT_GEMV,
-];
+const SOURCES: super::Sources = &[BLOCK_QUANT, Q8_DOT, GEMV_UNITS, EXPERT_GEMV];
 /// The up pass that routes its token itself.
 const ROUTED: super::Sources = &[
     super::moe_route::ROUTE_SELECT,
@@ -97,13 +90,29 @@ pub struct ExpertBuffers<'a> {
     pub norm_tail: Option<NormTail<'a>>,
 }
 
-/// The storage buffers of a down pass besides the norm tail's: the bank's weights and
-/// scales, its q8 inputs, the residual, ids and weights.
-const DOWN_BUFFERS: u32 = 7;
+/// The next block's RMS pre-norm, made by the down pass that finishes the residual (one
+/// token, the last bank, adding into the residual): the q8 blocks of `x ⊙ w`
+/// (`w = params[nw_off..nw_off + M]`) into `xq [M/32·8]`, `xd [M/32]` without the 1/rms, and
+/// Σx² per block of 32 rows into `part [⌈M/32⌉]`, which the next GEMV turns into the 1/rms
+/// (`GemvInput::Group` with one group of M). `counts [⌈M/32⌉]` (u32, zero between tokens):
+/// how many of a block's workgroups finished; the last one makes the block. The norm's own
+/// dispatch goes.
+pub struct NormTail<'a> {
+    pub params: &'a wgpu::Buffer,
+    pub nw_off: usize,
+    pub xq: &'a wgpu::Buffer,
+    pub xd: &'a wgpu::Buffer,
+    pub part: &'a wgpu::Buffer,
+    pub counts: &'a wgpu::Buffer,
+}
+
+/// The most storage buffers a down pass with the norm tail binds: the bank's weights and
+/// scales, its q8 inputs, the residual, ids, weights, and the tail's five.
+const NORM_TAIL_BUFFERS: u32 = 12;
 
 /// Whether a one-token down pass of `w` (`rows_per_expert` rows, `top_k` slots, q8 inputs
-/// with `q8_in`) can make the next pre-norm in its tail (`norm_tail`): its workgroups'
-/// rows tile the q8 blocks and the device binds the buffers it needs.
+/// with `q8_in`) can make the next pre-norm in its tail: its workgroups' rows tile the q8
+/// blocks and the device binds the buffers it needs.
 pub fn takes_norm_tail(
     k: &Kernels,
     w: &DeviceMatrix,
@@ -111,8 +120,15 @@ pub fn takes_norm_tail(
     top_k: usize,
     q8_in: bool,
 ) -> Result<bool> {
+    let buffers = k.ctx.device.limits().max_storage_buffers_per_shader_stage;
     let (team, wg) = down_team_and_wg(k, w, rows_per_expert, top_k, q8_in)?;
-    Ok(norm_tail::binds(k, DOWN_BUFFERS) && norm_tail::tiles_blocks((wg / team) as usize))
+    Ok(buffers >= NORM_TAIL_BUFFERS && tiles_blocks((wg / team) as usize))
+}
+
+/// Whether workgroups of `rows` rows tile the q8 blocks: several to a block, or whole
+/// blocks each.
+fn tiles_blocks(rows: usize) -> bool {
+    32 % rows == 0 || rows.is_multiple_of(32)
 }
 
 /// The team and workgroup of a down pass: a row spans every choice's vectors.
@@ -344,22 +360,36 @@ pub fn expert_gemv(
         entries.push((7, wt));
     }
     if let Some(n) = &b.norm_tail {
-        if pass != ExpertPass::Down || tokens != 1 || b.store {
+        let rows = (wg / team) as usize;
+        if pass != ExpertPass::Down || tokens != 1 || b.store || !tiles_blocks(rows) {
             return Err(Error::Gpu(format!(
-                "{name}: only a one-token down pass adding into the residual makes the next \
-                 pre-norm"
+                "{name}: only a one-token down pass adding into the residual, with workgroups \
+                 of a divisor or multiple of 32 rows (not {rows}), makes the next pre-norm"
             )));
         }
-        norm_tail::add(
-            k,
-            name,
-            n,
-            m,
-            (wg / team) as usize,
-            &mut flags,
-            &mut consts,
-            &mut entries,
-        )?;
+        let blocks = m.div_ceil(32);
+        check_len(&format!("{name}: norm params"), n.params, n.nw_off + m)?;
+        check_len(&format!("{name}: norm xq"), n.xq, blocks * 8)?;
+        check_len(&format!("{name}: norm xd"), n.xd, blocks)?;
+        check_len(&format!("{name}: norm part"), n.part, blocks)?;
+        check_len(&format!("{name}: norm counts"), n.counts, blocks)?;
+        flags.extend(["NORM_TAIL", "Q8_OUT", "Q8_BLOCK"]);
+        if let Some(piece) = k.q8_shuffle() {
+            flags.push("Q8_SHUFFLE");
+            consts.push(piece);
+        }
+        consts.extend([
+            ("NB", u(blocks)),
+            ("NW_OFF", u(n.nw_off)),
+            ("TR", u(rows.max(32))),
+        ]);
+        entries.extend([
+            (9, n.xq),
+            (10, n.xd),
+            (14, n.params),
+            (15, n.part),
+            (16, n.counts),
+        ]);
     }
     let sources = if b.route.is_some() { ROUTED } else { SOURCES };
     let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, false)?;

@@ -8,7 +8,6 @@
 //! a multiple of 256 values) and one dispatch reads each weight once for up to
 //! `MAX_LANES` of them.
 
-use super::norm_tail::{self, NormTail};
 use super::{Dispatch, Kernels, Label, Section, check_len, finite, grid};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
@@ -21,7 +20,6 @@ const SOURCES: super::Sources = &[
     include_str!("../../../shaders/gemv_bindings.wgsl"),
     include_str!("../../../shaders/q8_dot.wgsl"),
     include_str!("../../../shaders/gemv_units.wgsl"),
-    super::norm_tail::NORM_TAIL,
     include_str!("../../../shaders/gemv.wgsl"),
 ];
 
@@ -260,47 +258,6 @@ pub fn staging(
     Ok((rr >= 1 && rr * row_bytes <= budget.min(STAGE_BYTES)).then_some((rr, lpt)))
 }
 
-/// The workgroup of a one-token GEMV from `input` (not the folded pre-norm, whose
-/// workgroup is the norm kernel's) with teams of `team`: the plain or group-norm size,
-/// grown to hold a team and the group-norm prologue's invocations.
-fn one_token_wg_of(k: &Kernels, input: GemvInput, output: GemvOutput, team: u32) -> Result<u32> {
-    // (An in_proj whose pre-norm a norm tail made reads one group's partials: it keeps the
-    // plain GEMVs' size.)
-    let kind = match (input, output) {
-        (GemvInput::Group { .. }, GemvOutput::Mixer(_)) => WgKind::Plain,
-        (GemvInput::Group { .. }, _) => WgKind::Group,
-        (GemvInput::Plain | GemvInput::Norm { .. }, _) => WgKind::Plain,
-    };
-    let prologue = match input {
-        GemvInput::Group {
-            groups,
-            blocks_per_group,
-            ..
-        } => group_lanes(groups, blocks_per_group) * groups,
-        GemvInput::Plain | GemvInput::Norm { .. } => 0,
-    };
-    Ok(one_token_wg(k, kind)?.max(team).max(prologue as u32))
-}
-
-/// Whether a one-token GEMV of `format` over `kp` columns sums its q8 input per 16 values
-/// once per workgroup (`X_SUM`, gemv_units.wgsl): the formats with mins or offsets (q4_1,
-/// q5_1, q4_k, q5_k), whose rows' lanes otherwise take that Σ with 8 dot4I8Packed per 32
-/// weights of every row, with the sums fitting 8 KiB of workgroup memory.
-/// MAMBA2_GEMV_XSUM=0 turns it off (for measuring).
-fn sums_input_halves(format: WeightFormat, kp: usize) -> Result<bool> {
-    let mins = matches!(
-        format,
-        WeightFormat::Q4_1 | WeightFormat::Q5_1 | WeightFormat::Q4_K | WeightFormat::Q5_K
-    );
-    let on = super::env_switch(
-        "MAMBA2_GEMV_XSUM",
-        "each row's lanes sum the input",
-        "each workgroup sums it once",
-    )?
-    .unwrap_or(true);
-    Ok(mins && on && kp / 16 * 4 <= 8192)
-}
-
 /// MAMBA2_BATCH_STAGE: 0 (never stage rows), 1 (wherever they fit), or unset (`staging`
 /// chooses).
 fn stage_override() -> Result<Option<bool>> {
@@ -410,9 +367,6 @@ pub struct GemvBuffers<'a> {
     /// One-token `Store` of a NoPE attention layer's `[q | k | v]`: the k and v rows also go
     /// to the KV caches (the K/V store dispatch then goes).
     pub kv: Option<KvOut<'a>>,
-    /// One-token `Add` into the residual (a block's last GEMV): the next block's pre-norm
-    /// made in the epilogue (`takes_norm_tail` says where it can).
-    pub norm_tail: Option<NormTail<'a>>,
 }
 
 /// Where a one-token qkv GEMV stores its k and v rows besides `dst`: cache row
@@ -458,21 +412,6 @@ fn kv_fits(rows: usize, rows_per_wg: usize, q_rows: usize, kv_rows: usize, f32: 
     q_rows + 2 * kv_rows <= rows && (f32 || pairs)
 }
 
-/// Whether a one-token GEMV of `w` adding into the residual from `input` (plain or the
-/// group norm's) can make the next block's pre-norm in its epilogue
-/// (`GemvBuffers::norm_tail`): its workgroups' rows tile the q8 blocks and the device binds
-/// the buffers it needs.
-pub fn takes_norm_tail(k: &Kernels, w: &DeviceMatrix, input: GemvInput) -> Result<bool> {
-    if matches!(input, GemvInput::Norm { .. }) {
-        return Ok(false);
-    }
-    let team = gemv_team(w, false)?;
-    let wg = one_token_wg_of(k, input, GemvOutput::Add, team)?;
-    // The matrix's, the input's (q8 blocks or f32), the group sums and the residual.
-    let others = w.bindings().len() as u32 + 4;
-    Ok(norm_tail::binds(k, others) && norm_tail::tiles_blocks((wg / team) as usize))
-}
-
 /// The pre-norm's output a `GemvInput::Norm` GEMV writes besides its rows: `h [KP]` (zero
 /// past d, as it was) and optionally its q8 blocks.
 #[derive(Clone, Copy)]
@@ -501,7 +440,6 @@ impl<'a> GemvBuffers<'a> {
             norm_out: None,
             argmax_part: None,
             kv: None,
-            norm_tail: None,
         }
     }
 }
@@ -895,7 +833,14 @@ pub fn gemv(
         }
         wg as u32
     } else {
-        one_token_wg_of(k, input, output, team)?
+        // (An in_proj whose pre-norm an experts' down pass made reads one group's partials:
+        // it keeps the plain GEMVs' size.)
+        let kind = match (input, output) {
+            (GemvInput::Group { .. }, GemvOutput::Mixer(_)) => WgKind::Plain,
+            (GemvInput::Group { .. }, _) => WgKind::Group,
+            (GemvInput::Plain | GemvInput::Norm { .. }, _) => WgKind::Plain,
+        };
+        one_token_wg(k, kind)?.max(team).max((gsub * groups) as u32)
     };
     let rows_per_wg = wg / team;
     // A batch workgroup's memory besides its staged rows or gathered totals: the team sums,
@@ -947,11 +892,6 @@ pub fn gemv(
     consts.extend([("RR", u(rr)), ("LPT", u(lpt))]);
     if stage.is_some() {
         flags.push("STAGE");
-    }
-    // The k-quants' mins and q4_1/q5_1's offsets multiply the input's Σ per 16 values,
-    // which the one-token kernel sums once per workgroup in its prologue.
-    if cap == 1 && sums_input_halves(w.format, w.kp)? {
-        flags.push("X_SUM");
     }
     // q8_0 with the folded pre-norm issues its first weight loads before that prologue.
     // The group-norm prologue does not take it (run 146, out_proj's first round issued
@@ -1165,24 +1105,6 @@ pub fn gemv(
             ("CTX", u(kv.ctx)),
         ]);
         entries.extend([(14, kv.k_cache), (15, kv.v_cache), (16, kv.ctrl)]);
-    }
-    if let Some(n) = &b.norm_tail {
-        if cap > 1 || !matches!(output, GemvOutput::Add) || norm || b.dst_row0 > 0 {
-            return Err(Error::Gpu(format!(
-                "{name}: the next pre-norm comes from a one-token GEMV adding all of the \
-                 residual from its own input, not {cap} lanes of {output:?} from {input:?}"
-            )));
-        }
-        norm_tail::add(
-            k,
-            name,
-            n,
-            m,
-            rows_per_wg as usize,
-            &mut flags,
-            &mut consts,
-            &mut entries,
-        )?;
     }
     let pipeline = if cap > 1 {
         // Every lane of a team gets its totals (they go out side by side).

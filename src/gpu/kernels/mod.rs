@@ -24,7 +24,6 @@ pub mod mlp_act;
 pub mod moe_combine;
 pub mod moe_route;
 pub mod moe_sort;
-pub mod norm_tail;
 pub mod prefill_conv;
 pub mod q8_rows;
 pub mod residual_add;
