@@ -369,6 +369,83 @@ fn attention_qkv_in_three_block_types_runs_as_stored() {
     }
 }
 
+/// A gated MLP, and a shared expert that is not cut into expert slices, whose gate and up a
+/// GGUF stores in different block types go up as stored: two parts, each multiplied into
+/// its own rows of the `[gate; up]` projection (one-token GEMVs, prefill GEMMs). Random
+/// Granite-4.0-H models (dense: every layer's MLP is the shared MLP; MoE: a shared expert
+/// of 24 channels, not a multiple of the experts' 16) with gate in Q4_0 and up in Q8_0
+/// blocks, the other big matrices rounded through the q8_0 the run packs them in. The GPU's
+/// logits equal the CPU reference's on the same blocks: prefill to f32 rounding, the decode
+/// graph within its 8-bit activations.
+#[test]
+fn gate_and_up_in_two_block_types_run_as_stored() {
+    use mamba2_wgpu::gpu::device_weights::DeviceMixer;
+    use mamba2_wgpu::gpu::engine::PrefillMode;
+    use mamba2_wgpu::model::{MixerWeights, MlpWeights};
+    let text =
+        std::fs::read_to_string(common::fixture("granite_rope").join("config.json")).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // Widths of whole 32-value blocks: d 64, Mamba2 heads of 16.
+    json["hidden_size"] = 64.into();
+    json["mamba_d_head"] = 16.into();
+    let two_types = |m: &mut MlpWeights| {
+        let g = m.gate.as_mut().expect("Granite's MLPs are gated");
+        *g = common::in_blocks(g, WeightFormat::Q4_0);
+        m.up = common::in_blocks(&m.up, WeightFormat::Q8_0);
+    };
+    for (name, experts, shared) in [("dense", 0, 32), ("MoE, whole shared expert", 10, 24)] {
+        json["num_local_experts"] = experts.into();
+        json["shared_intermediate_size"] = shared.into();
+        let config =
+            mamba2_wgpu::ModelConfig::from_json_str(&json.to_string(), std::path::Path::new(name))
+                .unwrap();
+        let base = Model::synthetic(config, 21);
+        let mut model = common::rounded(&base, |k| WeightFormat::Q8_0.for_cols(k));
+        let mut changed = 0;
+        for l in &mut model.weights.layers {
+            match &mut l.mixer {
+                MixerWeights::Mlp(m) => two_types(m),
+                MixerWeights::Moe(m) => two_types(m.shared.as_mut().unwrap()),
+                _ => continue,
+            }
+            changed += 1;
+        }
+        assert!(changed > 0, "{name}: the model has MLPs or shared experts");
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 101).collect();
+        let want = cpu_logits(&model, &prompt);
+        let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+        for (prefill, rel) in [(PrefillMode::Chunked, 1e-5), (PrefillMode::Decode, 4e-2)] {
+            let Some(mut b) = q8_gpu(&model, prefill, 64) else {
+                return;
+            };
+            let mut parted = 0;
+            for l in &b.engine.weights.layers {
+                let up = match &l.mixer {
+                    DeviceMixer::Mlp { up, .. } => up,
+                    DeviceMixer::Moe(m) => &m.shared.as_ref().expect("a whole shared expert").0,
+                    _ => continue,
+                };
+                let got: Vec<_> = up.iter().map(|m| (m.format, m.rows)).collect();
+                assert_eq!(
+                    got,
+                    [(WeightFormat::Q4_0, shared), (WeightFormat::Q8_0, shared)],
+                    "{name}: the parts of {}",
+                    up[0].name
+                );
+                parted += 1;
+            }
+            assert_eq!(parted, changed, "{name}: every gate/up in two parts");
+            let got = b.prefill_logits(&prompt).unwrap();
+            let e = worst(&got, &want);
+            eprintln!("{name} ({prefill:?}): max |Δlogit| {e:e} of range {range:.1}");
+            assert!(
+                e <= rel * range,
+                "{name} on the GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
+            );
+        }
+    }
+}
+
 /// Granite's residual multiplier is not folded into the values of the projections that end
 /// a block, so a GGUF's blocks there go up as stored: the Granite fixture with its out_proj
 /// in Q4_0 blocks (the other matrices rounded through the q8_0 the run packs them in) keeps

@@ -212,41 +212,103 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             format!(" ({} blocks go up as stored)", held.join(", "))
         };
         println!("gpu        --dtype {} by default{stored}", format.name());
-        // q, k and v stored in different types (a Q4_K_M file's v in Q6_K) go up as
-        // stored in parts, one GEMV or GEMM each (a dispatch more per part and no folded
-        // pre-norm or K/V store for that layer's decode).
-        let mixed: Vec<String> = model
-            .weights
-            .layers
-            .iter()
-            .enumerate()
-            .filter_map(|(i, l)| match &l.mixer {
-                mamba2_wgpu::model::MixerWeights::Attention(a)
-                    if mamba2_wgpu::gpu::device_weights::type_runs(
-                        &[a.q.dtype, a.k.dtype, a.v.dtype],
-                        format,
-                    )
-                    .len()
-                        > 1 =>
-                {
-                    Some(format!(
-                        "{i} ({}/{}/{})",
-                        a.q.dtype.name(),
-                        a.k.dtype.name(),
-                        a.v.dtype.name()
-                    ))
-                }
-                _ => None,
-            })
-            .collect();
-        if !mixed.is_empty() {
+        // Stacked projections whose parts a GGUF stores in different types (a Q4_K_M file's
+        // v in Q6_K) go up as stored in parts, one GEMV or GEMM each (a dispatch more per
+        // part, and for q/k/v no folded pre-norm or K/V store in that layer's decode).
+        let parted = parted_projections(&model, format);
+        if !parted.is_empty() {
             println!(
-                "q/k/v in parts (types differ, each kept as stored): layers {}",
-                mixed.join(", ")
+                "in parts (types differ, each kept as stored): {}",
+                parted.join(", ")
+            );
+        }
+        let requantized = requantized_experts(&model, format);
+        if !requantized.is_empty() {
+            println!(
+                "requantized to q8_0 (an expert's gate and up in types that differ): layers {}",
+                requantized.join(", ")
             );
         }
     }
     Ok(())
+}
+
+/// The stacked projections that go up in parts under `format` (`type_runs`): each as
+/// `layer name (types)`.
+fn parted_projections(
+    model: &mamba2_wgpu::Model,
+    format: mamba2_wgpu::WeightFormat,
+) -> Vec<String> {
+    use mamba2_wgpu::model::{MixerWeights, MlpWeights, Tensor};
+    let entry = |i: usize, what: &str, parts: &[&Tensor]| -> Option<String> {
+        let types: Vec<_> = parts.iter().map(|t| t.dtype).collect();
+        (mamba2_wgpu::gpu::device_weights::type_runs(&types, format).len() > 1).then(|| {
+            let names: Vec<&str> = types.iter().map(|d| d.name()).collect();
+            format!("layer {i} {what} ({})", names.join("/"))
+        })
+    };
+    let gate_up = |i: usize, what: &str, m: &MlpWeights| {
+        m.gate.as_ref().and_then(|g| entry(i, what, &[g, &m.up]))
+    };
+    let shared_apart = model
+        .config
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.shared_slots() == 0);
+    model
+        .weights
+        .layers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| match &l.mixer {
+            MixerWeights::Attention(a) => entry(i, "q/k/v", &[&a.q, &a.k, &a.v]),
+            MixerWeights::Mlp(m) => gate_up(i, "gate/up", m),
+            MixerWeights::Moe(m) if shared_apart => m
+                .shared
+                .as_ref()
+                .and_then(|s| gate_up(i, "shared gate/up", s)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The MoE layers with an expert bank whose blocks mix types (gate beside up, or one
+/// expert beside another): under a quantized `format` such a bank goes up requantized to
+/// q8_0 (the shared expert's slices, stored after the experts, form banks of their own
+/// when their types differ from the experts').
+fn requantized_experts(
+    model: &mamba2_wgpu::Model,
+    format: mamba2_wgpu::WeightFormat,
+) -> Vec<String> {
+    use mamba2_wgpu::gpu::device_weights::mixed_blocks;
+    use mamba2_wgpu::model::{DType, MixerWeights, MlpWeights};
+    let sliced = model
+        .config
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.shared_slots() > 0);
+    let mixed = |set: &[&MlpWeights]| {
+        let ups: Vec<DType> = set
+            .iter()
+            .flat_map(|e| e.gate.iter().chain([&e.up]).map(|t| t.dtype))
+            .collect();
+        let downs: Vec<DType> = set.iter().map(|e| e.down.dtype).collect();
+        mixed_blocks(&ups) || mixed_blocks(&downs)
+    };
+    model
+        .weights
+        .layers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| match &l.mixer {
+            MixerWeights::Moe(m) if format.reads_q8() => {
+                let experts: Vec<&MlpWeights> = m.experts.iter().collect();
+                let slices: Vec<&MlpWeights> = m.shared.iter().filter(|_| sliced).collect();
+                (mixed(&experts) || mixed(&slices)).then(|| i.to_string())
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// `--chat-template`: the template in full, as the tokenizer holds it (a GGUF file's

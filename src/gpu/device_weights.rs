@@ -63,10 +63,12 @@ pub enum DeviceMixer {
         qkv: Vec<DeviceMatrix>,
         o: DeviceMatrix,
     },
-    /// `up` is `[I, d]`, or `[gate; up]` `[2I, d]` for gated MLPs; `bias`: where the up
-    /// (or gate+up) and down biases start in the layer's parameters.
+    /// `up` is `[I, d]`, or `[gate; up]` `[2I, d]` for gated MLPs: one matrix, or where a
+    /// GGUF stores gate and up in block types that differ, the two as parts, each as stored
+    /// (`type_runs`, as attention's q, k and v); `bias`: where the up (or gate+up) and down
+    /// biases start in the layer's parameters.
     Mlp {
-        up: DeviceMatrix,
+        up: Vec<DeviceMatrix>,
         down: DeviceMatrix,
         bias: Option<(usize, usize)>,
     },
@@ -77,14 +79,15 @@ pub enum DeviceMixer {
 /// move with the weight format), the experts in banks (each bank one binding within the
 /// adapter's limit; `up[b]` holds the experts from `firsts[b]` on as `[n·up_rows, d]`
 /// (`[gate; up]` per expert when gated), `down[b]` as `[n·d, I]`), the shared expert as an
-/// MLP, and where the correction bias starts in the layer's parameters (`[norm | bias]`).
+/// MLP (its up in parts, as `DeviceMixer::Mlp`'s), and where the correction bias starts in
+/// the layer's parameters (`[norm | bias]`).
 pub struct DeviceMoe {
     pub router: DeviceMatrix,
     pub up: Vec<DeviceMatrix>,
     pub down: Vec<DeviceMatrix>,
     /// The first expert of each bank.
     pub firsts: Vec<usize>,
-    pub shared: Option<(DeviceMatrix, DeviceMatrix)>,
+    pub shared: Option<(Vec<DeviceMatrix>, DeviceMatrix)>,
     pub bias_off: Option<usize>,
     /// Rows of one expert's down projection: `d`, or the latent width.
     pub d_model: usize,
@@ -105,8 +108,9 @@ impl DeviceMoe {
 }
 
 /// The format of a matrix whose blocks cannot go up as stored (`upload_as`). Quantized
-/// blocks joined with parts of another type (an MLP's gate and up in different types;
-/// attention's q, k and v go up in parts instead, `type_runs`) are requantized to q8_0,
+/// blocks joined with parts of another type (an expert bank's gate and up in different
+/// types; attention's q, k and v and an MLP's gate and up go up in parts instead,
+/// `type_runs`) are requantized to q8_0,
 /// whose 8-bit grid keeps them closest: a second 4/5/6-bit rounding would add about as much
 /// error as the file's own. Everything else takes `format`'s choice for its width.
 fn requantized_format(dtypes: &[DType], format: WeightFormat, cols: usize) -> WeightFormat {
@@ -120,15 +124,15 @@ fn requantized_format(dtypes: &[DType], format: WeightFormat, cols: usize) -> We
 /// Whether the parts of one matrix hold block-quantized values in more than one type (or
 /// beside floats), so that under a quantized format they cannot go up as one matrix as
 /// stored.
-fn mixed_blocks(dtypes: &[DType]) -> bool {
+pub fn mixed_blocks(dtypes: &[DType]) -> bool {
     dtypes.iter().any(|d| matches!(d, DType::Quant(_))) && dtypes.iter().any(|d| *d != dtypes[0])
 }
 
 /// The parts of a stacked matrix (`dtypes`, in order) that go up as one GPU matrix each
 /// under `format`: all of them together, or, where a quantized format meets block types
 /// that differ (`mixed_blocks`), each run of consecutive parts of one type, so that every
-/// block goes up as stored. Ranges of part indices (`mamba2 info` lists the attention
-/// layers this splits).
+/// block goes up as stored. Ranges of part indices (`mamba2 info` lists the projections
+/// this splits).
 pub fn type_runs(dtypes: &[DType], format: WeightFormat) -> Vec<std::ops::Range<usize>> {
     let split = format.reads_q8() && mixed_blocks(dtypes);
     let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
@@ -139,6 +143,14 @@ pub fn type_runs(dtypes: &[DType], format: WeightFormat) -> Vec<std::ops::Range<
         }
     }
     runs
+}
+
+/// The names of an MLP's up parts (`upload_parts`): gate and up, or up alone.
+fn up_labels(m: &crate::model::MlpWeights) -> &'static [&'static str] {
+    match m.gate {
+        Some(_) => &["gate", "up"],
+        None => &["up"],
+    }
 }
 
 /// Experts per bank: as many as fit one storage binding of `max_binding` bytes (both
@@ -230,12 +242,12 @@ impl DeviceLayer {
         match &self.mixer {
             DeviceMixer::Mamba2 { in_proj, out_proj } => vec![in_proj, out_proj],
             DeviceMixer::Attention { qkv, o } => qkv.iter().chain([o]).collect(),
-            DeviceMixer::Mlp { up, down, .. } => vec![up, down],
+            DeviceMixer::Mlp { up, down, .. } => up.iter().chain([down]).collect(),
             DeviceMixer::Moe(m) => {
                 let mut v = vec![&m.router];
                 v.extend(m.up.iter().chain(&m.down));
                 if let Some((u, d)) = &m.shared {
-                    v.extend([u, d]);
+                    v.extend(u.iter().chain([d]));
                 }
                 if let Some((a, b)) = &m.latent {
                     v.extend([a, b]);
@@ -264,7 +276,7 @@ impl DeviceWeights {
             DeviceMixer::Moe(m) => {
                 let mut v = vec![&m.router];
                 if let Some((u, d)) = &m.shared {
-                    v.extend([u, d]);
+                    v.extend(u.iter().chain([d]));
                 }
                 v
             }
@@ -367,6 +379,25 @@ impl DeviceWeights {
             DeviceMatrix::upload(ctx, name, &packed)
         };
         let upload = |name: &str, parts: &[&crate::model::Tensor]| upload_as(name, parts, format);
+        // A stacked projection (`labels` name its parts): one matrix, or where a quantized
+        // format meets block types that differ, one per run of one type (`type_runs`), named
+        // `name.label`.
+        let upload_parts = |name: &str,
+                            parts: &[&crate::model::Tensor],
+                            labels: &[&str]|
+         -> Result<Vec<DeviceMatrix>> {
+            let dtypes: Vec<DType> = parts.iter().map(|t| t.dtype).collect();
+            let runs = type_runs(&dtypes, format);
+            runs.iter()
+                .map(|r| {
+                    let n = match runs.len() {
+                        1 => name.to_string(),
+                        _ => format!("{name}.{}", labels[r.clone()].concat()),
+                    };
+                    upload(&n, &parts[r.clone()])
+                })
+                .collect()
+        };
         let per_bank = experts_per_bank(c, format, bank_bytes);
         let embedding = upload("embedding", &[&w.embedding])?;
         let lm_head = w
@@ -407,18 +438,8 @@ impl DeviceWeights {
                         return Err(gpu_unsupported(i, "attention projection biases"));
                     }
                     params.extend(finite_f32(&l.norm)?);
-                    let parts = [&a.q, &a.k, &a.v];
-                    let runs = type_runs(&parts.map(|t| t.dtype), format);
-                    let qkv = runs
-                        .iter()
-                        .map(|r| {
-                            let n = match runs.len() {
-                                1 => name("qkv_proj"),
-                                _ => format!("{}.{}", name("qkv_proj"), &"qkv"[r.clone()]),
-                            };
-                            upload(&n, &parts[r.clone()])
-                        })
-                        .collect::<Result<Vec<_>>>()?;
+                    let qkv =
+                        upload_parts(&name("qkv_proj"), &[&a.q, &a.k, &a.v], &["q", "k", "v"])?;
                     DeviceMixer::Attention {
                         qkv,
                         o: upload(&name("o_proj"), &[&a.o])?,
@@ -495,7 +516,7 @@ impl DeviceWeights {
                     }
                     let shared = match &m.shared {
                         Some(s) if slices.is_empty() => Some((
-                            upload(&name("shared.up"), &ups(s))?,
+                            upload_parts(&name("shared.up"), &ups(s), up_labels(s))?,
                             upload(&name("shared.down"), &[&s.down])?,
                         )),
                         _ => None,
@@ -536,8 +557,8 @@ impl DeviceWeights {
                         _ => None,
                     };
                     let up = match &m.gate {
-                        Some(g) => upload(&name("gate_up_proj"), &[g, &m.up])?,
-                        None => upload(&name("up_proj"), &[&m.up])?,
+                        Some(g) => upload_parts(&name("gate_up_proj"), &[g, &m.up], up_labels(m))?,
+                        None => vec![upload(&name("up_proj"), &[&m.up])?],
                     };
                     DeviceMixer::Mlp {
                         up,

@@ -428,7 +428,7 @@ impl Engine {
                     b +=
                         experts * mc.slots() as u64 / mc.stored_experts() as u64 + m.router.bytes();
                     if let Some((u, d)) = &m.shared {
-                        b += u.bytes() + d.bytes();
+                        b += u.iter().map(|x| x.bytes()).sum::<u64>() + d.bytes();
                     }
                 }
                 _ => b += l.matrices().iter().map(|m| m.bytes()).sum::<u64>(),

@@ -188,7 +188,13 @@ impl Engine {
                     let ml = c.mlp.as_ref().expect("MLP layers have a shape");
                     let ups = if ml.act == MlpAct::SiluGated { 2 } else { 1 };
                     let m = DeviceMixer::Mlp {
-                        up: mat(&n("up_proj"), ups * ml.intermediate, c.d_model, in_scale, a)?,
+                        up: vec![mat(
+                            &n("up_proj"),
+                            ups * ml.intermediate,
+                            c.d_model,
+                            in_scale,
+                            a,
+                        )?],
                         down: mat(
                             &n("down_proj"),
                             c.d_model,
@@ -238,13 +244,13 @@ impl Engine {
                         Some(sh) if mo.shared_slots() == 0 => {
                             let ups = if sh.act == MlpAct::SiluGated { 2 } else { 1 };
                             Some((
-                                mat(
+                                vec![mat(
                                     &n("shared.up"),
                                     ups * sh.intermediate,
                                     c.d_model,
                                     in_scale,
                                     a,
-                                )?,
+                                )?],
                                 mat(
                                     &n("shared.down"),
                                     c.d_model,

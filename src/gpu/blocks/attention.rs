@@ -14,7 +14,7 @@ use crate::gpu::kernels::attention_combine::attention_combine;
 use crate::gpu::kernels::attention_decode::{attention_decode, decode_partials_len};
 use crate::gpu::kernels::attention_prefill::attention_prefill;
 use crate::gpu::kernels::attn::{AttnBuffers, AttnConsts};
-use crate::gpu::kernels::gemm::{GemmOutput, gemm_split, projection};
+use crate::gpu::kernels::gemm::{GemmOutput, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, KvOut};
 use crate::gpu::kernels::kv_store::kv_store;
 use crate::gpu::kernels::{Dispatch, Section};
@@ -94,7 +94,11 @@ pub fn decode(
                     parts.len()
                 )));
             }
-            let mut out = parted_gemvs(b, parts, ac.qkv_stride)?;
+            let mut out: Vec<Dispatch> =
+                super::parts::gemvs(b, "qkv_proj", parts, ac.qkv_stride, &s.h, &s.qkv)?
+                    .into_iter()
+                    .map(attn_section)
+                    .collect();
             out.push(kv_store(k, "kv_store", ac, None, &bufs)?);
             out.extend(attend_and_project(b, ac, &bufs, o)?);
             return Ok(out);
@@ -155,47 +159,6 @@ pub fn decode(
     Ok(out)
 }
 
-/// The qkv projection's parts with their dispatch names and first rows in the projection's
-/// `rows` (`qkv_proj` for one matrix); an error unless the parts make up exactly those rows.
-fn qkv_parts(qkv: &[DeviceMatrix], rows: usize) -> Result<Vec<(String, usize, &DeviceMatrix)>> {
-    let mut row0 = 0;
-    let mut out = Vec::with_capacity(qkv.len());
-    for part in qkv {
-        let name = match qkv.len() {
-            1 => "qkv_proj".to_string(),
-            _ => format!("qkv_proj[{row0}..{}]", row0 + part.rows),
-        };
-        out.push((name, row0, part));
-        row0 += part.rows;
-    }
-    if row0 != rows {
-        return Err(Error::Gpu(format!(
-            "qkv_proj: parts of {row0} rows in all for a projection of {rows}"
-        )));
-    }
-    Ok(out)
-}
-
-/// A stacked projection's parts, one GEMV each into its rows of `s.qkv` (rows of `rows`).
-fn parted_gemvs(b: &BlockCtx, parts: &[DeviceMatrix], rows: usize) -> Result<Vec<Dispatch>> {
-    qkv_parts(parts, rows)?
-        .into_iter()
-        .map(|(name, row0, part)| {
-            Ok(attn_section(gemv::gemv(
-                b.k,
-                &name,
-                part,
-                GemvInput::Plain,
-                GemvOutput::Store,
-                GemvBuffers {
-                    dst_row0: row0,
-                    ..b.gemv_in(&b.s.h, &b.s.qkv)
-                },
-            )?))
-        })
-        .collect()
-}
-
 /// Decode after the K/V store: flash-decoding over the cached rows, the merge of its
 /// segments, and o_proj into the residual.
 fn attend_and_project(
@@ -248,26 +211,20 @@ pub fn prefill(
         lanes: crate::gpu::kernels::Lanes::ONE,
     };
     // (A projection in parts of different formats: one GEMM each into its rows.)
-    let mut d: Vec<Dispatch> = Vec::new();
-    for (name, row0, part) in qkv_parts(qkv, ac.qkv_stride)? {
-        d.extend(
-            gemm_split(
-                k,
-                &name,
-                part,
-                tokens,
-                &p.h,
-                &p.part,
-                &p.qkv,
-                ac.qkv_stride,
-                row0,
-                GemmOutput::Store,
-                &s.ctrl,
-            )?
-            .into_iter()
-            .map(attn_section),
-        );
-    }
+    let mut d: Vec<Dispatch> = super::parts::gemms(
+        k,
+        "qkv_proj",
+        qkv,
+        ac.qkv_stride,
+        tokens,
+        &p.h,
+        &p.part,
+        &p.qkv,
+        &s.ctrl,
+    )?
+    .into_iter()
+    .map(attn_section)
+    .collect();
     d.push(kv_store(k, "kv_store", ac, Some(tokens), &bufs)?);
     d.push(attention_prefill(
         k,

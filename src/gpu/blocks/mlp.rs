@@ -2,8 +2,10 @@
 //! activation (relu² or silu-gated, biases added, with the q8 blocks of its output for a
 //! q8_0 down),
 //! down GEMV adding into the residual. Prefill: the same as GEMMs over the block's tokens.
+//! A gate and up that a GGUF stores in different block types go up as two parts, one GEMV
+//! or GEMM each into its rows (`parts`).
 
-use super::BlockCtx;
+use super::{BlockCtx, parts};
 use crate::config::MlpConfig;
 use crate::error::{Error, Result};
 use crate::gpu::kernels::gemm::{GemmOutput, projection};
@@ -27,11 +29,12 @@ pub fn shape<'a>(b: &BlockCtx<'a>) -> Result<&'a MlpConfig> {
         .ok_or_else(|| Error::Gpu("an MLP layer in a config without MLP".into()))
 }
 
-/// One decode token through an MLP of shape `m` (after the pre-norm into `h`).
+/// One decode token through an MLP of shape `m` (after the pre-norm into `h`); `up` in
+/// parts (`[gate; up]` of one type: one part).
 pub fn decode(
     b: &BlockCtx,
     m: &MlpConfig,
-    up: &DeviceMatrix,
+    up: &[DeviceMatrix],
     down: &DeviceMatrix,
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
@@ -43,21 +46,18 @@ pub fn decode(
     } else {
         m.intermediate.next_multiple_of(32)
     };
-    Ok(vec![
-        mlp_section(gemv::gemv(
-            k,
-            "up_proj",
-            up,
-            GemvInput::Plain,
-            GemvOutput::Store,
-            b.gemv_in(&s.h, &s.mlp_up),
-        )?),
+    let up_rows = parts::rows(up);
+    let mut d: Vec<Dispatch> = parts::gemvs(b, "up_proj", up, up_rows, &s.h, &s.mlp_up)?
+        .into_iter()
+        .map(mlp_section)
+        .collect();
+    d.extend([
         mlp_act_rows(
             k,
             "act",
             m.act,
             m.intermediate,
-            up.rows,
+            up_rows,
             b.lanes.n,
             rows,
             ActBuffers {
@@ -75,7 +75,8 @@ pub fn decode(
             GemvOutput::Add,
             b.gemv_in(&s.mlp, &s.resid),
         )?),
-    ])
+    ]);
+    Ok(d)
 }
 
 /// A prefill block through an MLP of shape `m` (after the batched pre-norm into `p.h`).
@@ -84,22 +85,14 @@ pub fn prefill(
     p: &Prefill,
     tokens: usize,
     m: &MlpConfig,
-    up: &DeviceMatrix,
+    up: &[DeviceMatrix],
     down: &DeviceMatrix,
     bias: Option<MlpBias>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
-    let mut d: Vec<Dispatch> = projection(
-        k,
-        "up_proj",
-        up,
-        tokens,
-        &p.h,
-        &p.part,
-        &p.mlp_up,
-        up.rows,
-        GemmOutput::Store,
-        &s.ctrl,
+    let up_rows = parts::rows(up);
+    let mut d: Vec<Dispatch> = parts::gemms(
+        k, "up_proj", up, up_rows, tokens, &p.h, &p.part, &p.mlp_up, &s.ctrl,
     )?
     .into_iter()
     .map(mlp_section)
@@ -110,7 +103,7 @@ pub fn prefill(
             "act",
             m.act,
             m.intermediate,
-            up.rows,
+            up_rows,
             tokens,
             ActBuffers {
                 src: &p.mlp_up,

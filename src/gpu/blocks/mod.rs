@@ -8,6 +8,7 @@ pub mod attention;
 pub mod mamba2;
 pub mod mlp;
 pub mod moe;
+pub mod parts;
 
 use crate::config::ModelConfig;
 use crate::error::Result;
