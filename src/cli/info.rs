@@ -250,26 +250,30 @@ fn parted_projections(
     let gate_up = |i: usize, what: &str, m: &MlpWeights| {
         m.gate.as_ref().and_then(|g| entry(i, what, &[g, &m.up]))
     };
-    let shared_apart = model
-        .config
-        .moe
-        .as_ref()
-        .is_some_and(|m| m.shared_slots() == 0);
-    model
-        .weights
-        .layers
-        .iter()
-        .enumerate()
-        .filter_map(|(i, l)| match &l.mixer {
-            MixerWeights::Attention(a) => entry(i, "q/k/v", &[&a.q, &a.k, &a.v]),
-            MixerWeights::Mlp(m) => gate_up(i, "gate/up", m),
-            MixerWeights::Moe(m) if shared_apart => m
-                .shared
-                .as_ref()
-                .and_then(|s| gate_up(i, "shared gate/up", s)),
-            _ => None,
-        })
-        .collect()
+    let shared_apart = shared_slots(model) == 0;
+    each_layer(model, |i, mixer| match mixer {
+        MixerWeights::Attention(a) => entry(i, "q/k/v", &[&a.q, &a.k, &a.v]),
+        MixerWeights::Mlp(m) => gate_up(i, "gate/up", m),
+        MixerWeights::Moe(m) if shared_apart => m
+            .shared
+            .as_ref()
+            .and_then(|s| gate_up(i, "shared gate/up", s)),
+        _ => None,
+    })
+}
+
+/// What `f` says of each layer (its index and mixer), where it says something.
+fn each_layer(
+    model: &mamba2_wgpu::Model,
+    f: impl Fn(usize, &mamba2_wgpu::model::MixerWeights) -> Option<String>,
+) -> Vec<String> {
+    let layers = model.weights.layers.iter().enumerate();
+    layers.filter_map(|(i, l)| f(i, &l.mixer)).collect()
+}
+
+/// The shared expert's expert-wide slices (`MoeConfig::shared_slots`; 0 without an MoE).
+fn shared_slots(model: &mamba2_wgpu::Model) -> usize {
+    model.config.moe.as_ref().map_or(0, |m| m.shared_slots())
 }
 
 /// The MoE layers with an expert bank whose blocks mix types (gate beside up, or one
@@ -282,11 +286,7 @@ fn requantized_experts(
 ) -> Vec<String> {
     use mamba2_wgpu::gpu::device_weights::mixed_blocks;
     use mamba2_wgpu::model::{DType, MixerWeights, MlpWeights};
-    let sliced = model
-        .config
-        .moe
-        .as_ref()
-        .is_some_and(|m| m.shared_slots() > 0);
+    let sliced = shared_slots(model) > 0;
     let mixed = |set: &[&MlpWeights]| {
         let ups: Vec<DType> = set
             .iter()
@@ -295,20 +295,14 @@ fn requantized_experts(
         let downs: Vec<DType> = set.iter().map(|e| e.down.dtype).collect();
         mixed_blocks(&ups) || mixed_blocks(&downs)
     };
-    model
-        .weights
-        .layers
-        .iter()
-        .enumerate()
-        .filter_map(|(i, l)| match &l.mixer {
-            MixerWeights::Moe(m) if format.reads_q8() => {
-                let experts: Vec<&MlpWeights> = m.experts.iter().collect();
-                let slices: Vec<&MlpWeights> = m.shared.iter().filter(|_| sliced).collect();
-                (mixed(&experts) || mixed(&slices)).then(|| i.to_string())
-            }
-            _ => None,
-        })
-        .collect()
+    each_layer(model, |i, mixer| match mixer {
+        MixerWeights::Moe(m) if format.reads_q8() => {
+            let experts: Vec<&MlpWeights> = m.experts.iter().collect();
+            let slices: Vec<&MlpWeights> = m.shared.iter().filter(|_| sliced).collect();
+            (mixed(&experts) || mixed(&slices)).then(|| i.to_string())
+        }
+        _ => None,
+    })
 }
 
 /// `--chat-template`: the template in full, as the tokenizer holds it (a GGUF file's
