@@ -1,7 +1,11 @@
-//! The prefix cache's host tier in f16 (`--cache-dtype f16`): entries hold half the bytes
-//! of f32 ones, and what comes back — from memory or from the file a spill wrote — is the
-//! state rounded to f16, value for value. The CPU reference is the backend (its snapshots
-//! live in host memory, so every entry takes the host tier).
+//! The prefix cache's tiers. The host tier in f16 (`--cache-dtype f16`): entries hold half
+//! the bytes of f32 ones, and what comes back — from memory or from the file a spill wrote —
+//! is the state rounded to f16, value for value; the budgets' least-recently-used order. The
+//! CPU reference is the backend there (its snapshots live in host memory, so every entry
+//! takes the host tier). The device tier takes a GPU backend: its snapshots move down to
+//! host memory and files, and come back exact.
+
+mod common;
 
 use mamba2_wgpu::model::Model;
 use mamba2_wgpu::model::synthetic::{tiny_config, tiny_moe};
@@ -195,6 +199,107 @@ fn full_tiers_let_go_of_the_least_recently_used_entry() {
         prompts[1].len(),
         "the middle one is on disk"
     );
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The device tier (a GPU backend's snapshots, here of a hybrid whose state holds KV rows):
+/// past its budget the least recently used entry moves to host memory, and past that to a
+/// file. A prompt resumed from any of the three tiers continues exactly as the run that made
+/// the entry: the same logits for the next tokens, bit for bit.
+#[test]
+fn device_snapshots_move_down_the_tiers_and_resume_exactly() {
+    use mamba2_wgpu::gpu::engine::EngineOptions;
+    use mamba2_wgpu::gpu::state_store::KvFormat;
+    let model = model();
+    let opts = EngineOptions {
+        format: mamba2_wgpu::WeightFormat::F32,
+        context: Some(64),
+        kv: KvFormat::F32,
+        ..Default::default()
+    };
+    let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
+        return;
+    };
+    let prompts: [&[u32]; 3] = [&[3, 1, 4, 1, 5], &[9, 2, 6], &[5, 3, 5, 8, 9, 7]];
+    let rest: &[u32] = &[2, 3, 8, 4];
+    let run = |b: &mut mamba2_wgpu::gpu::backend::GpuBackend, p: &[u32]| {
+        b.reset().unwrap();
+        b.prefill_logits(p).unwrap();
+    };
+    // What each prompt's own run gives for `rest`: what a resume must give.
+    let want: Vec<Vec<Vec<f32>>> = prompts
+        .iter()
+        .map(|p| {
+            run(&mut b, p);
+            b.prefill_logits(rest).unwrap()
+        })
+        .collect();
+    // Each prompt's snapshot and host state, in bytes (the KV rows grow with the prompt).
+    let sizes: Vec<(u64, u64)> = prompts
+        .iter()
+        .map(|p| {
+            let mut c = open(
+                &model,
+                CacheConfig {
+                    device_bytes: 0,
+                    ..Default::default()
+                },
+            );
+            run(&mut b, p);
+            c.insert(p, &mut b).unwrap();
+            (b.snapshot_device_bytes(), c.stats().bytes[1])
+        })
+        .collect();
+    // Room for the last (longest) prompt's snapshot on the device and its state in host
+    // memory, and not for two of them.
+    let (snap, entry) = sizes[2];
+    assert!(snap > 0, "a GPU backend's snapshots live on the device");
+    assert!(
+        sizes.iter().all(|&(d, h)| d <= snap && h <= entry)
+            && sizes[0].0 + sizes[1].0 > snap
+            && sizes[0].1 + sizes[1].1 > entry,
+        "bytes (device, host) per prompt: {sizes:?}"
+    );
+    let dir = std::env::temp_dir().join(format!("mamba2-prefix-device-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Room for one snapshot on the device and one state in host memory.
+    let mut c = open(
+        &model,
+        CacheConfig {
+            device_bytes: snap,
+            host_bytes: entry,
+            dir: Some(dir.clone()),
+            every: 0,
+            ..Default::default()
+        },
+    );
+    for p in prompts {
+        run(&mut b, p);
+        c.insert(p, &mut b).unwrap();
+    }
+    assert_eq!(
+        c.stats().entries,
+        [1, 1, 1],
+        "the newest on the device, the one before in host memory, the oldest in a file"
+    );
+    // Newest first, so that each entry is still in its tier when it is read (a file's
+    // entry then comes back to host memory).
+    for (i, tier) in [(2, "device"), (1, "host"), (0, "disk")] {
+        run(&mut b, &[7, 7, 7]);
+        let p = prompts[i];
+        let got = c.resume(p, p.len(), &mut b, &mut |n| panic!("{n}"));
+        assert_eq!(got, p.len(), "prompt {i} from the {tier} tier");
+        let logits = b.prefill_logits(rest).unwrap();
+        for (t, (g, w)) in logits.iter().zip(&want[i]).enumerate() {
+            assert_eq!(
+                common::bits(g),
+                common::bits(w),
+                "prompt {i} resumed from the {tier} tier: logits of token {t} after it"
+            );
+        }
+    }
+    assert_eq!(c.stats().hits, 3);
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
 }
