@@ -239,6 +239,7 @@ fn parted_projections(
     model: &mamba2_wgpu::Model,
     format: mamba2_wgpu::WeightFormat,
 ) -> Vec<String> {
+    use mamba2_wgpu::gpu::device_weights::ups;
     use mamba2_wgpu::model::{MixerWeights, MlpWeights, Tensor};
     let entry = |i: usize, what: &str, parts: &[&Tensor]| -> Option<String> {
         let types: Vec<_> = parts.iter().map(|t| t.dtype).collect();
@@ -247,9 +248,7 @@ fn parted_projections(
             format!("layer {i} {what} ({})", names.join("/"))
         })
     };
-    let gate_up = |i: usize, what: &str, m: &MlpWeights| {
-        m.gate.as_ref().and_then(|g| entry(i, what, &[g, &m.up]))
-    };
+    let gate_up = |i: usize, what: &str, m: &MlpWeights| entry(i, what, &ups(m));
     let shared_apart = shared_slots(model) == 0;
     each_layer(model, |i, mixer| match mixer {
         MixerWeights::Attention(a) => entry(i, "q/k/v", &[&a.q, &a.k, &a.v]),
@@ -284,13 +283,13 @@ fn requantized_experts(
     model: &mamba2_wgpu::Model,
     format: mamba2_wgpu::WeightFormat,
 ) -> Vec<String> {
-    use mamba2_wgpu::gpu::device_weights::mixed_blocks;
+    use mamba2_wgpu::gpu::device_weights::{mixed_blocks, ups};
     use mamba2_wgpu::model::{DType, MixerWeights, MlpWeights};
     let sliced = shared_slots(model) > 0;
     let mixed = |set: &[&MlpWeights]| {
         let ups: Vec<DType> = set
             .iter()
-            .flat_map(|e| e.gate.iter().chain([&e.up]).map(|t| t.dtype))
+            .flat_map(|e| ups(e).into_iter().map(|t| t.dtype))
             .collect();
         let downs: Vec<DType> = set.iter().map(|e| e.down.dtype).collect();
         mixed_blocks(&ups) || mixed_blocks(&downs)

@@ -145,7 +145,16 @@ pub fn type_runs(dtypes: &[DType], format: WeightFormat) -> Vec<std::ops::Range<
     runs
 }
 
-/// The names of an MLP's up parts (`upload_parts`): gate and up, or up alone.
+/// An MLP's up projection as the matrices it stacks, in row order: `[gate, up]`, or up
+/// alone.
+pub fn ups(m: &crate::model::MlpWeights) -> Vec<&crate::model::Tensor> {
+    match &m.gate {
+        Some(g) => vec![g, &m.up],
+        None => vec![&m.up],
+    }
+}
+
+/// The names of an MLP's up parts (`ups`, for `upload_parts`): gate and up, or up alone.
 fn up_labels(m: &crate::model::MlpWeights) -> &'static [&'static str] {
     match m.gate {
         Some(_) => &["gate", "up"],
@@ -455,12 +464,6 @@ impl DeviceWeights {
                         }
                         None => None,
                     };
-                    fn ups(e: &crate::model::MlpWeights) -> Vec<&crate::model::Tensor> {
-                        match &e.gate {
-                            Some(g) => vec![g, &e.up],
-                            None => vec![&e.up],
-                        }
-                    }
                     // The shared expert as slices of the experts' width, stored after them.
                     let mc = c.moe.as_ref().ok_or_else(|| {
                         Error::InvalidInput(format!("layer {i}: MoE without a shape"))
@@ -556,10 +559,12 @@ impl DeviceWeights {
                         }
                         _ => None,
                     };
-                    let up = match &m.gate {
-                        Some(g) => upload_parts(&name("gate_up_proj"), &[g, &m.up], up_labels(m))?,
-                        None => vec![upload(&name("up_proj"), &[&m.up])?],
+                    let up_name = if m.gate.is_some() {
+                        "gate_up_proj"
+                    } else {
+                        "up_proj"
                     };
+                    let up = upload_parts(&name(up_name), &ups(m), up_labels(m))?;
                     DeviceMixer::Mlp {
                         up,
                         down: upload(&name("down_proj"), &[&m.down])?,
