@@ -160,13 +160,16 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     );
     if c.attention.is_some() && c.count(BlockKind::Attention) > 0 {
         let ctx = args.ctx.or(c.max_context).unwrap_or(4096);
+        // In f64: any --ctx is described, however large (the run commands refuse what the
+        // adapter cannot bind).
+        let kv_mib = |elem: usize| ctx as f64 * c.kv_bytes_per_token(elem) as f64 / 1048576.0;
         println!(
             "KV cache   {:.1} MiB at {ctx} tokens in f16 ({:.1} KiB per token; f32: {:.1} MiB); \
              state + KV {:.1} MiB",
-            mib(ctx * c.kv_bytes_per_token(2)),
+            kv_mib(2),
             c.kv_bytes_per_token(2) as f64 / 1024.0,
-            mib(ctx * c.kv_bytes_per_token(4)),
-            mib(c.state_bytes() + ctx * c.kv_bytes_per_token(2)),
+            kv_mib(4),
+            mib(c.state_bytes()) + kv_mib(2),
         );
     }
     match &tokenizer {
@@ -212,6 +215,21 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             format!(" ({} blocks go up as stored)", held.join(", "))
         };
         println!("gpu        --dtype {} by default{stored}", format.name());
+        // A quantized file's float embedding or head stays in its type (`edge_format`).
+        let w = &model.weights;
+        let kept: Vec<String> = std::iter::once(("embedding", &w.embedding))
+            .chain(w.lm_head.as_ref().map(|t| ("lm_head", t)))
+            .filter_map(|(name, t)| {
+                let f = mamba2_wgpu::gpu::device_weights::edge_format(&model, t, format);
+                (f != format).then(|| format!("{name} {}", f.name()))
+            })
+            .collect();
+        if !kept.is_empty() {
+            println!(
+                "kept as stored (float beside the blocks): {}",
+                kept.join(", ")
+            );
+        }
         // Stacked projections whose parts a GGUF stores in different types (a Q4_K_M file's
         // v in Q6_K) go up as stored in parts, one GEMV or GEMM each (a dispatch more per
         // part, and for q/k/v no folded pre-norm or K/V store in that layer's decode).

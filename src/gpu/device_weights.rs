@@ -121,6 +121,27 @@ fn requantized_format(dtypes: &[DType], format: WeightFormat, cols: usize) -> We
     }
 }
 
+/// The GPU format of a GGUF's embedding or head `t` under the run's `format`: as stored
+/// (f16, bf16 or f32) where a quantized format meets a file that keeps these two in a float
+/// type beside block-quantized matrices, as llama.cpp writes with `--leave-output-tensor` or
+/// `--token-embedding-type` / `--output-tensor-type f16` for the logits' precision; else
+/// `format`, which also quantizes an all-float file's on request. Their kernels take f32
+/// inputs whatever the run's format (the embedding is a row lookup; the final norm writes
+/// its f32 output beside the q8 blocks).
+pub fn edge_format(model: &Model, t: &crate::model::Tensor, format: WeightFormat) -> WeightFormat {
+    let quantized_file = model
+        .gguf
+        .as_ref()
+        .is_some_and(|g| g.types.iter().any(|(d, _)| matches!(d, DType::Quant(_))));
+    match t.dtype {
+        _ if !(quantized_file && format.reads_q8()) => format,
+        DType::F16 => WeightFormat::F16,
+        DType::BF16 => WeightFormat::BF16,
+        DType::F32 => WeightFormat::F32,
+        DType::Quant(_) => format,
+    }
+}
+
 /// Whether the parts of one matrix hold block-quantized values in more than one type (or
 /// beside floats), so that under a quantized format they cannot go up as one matrix as
 /// stored.
@@ -408,11 +429,15 @@ impl DeviceWeights {
                 .collect()
         };
         let per_bank = experts_per_bank(c, format, bank_bytes);
-        let embedding = upload("embedding", &[&w.embedding])?;
+        let embedding = upload_as(
+            "embedding",
+            &[&w.embedding],
+            edge_format(model, &w.embedding, format),
+        )?;
         let lm_head = w
             .lm_head
             .as_ref()
-            .map(|t| upload("lm_head", &[t]))
+            .map(|t| upload_as("lm_head", &[t], edge_format(model, t, format)))
             .transpose()?;
         let layout = ParamLayout::new(c);
         let mut layers = Vec::with_capacity(c.n_layer);
