@@ -908,10 +908,19 @@ impl ModelConfig {
                         ),
                     ));
                 }
+                // The kernels take θ as an f32: it must stay a positive normal number there
+                // (1e39 would be inf, 1e-50 zero, and either makes every angle NaN).
                 if let Some(t) = a.rope_theta
-                    && !(t > 0.0 && t.is_finite())
+                    && !(t > 0.0 && (t as f32).is_normal())
                 {
-                    return Err(err("rope_theta", format!("must be positive, found {t}")));
+                    return Err(err(
+                        "rope_theta",
+                        format!(
+                            "must be positive and an f32 ({:e} to {:e}), found {t}",
+                            f32::MIN_POSITIVE,
+                            f32::MAX
+                        ),
+                    ));
                 }
                 if !(a.scale > 0.0 && a.scale.is_finite()) {
                     return Err(err(

@@ -36,6 +36,41 @@ pub fn check_regular(path: &Path) -> Result<()> {
     }
 }
 
+/// The file a write that replaces `path` (a temporary file renamed over it) should
+/// replace: `path` itself when nothing is there yet or it is a regular file; the target of
+/// a symlink to a regular file (the link stays, as a plain write through it keeps it); else
+/// an error, so that a save never replaces a device, FIFO, socket or directory.
+pub fn replaceable(path: &Path) -> Result<PathBuf> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(path.to_path_buf()),
+        other => other.map_err(|e| Error::io(path, e))?,
+    };
+    let (target, meta) = if meta.file_type().is_symlink() {
+        let target = std::fs::canonicalize(path).map_err(|e| {
+            Error::format(
+                path,
+                format!("is a symlink whose target cannot be used: {e}"),
+            )
+        })?;
+        let meta = std::fs::metadata(&target).map_err(|e| Error::io(&target, e))?;
+        (target, meta)
+    } else {
+        (path.to_path_buf(), meta)
+    };
+    if meta.is_file() {
+        return Ok(target);
+    }
+    let what = if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file (a FIFO, socket or device?)"
+    };
+    Err(Error::format(
+        path,
+        format!("is {what}: refusing to replace it"),
+    ))
+}
+
 /// Opens `path` for reading if it is a regular file. The type is checked before `open`
 /// (which blocks on a FIFO with no writer) and again on the open handle (the path may have
 /// been swapped in between).

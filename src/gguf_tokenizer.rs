@@ -280,10 +280,19 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
                      {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": {text.clone(): {"id": text, "ids": [b], "tokens": [text]}}});
     }
+    let template = match info.get("tokenizer.chat_template") {
+        None => None,
+        Some(v) => Some(v.as_str().ok_or_else(|| {
+            err(
+                "tokenizer.chat_template",
+                format!("{} is not a string", v.summary()),
+            )
+        })?),
+    };
     let config = json!({
         "eos_token": eos.map(|e| tokens[e as usize].clone()),
         "bos_token": bos.map(|b| tokens[b as usize].clone()),
-        "chat_template": info.get("tokenizer.chat_template").and_then(Value::as_str),
+        "chat_template": template,
     });
     let bytes = serde_json::to_vec(&tok_json).expect("JSON of plain values");
     Tokenizer::from_bytes(&bytes, Some(&config))

@@ -94,7 +94,8 @@ pub struct SavedState {
 }
 
 /// Writes `saved` to `path` (through a temporary file renamed into place, so a reader
-/// never sees half a file).
+/// never sees half a file). `path` is a new file or a regular one (through a symlink, its
+/// target), never a device, FIFO or directory (`files::replaceable`).
 pub fn save(
     path: &Path,
     key: &StateKey,
@@ -102,6 +103,7 @@ pub fn save(
     dtype: StateDtype,
     c: &ModelConfig,
 ) -> Result<()> {
+    let path = &crate::files::replaceable(path)?;
     saved.state.check(c)?;
     if !saved.tokens.is_empty() && saved.tokens.len() != saved.state.len {
         return Err(Error::InvalidInput(format!(
@@ -270,7 +272,9 @@ fn header(path: &Path, bytes: &[u8], key: &StateKey) -> Result<Header> {
 
 /// The file at `path`, mapped (a header check reads only the pages it touches).
 fn map(path: &Path) -> Result<memmap2::Mmap> {
-    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // Only a regular file: `open` blocks for ever on a FIFO (a cache directory is read at
+    // startup, whatever lies in it).
+    let f = crate::files::open_regular(path)?;
     let len = f.metadata().map_err(|e| Error::io(path, e))?.len();
     if len < 8 {
         return Err(Error::format(path, "too short for a safetensors file"));

@@ -60,6 +60,46 @@ thread_local! {
     static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// The chat template of `tokenizer_config.json`: a string, or (as transformers also
+/// writes them) a list of `{"name", "template"}` entries, of which the one named `default`
+/// is the chat template; absent or null: none. Any other value is refused, naming the key,
+/// rather than taken as no template.
+fn chat_template(config: Option<&serde_json::Value>) -> Result<Option<String>> {
+    let bad = |what: &str| Error::Tokenizer(format!("tokenizer_config.json: chat_template {what}"));
+    match config.and_then(|c| c.get("chat_template")) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(t)) => Ok(Some(t.clone())),
+        Some(serde_json::Value::Array(entries)) => {
+            for e in entries {
+                let (Some(name), Some(template)) = (
+                    e.get("name").and_then(|n| n.as_str()),
+                    e.get("template").and_then(|t| t.as_str()),
+                ) else {
+                    return Err(bad(
+                        "is a list whose entries are not {\"name\", \"template\"} strings",
+                    ));
+                };
+                if name == "default" {
+                    return Ok(Some(template.to_string()));
+                }
+            }
+            Err(bad(
+                "is a list of named templates without one named `default`",
+            ))
+        }
+        Some(other) => {
+            let kind = match other {
+                serde_json::Value::Bool(_) => "a boolean",
+                serde_json::Value::Number(_) => "a number",
+                _ => "an object",
+            };
+            Err(bad(&format!(
+                "must be a string or a list of named templates, found {kind}"
+            )))
+        }
+    }
+}
+
 /// Runs a call into the `tokenizers` library, turning a panic inside it into an error:
 /// some malformed tokenizer.json files load and then reach out-of-range slices and
 /// `unwrap`s there (found by tests/fuzz/). The panic hook stays quiet for such calls,
@@ -179,6 +219,14 @@ impl Tokenizer {
                     .map(str::to_string)
             })
         };
+        // A named end token the vocabulary lacks would never end a reply: refused.
+        if let Some(t) = token_text("eos_token")
+            && inner.token_to_id(&t).is_none()
+        {
+            return Err(Error::Tokenizer(format!(
+                "tokenizer_config.json: eos_token `{t}` is not a token of the vocabulary"
+            )));
+        }
         let eos_token = token_text("eos_token").or_else(|| {
             ["<|endoftext|>", "</s>", "<|im_end|>", "<|end_of_text|>"]
                 .into_iter()
@@ -187,10 +235,7 @@ impl Tokenizer {
         });
         let eos = eos_token.as_deref().and_then(|t| inner.token_to_id(t));
         Ok(Tokenizer {
-            chat_template: config
-                .and_then(|c| c.get("chat_template"))
-                .and_then(|t| t.as_str())
-                .map(str::to_string),
+            chat_template: chat_template(config)?,
             bos_token: token_text("bos_token"),
             eos_token,
             eos,
@@ -321,5 +366,59 @@ impl StreamDecoder {
             )
             .map_err(|e| Error::Tokenizer(e.to_string()))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tokenizer;
+
+    /// The embedded tokenizer with `config` as its tokenizer_config.json.
+    fn with(config: serde_json::Value) -> crate::Result<Tokenizer> {
+        Tokenizer::from_bytes(include_bytes!("../assets/tokenizer.json"), Some(&config))
+    }
+
+    #[test]
+    fn an_eos_token_outside_the_vocabulary_is_refused() {
+        let e = with(serde_json::json!({"eos_token": "<not-a-token>"}))
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("tokenizer_config.json: eos_token `<not-a-token>` is not a token"),
+            "{e}"
+        );
+        let t = with(serde_json::json!({"eos_token": "<|endoftext|>"})).unwrap();
+        assert_eq!(t.eos, Some(0));
+    }
+
+    #[test]
+    fn chat_templates_as_a_string_or_named_list_and_nothing_else() {
+        let t = with(serde_json::json!({"chat_template": "A"})).unwrap();
+        assert_eq!(t.chat_template.as_deref(), Some("A"));
+        let named = serde_json::json!({"chat_template": [
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"},
+        ]});
+        assert_eq!(with(named).unwrap().chat_template.as_deref(), Some("D"));
+        assert_eq!(with(serde_json::json!({})).unwrap().chat_template, None);
+        let bad = [
+            (serde_json::json!(42), "found a number"),
+            (
+                serde_json::json!([{"name": "rag", "template": "R"}]),
+                "without one named `default`",
+            ),
+            (serde_json::json!([{"name": 1}]), "entries are not"),
+        ];
+        for (value, want) in bad {
+            let e = with(serde_json::json!({ "chat_template": value }))
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(
+                e.contains("tokenizer_config.json: chat_template") && e.contains(want),
+                "{e}"
+            );
+        }
     }
 }

@@ -457,6 +457,18 @@ fn moe_checkpoints_and_configs_are_checked() {
             "`rope_parameters.rope_type`: scaled rotary embeddings",
         ),
         (
+            "granite_rope",
+            "rope_parameters",
+            serde_json::json!({"rope_type": "default", "rope_theta": 1e39}),
+            "field `rope_theta`: must be positive and an f32",
+        ),
+        (
+            "granite_rope",
+            "rope_parameters",
+            serde_json::json!({"rope_type": "default", "rope_theta": 1e-50}),
+            "field `rope_theta`: must be positive and an f32",
+        ),
+        (
             "granite_moe_hybrid",
             "logits_scaling",
             serde_json::json!(0.0),

@@ -471,6 +471,62 @@ fn chat_save_and_resume_continue_the_same_conversation() {
         !ok && err.contains("--resume /nonexistent/x: no such file"),
         "{err}"
     );
+    let (ok, _, err) = chat(&["--device", "cpu", "--resume", "/dev/zero"], b"");
+    assert!(
+        !ok && err.contains("--resume /dev/zero") && err.contains("not a regular file"),
+        "{err}"
+    );
+    // --save never replaces what is not a regular file (a save renames a temporary file
+    // over its path): a FIFO or a directory is refused before the conversation starts, and
+    // stays what it was; through a symlink the state replaces its target, the link stays.
+    let fifo = dir.join("pipe");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let d = dir.to_str().unwrap();
+    for bad in [fifo.to_str().unwrap(), d] {
+        let (ok, _, err) = chat(
+            &["--device", "cpu", "-n", "2", "--save", bad],
+            b"hello
+",
+        );
+        assert!(
+            !ok && err.contains(&format!("--save {bad}")) && err.contains("refusing to replace"),
+            "{err}"
+        );
+    }
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    let (target, link) = (dir.join("target.safetensors"), dir.join("link.safetensors"));
+    std::fs::write(&target, b"old").unwrap();
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let l = link.to_str().unwrap();
+    let (ok, _, err) = chat(
+        &["--device", "cpu", "-n", "2", "--save", l],
+        b"hello
+",
+    );
+    assert!(ok, "{err}");
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(
+        std::fs::metadata(&target).unwrap().len() > 3,
+        "the target holds the state"
+    );
+    let (ok, _, err) = chat(
+        &["--device", "cpu", "-n", "1", "--resume", l],
+        b"again
+",
+    );
+    assert!(ok && err.contains("resumed"), "{err}");
 }
 
 /// `mamba2 serve --port 0` prints the address it bound, answers /health there, and
@@ -519,5 +575,58 @@ fn serve_prints_its_address_and_answers() {
     ] {
         let (ok, _, err) = mamba2(args);
         assert!(!ok && err.contains(says), "{args:?}: {err}");
+    }
+}
+
+/// Sizes from flags go through checked arithmetic: a `--ctx` near `usize::MAX` on a hybrid
+/// is refused by a run command and described by `info`, and bench's token counts are
+/// bounded before any sum of them is formed; never an overflow panic.
+#[test]
+fn huge_counts_are_refused_not_overflowed() {
+    let hybrid = common::fixture("nemotron_h_hybrid");
+    let h = hybrid.to_str().unwrap();
+    let max = usize::MAX.to_string();
+    let (ok, _, err) = mamba2(&[
+        "generate",
+        "-m",
+        h,
+        "--device",
+        "cpu",
+        "--ctx",
+        &max,
+        "-n",
+        "2",
+        "--prompt-ids",
+        "1,2,3",
+    ]);
+    assert!(!ok && err.contains(&format!("--ctx {max}")), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, out, err) = mamba2(&["info", "-m", h, "--ctx", "288230376151711743"]);
+    assert!(ok && out.contains("KV cache"), "{err}");
+    let cases: [(&[&str], &str); 6] = [
+        (&["--config", "tiny", "--tokens", &max], "--tokens"),
+        (&["--config", "tiny", "--warmup", &max], "--warmup"),
+        (&["--config", "tiny-hybrid", "--ctx", &max], "--ctx"),
+        (
+            &["--config", "tiny", "--cached-prefix", &max],
+            "--cached-prefix",
+        ),
+        (
+            &["--config", "tiny", "--no-decode", "--prefill", &max],
+            "--prefill",
+        ),
+        (
+            &["--config", "tiny", "--batch", "4", "--prefill-runs", &max],
+            "--prefill-runs",
+        ),
+    ];
+    for (flags, flag) in cases {
+        let mut args = vec!["bench"];
+        args.extend(flags);
+        let (ok, _, err) = mamba2(&args);
+        assert!(
+            !ok && err.contains(&format!("{flag}: at most 16777216")) && err.contains(&max),
+            "{args:?}: {err}"
+        );
     }
 }

@@ -189,6 +189,20 @@ fn info_prints_the_whole_chat_template() {
         "{}",
         stderr(&out)
     );
+    // A template of another type (here a uint32) is an error naming the key, not "no
+    // template" (which would make chat continue plain text without a word).
+    let odd = d.join("odd.gguf");
+    std::fs::write(
+        &odd,
+        with_key(&src, "tokenizer.chat_template", 4, &7u32.to_le_bytes()),
+    )
+    .unwrap();
+    let out = mamba2(&["info"], &odd);
+    let text = stdout(&out);
+    assert!(
+        text.contains("metadata key `tokenizer.chat_template`") && text.contains("not a string"),
+        "{text}"
+    );
 }
 
 /// A GGUF without tokenizer metadata: the commands that need text name the file and the

@@ -303,3 +303,53 @@ fn device_snapshots_move_down_the_tiers_and_resume_exactly() {
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A cache directory is read at startup whatever lies in it: a FIFO named like a state
+/// file (whose `open` would wait for a writer for ever) and a directory so named are
+/// refused with a note naming them, and the cache opens.
+#[test]
+fn a_cache_directory_s_fifo_and_subdirectory_are_refused_not_waited_on() {
+    let model = model();
+    let dir = std::env::temp_dir().join(format!("mamba2-prefix-fifo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("sub.safetensors")).unwrap();
+    let fifo = dir.join("pipe.safetensors");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let key = StateKey {
+        model: model.fingerprint(),
+        format: "f32".into(),
+        blocks: model.config.pattern(),
+    };
+    let cfg = CacheConfig {
+        device_bytes: 0,
+        dir: Some(dir.clone()),
+        ..Default::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let config = model.config.clone();
+    std::thread::spawn(move || {
+        let mut notes = Vec::new();
+        let c = PrefixCache::open(key, &config, cfg, &mut |n| notes.push(n));
+        let _ = tx.send((c.map(|c| c.stats().refused_files), notes));
+    });
+    let (refused, notes) = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the cache opens without waiting on the FIFO");
+    assert_eq!(refused.unwrap(), 2, "{notes:?}");
+    for name in ["pipe.safetensors", "sub.safetensors"] {
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains(name) && n.contains("not a regular file")
+                    || n.contains(name) && n.contains("directory")),
+            "{name}: {notes:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,6 +12,10 @@ use mamba2_wgpu::{DeviceChoice, ModelConfig, WeightFormat};
 
 use super::{check_at_least, check_chunk_size, check_device};
 
+/// The most tokens any one bench flag may name (2^24: a 16M-token context is far past every
+/// preset's; the sums of several stay far from overflow).
+const MAX_COUNT: usize = 1 << 24;
+
 #[derive(Args)]
 pub struct BenchArgs {
     /// Model shapes: tiny, tiny-hybrid, 130m, 370m, 780m, 1.3b, 2.7b, codestral-7b,
@@ -91,6 +95,31 @@ impl BenchArgs {
             .collect::<anyhow::Result<Vec<_>>>()?;
         // Decode speed is a median of the gaps between tokens: it needs two.
         check_at_least("--tokens", self.tokens, 2)?;
+        // Every count is a number of tokens a run feeds or keeps, summed into the context
+        // the engine is sized for: each is bounded so those sums cannot overflow and a
+        // typo cannot start a run of days.
+        let counts = [
+            ("--tokens", self.tokens),
+            ("--warmup", self.warmup),
+            ("--profile-tokens", self.profile_tokens),
+            ("--new-tokens", self.new_tokens),
+            ("--prefill-runs", self.prefill_runs),
+        ];
+        let lists = [
+            ("--ctx", &self.ctx),
+            ("--prefill", &self.prefill),
+            ("--cached-prefix", &self.cached_prefix),
+        ];
+        let too_big = counts.into_iter().chain(
+            lists
+                .into_iter()
+                .filter_map(|(flag, l)| l.iter().max().map(|&m| (flag, m))),
+        );
+        for (flag, value) in too_big {
+            if value > MAX_COUNT {
+                bail!("{flag}: at most {MAX_COUNT} (a benchmark's token count), found {value}");
+            }
+        }
         if let Some(0) = self.prefill.iter().copied().min() {
             bail!("--prefill: a prompt length must be at least 1, found 0");
         }

@@ -72,10 +72,16 @@ impl ChatArgs {
             check_at_least("--ctx", ctx, 1)?;
         }
         self.engine.check()?;
-        if let Some(p) = &self.resume
-            && !p.is_file()
-        {
-            bail!("--resume {}: no such file", p.display());
+        if let Some(p) = &self.resume {
+            if !p.exists() {
+                bail!("--resume {}: no such file", p.display());
+            }
+            mamba2_wgpu::files::check_regular(p)
+                .with_context(|| format!("--resume {}", p.display()))?;
+        }
+        if let Some(p) = &self.save {
+            mamba2_wgpu::files::replaceable(p)
+                .with_context(|| format!("--save {}", p.display()))?;
         }
         self.model.require_tokenizer("chat needs one")
     }
