@@ -441,3 +441,85 @@ async fn http_holds_a_hybrid_to_its_context() {
     );
     tokio::task::block_in_place(|| srv.stop());
 }
+
+/// A client that opens connections and never finishes a request holds none of them past
+/// the timeouts: silent, with half a request head, or with half a body (answered 400 as an
+/// unreadable body). Meanwhile and afterwards a real request is served. (CPU backend: this
+/// is about the HTTP front.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_closes_connections_that_never_finish_a_request() {
+    use std::io::{Read, Write};
+    let (model, tok) = assets::embedded().unwrap();
+    let backend = Box::new(serve_common::cpu_backend(&model));
+    let srv = serve_common::start_on(
+        backend,
+        &model,
+        &tok,
+        ServerConfig {
+            header_timeout: Duration::from_secs(1),
+            body_timeout: Duration::from_secs(1),
+            ..Default::default()
+        },
+        None,
+    );
+    let addr = srv.base.trim_start_matches("http://").to_string();
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
+    let cases: [(&str, String); 3] = [
+        ("silent", String::new()),
+        (
+            "half a head",
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\n".into(),
+        ),
+        (
+            "half a body",
+            format!("{head}Content-Length: 100\r\n\r\n{{\"prompt\": "),
+        ),
+    ];
+    let stalled: Vec<_> = cases
+        .iter()
+        .map(|(what, sent)| {
+            let mut s = std::net::TcpStream::connect(&addr).unwrap();
+            s.write_all(sent.as_bytes()).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            (what, s)
+        })
+        .collect();
+    // A real request while they stall.
+    let r = srv
+        .client
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&json!({"prompt": "Once", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for (what, mut s) in stalled {
+        let started = std::time::Instant::now();
+        let mut got = Vec::new();
+        // The server answers (the body's 400) and closes, or closes: read ends either way.
+        let end = tokio::task::block_in_place(|| s.read_to_end(&mut got));
+        let waited = started.elapsed();
+        assert!(end.is_ok(), "{what}: still open after {waited:?}: {end:?}");
+        assert!(
+            waited < Duration::from_secs(15),
+            "{what}: closed after {waited:?}"
+        );
+        let text = String::from_utf8_lossy(&got);
+        if *what == "half a body" {
+            assert!(
+                text.starts_with("HTTP/1.1 400") && text.contains("could not be read"),
+                "{what}: {text}"
+            );
+        }
+    }
+    // (A new client: the first one's kept-alive connection has been idle past the head
+    // timeout and closed, as an idle connection is.)
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/completions", srv.base))
+        .json(&json!({"prompt": "Once", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::task::block_in_place(|| srv.stop());
+}

@@ -6,6 +6,7 @@
 pub mod api;
 pub mod auth;
 pub mod engine;
+pub mod listen;
 pub mod metrics;
 pub mod request;
 pub mod stop;
@@ -48,6 +49,11 @@ pub struct ServerConfig {
     /// Prompt tokens read per engine step (`engine::PREFILL_CHUNK`; tests make it small to
     /// read a short prompt in many steps between the other streams' tokens).
     pub prefill_chunk: usize,
+    /// How long a connection may take to send a whole request head (also while idle
+    /// between requests) before it is closed (`listen`).
+    pub header_timeout: std::time::Duration,
+    /// How long a request's body may take to arrive once its head has.
+    pub body_timeout: std::time::Duration,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +68,8 @@ impl Default for ServerConfig {
             api_key: None,
             body_limit: 16 << 20,
             prefill_chunk: engine::PREFILL_CHUNK,
+            header_timeout: std::time::Duration::from_secs(30),
+            body_timeout: std::time::Duration::from_secs(60),
         }
     }
 }
@@ -149,6 +157,7 @@ impl Server {
             vocab,
             started,
         });
+        let (header_timeout, body_timeout) = (config.header_timeout, config.body_timeout);
         let router = Router::new()
             .route("/v1/chat/completions", post(api::chat))
             .route("/v1/completions", post(api::completions))
@@ -159,6 +168,9 @@ impl Server {
             // After the routes: it applies to those already added.
             .method_not_allowed_fallback(api::method_not_allowed)
             .layer(DefaultBodyLimit::max(config.body_limit))
+            .layer(axum::middleware::from_fn(move |req, next| {
+                listen::body_deadline(body_timeout, req, next)
+            }))
             .with_state(app);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let http = std::thread::Builder::new()
@@ -170,11 +182,10 @@ impl Server {
                     .build()?;
                 rt.block_on(async move {
                     let listener = tokio::net::TcpListener::from_std(listener)?;
-                    axum::serve(listener, router)
-                        .with_graceful_shutdown(async move {
-                            let _ = stop_rx.await;
-                        })
-                        .await
+                    listen::serve(listener, router, header_timeout, async move {
+                        let _ = stop_rx.await;
+                    })
+                    .await
                 })
             })
             .map_err(|e| Error::io("http thread", e))?;

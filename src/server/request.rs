@@ -1,7 +1,9 @@
 //! Parsing OpenAI-style request bodies by hand from JSON values, so that every refusal
 //! names its field (`messages[2].content: expected a string`) in an OpenAI error body.
 //! Fields this server does not use are ignored, as OpenAI's clients send many; fields it
-//! uses must have the right type and a meaningful value.
+//! uses must have the right type and a meaningful value; fields that ask for what it does
+//! not do (penalties, logit biases, tools, a JSON response format) are refused unless they
+//! hold their no-op values.
 
 use serde_json::{Map, Value};
 
@@ -127,6 +129,47 @@ fn opt_bool(m: &Map<String, Value>, key: &str) -> Parsed<Option<bool>> {
     }
 }
 
+/// Fields whose asked-for effect this server does not have: refused when they ask for it
+/// (a client would otherwise get a reply that silently ignores them), accepted at their
+/// no-op values, which many clients send by default.
+fn unsupported(m: &Map<String, Value>) -> Parsed<()> {
+    for key in ["frequency_penalty", "presence_penalty"] {
+        if opt_f32(m, key)?.is_some_and(|p| p != 0.0) {
+            return Err(BadRequest::new(key, "penalties are not supported (only 0)"));
+        }
+    }
+    let asks = |key: &str| match m.get(key) {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => !o.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(_) => true,
+    };
+    if asks("logit_bias") {
+        return Err(BadRequest::new(
+            "logit_bias",
+            "logit biases are not supported",
+        ));
+    }
+    for key in ["tools", "functions"] {
+        if asks(key) {
+            return Err(BadRequest::new(
+                key,
+                "tool and function calls are not supported",
+            ));
+        }
+    }
+    if let Some(f) = m.get("response_format")
+        && !f.is_null()
+        && f.get("type").and_then(Value::as_str) != Some("text")
+    {
+        return Err(BadRequest::new(
+            "response_format",
+            "only {\"type\": \"text\"} is supported",
+        ));
+    }
+    Ok(())
+}
+
 fn common(m: &Map<String, Value>, lengths: Lengths, default_seed: u64) -> Parsed<Common> {
     if let Some(model) = m.get("model")
         && !model.is_string()
@@ -150,6 +193,7 @@ fn common(m: &Map<String, Value>, lengths: Lengths, default_seed: u64) -> Parsed
             "echoing the prompt is not supported",
         ));
     }
+    unsupported(m)?;
     let max = match (
         opt_u64(m, "max_completion_tokens")?,
         opt_u64(m, "max_tokens")?,
@@ -405,5 +449,37 @@ mod tests {
         assert!(bad(r#"{"prompt": ""}"#).contains("prompt: the prompt is empty"));
         assert!(bad(r#"{"prompt": ["a", "b"]}"#).contains("one prompt"));
         assert!(bad(r#"{"prompt": "a", "n": 2}"#).contains("n: only n = 1"));
+        for (body, want) in [
+            (
+                r#"{"prompt": "a", "frequency_penalty": 1e9}"#,
+                "frequency_penalty: penalties",
+            ),
+            (
+                r#"{"prompt": "a", "presence_penalty": -0.5}"#,
+                "presence_penalty: penalties",
+            ),
+            (
+                r#"{"prompt": "a", "presence_penalty": "x"}"#,
+                "presence_penalty: expected a number",
+            ),
+            (
+                r#"{"prompt": "a", "logit_bias": {"7": 100}}"#,
+                "logit_bias: logit biases",
+            ),
+            (
+                r#"{"prompt": "a", "tools": [{"type": "function"}]}"#,
+                "tools: tool and function",
+            ),
+            (
+                r#"{"prompt": "a", "response_format": {"type": "json_object"}}"#,
+                "response_format: only",
+            ),
+        ] {
+            assert!(bad(body).contains(want), "{body}: {}", bad(body));
+        }
+        // The no-op values clients send by default are accepted.
+        let defaults = r#"{"prompt": "a", "frequency_penalty": 0, "presence_penalty": 0.0,
+               "logit_bias": {}, "tools": [], "response_format": {"type": "text"}}"#;
+        assert!(CompletionRequest::parse(defaults.as_bytes(), LENGTHS, 0).is_ok());
     }
 }

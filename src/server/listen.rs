@@ -1,0 +1,96 @@
+//! The HTTP/1 accept loop (in place of `axum::serve`, which sets no timer, so a client
+//! that opens connections and never finishes a request head holds each one for ever: with
+//! enough of them the process runs out of descriptors and nobody else gets in). Here a
+//! connection must send a whole request head within `ServerConfig::header_timeout`, and a
+//! request's body must arrive within `ServerConfig::body_timeout` (`body_deadline`);
+//! replies, streamed or not, take as long as they take.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use futures_util::StreamExt;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+
+/// Serves `router` on `listener` until `stop` resolves, then waits for the open
+/// connections to finish their requests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    header_timeout: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let graceful = GracefulShutdown::new();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    accept_failed(e).await;
+                    continue;
+                }
+            },
+            () = &mut stop => break,
+        };
+        let service = TowerToHyperService::new(router.clone());
+        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            // A client that goes away or breaks the protocol ends only its connection.
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// After a failed accept: a connection reset before it was taken is nothing; anything else
+/// (out of descriptors, say) waits a moment, so the loop does not spin while connections
+/// close.
+async fn accept_failed(e: std::io::Error) {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    ) {
+        return;
+    }
+    tracing::warn!("accept failed: {e}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// Middleware: the request's body must arrive whole within `limit` of the handler being
+/// reached; past it the body ends in an error, which the handlers answer as an unreadable
+/// body (400), and the connection is freed.
+pub async fn body_deadline(
+    limit: Duration,
+    req: Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let (parts, body) = req.into_parts();
+    let deadline = tokio::time::Instant::now() + limit;
+    let frames = body.into_data_stream();
+    let timed = futures_util::stream::unfold(Some(frames), move |frames| async move {
+        let mut frames = frames?;
+        match tokio::time::timeout_at(deadline, frames.next()).await {
+            Ok(Some(item)) => Some((item, Some(frames))),
+            Ok(None) => None,
+            Err(_) => Some((
+                Err(axum::Error::new(format!(
+                    "it did not arrive within {} s",
+                    limit.as_secs_f64()
+                ))),
+                None,
+            )),
+        }
+    });
+    next.run(Request::from_parts(parts, Body::from_stream(timed)))
+        .await
+}
