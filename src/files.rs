@@ -24,16 +24,18 @@ pub fn check_regular(path: &Path) -> Result<()> {
     if meta.is_file() {
         Ok(())
     } else {
-        let what = if meta.is_dir() {
-            "a directory"
-        } else {
-            "not a regular file (a FIFO, socket or device?)"
-        };
-        Err(Error::format(
-            path,
-            format!("is {what}: refusing to read it"),
-        ))
+        Err(not_regular(path, &meta, "read"))
     }
+}
+
+/// The refusal to `act` on `path`, which `meta` says is not a regular file.
+fn not_regular(path: &Path, meta: &std::fs::Metadata, act: &str) -> Error {
+    let what = if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file (a FIFO, socket or device?)"
+    };
+    Error::format(path, format!("is {what}: refusing to {act} it"))
 }
 
 /// The file a write that replaces `path` (a temporary file renamed over it) should
@@ -60,15 +62,7 @@ pub fn replaceable(path: &Path) -> Result<PathBuf> {
     if meta.is_file() {
         return Ok(target);
     }
-    let what = if meta.is_dir() {
-        "a directory"
-    } else {
-        "not a regular file (a FIFO, socket or device?)"
-    };
-    Err(Error::format(
-        path,
-        format!("is {what}: refusing to replace it"),
-    ))
+    Err(not_regular(path, &meta, "replace"))
 }
 
 /// Opens `path` for reading if it is a regular file. The type is checked before `open`

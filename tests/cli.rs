@@ -480,13 +480,7 @@ fn chat_save_and_resume_continue_the_same_conversation() {
     // over its path): a FIFO or a directory is refused before the conversation starts, and
     // stays what it was; through a symlink the state replaces its target, the link stays.
     let fifo = dir.join("pipe");
-    assert!(
-        std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .unwrap()
-            .success()
-    );
+    common::mkfifo(&fifo);
     let d = dir.to_str().unwrap();
     for bad in [fifo.to_str().unwrap(), d] {
         let (ok, _, err) = chat(

@@ -314,13 +314,7 @@ fn a_cache_directory_s_fifo_and_subdirectory_are_refused_not_waited_on() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("sub.safetensors")).unwrap();
     let fifo = dir.join("pipe.safetensors");
-    assert!(
-        std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .unwrap()
-            .success()
-    );
+    common::mkfifo(&fifo);
     let key = StateKey {
         model: model.fingerprint(),
         format: "f32".into(),

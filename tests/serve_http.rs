@@ -484,15 +484,18 @@ async fn http_closes_connections_that_never_finish_a_request() {
             (what, s)
         })
         .collect();
-    // A real request while they stall.
-    let r = srv
-        .client
-        .post(format!("{}/v1/completions", srv.base))
-        .json(&json!({"prompt": "Once", "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    // A real request while they stall, and after (from a new client then: the first
+    // one's kept-alive connection has been idle past the head timeout and closed, as an
+    // idle connection is).
+    let served = |client: reqwest::Client| {
+        let url = format!("{}/v1/completions", srv.base);
+        async move {
+            let body = json!({"prompt": "Once", "max_tokens": 2});
+            let r = client.post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    };
+    served(srv.client.clone()).await;
     for (what, mut s) in stalled {
         let started = std::time::Instant::now();
         let mut got = Vec::new();
@@ -512,14 +515,6 @@ async fn http_closes_connections_that_never_finish_a_request() {
             );
         }
     }
-    // (A new client: the first one's kept-alive connection has been idle past the head
-    // timeout and closed, as an idle connection is.)
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/completions", srv.base))
-        .json(&json!({"prompt": "Once", "max_tokens": 2}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    served(reqwest::Client::new()).await;
     tokio::task::block_in_place(|| srv.stop());
 }

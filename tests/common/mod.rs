@@ -104,6 +104,13 @@ pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
     num / den.max(1e-30)
 }
 
+/// Makes a FIFO at `path` (a file whose `open` waits for a writer: what hostile-input tests
+/// put where a file is expected).
+pub fn mkfifo(path: &std::path::Path) {
+    let made = std::process::Command::new("mkfifo").arg(path).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", path.display());
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
