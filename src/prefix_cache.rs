@@ -237,6 +237,9 @@ impl PrefixCache {
             _lock: None,
         };
         if let Some(dir) = cache.cfg.dir.clone() {
+            if dir.exists() && !dir.is_dir() {
+                return Err(crate::Error::format(&dir, "is not a directory"));
+            }
             std::fs::create_dir_all(&dir).map_err(|e| crate::Error::io(&dir, e))?;
             cache._lock = Some(lock_dir(&dir)?);
             let mut files = Vec::new();

@@ -566,6 +566,22 @@ fn serve_prints_its_address_and_answers() {
             "expected a size like 512M or 4G",
         ),
         (&["serve", "--cache-dtype", "f8"], "expected f32 or f16"),
+        (
+            &["serve", "--api-key", "a\nb"],
+            "--api-key: '\\n' cannot be sent in an Authorization header",
+        ),
+        (
+            &[
+                "serve",
+                "--device",
+                "cpu",
+                "--port",
+                "0",
+                "--cache-dir",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+            ],
+            "Cargo.toml: is not a directory",
+        ),
     ] {
         let (ok, _, err) = mamba2(args);
         assert!(!ok && err.contains(says), "{args:?}: {err}");

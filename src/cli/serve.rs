@@ -88,10 +88,19 @@ impl ServeArgs {
         if let Some(ctx) = self.ctx {
             check_at_least("--ctx", ctx, 2)?;
         }
-        if let Some(key) = &self.api_key
-            && key.trim().is_empty()
-        {
-            anyhow::bail!("--api-key: empty");
+        if let Some(key) = &self.api_key {
+            if key.trim().is_empty() {
+                anyhow::bail!("--api-key: empty");
+            }
+            // A client sends it in an HTTP header, which holds no control characters or
+            // spaces: such a key could never match.
+            if let Some(c) = key.chars().find(|c| !c.is_ascii_graphic()) {
+                anyhow::bail!(
+                    "--api-key: {:?} cannot be sent in an Authorization header (use visible \
+                     ASCII characters only)",
+                    c
+                );
+            }
         }
         self.engine.check()?;
         self.model.require_tokenizer("serve needs one")
