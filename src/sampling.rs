@@ -68,8 +68,19 @@ impl Sampling {
                 ),
             ));
         }
-        if !(self.top_p >= f32::MIN_POSITIVE && self.top_p <= 1.0) {
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Some(("top-p", format!("must be in (0, 1], found {}", self.top_p)));
+        }
+        // (Subnormal: as for the temperature.)
+        if self.top_p < f32::MIN_POSITIVE {
+            return Some((
+                "top-p",
+                format!(
+                    "must be at least {:e} (a normal f32), found {:e}",
+                    f32::MIN_POSITIVE,
+                    self.top_p
+                ),
+            ));
         }
         None
     }

@@ -243,6 +243,10 @@ fn bad_flags_are_refused_before_the_model_is_read() {
             "--top-p: must be in (0, 1], found -0.5",
         ),
         (
+            &["generate", "--top-p", "1e-39", "x"],
+            "--top-p: must be at least 1.1754944e-38 (a normal f32), found 1e-39",
+        ),
+        (
             &["generate", "--chunk-size", "4", "x"],
             "--chunk-size: must be in 8…256, found 4",
         ),
