@@ -38,31 +38,34 @@ fn not_regular(path: &Path, meta: &std::fs::Metadata, act: &str) -> Error {
     Error::format(path, format!("is {what}: refusing to {act} it"))
 }
 
-/// The file a write that replaces `path` (a temporary file renamed over it) should
-/// replace: `path` itself when nothing is there yet or it is a regular file; the target of
-/// a symlink to a regular file (the link stays, as a plain write through it keeps it); else
-/// an error, so that a save never replaces a device, FIFO, socket or directory.
-pub fn replaceable(path: &Path) -> Result<PathBuf> {
+/// The path a write that replaces `path` (a temporary file renamed over it) should
+/// replace, refusing a device, FIFO, socket or directory: `path` itself when nothing is
+/// there yet or it is a regular file. A symlink: with `follow`, its target (the link stays,
+/// as a plain write through it keeps it; a dangling link's target is created), where the
+/// target is a regular file or not there yet; without, the link itself (replaced, never
+/// written through: what a directory of the engine's own files wants).
+pub fn replaceable(path: &Path, follow: bool) -> Result<PathBuf> {
     let meta = match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(path.to_path_buf()),
         other => other.map_err(|e| Error::io(path, e))?,
     };
-    let (target, meta) = if meta.file_type().is_symlink() {
-        let target = std::fs::canonicalize(path).map_err(|e| {
-            Error::format(
-                path,
-                format!("is a symlink whose target cannot be used: {e}"),
-            )
-        })?;
-        let meta = std::fs::metadata(&target).map_err(|e| Error::io(&target, e))?;
-        (target, meta)
-    } else {
-        (path.to_path_buf(), meta)
-    };
-    if meta.is_file() {
-        return Ok(target);
+    if !meta.file_type().is_symlink() {
+        return match meta.is_file() {
+            true => Ok(path.to_path_buf()),
+            false => Err(not_regular(path, &meta, "replace")),
+        };
     }
-    Err(not_regular(path, &meta, "replace"))
+    if !follow {
+        return Ok(path.to_path_buf());
+    }
+    let link = std::fs::read_link(path).map_err(|e| Error::io(path, e))?;
+    let target = path.parent().unwrap_or(Path::new("")).join(link);
+    match std::fs::metadata(&target) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(target),
+        Err(e) => Err(Error::io(&target, e)),
+        Ok(m) if m.is_file() => Ok(target),
+        Ok(m) => Err(not_regular(path, &m, "replace")),
+    }
 }
 
 /// Opens `path` for reading if it is a regular file. The type is checked before `open`

@@ -94,8 +94,9 @@ pub struct SavedState {
 }
 
 /// Writes `saved` to `path` (through a temporary file renamed into place, so a reader
-/// never sees half a file). `path` is a new file or a regular one (through a symlink, its
-/// target), never a device, FIFO or directory (`files::replaceable`).
+/// never sees half a file). `path` is a new file, a regular one or a symlink (replaced, not
+/// written through), never a device, FIFO or directory (`files::replaceable`; `chat
+/// --save` resolves a link to its target first).
 pub fn save(
     path: &Path,
     key: &StateKey,
@@ -103,7 +104,7 @@ pub fn save(
     dtype: StateDtype,
     c: &ModelConfig,
 ) -> Result<()> {
-    let path = &crate::files::replaceable(path)?;
+    let path = &crate::files::replaceable(path, false)?;
     saved.state.check(c)?;
     if !saved.tokens.is_empty() && saved.tokens.len() != saved.state.len {
         return Err(Error::InvalidInput(format!(

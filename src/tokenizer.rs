@@ -60,41 +60,47 @@ thread_local! {
     static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// The chat template of `tokenizer_config.json`: a string, or (as transformers also
-/// writes them) a list of `{"name", "template"}` entries, of which the one named `default`
-/// is the chat template; absent or null: none. Any other value is refused, naming the key,
-/// rather than taken as no template.
+/// The chat template of `tokenizer_config.json`: a string, or the named templates
+/// transformers also writes (a list of `{"name", "template"}` entries, or an object of
+/// name → template), of which the one named `default` is the chat template (named ones
+/// without it: none, as transformers applies none unasked); absent or null: none. A value
+/// of any other shape is refused, naming the key, rather than taken as no template.
 fn chat_template(config: Option<&serde_json::Value>) -> Result<Option<String>> {
+    use serde_json::Value;
     let bad = |what: &str| Error::Tokenizer(format!("tokenizer_config.json: chat_template {what}"));
+    let named = |name: &Value, template: &Value| match (name.as_str(), template.as_str()) {
+        (Some(n), Some(t)) => Ok((n == "default").then(|| t.to_string())),
+        _ => Err(bad(
+            "holds a named template whose name or text is not a string",
+        )),
+    };
     match config.and_then(|c| c.get("chat_template")) {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(serde_json::Value::String(t)) => Ok(Some(t.clone())),
-        Some(serde_json::Value::Array(entries)) => {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(t)) => Ok(Some(t.clone())),
+        Some(Value::Array(entries)) => {
+            let mut found = None;
             for e in entries {
-                let (Some(name), Some(template)) = (
-                    e.get("name").and_then(|n| n.as_str()),
-                    e.get("template").and_then(|t| t.as_str()),
-                ) else {
-                    return Err(bad(
-                        "is a list whose entries are not {\"name\", \"template\"} strings",
-                    ));
-                };
-                if name == "default" {
-                    return Ok(Some(template.to_string()));
-                }
+                let none = Value::Null;
+                let name = e.get("name").unwrap_or(&none);
+                let template = e.get("template").unwrap_or(&none);
+                found = found.or(named(name, template)?);
             }
-            Err(bad(
-                "is a list of named templates without one named `default`",
-            ))
+            Ok(found)
+        }
+        Some(Value::Object(map)) => {
+            let mut found = None;
+            for (name, template) in map {
+                found = found.or(named(&Value::String(name.clone()), template)?);
+            }
+            Ok(found)
         }
         Some(other) => {
             let kind = match other {
-                serde_json::Value::Bool(_) => "a boolean",
-                serde_json::Value::Number(_) => "a number",
-                _ => "an object",
+                Value::Bool(_) => "a boolean",
+                _ => "a number",
             };
             Err(bad(&format!(
-                "must be a string or a list of named templates, found {kind}"
+                "must be a string or named templates, found {kind}"
             )))
         }
     }
@@ -393,7 +399,7 @@ mod tests {
     }
 
     #[test]
-    fn chat_templates_as_a_string_or_named_list_and_nothing_else() {
+    fn chat_templates_as_a_string_or_named_and_nothing_else() {
         let t = with(serde_json::json!({"chat_template": "A"})).unwrap();
         assert_eq!(t.chat_template.as_deref(), Some("A"));
         let named = serde_json::json!({"chat_template": [
@@ -401,14 +407,22 @@ mod tests {
             {"name": "default", "template": "D"},
         ]});
         assert_eq!(with(named).unwrap().chat_template.as_deref(), Some("D"));
+        let map = serde_json::json!({"chat_template": {"rag": "R", "default": "D"}});
+        assert_eq!(with(map).unwrap().chat_template.as_deref(), Some("D"));
+        let no_default = serde_json::json!({"chat_template": [{"name": "rag", "template": "R"}]});
+        assert_eq!(with(no_default).unwrap().chat_template, None);
         assert_eq!(with(serde_json::json!({})).unwrap().chat_template, None);
         let bad = [
             (serde_json::json!(42), "found a number"),
+            (serde_json::json!(true), "found a boolean"),
             (
-                serde_json::json!([{"name": "rag", "template": "R"}]),
-                "without one named `default`",
+                serde_json::json!([{"name": 1}]),
+                "name or text is not a string",
             ),
-            (serde_json::json!([{"name": 1}]), "entries are not"),
+            (
+                serde_json::json!({"default": 7}),
+                "name or text is not a string",
+            ),
         ];
         for (value, want) in bad {
             let e = with(serde_json::json!({ "chat_template": value }))

@@ -486,12 +486,9 @@ fn chat_save_and_resume_continue_the_same_conversation() {
     let fifo = dir.join("pipe");
     common::mkfifo(&fifo);
     let d = dir.to_str().unwrap();
+    let save = |path: &str| chat(&["--device", "cpu", "-n", "2", "--save", path], b"hello\n");
     for bad in [fifo.to_str().unwrap(), d] {
-        let (ok, _, err) = chat(
-            &["--device", "cpu", "-n", "2", "--save", bad],
-            b"hello
-",
-        );
+        let (ok, _, err) = save(bad);
         assert!(
             !ok && err.contains(&format!("--save {bad}")) && err.contains("refusing to replace"),
             "{err}"
@@ -499,32 +496,29 @@ fn chat_save_and_resume_continue_the_same_conversation() {
     }
     use std::os::unix::fs::FileTypeExt;
     assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    let is_link = |p: &std::path::Path| std::fs::symlink_metadata(p).unwrap().is_symlink();
     let (target, link) = (dir.join("target.safetensors"), dir.join("link.safetensors"));
     std::fs::write(&target, b"old").unwrap();
     std::os::unix::fs::symlink(&target, &link).unwrap();
     let l = link.to_str().unwrap();
-    let (ok, _, err) = chat(
-        &["--device", "cpu", "-n", "2", "--save", l],
-        b"hello
-",
-    );
+    let (ok, _, err) = save(l);
     assert!(ok, "{err}");
-    assert!(
-        std::fs::symlink_metadata(&link)
-            .unwrap()
-            .file_type()
-            .is_symlink()
-    );
-    assert!(
-        std::fs::metadata(&target).unwrap().len() > 3,
-        "the target holds the state"
-    );
-    let (ok, _, err) = chat(
-        &["--device", "cpu", "-n", "1", "--resume", l],
-        b"again
-",
-    );
+    assert!(is_link(&link));
+    let saved = std::fs::metadata(&target).unwrap().len();
+    assert!(saved > 3, "the target holds the state: {saved} bytes");
+    let (ok, _, err) = chat(&["--device", "cpu", "-n", "1", "--resume", l], b"again\n");
     assert!(ok && err.contains("resumed"), "{err}");
+    // A dangling link (relative to its directory): its target is created, the link stays.
+    let (made, dangling) = (
+        dir.join("new.safetensors"),
+        dir.join("dangling.safetensors"),
+    );
+    std::os::unix::fs::symlink("new.safetensors", &dangling).unwrap();
+    let (ok, _, err) = save(dangling.to_str().unwrap());
+    assert!(ok, "{err}");
+    assert!(is_link(&dangling));
+    let made_len = std::fs::metadata(&made).unwrap().len();
+    assert!(made_len > 3, "the link's target was made");
 }
 
 /// `mamba2 serve --port 0` prints the address it bound, answers /health there, and

@@ -95,9 +95,9 @@ impl BenchArgs {
             .collect::<anyhow::Result<Vec<_>>>()?;
         // Decode speed is a median of the gaps between tokens: it needs two.
         check_at_least("--tokens", self.tokens, 2)?;
-        // Every count is a number of tokens a run feeds or keeps, summed into the context
-        // the engine is sized for: each is bounded so those sums cannot overflow and a
-        // typo cannot start a run of days.
+        // The token counts are summed (with the runs multiplying some) into the context the
+        // engine is sized for: each is bounded so those sums cannot overflow and a typo
+        // cannot start a run of days.
         let counts = [
             ("--tokens", self.tokens),
             ("--warmup", self.warmup),
@@ -117,7 +117,7 @@ impl BenchArgs {
         );
         for (flag, value) in too_big {
             if value > MAX_COUNT {
-                bail!("{flag}: at most {MAX_COUNT} (a benchmark's token count), found {value}");
+                bail!("{flag}: at most {MAX_COUNT} in a benchmark, found {value}");
             }
         }
         if let Some(0) = self.prefill.iter().copied().min() {

@@ -80,7 +80,7 @@ impl ChatArgs {
                 .with_context(|| format!("--resume {}", p.display()))?;
         }
         if let Some(p) = &self.save {
-            mamba2_wgpu::files::replaceable(p)
+            mamba2_wgpu::files::replaceable(p, true)
                 .with_context(|| format!("--save {}", p.display()))?;
         }
         self.model.require_tokenizer("chat needs one")
@@ -110,8 +110,17 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     }
     let save = |chat: &Chat| -> anyhow::Result<()> {
         if let Some(path) = &args.save {
-            state_file::save(path, &key, &chat.export()?, args.save_dtype, &model.config)
+            // Through a symlink, into its target (resolved at each save: the link may move).
+            let target = mamba2_wgpu::files::replaceable(path, true)
                 .with_context(|| format!("--save {}", path.display()))?;
+            state_file::save(
+                &target,
+                &key,
+                &chat.export()?,
+                args.save_dtype,
+                &model.config,
+            )
+            .with_context(|| format!("--save {}", path.display()))?;
         }
         Ok(())
     };

@@ -92,13 +92,18 @@ impl ServeArgs {
             if key.trim().is_empty() {
                 anyhow::bail!("--api-key: empty");
             }
-            // A client sends it in an HTTP header, which holds no control characters or
-            // spaces: such a key could never match.
-            if let Some(c) = key.chars().find(|c| !c.is_ascii_graphic()) {
+            // A client sends it in an HTTP header, whose value holds no control characters
+            // but tab and whose ends are trimmed: such a key could never match.
+            if let Some(c) = key.chars().find(|&c| c.is_control() && c != '\t') {
                 anyhow::bail!(
-                    "--api-key: {:?} cannot be sent in an Authorization header (use visible \
-                     ASCII characters only)",
-                    c
+                    "--api-key: {c:?} cannot be sent in an Authorization header, so no request \
+                     could match the key"
+                );
+            }
+            if key.trim_end() != key {
+                anyhow::bail!(
+                    "--api-key: ends in whitespace, which an Authorization header drops, so no \
+                     request could match the key"
                 );
             }
         }

@@ -127,7 +127,8 @@ fn requantized_format(dtypes: &[DType], format: WeightFormat, cols: usize) -> We
 /// `--token-embedding-type` / `--output-tensor-type f16` for the logits' precision; else
 /// `format`, which also quantizes an all-float file's on request. Their kernels take f32
 /// inputs whatever the run's format (the embedding is a row lookup; the final norm writes
-/// its f32 output beside the q8 blocks).
+/// its f32 output beside the q8 blocks). (`DeviceWeights::upload` still takes `format` for
+/// one too large for a binding of the adapter.)
 pub fn edge_format(model: &Model, t: &crate::model::Tensor, format: WeightFormat) -> WeightFormat {
     let quantized_file = model
         .gguf
@@ -429,15 +430,22 @@ impl DeviceWeights {
                 .collect()
         };
         let per_bank = experts_per_bank(c, format, bank_bytes);
-        let embedding = upload_as(
-            "embedding",
-            &[&w.embedding],
-            edge_format(model, &w.embedding, format),
-        )?;
+        // A float embedding or head too large for one binding of this adapter (`Engine::needs`
+        // sized the run for `format`) goes up in `format` after all.
+        let binding = ctx.limits.max_storage_buffer_binding_size;
+        let edge = |t: &crate::model::Tensor| {
+            let f = edge_format(model, t, format);
+            let (rows, cols) = (t.shape[0], t.shape.get(1).copied().unwrap_or(1));
+            match f.data_bytes(rows, cols) as u64 > binding {
+                true => format,
+                false => f,
+            }
+        };
+        let embedding = upload_as("embedding", &[&w.embedding], edge(&w.embedding))?;
         let lm_head = w
             .lm_head
             .as_ref()
-            .map(|t| upload_as("lm_head", &[t], edge_format(model, t, format)))
+            .map(|t| upload_as("lm_head", &[t], edge(t)))
             .transpose()?;
         let layout = ParamLayout::new(c);
         let mut layers = Vec::with_capacity(c.n_layer);

@@ -132,7 +132,7 @@ impl EngineOptions {
                 "--ctx {n}: each attention layer's K (and V) cache would need {:.1} MiB ({n} \
                  rows of {row} bytes, {} KV) but the adapter binds at most {:.1} MiB per \
                  buffer: at most {fits} tokens fit (try --kv f16 or a smaller --ctx)",
-                mib((n as u64).saturating_mul(row)),
+                n as f64 * row as f64 / (1024.0 * 1024.0),
                 self.kv.name(),
                 mib(max_binding)
             ))),
