@@ -124,17 +124,27 @@ impl EngineOptions {
             return Ok(0);
         }
         let row = (a.kv_width() * self.kv.bytes()) as u64;
-        let fits = (max_binding / row.max(1)).min(u32::MAX as u64 / 2) as usize;
+        let by_binding = max_binding / row.max(1);
+        // Positions are 32-bit on the device (and kept below 2^31).
+        let by_position = u32::MAX as u64 / 2;
+        let fits = by_binding.min(by_position) as usize;
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
         match self.context {
             Some(0) => Err(Error::InvalidInput("--ctx must be at least 1".into())),
+            Some(n) if n > fits && by_position <= by_binding => Err(Error::InvalidInput(format!(
+                "--ctx {n}: positions are counted in 32 bits: at most {fits} tokens"
+            ))),
             Some(n) if n > fits => Err(Error::InvalidInput(format!(
                 "--ctx {n}: each attention layer's K (and V) cache would need {:.1} MiB ({n} \
                  rows of {row} bytes, {} KV) but the adapter binds at most {:.1} MiB per \
-                 buffer: at most {fits} tokens fit (try --kv f16 or a smaller --ctx)",
+                 buffer: at most {fits} tokens fit (try {}a smaller --ctx)",
                 n as f64 * row as f64 / (1024.0 * 1024.0),
                 self.kv.name(),
-                mib(max_binding)
+                mib(max_binding),
+                match self.kv {
+                    KvFormat::F32 => "--kv f16 or ",
+                    KvFormat::F16 => "",
+                }
             ))),
             Some(n) => Ok(n),
             None => {
