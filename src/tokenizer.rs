@@ -68,32 +68,35 @@ thread_local! {
 fn chat_template(config: Option<&serde_json::Value>) -> Result<Option<String>> {
     use serde_json::Value;
     let bad = |what: &str| Error::Tokenizer(format!("tokenizer_config.json: chat_template {what}"));
-    let named = |name: &Value, template: &Value| match (name.as_str(), template.as_str()) {
-        (Some(n), Some(t)) => Ok((n == "default").then(|| t.to_string())),
-        _ => Err(bad(
-            "holds a named template whose name or text is not a string",
-        )),
+    // The `default` template among named ones, every entry checked.
+    let pick = |named: Vec<(Option<&str>, Option<&Value>)>| {
+        let mut found = None;
+        for (name, template) in named {
+            let (Some(name), Some(template)) = (name, template.and_then(Value::as_str)) else {
+                return Err(bad(
+                    "holds a named template whose name or text is not a string",
+                ));
+            };
+            if name == "default" && found.is_none() {
+                found = Some(template.to_string());
+            }
+        }
+        Ok(found)
     };
     match config.and_then(|c| c.get("chat_template")) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(t)) => Ok(Some(t.clone())),
-        Some(Value::Array(entries)) => {
-            let mut found = None;
-            for e in entries {
-                let none = Value::Null;
-                let name = e.get("name").unwrap_or(&none);
-                let template = e.get("template").unwrap_or(&none);
-                found = found.or(named(name, template)?);
-            }
-            Ok(found)
-        }
-        Some(Value::Object(map)) => {
-            let mut found = None;
-            for (name, template) in map {
-                found = found.or(named(&Value::String(name.clone()), template)?);
-            }
-            Ok(found)
-        }
+        Some(Value::Array(entries)) => pick(
+            entries
+                .iter()
+                .map(|e| (e.get("name").and_then(Value::as_str), e.get("template")))
+                .collect(),
+        ),
+        Some(Value::Object(map)) => pick(
+            map.iter()
+                .map(|(name, template)| (Some(name.as_str()), Some(template)))
+                .collect(),
+        ),
         Some(other) => {
             let kind = match other {
                 Value::Bool(_) => "a boolean",
@@ -226,14 +229,15 @@ impl Tokenizer {
             })
         };
         // A named end token the vocabulary lacks would never end a reply: refused.
-        if let Some(t) = token_text("eos_token")
-            && inner.token_to_id(&t).is_none()
+        let named_eos = token_text("eos_token");
+        if let Some(t) = &named_eos
+            && inner.token_to_id(t).is_none()
         {
             return Err(Error::Tokenizer(format!(
                 "tokenizer_config.json: eos_token `{t}` is not a token of the vocabulary"
             )));
         }
-        let eos_token = token_text("eos_token").or_else(|| {
+        let eos_token = named_eos.or_else(|| {
             ["<|endoftext|>", "</s>", "<|im_end|>", "<|end_of_text|>"]
                 .into_iter()
                 .find(|t| inner.token_to_id(t).is_some())

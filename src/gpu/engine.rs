@@ -128,7 +128,7 @@ impl EngineOptions {
         // Positions are 32-bit on the device (and kept below 2^31).
         let by_position = u32::MAX as u64 / 2;
         let fits = by_binding.min(by_position) as usize;
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let mib = |b: f64| b / (1024.0 * 1024.0);
         match self.context {
             Some(0) => Err(Error::InvalidInput("--ctx must be at least 1".into())),
             Some(n) if n > fits && by_position <= by_binding => Err(Error::InvalidInput(format!(
@@ -138,9 +138,9 @@ impl EngineOptions {
                 "--ctx {n}: each attention layer's K (and V) cache would need {:.1} MiB ({n} \
                  rows of {row} bytes, {} KV) but the adapter binds at most {:.1} MiB per \
                  buffer: at most {fits} tokens fit (try {}a smaller --ctx)",
-                n as f64 * row as f64 / (1024.0 * 1024.0),
+                mib(n as f64 * row as f64),
                 self.kv.name(),
-                mib(max_binding),
+                mib(max_binding as f64),
                 match self.kv {
                     KvFormat::F32 => "--kv f16 or ",
                     KvFormat::F16 => "",
@@ -153,7 +153,7 @@ impl EngineOptions {
                     notice(&format!(
                         "KV cache capped at {fits} tokens (the model allows {want}): the \
                          adapter binds at most {:.1} MiB per buffer",
-                        mib(max_binding)
+                        mib(max_binding as f64)
                     ));
                     Ok(fits)
                 } else {
