@@ -138,6 +138,17 @@ impl Chat {
             field: "mamba2.extra".into(),
             message: format!("not a saved conversation: {e}"),
         })?;
+        // A conversation that fills this run's context (a smaller --ctx than it was saved
+        // with) could take no further turn: said now, not at the first message.
+        let held = saved.state.len as u64 + u64::from(chat.pending.is_some());
+        if let Some(ctx) = self.session.backend().context()
+            && held >= ctx as u64
+        {
+            return Err(Error::InvalidInput(format!(
+                "the conversation holds {held} tokens and this run's context {ctx} (--ctx): \
+                 no turn would fit; resume with a larger --ctx"
+            )));
+        }
         self.session.load_state(&saved.state, chat.pending)?;
         self.messages = chat.messages;
         self.fed = chat.fed;

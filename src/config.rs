@@ -1252,56 +1252,94 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
     })
 }
 
+/// Nemotron-H's block kinds from `field`'s entries: each kind has a letter in the pattern,
+/// an old name and the name transformers 5.x writes.
+fn block_kinds(f: &Fields, field: &str, kinds: &[String]) -> Result<Vec<BlockKind>> {
+    kinds
+        .iter()
+        .enumerate()
+        .map(|(i, kind)| match kind.as_str() {
+            "M" | "mamba" | "linear_attention" => Ok(BlockKind::Mamba2),
+            "*" | "attention" | "full_attention" => Ok(BlockKind::Attention),
+            "-" | "mlp" => Ok(BlockKind::Mlp),
+            "E" | "moe" => Ok(BlockKind::Moe),
+            _ => Err(f.err(
+                field,
+                format!(
+                    "layer {i} has the unknown block type `{kind}` (expected M, *, - or E / \
+                     mamba, attention, mlp, moe / linear_attention, full_attention)"
+                ),
+            )),
+        })
+        .collect()
+}
+
 fn parse_nemotron_h(f: &Fields) -> Result<ModelConfig> {
-    let (kinds, field): (Vec<String>, &str) =
-        if let Some(pattern) = f.opt_str("hybrid_override_pattern")? {
-            (
-                pattern.chars().map(|c| c.to_string()).collect(),
-                "hybrid_override_pattern",
-            )
-        } else if let Some(Value::Array(items)) = f.get("layers_block_type") {
-            let kinds = items
+    // The layer list: the pattern (a letter a layer) or transformers 5.x's names; a
+    // config holding both must agree.
+    let pattern = f
+        .opt_str("hybrid_override_pattern")?
+        .map(|p| p.chars().map(|c| c.to_string()).collect::<Vec<_>>());
+    let names = match f.get("layers_block_type") {
+        None => None,
+        Some(Value::Array(items)) => Some(
+            items
                 .iter()
                 .map(|v| v.as_str().map(str::to_string))
-                .collect::<Option<_>>()
-                .ok_or_else(|| f.err("layers_block_type", "expected a list of strings"))?;
-            (kinds, "layers_block_type")
-        } else {
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| f.err("layers_block_type", "expected a list of strings"))?,
+        ),
+        Some(v) => {
             return Err(f.err(
-            "hybrid_override_pattern",
-            "missing: a nemotron_h config needs `hybrid_override_pattern` or `layers_block_type`",
-        ));
-        };
+                "layers_block_type",
+                format!("expected a list of strings, found {v}"),
+            ));
+        }
+    };
+    let (blocks, field) = match (pattern, names) {
+        (Some(p), names) => {
+            let blocks = block_kinds(f, "hybrid_override_pattern", &p)?;
+            if let Some(names) = names {
+                let listed = block_kinds(f, "layers_block_type", &names)?;
+                if listed != blocks {
+                    let at = (0..blocks.len().max(listed.len()))
+                        .find(|&i| blocks.get(i) != listed.get(i))
+                        .unwrap_or(0);
+                    return Err(f.err(
+                        "layers_block_type",
+                        format!(
+                            "disagrees with `hybrid_override_pattern` ({} layers against {}, \
+                             first at layer {at})",
+                            listed.len(),
+                            blocks.len()
+                        ),
+                    ));
+                }
+            }
+            (blocks, "hybrid_override_pattern")
+        }
+        (None, Some(names)) => (
+            block_kinds(f, "layers_block_type", &names)?,
+            "layers_block_type",
+        ),
+        (None, None) => {
+            return Err(f.err(
+                "hybrid_override_pattern",
+                "missing: a nemotron_h config needs `hybrid_override_pattern` or \
+                 `layers_block_type`",
+            ));
+        }
+    };
     // transformers 5.x writes no num_hidden_layers: the pattern is the layer list.
-    let n_layer = f.usize_or("num_hidden_layers", kinds.len())?;
-    if kinds.len() != n_layer {
+    let n_layer = f.usize_or("num_hidden_layers", blocks.len())?;
+    if blocks.len() != n_layer {
         return Err(f.err(
             field,
             format!(
                 "describes {} layers but num_hidden_layers is {n_layer}",
-                kinds.len()
+                blocks.len()
             ),
         ));
-    }
-    let mut blocks = Vec::with_capacity(n_layer);
-    for (i, kind) in kinds.iter().enumerate() {
-        // Each kind has a letter in the pattern, an old name and the name transformers
-        // 5.x writes.
-        blocks.push(match kind.as_str() {
-            "M" | "mamba" | "linear_attention" => BlockKind::Mamba2,
-            "*" | "attention" | "full_attention" => BlockKind::Attention,
-            "-" | "mlp" => BlockKind::Mlp,
-            "E" | "moe" => BlockKind::Moe,
-            _ => {
-                return Err(f.err(
-                    field,
-                    format!(
-                        "layer {i} has the unknown block type `{kind}` (expected M, *, - or E / \
-                         mamba, attention, mlp, moe / linear_attention, full_attention)"
-                    ),
-                ));
-            }
-        });
     }
     let mut notices = Vec::new();
     let mtp = f.usize_or("num_nextn_predict_layers", 0)?;
@@ -1671,6 +1709,31 @@ mod tests {
             );
             assert_eq!(c.mlp.as_ref().unwrap().intermediate, 96);
             assert!(c.notices.is_empty());
+        }
+        // Both keys: they must agree; a list of another type is named as such.
+        let both = r#""hybrid_override_pattern":"M*-M","layers_block_type":["mamba","attention","mlp","mamba"]"#;
+        assert_eq!(
+            parse(&base.replace("KINDS", both)).unwrap().pattern(),
+            "M*-M"
+        );
+        for (kinds, want) in [
+            (
+                r#""hybrid_override_pattern":"M*-M","layers_block_type":["mamba","mlp","mlp","mamba"]"#,
+                "`layers_block_type`: disagrees with `hybrid_override_pattern` (4 layers against 4, first at layer 1)",
+            ),
+            (
+                r#""hybrid_override_pattern":"M*-M","layers_block_type":["mamba","attention","mlp"]"#,
+                "`layers_block_type`: disagrees with `hybrid_override_pattern` (3 layers against 4, first at layer 3)",
+            ),
+            (
+                r#""layers_block_type":"M*-M""#,
+                "`layers_block_type`: expected a list of strings, found \"M*-M\"",
+            ),
+        ] {
+            let e = parse(&base.replace("KINDS", kinds))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{e}\nwanted: {want}");
         }
         // Older option names, MTP layers noticed and ignored, attention_head_dim.
         let c = parse(&base.replace(

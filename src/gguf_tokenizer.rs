@@ -124,6 +124,19 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
     let tokens = strings("tokenizer.ggml.tokens")?;
     let n = tokens.len();
     let types = numbers("tokenizer.ggml.token_type", n)?.unwrap_or_else(|| vec![1.0; n]);
+    // llama.cpp's types: 0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined,
+    // 5 unused, 6 byte. Another value is a file no converter wrote: its tokens would be
+    // taken as normal ones without a word.
+    if let Some((i, t)) = types
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !(t.fract() == 0.0 && (0.0..=6.0).contains(*t)))
+    {
+        return Err(err(
+            "tokenizer.ggml.token_type",
+            format!("item {i} is {t}, not a llama.cpp token type (0…6)"),
+        ));
+    }
     let id = |key: &str| -> Result<Option<u32>> {
         match info.get(key) {
             None => Ok(None),
@@ -173,14 +186,20 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
                 .iter()
                 .enumerate()
                 .map(|(i, m)| {
-                    m.split_once(' ')
-                        .map(|(a, b)| json!([a, b]))
-                        .ok_or_else(|| {
-                            err(
-                                "tokenizer.ggml.merges",
-                                format!("item {i} `{m}` is not two pieces"),
-                            )
-                        })
+                    let bad =
+                        |why: String| err("tokenizer.ggml.merges", format!("item {i} `{m}`{why}"));
+                    let (a, b) = m
+                        .split_once(' ')
+                        .ok_or_else(|| bad(" is not two pieces".into()))?;
+                    // Both pieces and their join must be tokens (the BPE model maps merges
+                    // to ids): said here, in the file's terms.
+                    match [a, b, &format!("{a}{b}")]
+                        .into_iter()
+                        .find(|t| !vocab.contains_key(*t))
+                    {
+                        Some(t) => Err(bad(format!(": `{t}` is not a token"))),
+                        None => Ok(json!([a, b])),
+                    }
                 })
                 .collect::<Result<_>>()?;
             let pre = info

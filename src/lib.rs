@@ -42,5 +42,7 @@ pub use model::Model;
 pub use model::quant::WeightFormat;
 pub use reference::CpuModel;
 pub use sampling::Sampling;
-pub use session::{Backend, CpuBackend, Finish, GenerateOptions, Session, Snapshot};
+pub use session::{
+    Backend, CpuBackend, Finish, GenerateOptions, PromptProgress, Session, Snapshot,
+};
 pub use tokenizer::Tokenizer;

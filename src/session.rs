@@ -57,6 +57,12 @@ pub trait Backend: Send {
     fn context(&self) -> Option<usize> {
         None
     }
+    /// Tokens a prompt may be cut into multiples of, fed by one `prefill_sample` call each,
+    /// with results bit for bit those of one call (the device feeds a long prompt in such
+    /// blocks anyway); `None` where no cut keeps them.
+    fn prefill_granule(&mut self) -> Result<Option<usize>> {
+        Ok(None)
+    }
     /// The GPU backend behind this device, for front-ends that show timings and state.
     fn gpu(&mut self) -> Option<&mut crate::gpu::GpuBackend> {
         None
@@ -139,6 +145,10 @@ impl Backend for CpuBackend {
             .forward(&mut self.state, last, self.scan, Logits::Last)?;
         self.check_logits(&logits, self.state.len as u64)?;
         Ok(sample(&logits[0], sampling, pos))
+    }
+
+    fn prefill_granule(&mut self) -> Result<Option<usize>> {
+        Ok(Some(self.prefill_block()))
     }
 
     fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
@@ -262,6 +272,14 @@ pub struct Session {
     backend: Box<dyn Backend>,
     pos: u64,
     pending: Option<u32>,
+    progress: Option<PromptProgress>,
+}
+
+/// Progress through long prompts: `on(fed, total)` after every piece of about `every`
+/// tokens (whole prefill blocks of the device), for front-ends that draw a bar.
+pub struct PromptProgress {
+    pub every: usize,
+    pub on: Box<dyn FnMut(usize, usize) + Send>,
 }
 
 impl Session {
@@ -270,7 +288,46 @@ impl Session {
             backend,
             pos: 0,
             pending: None,
+            progress: None,
         }
+    }
+
+    /// Reports progress through prompts of at least two pieces (`PromptProgress`); the
+    /// tokens and state are those of feeding the prompt at once.
+    pub fn set_prompt_progress(&mut self, progress: Option<PromptProgress>) {
+        self.progress = progress;
+    }
+
+    /// The backend's `prefill_sample`, in pieces of whole prefill blocks with progress
+    /// between them where a long prompt meets a `PromptProgress`. The last piece keeps the
+    /// remainder (one to two pieces long), so no piece is short enough to take another path
+    /// through the device (a short prompt is fed token by token on a GPU).
+    fn prefill_sample(&mut self, input: &[u32], sampling: &Sampling, end: u64) -> Result<u32> {
+        let piece = match &self.progress {
+            Some(p) if input.len() >= 2 * p.every.max(1) => match self.backend.prefill_granule()? {
+                Some(g) => p.every.max(1).next_multiple_of(g.max(1)),
+                None => input.len(),
+            },
+            _ => input.len(),
+        };
+        let total = input.len();
+        let mut fed = 0;
+        while total - fed >= 2 * piece {
+            let part = &input[fed..fed + piece];
+            fed += piece;
+            let at = end - (total - fed) as u64;
+            self.backend.prefill_sample(part, &Sampling::greedy(), at)?;
+            if let Some(p) = self.progress.as_mut() {
+                (p.on)(fed, total);
+            }
+        }
+        let token = self.backend.prefill_sample(&input[fed..], sampling, end)?;
+        if fed > 0
+            && let Some(p) = self.progress.as_mut()
+        {
+            (p.on)(total, total);
+        }
+        Ok(token)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -324,17 +381,13 @@ impl Session {
             // Only fed (the logits of every position, as prefill_logits keeps them, would be
             // tokens × vocab floats: gigabytes for a long prompt).
             let pos = self.pos + input.len() as u64;
-            let _ = self
-                .backend
-                .prefill_sample(&input, &Sampling::greedy(), pos)?;
+            let _ = self.prefill_sample(&input, &Sampling::greedy(), pos)?;
             self.pos = pos;
             self.pending = None;
             return Ok((reply, Finish::Length));
         }
         let first_pos = self.pos + input.len() as u64;
-        let first = self
-            .backend
-            .prefill_sample(&input, &opts.sampling, first_pos)?;
+        let first = self.prefill_sample(&input, &opts.sampling, first_pos)?;
         self.pos = first_pos;
         self.pending = Some(first);
         if opts.stop.contains(&first) {

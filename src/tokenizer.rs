@@ -133,7 +133,7 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "no message".into());
         Err(Error::Tokenizer(format!(
-            "the tokenizers library failed on this tokenizer ({why}): its tokenizer.json is malformed"
+            "the tokenizers library failed on this tokenizer ({why}): its description is malformed"
         )))
     })
 }

@@ -69,6 +69,29 @@ fn truncated_safetensors() {
 }
 
 #[test]
+fn reversed_data_offsets_are_named_as_such() {
+    let (dir, _) = saved_model("reversed");
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let offsets = &mut header["lm_head.weight"]["data_offsets"];
+    let (a, b) = (offsets[0].clone(), offsets[1].clone());
+    *offsets = serde_json::json!([b, a]);
+    // The same digits swapped: the header keeps its length.
+    let text = serde_json::to_vec(&header).unwrap();
+    assert!(text.len() <= n);
+    bytes[8..8 + n].fill(b' ');
+    bytes[8..8 + text.len()].copy_from_slice(&text);
+    std::fs::write(&path, &bytes).unwrap();
+    let e = load_err(&dir);
+    assert!(
+        e.contains("tensor `lm_head.weight`") && e.contains("end before they start"),
+        "{e}"
+    );
+}
+
+#[test]
 fn corrupt_header() {
     let (dir, _) = saved_model("corrupt");
     let path = dir.join("model.safetensors");

@@ -237,3 +237,90 @@ fn a_turn_reports_where_its_input_leaves_the_state() {
         "a regenerate starts where the turn did"
     );
 }
+
+/// A CPU backend with a context limit, as a GPU engine's KV caches set one.
+struct Limited {
+    inner: CpuBackend,
+    ctx: usize,
+}
+
+impl mamba2_wgpu::Backend for Limited {
+    fn config(&self) -> &mamba2_wgpu::ModelConfig {
+        self.inner.config()
+    }
+    fn describe(&self) -> String {
+        "limited cpu".into()
+    }
+    fn reset(&mut self) -> mamba2_wgpu::Result<()> {
+        self.inner.reset()
+    }
+    fn prefill_sample(
+        &mut self,
+        tokens: &[u32],
+        sampling: &mamba2_wgpu::Sampling,
+        pos: u64,
+    ) -> mamba2_wgpu::Result<u32> {
+        self.inner.prefill_sample(tokens, sampling, pos)
+    }
+    fn prefill_logits(&mut self, tokens: &[u32]) -> mamba2_wgpu::Result<Vec<Vec<f32>>> {
+        self.inner.prefill_logits(tokens)
+    }
+    fn decode(
+        &mut self,
+        first: u32,
+        pos: u64,
+        max_new: usize,
+        sampling: &mamba2_wgpu::Sampling,
+        stop: &[u32],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> mamba2_wgpu::Result<usize> {
+        self.inner
+            .decode(first, pos, max_new, sampling, stop, on_token)
+    }
+    fn snapshot(&self) -> mamba2_wgpu::Result<Box<dyn std::any::Any + Send>> {
+        self.inner.snapshot()
+    }
+    fn restore(&mut self, snapshot: &(dyn std::any::Any + Send)) -> mamba2_wgpu::Result<()> {
+        self.inner.restore(snapshot)
+    }
+    fn state(&self) -> mamba2_wgpu::Result<mamba2_wgpu::state::State<f32>> {
+        mamba2_wgpu::Backend::state(&self.inner)
+    }
+    fn context(&self) -> Option<usize> {
+        Some(self.ctx)
+    }
+}
+
+/// A saved conversation resumed into a context it fills is refused when it is loaded,
+/// naming both sizes and --ctx, not at the first message; one with room continues.
+#[test]
+fn a_conversation_resumed_into_a_context_it_fills_is_refused_at_once() {
+    let mut c = chat(None);
+    let reply = c
+        .say("Tell me a story", &greedy(6, None), |_| true)
+        .unwrap();
+    assert!(!reply.text.is_empty());
+    let saved = c.export().unwrap();
+    let held = saved.state.len + 1; // the reply's last token is pending
+    let limited = |ctx: usize| {
+        let (model, tok) = assets::embedded().unwrap();
+        let backend = Limited {
+            inner: CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap()),
+            ctx,
+        };
+        Chat::new(Session::new(Box::new(backend)), tok)
+    };
+    let path = std::path::Path::new("talk.safetensors");
+    for ctx in [held - 1, held] {
+        let e = limited(ctx).import(&saved, path).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("holds {held} tokens"))
+                && e.contains(&format!("context {ctx} (--ctx)")),
+            "{e}"
+        );
+    }
+    let mut roomy = limited(held + 64);
+    roomy.import(&saved, path).unwrap();
+    assert_eq!(roomy.session.position(), saved.state.len as u64);
+    roomy.say("Go on", &greedy(2, None), |_| true).unwrap();
+}

@@ -215,6 +215,26 @@ fn chat_survives_a_line_that_is_not_utf8_and_says_so_in_its_exit_status() {
     assert!(ok && !out.trim().is_empty(), "{err}");
 }
 
+/// A mistyped command (`/foo`) is refused, never sent to the model as a message; `//` sends
+/// a line that starts with `/`: `//fortune please` gets the reply `/fortune please` gets (a
+/// line with a space is text as it stands).
+#[test]
+fn chat_refuses_an_unknown_command_and_sends_a_doubled_slash_as_text() {
+    let flags = ["--device", "cpu", "-n", "6"];
+    let (ok, out, err) = chat(&flags, b"/fortune\n");
+    assert!(
+        !ok && out.trim().is_empty()
+            && err.contains("unknown command `/fortune`")
+            && err.contains("nothing was sent"),
+        "{out}\n{err}"
+    );
+    let (ok, escaped, err) = chat(&flags, b"//fortune please\n");
+    assert!(ok && !escaped.trim().is_empty(), "{err}");
+    let (ok, plain, err) = chat(&flags, b"/fortune please\n");
+    assert!(ok, "{err}");
+    assert_eq!(escaped, plain);
+}
+
 /// Issue class 6: every flag is judged before anything is loaded. Each run names a model
 /// directory that does not exist, so an error about the model means the flag was checked
 /// too late (or not at all).
@@ -613,6 +633,20 @@ fn huge_counts_are_refused_not_overflowed() {
     assert!(!err.contains("panicked"), "{err}");
     let (ok, out, err) = mamba2(&["info", "-m", h, "--ctx", "288230376151711743"]);
     assert!(ok && out.contains("KV cache"), "{err}");
+    // bench's refusal counts its own tokens beside the --ctx asked for, and says so.
+    let (ok, _, err) = mamba2(&[
+        "bench",
+        "--config",
+        "tiny-hybrid",
+        "--ctx",
+        "16000000",
+        "--tokens",
+        "2",
+    ]);
+    assert!(
+        !ok && err.contains("--ctx 16000") && err.contains("the bench asks for 16000"),
+        "{err}"
+    );
     let cases: [(&[&str], &str); 6] = [
         (&["--config", "tiny", "--tokens", &max], "--tokens"),
         (&["--config", "tiny", "--warmup", &max], "--warmup"),

@@ -148,3 +148,78 @@ fn llama_metadata_tokenizes_like_sentencepiece() {
         "{e}"
     );
 }
+
+/// Metadata a converter would never write is refused naming the key and item, in terms of
+/// the GGUF file (it has no tokenizer.json): a merge of pieces that are not tokens, a token
+/// type llama.cpp does not define. A string listed twice is not an error (some vocabularies
+/// pad with repeats): it keeps its first id.
+#[test]
+fn malformed_tokenizer_metadata_names_the_key_and_item() {
+    let tokens = ["<eos>", "a", "b", "ab", "c"];
+    let info = |merges: &[&str], types: &[i32], tokens: &[&str]| GgufInfo {
+        path: "bad.gguf".into(),
+        version: 3,
+        metadata: vec![
+            ("tokenizer.ggml.model".into(), Value::Str("gpt2".into())),
+            ("tokenizer.ggml.pre".into(), Value::Str("gpt-2".into())),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(tokens.iter().map(|t| Value::Str(t.to_string())).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type".into(),
+                Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+            ),
+            (
+                "tokenizer.ggml.merges".into(),
+                Value::Array(merges.iter().map(|m| Value::Str(m.to_string())).collect()),
+            ),
+            ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+        ],
+        types: Vec::new(),
+        tensors: 0,
+        file_len: 0,
+    };
+    let err = |i: GgufInfo| match mamba2_wgpu::gguf_tokenizer::from_gguf(&i) {
+        Ok(_) => panic!("accepted"),
+        Err(e) => e.to_string(),
+    };
+    // The control: well-formed metadata builds.
+    assert!(
+        mamba2_wgpu::gguf_tokenizer::from_gguf(&info(&["a b"], &[3, 1, 1, 1, 1], &tokens))
+            .unwrap()
+            .is_some()
+    );
+    for (merges, types, toks, want) in [
+        (
+            &["a b", "a x"][..],
+            &[3, 1, 1, 1, 1][..],
+            &tokens[..],
+            "bad.gguf: metadata key `tokenizer.ggml.merges`: item 1 `a x`: `x` is not a token",
+        ),
+        (
+            &["a c"],
+            &[3, 1, 1, 1, 1],
+            &tokens,
+            "bad.gguf: metadata key `tokenizer.ggml.merges`: item 0 `a c`: `ac` is not a token",
+        ),
+        (
+            &["a b"],
+            &[3, 1, 99, 1, 1],
+            &tokens,
+            "bad.gguf: metadata key `tokenizer.ggml.token_type`: item 2 is 99, not a llama.cpp token type (0…6)",
+        ),
+    ] {
+        let e = err(info(merges, types, toks));
+        assert!(e.contains(want), "{e}\nwanted: {want}");
+        assert!(!e.contains("tokenizer.json"), "{e}");
+    }
+    let repeated = mamba2_wgpu::gguf_tokenizer::from_gguf(&info(
+        &["a b"],
+        &[3, 1, 1, 1, 1],
+        &["<eos>", "a", "b", "ab", "a"],
+    ))
+    .unwrap()
+    .unwrap();
+    assert_eq!(repeated.encode("aba").unwrap(), vec![3, 1]);
+}

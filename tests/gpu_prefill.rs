@@ -88,6 +88,39 @@ fn chunked_prefill_equals_the_cpu_reference() {
     );
 }
 
+/// A config's `chunk_size` beyond what the GPU's chunked SSD runs (a checkpoint's 1024) is
+/// a speed hint: the engine runs the nearest length it has (the SSD is exact at any), and
+/// the logits equal the CPU reference's, which scans in the config's 1024-token chunks.
+#[test]
+fn a_config_chunk_size_beyond_the_kernels_runs_at_their_largest() {
+    let mut config = tiny_config(2, 6);
+    config.chunk_size = 1024;
+    let model = Model::synthetic(config, 4);
+    let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+    let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
+        return;
+    };
+    let opts = EngineOptions {
+        format: WeightFormat::F32,
+        ..Default::default()
+    };
+    let engine = Engine::new(ctx, &model, opts).unwrap();
+    assert!((8..=256).contains(&engine.chunk), "chunk {}", engine.chunk);
+    let mut gpu = GpuBackend::new(engine).unwrap();
+    let toks = tokens(300, 3, model.config.vocab_size);
+    let want = cpu
+        .forward(
+            &mut cpu.new_state(),
+            &toks,
+            Scan::Chunked(1024),
+            Logits::All,
+        )
+        .unwrap();
+    let got = gpu.prefill_logits(&toks).unwrap();
+    let e = common::nmse(&got.concat(), &want.concat());
+    assert!(e <= 1e-7, "logits NMSE {e:e}");
+}
+
 /// Blocks of at most one GEMM token tile go through the short-block graph (the Mamba2
 /// projections split over K, `gemm_split`): a short prompt from a fresh state and a short
 /// continuation after a long one, against the CPU reference's last-position logits. With
@@ -254,4 +287,77 @@ fn perplexity_of(name: &str) {
         "{name}: perplexity NLL {} vs the oracle's {nll}",
         p.nll
     );
+}
+
+/// A long prompt read in pieces of whole prefill blocks, with progress between them (what
+/// `generate` and `chat` draw a bar with), gives the tokens and the state of one read, bit
+/// for bit, on the GPU and the CPU reference, for a Mamba2 model and a hybrid (its KV
+/// cache rows written piece by piece). Three pieces: a block, a block, and the rest.
+#[test]
+fn a_long_prompt_read_in_pieces_with_progress_equals_one_read() {
+    use std::sync::{Arc, Mutex};
+    let hybrid = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    for model in [Model::synthetic(tiny_config(2, 6), 5), hybrid] {
+        let ctx = common::gpu(&Engine::needs(&model.config, WeightFormat::F32));
+        let open = |gpu: bool| -> Option<Box<dyn mamba2_wgpu::Backend>> {
+            if !gpu {
+                let cpu = CpuModel::<f32>::new(&model.config, &model.weights).unwrap();
+                return Some(Box::new(mamba2_wgpu::CpuBackend::new(cpu)));
+            }
+            let opts = EngineOptions {
+                format: WeightFormat::F32,
+                kv: KvFormat::F32,
+                context: model.config.attention.as_ref().map(|_| 16384),
+                ..Default::default()
+            };
+            let engine = Engine::new(ctx.clone()?, &model, opts).unwrap();
+            Some(Box::new(GpuBackend::new(engine).unwrap()))
+        };
+        for gpu in [false, true] {
+            let (Some(whole), Some(mut cut)) = (open(gpu), open(gpu)) else {
+                continue;
+            };
+            let block = cut.prefill_granule().unwrap().unwrap();
+            let n = 3 * block + 5;
+            let prompt = tokens(n, 12, model.config.vocab_size);
+            let opts = GenerateOptions {
+                max_new_tokens: 4,
+                ..Default::default()
+            };
+            let mut one = Session::new(whole);
+            let (want, _) = one.generate(&prompt, &opts, |_| true).unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let log = seen.clone();
+            let mut pieces = Session::new(cut);
+            pieces.set_prompt_progress(Some(mamba2_wgpu::PromptProgress {
+                every: 1,
+                on: Box::new(move |fed, total| log.lock().unwrap().push((fed, total))),
+            }));
+            let (got, _) = pieces.generate(&prompt, &opts, |_| true).unwrap();
+            let what = format!(
+                "{} on the {}",
+                model.config.pattern(),
+                if gpu { "GPU" } else { "CPU" }
+            );
+            assert_eq!(
+                *seen.lock().unwrap(),
+                vec![(block, n), (2 * block, n), (n, n)],
+                "{what}: progress in blocks of {block}"
+            );
+            assert_eq!(got, want, "{what}: tokens");
+            let bits = |s: &Session| -> Vec<u32> {
+                s.backend()
+                    .state()
+                    .unwrap()
+                    .values()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert!(
+                bits(&pieces) == bits(&one),
+                "{what}: the state, bit for bit"
+            );
+        }
+    }
 }

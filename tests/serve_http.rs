@@ -518,3 +518,53 @@ async fn http_closes_connections_that_never_finish_a_request() {
     served(reqwest::Client::new()).await;
     tokio::task::block_in_place(|| srv.stop());
 }
+
+/// A stop waits for the replies in flight at most `shutdown_grace`: a client that asked for
+/// a long stream and stopped reading it (its socket buffers full, the server's writes
+/// blocked) no longer holds the stop for ever; its connection is closed. (CPU backend.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_closes_a_stream_its_client_stopped_reading_after_the_grace() {
+    use std::io::{Read, Write};
+    let (model, _) = assets::embedded().unwrap();
+    // No end-of-text token: the stream runs to its max_tokens.
+    let tok = serve_common::tokenizer_without_eos();
+    let backend = Box::new(serve_common::cpu_backend(&model));
+    let srv = serve_common::start_on(
+        backend,
+        &model,
+        &tok,
+        ServerConfig {
+            shutdown_grace: Duration::from_secs(1),
+            ..Default::default()
+        },
+        None,
+    );
+    let addr = srv.base.trim_start_matches("http://").to_string();
+    let body =
+        json!({"prompt": "Once upon a time", "max_tokens": 60000, "stream": true}).to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The stream has started; from here the client reads nothing.
+    let mut first = [0u8; 12];
+    s.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    tokio::task::block_in_place(|| srv.stop());
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(15),
+        "the stop waited {waited:?} for a client that does not read"
+    );
+    // The connection was closed: reading drains what was sent and ends.
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut rest = Vec::new();
+    let end = s.read_to_end(&mut rest);
+    assert!(end.is_ok(), "still open: {end:?}");
+}

@@ -249,6 +249,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     context: config.attention.as_ref().map(|_| longest),
                     ..Default::default()
                 };
+                // The engine's positions include the bench's own tokens: a refusal names
+                // both, not a --ctx the user never gave.
+                opts.context_for(
+                    &config,
+                    ctx.limits.max_storage_buffer_binding_size,
+                    &mut |_| {},
+                )
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "{e} (the bench asks for {longest} positions: the largest --ctx, \
+                             prompt or cached prefix plus its warm-up and timed tokens)"
+                    )
+                })?;
                 let engine = Engine::synthetic(ctx.clone(), &config, opts, 7)?;
                 let mut backend = GpuBackend::new(engine)?;
                 if !args.no_decode {

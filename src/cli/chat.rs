@@ -23,19 +23,19 @@ pub struct ChatArgs {
     /// max_position_embeddings, capped by what the adapter can bind).
     #[arg(long, value_name = "N")]
     ctx: Option<usize>,
-    /// Most tokens per reply.
+    /// Most tokens per reply (at least 1: a turn has a reply).
     #[arg(short = 'n', long, default_value_t = 256)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
     // Negative values are parsed so that `check` refuses them naming the flag (clap would
     // take `-1` for an unknown option).
-    #[arg(long, default_value_t = 0.7, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.7, allow_negative_numbers = true, value_parser = super::parse_f32)]
     temperature: f32,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
     /// Keep the most likely tokens up to this probability mass (1 = off).
-    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true, value_parser = super::parse_f32)]
     top_p: f32,
     /// Seed of the sampler; /regen moves to the next one.
     #[arg(long, default_value_t = 0)]
@@ -94,7 +94,8 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let tokenizer = tokenizer.ok_or_else(|| args.model.no_tokenizer(&model, "chat needs one"))?;
     let mut backend = args.engine.open(&model, args.ctx)?;
     let key = state_key(&model, &args.engine, backend.as_mut());
-    let session = Session::new(backend);
+    let mut session = Session::new(backend);
+    session.set_prompt_progress(Some(mamba2_wgpu::progress::prompt_progress()));
     eprintln!("{} on {}", args.model.name(), session.describe());
     let mut chat = Chat::new(session, tokenizer);
     if let Some(path) = &args.resume {
@@ -127,7 +128,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     if !chat.has_template() {
         eprintln!("(no chat template: each message is continued as plain text)");
     }
-    eprintln!("commands: /regen  /reset  /quit");
+    eprintln!("commands: /regen  /reset  /quit  (//text sends /text)");
     let mut opts = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: args.sampling(),
@@ -175,6 +176,17 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             "/regen" => {
                 opts.sampling.seed = opts.sampling.seed.wrapping_add(1);
                 chat.regenerate(&opts, stream)
+            }
+            // `//` sends a line that starts with `/` as text.
+            t if t.starts_with("//") => chat.say(&line.trim_start()[1..], &opts, stream),
+            // A mistyped command is not sent to the model as a message.
+            t if t.starts_with('/') && !t.contains(char::is_whitespace) => {
+                eprintln!(
+                    "error: unknown command `{t}` (commands: /regen /reset /quit; start a \
+                     message with // to send a leading /); nothing was sent"
+                );
+                failed += 1;
+                continue;
             }
             _ => chat.say(line, &opts, stream),
         };

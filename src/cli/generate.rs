@@ -32,19 +32,20 @@ pub struct GenerateArgs {
     /// The prompt as token ids, e.g. 1,2,3 (for models without a tokenizer; prints ids).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["text", "prompt"])]
     prompt_ids: Option<Vec<u32>>,
-    /// How many tokens to generate.
+    /// How many tokens to generate (0 reads the prompt and generates nothing: with --profile,
+    /// a prefill's timing).
     #[arg(short = 'n', long, default_value_t = 64)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
     // Negative values are parsed so that `check` refuses them naming the flag (clap would
     // take `-1` for an unknown option).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = super::parse_f32)]
     temperature: f32,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Keep the most likely tokens up to this probability mass (1 = off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = super::parse_f32)]
     top_p: f32,
     /// Seed of the sampler; the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
@@ -119,6 +120,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop,
     };
     let mut session = Session::new(args.engine.open(&model, args.ctx)?);
+    session.set_prompt_progress(Some(mamba2_wgpu::progress::prompt_progress()));
     if args.profile {
         match session.backend_mut().gpu() {
             Some(g) => {

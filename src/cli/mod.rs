@@ -292,6 +292,22 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}`: too large"))
 }
 
+/// An f32 flag's value, refused by its own text where f32 cannot hold it (`1e39` would
+/// otherwise become `inf` and be reported as such); range checks come after, by flag.
+pub fn parse_f32(s: &str) -> Result<f32, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number"))?;
+    if v.is_finite() && v.abs() > f32::MAX as f64 {
+        return Err(format!(
+            "`{s}` is beyond f32's range (at most {:e})",
+            f32::MAX
+        ));
+    }
+    Ok(v as f32)
+}
+
 /// Refuses a `--chunk-size` the engine would refuse, before the model is read.
 pub fn check_chunk_size(q: Option<usize>) -> anyhow::Result<()> {
     match q {

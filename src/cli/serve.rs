@@ -71,6 +71,10 @@ pub struct ServeArgs {
     /// Long prompts leave a cache entry every N tokens (0: only at prompt and reply ends).
     #[arg(long, default_value_t = 1024, value_name = "N")]
     cache_every: usize,
+    /// Seconds a stop (Ctrl-C, SIGTERM) waits for the replies in flight to finish before it
+    /// closes their connections (a client that stopped reading would hold it for ever).
+    #[arg(long, default_value_t = 30, value_name = "SECS")]
+    shutdown_grace: u64,
 }
 
 impl ServeArgs {
@@ -152,6 +156,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_completion: args.max_completion,
         max_prompt: args.max_prompt,
         api_key: args.api_key.clone(),
+        shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
         ..Default::default()
     };
     let server = Server::start(listener, config, backend, tokenizer, cache)?;

@@ -639,6 +639,17 @@ impl Backend for GpuBackend {
         (self.engine.state.kv_bytes() > 0).then(|| self.engine.context())
     }
 
+    fn prefill_granule(&mut self) -> Result<Option<usize>> {
+        // The chunked prefill's blocks (`prefill_chunked` feeds a prompt in them); a prompt
+        // fed token by token cuts anywhere.
+        Ok(Some(match self.engine.prefill_mode {
+            PrefillMode::Decode => 1,
+            PrefillMode::Auto | PrefillMode::Chunked => {
+                prefill_blocks(&mut self.prefill, &self.engine, false)?.max_tokens
+            }
+        }))
+    }
+
     fn restore(&mut self, snapshot: &(dyn Any + Send)) -> Result<()> {
         if let Some(s) = snapshot.downcast_ref::<DeviceSnapshot>() {
             return self.engine.restore(s);

@@ -163,17 +163,22 @@ impl EngineOptions {
         }
     }
 
-    /// The chunk length for `config`, checked to lie in `CHUNK_SIZES`.
+    /// The chunk length for `config`: `--chunk-size`, refused outside `CHUNK_SIZES`, else
+    /// the config's `chunk_size` brought into that range. The chunked SSD is exact at any
+    /// chunk length, so a config's value is a speed hint (a checkpoint's 512 or 1024 runs
+    /// at 256), never a reason to refuse the model.
     pub fn chunk_for(&self, config: &ModelConfig) -> Result<usize> {
-        let q = self.chunk_size.unwrap_or(config.chunk_size);
-        if !CHUNK_SIZES.contains(&q) {
-            return Err(Error::InvalidInput(format!(
-                "chunk size must be in {}…{}, found {q}",
+        match self.chunk_size {
+            Some(q) if !CHUNK_SIZES.contains(&q) => Err(Error::InvalidInput(format!(
+                "--chunk-size: must be in {}…{}, found {q}",
                 CHUNK_SIZES.start(),
                 CHUNK_SIZES.end()
-            )));
+            ))),
+            Some(q) => Ok(q),
+            None => Ok(config
+                .chunk_size
+                .clamp(*CHUNK_SIZES.start(), *CHUNK_SIZES.end())),
         }
-        Ok(q)
     }
 }
 

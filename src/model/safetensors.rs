@@ -582,7 +582,12 @@ fn first_bad_tensor(json: &str, file_len: usize) -> Option<(String, String)> {
         let Some(bytes) = bytes else {
             return bad(format!("shape {shape:?} is too large to address"));
         };
-        if end < start || end > data_len {
+        if end < start {
+            return bad(format!(
+                "data_offsets [{start}, {end}] end before they start"
+            ));
+        }
+        if end > data_len {
             return bad(format!(
                 "data_offsets [{start}, {end}] fall outside the {data_len} data bytes"
             ));

@@ -15,12 +15,14 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 
-/// Serves `router` on `listener` until `stop` resolves, then waits for the open
-/// connections to finish their requests.
+/// Serves `router` on `listener` until `stop` resolves, then waits up to `grace` for the
+/// open connections to finish their requests; those still open are left to be dropped with
+/// the runtime (a client that stops reading a stream would otherwise hold a stop for ever).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     header_timeout: Duration,
+    grace: Duration,
     stop: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -47,7 +49,15 @@ pub async fn serve(
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "requests still open {:.1} s after the stop: closing their connections",
+            grace.as_secs_f64()
+        );
+    }
     Ok(())
 }
 

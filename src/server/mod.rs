@@ -54,6 +54,9 @@ pub struct ServerConfig {
     pub header_timeout: std::time::Duration,
     /// How long a request's body may take to arrive once its head has.
     pub body_timeout: std::time::Duration,
+    /// How long a stop waits for the open requests to finish (a stream to a client that
+    /// stopped reading never would) before it closes their connections.
+    pub shutdown_grace: std::time::Duration,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +73,7 @@ impl Default for ServerConfig {
             prefill_chunk: engine::PREFILL_CHUNK,
             header_timeout: std::time::Duration::from_secs(30),
             body_timeout: std::time::Duration::from_secs(60),
+            shutdown_grace: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -158,6 +162,7 @@ impl Server {
             started,
         });
         let (header_timeout, body_timeout) = (config.header_timeout, config.body_timeout);
+        let grace = config.shutdown_grace;
         let router = Router::new()
             .route("/v1/chat/completions", post(api::chat))
             .route("/v1/completions", post(api::completions))
@@ -182,11 +187,12 @@ impl Server {
                     .build()?;
                 rt.block_on(async move {
                     let listener = tokio::net::TcpListener::from_std(listener)?;
-                    listen::serve(listener, router, header_timeout, async move {
+                    listen::serve(listener, router, header_timeout, grace, async move {
                         let _ = stop_rx.await;
                     })
                     .await
                 })
+                // (Dropping the runtime here drops the connections a stop gave up on.)
             })
             .map_err(|e| Error::io("http thread", e))?;
         Ok(Server {
