@@ -215,6 +215,65 @@ fn chat_survives_a_line_that_is_not_utf8_and_says_so_in_its_exit_status() {
     assert!(ok && !out.trim().is_empty(), "{err}");
 }
 
+/// `generate --prompt-file` reads the prompt from a file or, with `-`, from stdin: the same
+/// text as the prompt given inline; an empty, missing or non-UTF-8 file is named.
+#[test]
+fn generate_reads_its_prompt_from_a_file_or_stdin() {
+    use std::io::Write;
+    let dir = std::env::temp_dir().join(format!("mamba2-prompt-file-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = "Love is patient,\nlove is kind.";
+    let file = dir.join("prompt.txt");
+    std::fs::write(&file, text).unwrap();
+    let f = file.to_str().unwrap();
+    let flags = ["generate", "--device", "cpu", "-n", "6"];
+    let (ok, inline, err) = mamba2(&[&flags[..], &["-p", text]].concat());
+    assert!(ok, "{err}");
+    let (ok, from_file, err) = mamba2(&[&flags[..], &["--prompt-file", f]].concat());
+    assert!(ok, "{err}");
+    assert_eq!(from_file, inline);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
+        .args([&flags[..], &["-f", "-"]].concat())
+        .env("XDG_RUNTIME_DIR", "/tmp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), inline);
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let binary = dir.join("binary.txt");
+    std::fs::write(&binary, b"ok\xff\xfe").unwrap();
+    for (path, says) in [
+        (empty.to_str().unwrap(), "empty"),
+        (binary.to_str().unwrap(), "UTF-8"),
+        ("/nonexistent/prompt.txt", "/nonexistent/prompt.txt"),
+    ] {
+        let (ok, _, err) = mamba2(&[&flags[..], &["--prompt-file", path]].concat());
+        assert!(
+            !ok && err.contains("--prompt-file") && err.contains(says),
+            "{path}: {err}"
+        );
+    }
+    // It takes no inline prompt beside it.
+    let (ok, _, err) = mamba2(&[&flags[..], &["--prompt-file", f, "-p", "x"]].concat());
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+}
+
 /// A mistyped command (`/foo`) is refused, never sent to the model as a message; `//` sends
 /// a line that starts with `/`: `//fortune please` gets the reply `/fortune please` gets (a
 /// line with a space is text as it stands).

@@ -8,7 +8,9 @@ use clap::Args;
 use mamba2_wgpu::gpu::kernels::Section;
 use mamba2_wgpu::{GenerateOptions, Sampling, Session};
 
-use super::{EngineArgs, ModelArgs, check_at_least, check_sampling, note_unused_ctx};
+use super::{
+    EngineArgs, ModelArgs, check_at_least, check_sampling, note_unused_ctx, read_text_arg,
+};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -32,6 +34,9 @@ pub struct GenerateArgs {
     /// The prompt as token ids, e.g. 1,2,3 (for models without a tokenizer; prints ids).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["text", "prompt"])]
     prompt_ids: Option<Vec<u32>>,
+    /// The prompt read from a UTF-8 text file (`-`: stdin), e.g. a document to continue.
+    #[arg(long, short = 'f', value_name = "FILE", conflicts_with_all = ["text", "prompt", "prompt_ids"])]
+    prompt_file: Option<std::path::PathBuf>,
     /// How many tokens to generate (0 reads the prompt and generates nothing: with --profile,
     /// a prefill's timing).
     #[arg(short = 'n', long, default_value_t = 64)]
@@ -85,8 +90,14 @@ impl GenerateArgs {
             (None, Some(_)) => self
                 .model
                 .require_tokenizer("pass the prompt as --prompt-ids"),
+            (None, None) if self.prompt_file.is_some() => self
+                .model
+                .require_tokenizer("pass the prompt as --prompt-ids"),
             (None, None) => {
-                bail!("give a prompt: `generate \"text\"`, --prompt TEXT or --prompt-ids 1,2,3")
+                bail!(
+                    "give a prompt: `generate \"text\"`, --prompt TEXT, --prompt-file FILE or \
+                     --prompt-ids 1,2,3"
+                )
             }
         }
     }
@@ -94,9 +105,21 @@ impl GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     args.check()?;
+    // Read before the model loads: a missing or binary file is refused at once.
+    let file_text = match &args.prompt_file {
+        Some(p) => {
+            let text = read_text_arg("--prompt-file", p)?;
+            if text.is_empty() {
+                bail!("--prompt-file {}: empty", p.display());
+            }
+            Some(text)
+        }
+        None => None,
+    };
     let (model, tokenizer) = args.model.load()?;
     note_unused_ctx(&model, args.ctx);
-    let (prompt, tokenizer) = match (&args.prompt_ids, args.text()) {
+    let text = file_text.as_deref().or(args.text());
+    let (prompt, tokenizer) = match (&args.prompt_ids, text) {
         (Some(ids), _) => (ids.clone(), None),
         (None, text) => {
             let tok = tokenizer.ok_or_else(|| {
