@@ -103,18 +103,20 @@ fn regenerate_after_a_template_that_rereads_the_past() {
 }
 
 /// A CPU backend whose decode fails, when told to, after feeding a few tokens (a device
-/// error midway through a reply).
-struct Flaky {
+/// error midway through a reply), and that reports a context limit when given one (as a
+/// GPU engine's KV caches set one).
+struct Wrapped {
     inner: CpuBackend,
     fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ctx: Option<usize>,
 }
 
-impl mamba2_wgpu::Backend for Flaky {
+impl mamba2_wgpu::Backend for Wrapped {
     fn config(&self) -> &mamba2_wgpu::ModelConfig {
         self.inner.config()
     }
     fn describe(&self) -> String {
-        "flaky cpu".into()
+        "wrapped cpu".into()
     }
     fn reset(&mut self) -> mamba2_wgpu::Result<()> {
         self.inner.reset()
@@ -157,6 +159,25 @@ impl mamba2_wgpu::Backend for Flaky {
     fn state(&self) -> mamba2_wgpu::Result<mamba2_wgpu::state::State<f32>> {
         mamba2_wgpu::Backend::state(&self.inner)
     }
+    fn context(&self) -> Option<usize> {
+        self.ctx
+    }
+}
+
+/// A chat over `Wrapped` (the embedded model, `template`).
+fn wrapped(
+    template: Option<&str>,
+    fail: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ctx: Option<usize>,
+) -> Chat {
+    let (model, mut tok) = assets::embedded().unwrap();
+    tok.chat_template = template.map(str::to_string);
+    let backend = Wrapped {
+        inner: CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap()),
+        fail: fail.clone(),
+        ctx,
+    };
+    Chat::new(Session::new(Box::new(backend)), tok)
 }
 
 /// A turn or a regenerate that fails midway (input fed, part of a reply fed) leaves the
@@ -165,15 +186,8 @@ impl mamba2_wgpu::Backend for Flaky {
 fn a_turn_that_fails_midway_leaves_no_trace() {
     let template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
     let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flaky = |fail: &std::sync::Arc<std::sync::atomic::AtomicBool>| {
-        let (model, mut tok) = assets::embedded().unwrap();
-        tok.chat_template = Some(template.into());
-        let backend = Flaky {
-            inner: CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap()),
-            fail: fail.clone(),
-        };
-        Chat::new(Session::new(Box::new(backend)), tok)
-    };
+    let flaky =
+        |fail: &std::sync::Arc<std::sync::atomic::AtomicBool>| wrapped(Some(template), fail, None);
     let opts = greedy(8, None);
     let mut c = flaky(&fail);
     let first = c.say("Tell me a story", &opts, |_| true).unwrap();
@@ -238,59 +252,6 @@ fn a_turn_reports_where_its_input_leaves_the_state() {
     );
 }
 
-/// A CPU backend with a context limit, as a GPU engine's KV caches set one.
-struct Limited {
-    inner: CpuBackend,
-    ctx: usize,
-}
-
-impl mamba2_wgpu::Backend for Limited {
-    fn config(&self) -> &mamba2_wgpu::ModelConfig {
-        self.inner.config()
-    }
-    fn describe(&self) -> String {
-        "limited cpu".into()
-    }
-    fn reset(&mut self) -> mamba2_wgpu::Result<()> {
-        self.inner.reset()
-    }
-    fn prefill_sample(
-        &mut self,
-        tokens: &[u32],
-        sampling: &mamba2_wgpu::Sampling,
-        pos: u64,
-    ) -> mamba2_wgpu::Result<u32> {
-        self.inner.prefill_sample(tokens, sampling, pos)
-    }
-    fn prefill_logits(&mut self, tokens: &[u32]) -> mamba2_wgpu::Result<Vec<Vec<f32>>> {
-        self.inner.prefill_logits(tokens)
-    }
-    fn decode(
-        &mut self,
-        first: u32,
-        pos: u64,
-        max_new: usize,
-        sampling: &mamba2_wgpu::Sampling,
-        stop: &[u32],
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> mamba2_wgpu::Result<usize> {
-        self.inner
-            .decode(first, pos, max_new, sampling, stop, on_token)
-    }
-    fn snapshot(&self) -> mamba2_wgpu::Result<Box<dyn std::any::Any + Send>> {
-        self.inner.snapshot()
-    }
-    fn restore(&mut self, snapshot: &(dyn std::any::Any + Send)) -> mamba2_wgpu::Result<()> {
-        self.inner.restore(snapshot)
-    }
-    fn state(&self) -> mamba2_wgpu::Result<mamba2_wgpu::state::State<f32>> {
-        mamba2_wgpu::Backend::state(&self.inner)
-    }
-    fn context(&self) -> Option<usize> {
-        Some(self.ctx)
-    }
-}
-
 /// A saved conversation resumed into a context it fills is refused when it is loaded,
 /// naming both sizes and --ctx, not at the first message; one with room continues.
 #[test]
@@ -302,14 +263,8 @@ fn a_conversation_resumed_into_a_context_it_fills_is_refused_at_once() {
     assert!(!reply.text.is_empty());
     let saved = c.export().unwrap();
     let held = saved.state.len + 1; // the reply's last token is pending
-    let limited = |ctx: usize| {
-        let (model, tok) = assets::embedded().unwrap();
-        let backend = Limited {
-            inner: CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap()),
-            ctx,
-        };
-        Chat::new(Session::new(Box::new(backend)), tok)
-    };
+    let working = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let limited = |ctx: usize| wrapped(None, &working, Some(ctx));
     let path = std::path::Path::new("talk.safetensors");
     for ctx in [held - 1, held] {
         let e = limited(ctx).import(&saved, path).unwrap_err().to_string();

@@ -174,9 +174,13 @@ fn bad_input_is_a_clear_error() {
 
 /// `mamba2 chat` with `input` on stdin: (success, stdout, stderr).
 fn chat(args: &[&str], input: &[u8]) -> (bool, String, String) {
+    with_stdin(&[&["chat"], args].concat(), input)
+}
+
+/// `mamba2 ARGS` with `input` on its stdin: (success, stdout, stderr).
+fn with_stdin(args: &[&str], input: &[u8]) -> (bool, String, String) {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
-        .arg("chat")
         .args(args)
         .env("XDG_RUNTIME_DIR", "/tmp")
         .stdin(std::process::Stdio::piped())
@@ -219,7 +223,6 @@ fn chat_survives_a_line_that_is_not_utf8_and_says_so_in_its_exit_status() {
 /// text as the prompt given inline; an empty, missing or non-UTF-8 file is named.
 #[test]
 fn generate_reads_its_prompt_from_a_file_or_stdin() {
-    use std::io::Write;
     let dir = std::env::temp_dir().join(format!("mamba2-prompt-file-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -233,27 +236,9 @@ fn generate_reads_its_prompt_from_a_file_or_stdin() {
     let (ok, from_file, err) = mamba2(&[&flags[..], &["--prompt-file", f]].concat());
     assert!(ok, "{err}");
     assert_eq!(from_file, inline);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
-        .args([&flags[..], &["-f", "-"]].concat())
-        .env("XDG_RUNTIME_DIR", "/tmp")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(String::from_utf8_lossy(&out.stdout), inline);
+    let (ok, from_stdin, err) = with_stdin(&[&flags[..], &["-f", "-"]].concat(), text.as_bytes());
+    assert!(ok, "{err}");
+    assert_eq!(from_stdin, inline);
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, "").unwrap();
     let binary = dir.join("binary.txt");

@@ -449,18 +449,14 @@ async fn http_holds_a_hybrid_to_its_context() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn http_closes_connections_that_never_finish_a_request() {
     use std::io::{Read, Write};
-    let (model, tok) = assets::embedded().unwrap();
-    let backend = Box::new(serve_common::cpu_backend(&model));
-    let srv = serve_common::start_on(
-        backend,
-        &model,
+    let (_, tok) = assets::embedded().unwrap();
+    let srv = serve_common::start_cpu(
         &tok,
         ServerConfig {
             header_timeout: Duration::from_secs(1),
             body_timeout: Duration::from_secs(1),
             ..Default::default()
         },
-        None,
     );
     let addr = srv.base.trim_start_matches("http://").to_string();
     let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
@@ -525,19 +521,14 @@ async fn http_closes_connections_that_never_finish_a_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stop_closes_a_stream_its_client_stopped_reading_after_the_grace() {
     use std::io::{Read, Write};
-    let (model, _) = assets::embedded().unwrap();
     // No end-of-text token: the stream runs to its max_tokens.
     let tok = serve_common::tokenizer_without_eos();
-    let backend = Box::new(serve_common::cpu_backend(&model));
-    let srv = serve_common::start_on(
-        backend,
-        &model,
+    let srv = serve_common::start_cpu(
         &tok,
         ServerConfig {
             shutdown_grace: Duration::from_secs(1),
             ..Default::default()
         },
-        None,
     );
     let addr = srv.base.trim_start_matches("http://").to_string();
     let body =

@@ -242,6 +242,13 @@ pub fn start(
     Some(start_on(backend, model, tok, config, cache))
 }
 
+/// `start_on` the CPU reference of the embedded model, with `tok` (tests of the HTTP front,
+/// where the device does not matter).
+pub fn start_cpu(tok: &Tokenizer, config: ServerConfig) -> Running {
+    let (model, _) = mamba2_wgpu::assets::embedded().unwrap();
+    start_on(Box::new(cpu_backend(&model)), &model, tok, config, None)
+}
+
 /// `start` over a given backend (the CPU reference's, say).
 pub fn start_on(
     backend: Box<dyn Backend>,
