@@ -193,6 +193,41 @@ fn chat_streams_stops_and_regenerates() {
     assert!(h.state().messages.is_empty());
 }
 
+/// A reply whose long prompt is still being read shows how far the reading has got (the
+/// worker's `ChatEvent::Reading`, from `Session::set_prompt_progress`) in place of "…".
+#[test]
+fn chat_shows_its_progress_through_a_long_prompt() {
+    use mamba2_wgpu::ui::chat::Message;
+    let mut h = chat_harness([900.0, 600.0]);
+    let message = |role, text: &str, id| Message {
+        role,
+        text: text.into(),
+        id,
+        tokens: 0,
+        first_token: None,
+        last_token: None,
+        finish: None,
+        error: None,
+    };
+    {
+        let a = h.state_mut();
+        a.messages.push(message(Role::User, "a long document", 0));
+        a.messages.push(message(Role::Assistant, "", 7));
+        a.generating = Some(7);
+        a.reading = Some((8192, 20480));
+    }
+    h.step();
+    assert!(
+        h.query_by_label_contains("reading the prompt: 8192 of 20480 tokens (40 %)")
+            .is_some(),
+        "the progress is shown"
+    );
+    // Once the reply is no longer being made, its progress is not shown.
+    h.state_mut().generating = None;
+    h.step();
+    assert!(h.query_by_label_contains("reading the prompt").is_none());
+}
+
 #[test]
 fn chat_shows_a_bad_model_dir_in_the_window() {
     let dir = std::env::temp_dir().join(format!("mamba2-ui-missing-{}", std::process::id()));

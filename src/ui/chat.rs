@@ -77,6 +77,8 @@ pub struct ChatApp {
     pub form: ModelForm,
     /// The reply being generated.
     pub generating: Option<u64>,
+    /// Its long prompt's progress: tokens read of the total (`ChatEvent::Reading`).
+    pub reading: Option<(usize, usize)>,
     next_id: u64,
     pub loading: Option<String>,
     pub model: Option<String>,
@@ -108,6 +110,7 @@ impl ChatApp {
             settings: GenSettings::default(),
             form,
             generating: None,
+            reading: None,
             next_id: 1,
             loading: Some("starting".into()),
             model: None,
@@ -253,7 +256,11 @@ impl ChatApp {
                 }
                 ChatEvent::Notice(n) => self.notices.push(n),
                 ChatEvent::ReplyStarted { .. } => {}
+                ChatEvent::Reading { fed, total } => {
+                    self.reading = (fed < total).then_some((fed, total));
+                }
                 ChatEvent::Token { id, piece, at } => {
+                    self.reading = None;
                     self.inspector.timings.token(at);
                     if let Some(m) = self.reply_mut(id) {
                         m.tokens += 1;
@@ -270,6 +277,7 @@ impl ChatApp {
                     }
                     if self.generating == Some(id) {
                         self.generating = None;
+                        self.reading = None;
                     }
                 }
                 ChatEvent::ReplyFailed { id, error } => {
@@ -278,6 +286,7 @@ impl ChatApp {
                     }
                     if self.generating == Some(id) {
                         self.generating = None;
+                        self.reading = None;
                     }
                     self.errors.push(error);
                 }
@@ -484,7 +493,8 @@ impl ChatApp {
                 });
             }
             for m in &self.messages {
-                message_ui(ui, m, self.generating == Some(m.id) && m.role == Role::Assistant);
+                let streaming = self.generating == Some(m.id) && m.role == Role::Assistant;
+                message_ui(ui, m, streaming, self.reading.filter(|_| streaming));
                 ui.add_space(6.0);
             }
         });
@@ -541,7 +551,9 @@ impl ChatApp {
     }
 }
 
-fn message_ui(ui: &mut Ui, m: &Message, streaming: bool) {
+/// One message; a reply being made shows a spinner, and the progress through its long
+/// prompt (`reading`: tokens read, total) until its first token.
+fn message_ui(ui: &mut Ui, m: &Message, streaming: bool, reading: Option<(usize, usize)>) {
     let (fill, who) = match m.role {
         Role::User => (Color32::from_rgb(38, 60, 96), "you"),
         Role::Assistant => (Color32::from_rgb(44, 44, 48), "model"),
@@ -558,10 +570,17 @@ fn message_ui(ui: &mut Ui, m: &Message, streaming: bool) {
                     ui.spinner();
                 }
             });
-            let text = if m.text.is_empty() && streaming {
-                "…"
-            } else {
-                m.text.trim_start()
+            let progress;
+            let text = match reading {
+                Some((fed, total)) if m.text.is_empty() => {
+                    progress = format!(
+                        "reading the prompt: {fed} of {total} tokens ({:.0} %)",
+                        100.0 * fed as f64 / total.max(1) as f64
+                    );
+                    progress.as_str()
+                }
+                _ if m.text.is_empty() && streaming => "…",
+                _ => m.text.trim_start(),
             };
             ui.label(
                 RichText::new(text)

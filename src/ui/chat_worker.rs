@@ -93,6 +93,12 @@ pub enum ChatEvent {
         id: u64,
         prompt_tokens: usize,
     },
+    /// Progress through a long prompt of the reply being made: `fed` of `total` tokens
+    /// read (`Session::set_prompt_progress`).
+    Reading {
+        fed: usize,
+        total: usize,
+    },
     /// A token of reply `id`; `piece` is its text once whole characters are complete.
     Token {
         id: u64,
@@ -294,6 +300,13 @@ impl Worker {
             return Ok(());
         };
         let mut session = Session::new(loaded.backend);
+        let out = self.out.clone();
+        session.set_prompt_progress(Some(crate::session::PromptProgress {
+            every: crate::progress::PROMPT_STEP,
+            on: Box::new(move |fed, total| {
+                out.send(ChatEvent::Reading { fed, total });
+            }),
+        }));
         let out = self.out.clone();
         let summarizer = Summarizer::spawn(loaded.info.config.clone(), move |s| {
             out.send(ChatEvent::State(Box::new(s)));
