@@ -303,11 +303,16 @@ impl Session {
     /// remainder (one to two pieces long), so no piece is short enough to take another path
     /// through the device (a short prompt is fed token by token on a GPU).
     fn prefill_sample(&mut self, input: &[u32], sampling: &Sampling, end: u64) -> Result<u32> {
+        // A prompt past the context goes whole, so that the device refuses it before it
+        // feeds anything (a piece fed before a refusal would leave the state advanced).
+        let fits = self.backend.context().is_none_or(|ctx| end <= ctx as u64);
         let piece = match &self.progress {
-            Some(p) if input.len() >= 2 * p.every.max(1) => match self.backend.prefill_granule()? {
-                Some(g) => p.every.max(1).next_multiple_of(g.max(1)),
-                None => input.len(),
-            },
+            Some(p) if fits && input.len() >= 2 * p.every.max(1) => {
+                match self.backend.prefill_granule()? {
+                    Some(g) => p.every.max(1).next_multiple_of(g.max(1)),
+                    None => input.len(),
+                }
+            }
             _ => input.len(),
         };
         let total = input.len();

@@ -358,6 +358,36 @@ fn a_long_prompt_read_in_pieces_with_progress_equals_one_read() {
                 bits(&pieces) == bits(&one),
                 "{what}: the state, bit for bit"
             );
+            // A prompt past a KV cache's context is refused before any piece is fed.
+            if gpu && model.config.attention.is_some() {
+                let opts = EngineOptions {
+                    format: WeightFormat::F32,
+                    context: Some(2 * block),
+                    ..Default::default()
+                };
+                let engine = Engine::new(ctx.clone().unwrap(), &model, opts).unwrap();
+                let mut short = Session::new(Box::new(GpuBackend::new(engine).unwrap()));
+                short.set_prompt_progress(Some(mamba2_wgpu::PromptProgress {
+                    every: 1,
+                    on: Box::new(|_, _| panic!("no piece may be fed")),
+                }));
+                let e = short
+                    .generate(&prompt, &opts_greedy(), |_| true)
+                    .unwrap_err();
+                assert!(e.to_string().contains("context"), "{e}");
+                assert_eq!(
+                    short.backend().state().unwrap().len,
+                    0,
+                    "{what}: nothing fed"
+                );
+            }
         }
+    }
+}
+
+fn opts_greedy() -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: 4,
+        ..Default::default()
     }
 }
