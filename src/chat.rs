@@ -145,8 +145,8 @@ impl Chat {
             && held >= ctx as u64
         {
             return Err(Error::InvalidInput(format!(
-                "the conversation holds {held} tokens and this run's context {ctx} (--ctx): \
-                 no turn would fit; resume with a larger --ctx"
+                "the conversation holds {held} tokens, and this run's context (--ctx) holds \
+                 {ctx}: no turn would fit; resume with a larger --ctx"
             )));
         }
         self.session.load_state(&saved.state, chat.pending)?;

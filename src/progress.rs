@@ -25,13 +25,17 @@ pub const PROMPT_STEP: usize = 8192;
 
 /// A bar over a long prompt's tokens for `Session::set_prompt_progress` (prompts of two
 /// steps or more, `PROMPT_STEP`), drawn on stderr when it is a terminal and cleared when
-/// the prompt is read.
+/// the prompt is read. Each prompt's first report (`fed == 0`) starts a new bar, so one
+/// left by a read that failed midway is dropped.
 pub fn prompt_progress() -> crate::session::PromptProgress {
     let mut bar: Option<ProgressBar> = None;
     crate::session::PromptProgress {
         every: PROMPT_STEP,
         on: Box::new(move |fed, total| {
-            let b = bar.get_or_insert_with(|| {
+            if fed == 0 {
+                if let Some(old) = bar.take() {
+                    old.finish_and_clear();
+                }
                 let b =
                     ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
                 if let Ok(style) = ProgressStyle::with_template(
@@ -39,12 +43,16 @@ pub fn prompt_progress() -> crate::session::PromptProgress {
                 ) {
                     b.set_style(style.progress_chars("=> "));
                 }
-                b
-            });
-            b.set_position(fed as u64);
-            if fed >= total {
-                b.finish_and_clear();
-                bar = None;
+                // Redrawn while a piece is read (the first may take minutes on a CPU).
+                b.enable_steady_tick(std::time::Duration::from_millis(500));
+                bar = Some(b);
+            }
+            if let Some(b) = &bar {
+                b.set_position(fed as u64);
+                if fed >= total {
+                    b.finish_and_clear();
+                    bar = None;
+                }
             }
         }),
     }

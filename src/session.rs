@@ -275,8 +275,9 @@ pub struct Session {
     progress: Option<PromptProgress>,
 }
 
-/// Progress through long prompts: `on(fed, total)` after every piece of about `every`
-/// tokens (whole prefill blocks of the device), for front-ends that draw a bar.
+/// Progress through long prompts: `on(0, total)` before the first piece, then `on(fed,
+/// total)` after every piece of about `every` tokens (whole prefill blocks of the device),
+/// the last with `fed == total`, for front-ends that draw a bar.
 pub struct PromptProgress {
     pub every: usize,
     pub on: Box<dyn FnMut(usize, usize) + Send>,
@@ -307,9 +308,13 @@ impl Session {
         // feeds anything (a piece fed before a refusal would leave the state advanced).
         let fits = self.backend.context().is_none_or(|ctx| end <= ctx as u64);
         let piece = match &self.progress {
-            Some(p) if fits && input.len() >= 2 * p.every.max(1) => {
+            Some(p) if fits && input.len() >= p.every.max(1).saturating_mul(2) => {
                 match self.backend.prefill_granule()? {
-                    Some(g) => p.every.max(1).next_multiple_of(g.max(1)),
+                    Some(g) => p
+                        .every
+                        .max(1)
+                        .checked_next_multiple_of(g.max(1))
+                        .unwrap_or(input.len()),
                     None => input.len(),
                 }
             }
@@ -317,17 +322,24 @@ impl Session {
         };
         let total = input.len();
         let mut fed = 0;
-        while total - fed >= 2 * piece {
+        if total >= piece.saturating_mul(2)
+            && let Some(p) = self.progress.as_mut()
+        {
+            (p.on)(0, total);
+        }
+        let mut pieces = 0usize;
+        while total - fed >= piece.saturating_mul(2) {
             let part = &input[fed..fed + piece];
             fed += piece;
             let at = end - (total - fed) as u64;
             self.backend.prefill_sample(part, &Sampling::greedy(), at)?;
+            pieces += 1;
             if let Some(p) = self.progress.as_mut() {
                 (p.on)(fed, total);
             }
         }
         let token = self.backend.prefill_sample(&input[fed..], sampling, end)?;
-        if fed > 0
+        if pieces > 0
             && let Some(p) = self.progress.as_mut()
         {
             (p.on)(total, total);

@@ -270,7 +270,7 @@ fn a_conversation_resumed_into_a_context_it_fills_is_refused_at_once() {
         let e = limited(ctx).import(&saved, path).unwrap_err().to_string();
         assert!(
             e.contains(&format!("holds {held} tokens"))
-                && e.contains(&format!("context {ctx} (--ctx)")),
+                && e.contains(&format!("context (--ctx) holds {ctx}")),
             "{e}"
         );
     }

@@ -259,24 +259,37 @@ fn generate_reads_its_prompt_from_a_file_or_stdin() {
     assert!(!ok && err.contains("cannot be used with"), "{err}");
 }
 
-/// A mistyped command (`/foo`) is refused, never sent to the model as a message; `//` sends
-/// a line that starts with `/`: `//fortune please` gets the reply `/fortune please` gets (a
-/// line with a space is text as it stands).
+/// A mistyped command (`/foo`, with or without words after it) or a command with words
+/// after it is refused, never sent to the model as a message; `//` sends a line that starts
+/// with `/` (the saved conversation holds `/fortune please` for `//fortune please`).
 #[test]
 fn chat_refuses_an_unknown_command_and_sends_a_doubled_slash_as_text() {
     let flags = ["--device", "cpu", "-n", "6"];
-    let (ok, out, err) = chat(&flags, b"/fortune\n");
-    assert!(
-        !ok && out.trim().is_empty()
-            && err.contains("unknown command `/fortune`")
-            && err.contains("nothing was sent"),
-        "{out}\n{err}"
-    );
-    let (ok, escaped, err) = chat(&flags, b"//fortune please\n");
+    for (line, says) in [
+        (&b"/fortune\n"[..], "unknown command `/fortune`"),
+        (b"/fortune please\n", "unknown command `/fortune`"),
+        (b"/quit now\n", "`/quit` takes nothing after it"),
+    ] {
+        let (ok, out, err) = chat(&flags, line);
+        assert!(
+            !ok && out.trim().is_empty() && err.contains(says) && err.contains("nothing was sent"),
+            "{out}\n{err}"
+        );
+    }
+    // The conversation a save holds shows what was sent: the line without its first `/`.
+    let dir = std::env::temp_dir().join(format!("mamba2-chat-escape-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("talk.safetensors");
+    let save = [&flags[..], &["--save", file.to_str().unwrap()]].concat();
+    let (ok, escaped, err) = chat(&save, b"//fortune please\n");
     assert!(ok && !escaped.trim().is_empty(), "{err}");
-    let (ok, plain, err) = chat(&flags, b"/fortune please\n");
-    assert!(ok, "{err}");
-    assert_eq!(escaped, plain);
+    let saved = String::from_utf8_lossy(&std::fs::read(&file).unwrap()).into_owned();
+    assert!(
+        saved.contains("/fortune please") && !saved.contains("//fortune please"),
+        "the saved conversation: {}",
+        &saved[..saved.len().min(600)]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Issue class 6: every flag is judged before anything is loaded. Each run names a model
@@ -677,20 +690,25 @@ fn huge_counts_are_refused_not_overflowed() {
     assert!(!err.contains("panicked"), "{err}");
     let (ok, out, err) = mamba2(&["info", "-m", h, "--ctx", "288230376151711743"]);
     assert!(ok && out.contains("KV cache"), "{err}");
-    // bench's refusal counts its own tokens beside the --ctx asked for, and says so.
-    let (ok, _, err) = mamba2(&[
-        "bench",
-        "--config",
-        "tiny-hybrid",
-        "--ctx",
-        "16000000",
-        "--tokens",
-        "2",
-    ]);
-    assert!(
-        !ok && err.contains("--ctx 16000") && err.contains("the bench asks for 16000"),
-        "{err}"
-    );
+    // bench's refusal counts its own tokens beside the --ctx asked for, and says so (on a
+    // GPU: the CPU reference's bench takes no --ctx).
+    if common::gpu(&Default::default()).is_some() {
+        let (ok, _, err) = mamba2(&[
+            "bench",
+            "--device",
+            "gpu",
+            "--config",
+            "tiny-hybrid",
+            "--ctx",
+            "16000000",
+            "--tokens",
+            "2",
+        ]);
+        assert!(
+            !ok && err.contains("the bench needs 16000") && err.contains("--ctx 16000000 plus"),
+            "{err}"
+        );
+    }
     let cases: [(&[&str], &str); 6] = [
         (&["--config", "tiny", "--tokens", &max], "--tokens"),
         (&["--config", "tiny", "--warmup", &max], "--warmup"),

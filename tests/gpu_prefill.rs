@@ -296,7 +296,9 @@ fn perplexity_of(name: &str) {
 #[test]
 fn a_long_prompt_read_in_pieces_with_progress_equals_one_read() {
     use std::sync::{Arc, Mutex};
-    let hybrid = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    let mut hybrid = Model::load(&common::fixture("nemotron_h_hybrid")).unwrap();
+    // Room for two long turns on the CPU reference too (its KV cache takes the config's).
+    hybrid.config.max_context = Some(16384);
     for model in [Model::synthetic(tiny_config(2, 6), 5), hybrid] {
         let ctx = common::gpu(&Engine::needs(&model.config, WeightFormat::F32));
         let open = |gpu: bool| -> Option<Box<dyn mamba2_wgpu::Backend>> {
@@ -341,7 +343,7 @@ fn a_long_prompt_read_in_pieces_with_progress_equals_one_read() {
             );
             assert_eq!(
                 *seen.lock().unwrap(),
-                vec![(block, n), (2 * block, n), (n, n)],
+                vec![(0, n), (block, n), (2 * block, n), (n, n)],
                 "{what}: progress in blocks of {block}"
             );
             assert_eq!(got, want, "{what}: tokens");
@@ -357,6 +359,15 @@ fn a_long_prompt_read_in_pieces_with_progress_equals_one_read() {
             assert!(
                 bits(&pieces) == bits(&one),
                 "{what}: the state, bit for bit"
+            );
+            // A second turn: its pending token first, from a position past zero.
+            let more = tokens(2 * block + 7, 13, model.config.vocab_size);
+            let (want, _) = one.generate(&more, &opts, |_| true).unwrap();
+            let (got, _) = pieces.generate(&more, &opts, |_| true).unwrap();
+            assert_eq!(got, want, "{what}: the second turn's tokens");
+            assert!(
+                bits(&pieces) == bits(&one),
+                "{what}: the state after the second turn, bit for bit"
             );
             // A prompt past a KV cache's context is refused before any piece is fed.
             if gpu && model.config.attention.is_some() {

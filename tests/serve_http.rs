@@ -550,8 +550,8 @@ async fn a_stop_closes_a_stream_its_client_stopped_reading_after_the_grace() {
     tokio::task::block_in_place(|| srv.stop());
     let waited = started.elapsed();
     assert!(
-        waited < Duration::from_secs(15),
-        "the stop waited {waited:?} for a client that does not read"
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(15),
+        "the stop waited {waited:?} for a client that does not read (grace: 1 s)"
     );
     // The connection was closed: reading drains what was sent and ends.
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();

@@ -257,9 +257,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     &mut |_| {},
                 )
                 .map_err(|e| {
+                    let asked = args.ctx.iter().max().copied().unwrap_or(0);
+                    let why = match &e {
+                        mamba2_wgpu::Error::InvalidInput(m) => m
+                            .strip_prefix(&format!("--ctx {longest}: "))
+                            .unwrap_or(m)
+                            .to_string(),
+                        other => other.to_string(),
+                    };
                     anyhow::anyhow!(
-                        "{e} (the bench asks for {longest} positions: the largest --ctx, \
-                             prompt or cached prefix plus its warm-up and timed tokens)"
+                        "the bench needs {longest} positions (--ctx {asked} plus {} for its \
+                         warm-up, timed tokens and prompts): {why}",
+                        longest - asked.min(longest)
                     )
                 })?;
                 let engine = Engine::synthetic(ctx.clone(), &config, opts, 7)?;

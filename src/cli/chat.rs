@@ -87,6 +87,9 @@ impl ChatArgs {
     }
 }
 
+/// The commands a chat line may be.
+const COMMANDS: [&str; 4] = ["/regen", "/reset", "/quit", "/exit"];
+
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     args.check()?;
     let (model, tokenizer) = args.model.load()?;
@@ -128,7 +131,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     if !chat.has_template() {
         eprintln!("(no chat template: each message is continued as plain text)");
     }
-    eprintln!("commands: /regen  /reset  /quit  (//text sends /text)");
+    eprintln!("commands: {}  (//text sends /text)", COMMANDS.join("  "));
     let mut opts = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: args.sampling(),
@@ -164,7 +167,27 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             let _ = out.flush();
             true
         };
-        let reply = match line.trim() {
+        // A line whose first word starts with `/` is a command (`//` sends a line that
+        // starts with `/`): a mistyped one, or one with words after it, is not sent to the
+        // model as a message.
+        let text = line.trim();
+        let word = text.split_whitespace().next().unwrap_or("");
+        let command = (word.starts_with('/') && !word.starts_with("//")).then_some(word);
+        if let Some(c) = command
+            && (!COMMANDS.contains(&c) || c != text)
+        {
+            match COMMANDS.contains(&c) {
+                true => eprintln!("error: `{c}` takes nothing after it; nothing was sent"),
+                false => eprintln!(
+                    "error: unknown command `{c}` (commands: {}; start a message with // to \
+                     send a leading /); nothing was sent",
+                    COMMANDS.join(" ")
+                ),
+            }
+            failed += 1;
+            continue;
+        }
+        let reply = match text {
             "" => continue,
             "/quit" | "/exit" => break,
             "/reset" => {
@@ -177,17 +200,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
                 opts.sampling.seed = opts.sampling.seed.wrapping_add(1);
                 chat.regenerate(&opts, stream)
             }
-            // `//` sends a line that starts with `/` as text.
             t if t.starts_with("//") => chat.say(&line.trim_start()[1..], &opts, stream),
-            // A mistyped command is not sent to the model as a message.
-            t if t.starts_with('/') && !t.contains(char::is_whitespace) => {
-                eprintln!(
-                    "error: unknown command `{t}` (commands: /regen /reset /quit; start a \
-                     message with // to send a leading /); nothing was sent"
-                );
-                failed += 1;
-                continue;
-            }
             _ => chat.say(line, &opts, stream),
         };
         match reply {

@@ -37,8 +37,8 @@ pub struct GenerateArgs {
     /// The prompt read from a UTF-8 text file (`-`: stdin), e.g. a document to continue.
     #[arg(long, short = 'f', value_name = "FILE", conflicts_with_all = ["text", "prompt", "prompt_ids"])]
     prompt_file: Option<std::path::PathBuf>,
-    /// How many tokens to generate (0 reads the prompt and generates nothing: with --profile,
-    /// a prefill's timing).
+    /// How many tokens to generate (0 reads the prompt and generates nothing; the summary
+    /// line then times the prompt's reading).
     #[arg(short = 'n', long, default_value_t = 64)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
@@ -159,16 +159,20 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
 
     let mut out = std::io::stdout().lock();
     let mut decoder = tokenizer.as_ref().map(|t| t.stream());
-    match &tokenizer {
-        Some(t) => write!(out, "{}", t.decode(&prompt)?)?,
-        None => write!(out, "{}", join_ids(&prompt))?,
-    }
-    out.flush()?;
+    // The prompt is echoed once it is read: a long one's progress bar (on stderr) would
+    // otherwise clear the terminal line the echo ends on.
+    let mut echo = Some(match &tokenizer {
+        Some(t) => t.decode(&prompt)?,
+        None => join_ids(&prompt),
+    });
     let start = Instant::now();
     let mut first_at = None;
     let mut failure = None;
     let (reply, finish) = session.generate(&prompt, &opts, |id| {
         first_at.get_or_insert_with(Instant::now);
+        if let Some(e) = echo.take() {
+            let _ = write!(out, "{e}");
+        }
         let piece = match (&tokenizer, decoder.as_mut()) {
             (Some(t), Some(d)) => match d.step(t, id) {
                 Ok(p) => p,
@@ -185,6 +189,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
         true
     })?;
+    if let Some(e) = echo.take() {
+        write!(out, "{e}")?;
+    }
     writeln!(out)?;
     if let Some(e) = failure {
         return Err(e.into());

@@ -293,7 +293,8 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 /// An f32 flag's value, refused by its own text where f32 cannot hold it (`1e39` would
-/// otherwise become `inf` and be reported as such); range checks come after, by flag.
+/// otherwise become `inf` and be reported as such, `1e-50` a silent 0); range checks come
+/// after, by flag.
 pub fn parse_f32(s: &str) -> Result<f32, String> {
     let v: f64 = s
         .trim()
@@ -303,6 +304,12 @@ pub fn parse_f32(s: &str) -> Result<f32, String> {
         return Err(format!(
             "`{s}` is beyond f32's range (at most {:e})",
             f32::MAX
+        ));
+    }
+    if v != 0.0 && v as f32 == 0.0 {
+        return Err(format!(
+            "`{s}` is below f32's range (the smallest is {:e}; 0 is taken as 0)",
+            f32::from_bits(1)
         ));
     }
     Ok(v as f32)

@@ -640,12 +640,18 @@ impl Backend for GpuBackend {
     }
 
     fn prefill_granule(&mut self) -> Result<Option<usize>> {
-        // The chunked prefill's blocks (`prefill_chunked` feeds a prompt in them); a prompt
-        // fed token by token cuts anywhere.
+        // The chunked prefill's blocks (`prefill_chunked` feeds a prompt in them), in Auto
+        // mode enough of them that a piece is never short enough to be fed token by token
+        // (MAMBA2_SHORT_PROMPT may set that length high); a prompt fed token by token
+        // cuts anywhere.
         Ok(Some(match self.engine.prefill_mode {
             PrefillMode::Decode => 1,
-            PrefillMode::Auto | PrefillMode::Chunked => {
+            PrefillMode::Chunked => {
                 prefill_blocks(&mut self.prefill, &self.engine, false)?.max_tokens
+            }
+            PrefillMode::Auto => {
+                let block = prefill_blocks(&mut self.prefill, &self.engine, false)?.max_tokens;
+                block.saturating_mul(self.short_prompt() / block.max(1) + 1)
             }
         }))
     }

@@ -203,7 +203,8 @@ impl Server {
         })
     }
 
-    /// Stops taking connections, lets the open ones finish, then stops the engine (which
+    /// Stops taking connections, lets the open ones finish for at most
+    /// `ServerConfig::shutdown_grace` (then closes them), then stops the engine (which
     /// writes its prefix cache to the cache directory).
     pub fn stop(mut self) -> Result<()> {
         self.stop_inner()
