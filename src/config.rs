@@ -51,6 +51,8 @@ impl ModelFormat {
         match (self, normalized) {
             (HfMamba2 | NemotronH, "d_model") => "hidden_size",
             (HfMamba2 | NemotronH, "n_layer") => "num_hidden_layers",
+            (HfMamba2 | NemotronH, "norm_eps") => "layer_norm_epsilon",
+            (MambaSsm, "norm_eps") => "norm_epsilon",
             (HfMamba2, "d_inner") => "expand",
             (HfMamba2, "n_heads") => "num_heads",
             (HfMamba2, "d_state") => "state_size",
@@ -850,10 +852,17 @@ impl ModelConfig {
                 ),
             ));
         }
-        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+        // The kernels take ε as an f32: a positive normal one (1e300 would be inf there).
+        let eps32 = self.norm_eps as f32;
+        if !(self.norm_eps > 0.0 && eps32.is_finite() && eps32 >= f32::MIN_POSITIVE) {
             return Err(err(
                 "norm_eps",
-                format!("must be a positive number, found {}", self.norm_eps),
+                format!(
+                    "must be a positive f32 ({:e} to {:e}), found {:e}",
+                    f32::MIN_POSITIVE,
+                    f32::MAX,
+                    self.norm_eps
+                ),
             ));
         }
         let (lo, hi) = self.time_step_limit;
@@ -1219,6 +1228,15 @@ fn parse_hf_mamba2(f: &Fields) -> Result<ModelConfig> {
     };
     f.require_flag("use_bias", false, "in_proj/out_proj biases")?;
     f.require_flag("rms_norm", true, "LayerNorm blocks (only RMSNorm)")?;
+    // transformers' Mamba2 applies `hidden_act` after the conv (silu in every released
+    // checkpoint; `swish` is its other name).
+    if let Some(act) = f.opt_str("hidden_act")? {
+        f.reject_if(
+            "hidden_act",
+            !matches!(act.as_str(), "silu" | "swish"),
+            &format!("the conv's activation `{act}` (silu only)"),
+        )?;
+    }
     // transformers' Mamba2 gates before the norm whatever this flag says (its gated norm
     // takes no such option; its CUDA path passes `norm_before_gate=False`), and
     // Mamba-Codestral-7B's config.json, written when the flag still defaulted to true,
@@ -1679,6 +1697,31 @@ mod tests {
                 .contains("`head_dim`: heads × head_dim = 7 × 16 must equal d_inner = 128"),
             "{e}"
         );
+        // ε beyond f32 (inf in the kernels) and a conv activation other than silu.
+        let base = r#"{"model_type":"mamba2","hidden_size":64,"num_hidden_layers":2,"vocab_size":100,EXTRA}"#;
+        for (extra, says) in [
+            (
+                r#""layer_norm_epsilon":1e300"#,
+                "`layer_norm_epsilon`: must be a positive f32",
+            ),
+            (
+                r#""layer_norm_epsilon":1e-50"#,
+                "`layer_norm_epsilon`: must be a positive f32",
+            ),
+            (
+                r#""hidden_act":"gelu""#,
+                "`hidden_act`: the conv's activation `gelu`",
+            ),
+        ] {
+            let e = parse(&base.replace("EXTRA", extra))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        for act in ["silu", "swish"] {
+            let extra = format!(r#""hidden_act":"{act}""#);
+            parse(&base.replace("EXTRA", &extra)).unwrap();
+        }
         let e = parse(r#"{"d_model":64,"n_layer":2,"vocab_size":10,"ssm_cfg":{"ngroups":3,"layer":"Mamba2"}}"#)
             .unwrap_err();
         assert!(

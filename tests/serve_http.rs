@@ -559,3 +559,59 @@ async fn a_stop_closes_a_stream_its_client_stopped_reading_after_the_grace() {
     let end = s.read_to_end(&mut rest);
     assert!(end.is_ok(), "still open: {end:?}");
 }
+
+/// A client that sends its request and then closes its side for writing (`nc -N`, some
+/// proxies) still gets the reply; a body announced larger than the server takes is refused
+/// (413) at once, not after the body deadline. (CPU backend: this is about the HTTP front.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_answers_half_closed_clients_and_refuses_oversized_bodies_at_once() {
+    use std::io::{Read, Write};
+    let (_, tok) = assets::embedded().unwrap();
+    let srv = serve_common::start_cpu(&tok, ServerConfig::default());
+    let addr = srv.base.trim_start_matches("http://").to_string();
+    let exchange = |request: &[u8], half_close: bool| -> (String, Duration) {
+        let started = std::time::Instant::now();
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(request).unwrap();
+        if half_close {
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+        }
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        (
+            String::from_utf8_lossy(&got).into_owned(),
+            started.elapsed(),
+        )
+    };
+    let health = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    let body = json!({"prompt": "Once", "max_tokens": 2}).to_string();
+    let completion = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tokio::task::block_in_place(|| {
+        for half_close in [false, true] {
+            let (reply, _) = exchange(health, half_close);
+            assert!(
+                reply.starts_with("HTTP/1.1 200"),
+                "half-closed {half_close}: {reply}"
+            );
+            let (reply, _) = exchange(completion.as_bytes(), half_close);
+            assert!(
+                reply.starts_with("HTTP/1.1 200") && reply.contains("\"choices\""),
+                "half-closed {half_close}: {reply}"
+            );
+        }
+        let huge = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\
+            Content-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n{\"pro";
+        let (reply, took) = exchange(huge, false);
+        assert!(
+            reply.starts_with("HTTP/1.1 413") && reply.contains("99999999999 bytes announced"),
+            "{reply}"
+        );
+        assert!(took < Duration::from_secs(10), "the 413 took {took:?}");
+    });
+    tokio::task::block_in_place(|| srv.stop());
+}

@@ -26,8 +26,11 @@ pub async fn serve(
     stop: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
+    // Half-closed clients (a request, then shutdown of their write side, as `nc -N` and some
+    // proxies do) still get their reply.
     http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        .half_close(true);
     let graceful = GracefulShutdown::new();
     let mut stop = std::pin::pin!(stop);
     loop {
@@ -79,11 +82,39 @@ async fn accept_failed(e: std::io::Error) {
 /// Middleware: the request's body must arrive whole within `limit` of the handler being
 /// reached; past it the body ends in an error, which the handlers answer as an unreadable
 /// body (400), and the connection is freed.
+///
+/// A body whose Content-Length is over the server's limit is refused at once (413): the
+/// deadline's stream hides that length from the limit, which would otherwise wait for
+/// bytes that may never come.
 pub async fn body_deadline(
-    limit: Duration,
+    app: std::sync::Arc<super::App>,
     req: Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
+    let limit = app.config.body_timeout;
+    let announced = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = announced.filter(|&n| n > app.config.body_limit as u64) {
+        let mut r = super::api::error(
+            &app,
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            &format!(
+                "the request body is larger than this server takes ({n} bytes announced, at \
+                 most {})",
+                app.config.body_limit
+            ),
+            None,
+        );
+        // The body is not read: the connection closes after the reply.
+        r.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+        return r;
+    }
     let (parts, body) = req.into_parts();
     let deadline = tokio::time::Instant::now() + limit;
     let frames = body.into_data_stream();

@@ -161,7 +161,7 @@ impl Server {
             vocab,
             started,
         });
-        let (header_timeout, body_timeout) = (config.header_timeout, config.body_timeout);
+        let header_timeout = config.header_timeout;
         let grace = config.shutdown_grace;
         let router = Router::new()
             .route("/v1/chat/completions", post(api::chat))
@@ -173,8 +173,9 @@ impl Server {
             // After the routes: it applies to those already added.
             .method_not_allowed_fallback(api::method_not_allowed)
             .layer(DefaultBodyLimit::max(config.body_limit))
-            .layer(axum::middleware::from_fn(move |req, next| {
-                listen::body_deadline(body_timeout, req, next)
+            .layer(axum::middleware::from_fn({
+                let app = app.clone();
+                move |req, next| listen::body_deadline(app.clone(), req, next)
             }))
             .with_state(app);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
