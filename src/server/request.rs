@@ -103,6 +103,19 @@ fn opt_f32(m: &Map<String, Value>, key: &str) -> Parsed<Option<f32>> {
     match m.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => match n.as_f64() {
+            // Said in the number's own terms where f32 cannot hold it (1e300 would be
+            // reported as inf, 1e-300 as 0).
+            Some(x) if x.is_finite() && x.abs() > f32::MAX as f64 => Err(BadRequest::new(
+                key,
+                &format!("{x:e} is beyond f32's range (at most {:e})", f32::MAX),
+            )),
+            Some(x) if x != 0.0 && x as f32 == 0.0 => Err(BadRequest::new(
+                key,
+                &format!(
+                    "{n} is below f32's range (the smallest is {:e})",
+                    f32::from_bits(1)
+                ),
+            )),
             Some(x) if x.is_finite() => Ok(Some(x as f32)),
             _ => Err(BadRequest::new(key, "expected a finite number")),
         },
@@ -158,6 +171,28 @@ fn unsupported(m: &Map<String, Value>) -> Parsed<()> {
             ));
         }
     }
+    if opt_u64(m, "best_of")?.is_some_and(|n| n > 1) {
+        return Err(BadRequest::new("best_of", "only best_of = 1 is supported"));
+    }
+    if m.get("suffix")
+        .is_some_and(|v| v.as_str().is_none_or(|t| !t.is_empty()) && !v.is_null())
+    {
+        return Err(BadRequest::new(
+            "suffix",
+            "a suffix (insertion) is not supported",
+        ));
+    }
+    // With no tools there is nothing to choose: only "none" and "auto" mean what this
+    // server does.
+    if let Some(c) = m.get("tool_choice")
+        && !c.is_null()
+        && !matches!(c.as_str(), Some("none" | "auto"))
+    {
+        return Err(BadRequest::new(
+            "tool_choice",
+            "tool and function calls are not supported (only \"none\" or \"auto\")",
+        ));
+    }
     if let Some(f) = m.get("response_format")
         && !f.is_null()
         && f.get("type").and_then(Value::as_str) != Some("text")
@@ -181,7 +216,20 @@ fn common(m: &Map<String, Value>, lengths: Lengths, default_seed: u64) -> Parsed
     {
         return Err(BadRequest::new("n", "only n = 1 is supported"));
     }
-    if opt_bool(m, "logprobs")? == Some(true) {
+    // `logprobs`: a bool (chat) or, in the legacy completions API, how many to return; 0
+    // or false asks for none.
+    let logprobs = match m.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(Value::Number(n)) if n.as_u64().is_some() => n.as_u64() != Some(0),
+        Some(_) => {
+            return Err(BadRequest::new(
+                "logprobs",
+                "expected true or false (or a count, in completions)",
+            ));
+        }
+    };
+    if logprobs {
         return Err(BadRequest::new(
             "logprobs",
             "log-probabilities are not supported",
@@ -354,6 +402,12 @@ impl CompletionRequest {
             Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
                 a[0].as_str().unwrap_or_default().to_string()
             }
+            Some(Value::Array(a)) if a.iter().any(Value::is_number) => {
+                return Err(BadRequest::new(
+                    "prompt",
+                    "prompts as token ids are not supported: send the text",
+                ));
+            }
             Some(Value::Array(_)) => {
                 return Err(BadRequest::new(
                     "prompt",
@@ -474,12 +528,42 @@ mod tests {
                 r#"{"prompt": "a", "response_format": {"type": "json_object"}}"#,
                 "response_format: only",
             ),
+            (
+                r#"{"prompt": "a", "best_of": 3}"#,
+                "best_of: only best_of = 1",
+            ),
+            (r#"{"prompt": "a", "suffix": "end"}"#, "suffix: a suffix"),
+            (
+                r#"{"prompt": "a", "tool_choice": "required"}"#,
+                "tool_choice: tool and function calls",
+            ),
+            (
+                r#"{"prompt": "a", "logprobs": 2}"#,
+                "logprobs: log-probabilities are not supported",
+            ),
+            (
+                r#"{"prompt": "a", "logprobs": "x"}"#,
+                "logprobs: expected true or false",
+            ),
+            (
+                r#"{"prompt": [1, 2, 3]}"#,
+                "prompt: prompts as token ids are not supported",
+            ),
+            (
+                r#"{"prompt": "a", "temperature": 1e300}"#,
+                "temperature: 1e300 is beyond f32's range",
+            ),
+            (
+                r#"{"prompt": "a", "top_p": 1e-300}"#,
+                "top_p: 1e-300 is below f32's range",
+            ),
         ] {
             assert!(bad(body).contains(want), "{body}: {}", bad(body));
         }
         // The no-op values clients send by default are accepted.
         let defaults = r#"{"prompt": "a", "frequency_penalty": 0, "presence_penalty": 0.0,
-               "logit_bias": {}, "tools": [], "response_format": {"type": "text"}}"#;
+               "logit_bias": {}, "tools": [], "response_format": {"type": "text"},
+               "best_of": 1, "suffix": null, "tool_choice": "none", "logprobs": 0}"#;
         assert!(CompletionRequest::parse(defaults.as_bytes(), LENGTHS, 0).is_ok());
     }
 }
