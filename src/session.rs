@@ -265,6 +265,10 @@ pub struct Snapshot {
     pending: Option<u32>,
 }
 
+/// The last position a sequence may reach: the device counts positions in 32 bits and
+/// keeps them below 2^31 (its sampling seeds and KV lengths), and so do saved states.
+pub const MAX_POSITION: u64 = (1 << 31) - 1;
+
 /// One sequence on one device. The state persists across `generate` calls: each call
 /// feeds only its new tokens (plus the last token of the previous reply, which was
 /// sampled but not yet fed).
@@ -393,6 +397,27 @@ impl Session {
             return Err(Error::InvalidInput("the prompt is empty".into()));
         }
         self.check_ids(&input)?;
+        // Past MAX_POSITION the device's positions would wrap (a forged saved state can
+        // start a sequence near it): a prompt that crosses it is refused, a reply stops
+        // there (its finish says Length).
+        let fed_to = self.pos + input.len() as u64;
+        if fed_to > MAX_POSITION {
+            return Err(Error::InvalidInput(format!(
+                "this prompt would take the sequence to position {fed_to}, past the \
+                 {MAX_POSITION} a sequence can reach (positions are counted in 32 bits)"
+            )));
+        }
+        let room = (MAX_POSITION - fed_to + 1).min(usize::MAX as u64) as usize;
+        let clamped;
+        let opts = if opts.max_new_tokens > room {
+            clamped = GenerateOptions {
+                max_new_tokens: room,
+                ..opts.clone()
+            };
+            &clamped
+        } else {
+            opts
+        };
         let mut reply = Vec::new();
         if opts.max_new_tokens == 0 {
             // Only fed (the logits of every position, as prefill_logits keeps them, would be

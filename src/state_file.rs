@@ -240,11 +240,15 @@ fn header(path: &Path, bytes: &[u8], key: &StateKey) -> Result<Header> {
     let position: usize = field(POSITION)?
         .parse()
         .map_err(|_| refuse(POSITION, format!("`{}` is not a count", m[POSITION])))?;
-    // The device counts positions in 32 bits (its sampling seeds and KV lengths).
-    if position > u32::MAX as usize {
+    // The device counts positions in 32 bits and keeps them below 2^31 (its sampling
+    // seeds and KV lengths; `Session` stops a sequence there).
+    if position > crate::session::MAX_POSITION as usize {
         return Err(refuse(
             POSITION,
-            format!("{position} tokens: more than the 2^32 − 1 a sequence can hold"),
+            format!(
+                "{position} tokens: more than the {} a sequence can hold",
+                crate::session::MAX_POSITION
+            ),
         ));
     }
     let dtype: StateDtype = field(DTYPE)?.parse().map_err(|e| refuse(DTYPE, e))?;
@@ -379,6 +383,23 @@ pub fn load(path: &Path, key: &StateKey, c: &ModelConfig) -> Result<SavedState> 
         return Err(Error::format(
             path,
             format!("value {bad} of the state is not finite"),
+        ));
+    }
+    // Nothing fed leaves the state zero: a position of 0 beside a state that is not is a
+    // file whose header does not describe its state.
+    if head.position == 0 && state.values().iter().any(|&v| v != 0.0) {
+        return Err(Error::format(
+            path,
+            format!("`{POSITION}` is 0 but the state holds fed tokens"),
+        ));
+    }
+    if let Some(bad) = head.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        return Err(Error::format(
+            path,
+            format!(
+                "`{TOKENS}`: token id {bad} is outside the model's vocabulary (size {})",
+                c.vocab_size
+            ),
         ));
     }
     Ok(SavedState {

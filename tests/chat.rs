@@ -2,7 +2,7 @@
 //! whole conversation at once; regenerate restores the state before the reply.
 
 use mamba2_wgpu::chat::Chat;
-use mamba2_wgpu::{CpuBackend, CpuModel, GenerateOptions, Session, assets};
+use mamba2_wgpu::{CpuBackend, CpuModel, Finish, GenerateOptions, Session, assets};
 
 fn chat(template: Option<&str>) -> Chat {
     let (model, mut tok) = assets::embedded().unwrap();
@@ -278,4 +278,24 @@ fn a_conversation_resumed_into_a_context_it_fills_is_refused_at_once() {
     roomy.import(&saved, path).unwrap();
     assert_eq!(roomy.session.position(), saved.state.len as u64);
     roomy.say("Go on", &greedy(2, None), |_| true).unwrap();
+}
+
+/// A sequence never passes `MAX_POSITION` (the device's 32-bit positions, kept below 2^31):
+/// near it a reply stops at the limit and a prompt that would cross it is refused (a forged
+/// saved state can start a sequence there).
+#[test]
+fn a_sequence_stops_at_the_last_position() {
+    use mamba2_wgpu::session::MAX_POSITION;
+    let (model, _) = assets::embedded().unwrap();
+    let backend = CpuBackend::new(CpuModel::<f32>::new(&model.config, &model.weights).unwrap());
+    let mut s = Session::new(Box::new(backend));
+    let mut state = mamba2_wgpu::state::State::<f32>::new(&model.config);
+    state.len = (MAX_POSITION - 3) as usize;
+    s.load_state(&state, None).unwrap();
+    let (reply, finish) = s.generate(&[5, 6], &greedy(10, None), |_| true).unwrap();
+    // Fed to MAX_POSITION − 1; two tokens sampled, at MAX_POSITION − 1 and MAX_POSITION.
+    assert_eq!((reply.len(), finish), (2, Finish::Length), "{reply:?}");
+    assert!(s.position() <= MAX_POSITION);
+    let e = s.generate(&[7, 8], &greedy(1, None), |_| true).unwrap_err();
+    assert!(e.to_string().contains("past the 2147483647"), "{e}");
 }

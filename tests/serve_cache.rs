@@ -281,6 +281,54 @@ fn state_files_round_trip_and_refuse_bad_headers() {
             "{err}"
         );
     }
+    // Forged headers: a position past what a sequence can reach, a position of 0 beside a
+    // state that holds fed tokens, token ids outside the vocabulary.
+    state_file::save(&path, &k, &saved, StateDtype::F32, c).unwrap();
+    let forge = |fields: &[(&str, &str)]| {
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        for (key, value) in fields {
+            header["__metadata__"][key] = serde_json::Value::String(value.to_string());
+        }
+        let text = serde_json::to_vec(&header).unwrap();
+        let forged = dir.join("forged.safetensors");
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(&text);
+        out.extend(&bytes[8 + n..]);
+        std::fs::write(&forged, out).unwrap();
+        state_file::load(&forged, &k, c).unwrap_err().to_string()
+    };
+    // (A position without its token list: the list's length must match the position.)
+    let position = |p: &'static str| vec![("mamba2.position", p), ("mamba2.tokens", "")];
+    for (fields, key, says) in [
+        (
+            position("4294967295"),
+            "mamba2.position",
+            "more than the 2147483647",
+        ),
+        (
+            position("2147483648"),
+            "mamba2.position",
+            "more than the 2147483647",
+        ),
+        (
+            position("0"),
+            "mamba2.position",
+            "is 0 but the state holds fed tokens",
+        ),
+        (
+            vec![("mamba2.tokens", "4,5,999")],
+            "mamba2.tokens",
+            "token id 999 is outside the model's vocabulary",
+        ),
+    ] {
+        let err = forge(&fields);
+        assert!(
+            err.contains(says) && err.contains(key) && err.contains("forged.safetensors"),
+            "{fields:?}: {err}"
+        );
+    }
     // Not a state file at all; a truncated one.
     let junk = dir.join("junk.safetensors");
     std::fs::write(&junk, b"hello").unwrap();
