@@ -107,12 +107,12 @@ fn opt_f32(m: &Map<String, Value>, key: &str) -> Parsed<Option<f32>> {
             // reported as inf, 1e-300 as 0).
             Some(x) if x.is_finite() && x.abs() > f32::MAX as f64 => Err(BadRequest::new(
                 key,
-                &format!("{x:e} is beyond f32's range (at most {:e})", f32::MAX),
+                format!("{x:e} is beyond f32's range (at most {:e})", f32::MAX),
             )),
             Some(x) if x != 0.0 && x as f32 == 0.0 => Err(BadRequest::new(
                 key,
-                &format!(
-                    "{n} is below f32's range (the smallest is {:e})",
+                format!(
+                    "{x:e} is below f32's range (the smallest is {:e})",
                     f32::from_bits(1)
                 ),
             )),
