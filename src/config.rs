@@ -592,6 +592,17 @@ impl ModelConfig {
             Self::from_file(&config)
         } else if params.exists() {
             Self::from_file(&params)
+        } else if !dir.exists() {
+            Err(Error::format(dir, "no such file or directory"))
+        } else if !dir.is_dir() {
+            let what = match dir.extension().and_then(|e| e.to_str()) {
+                Some("safetensors") | Some("json") => {
+                    "a file of a model directory: pass the directory that holds it with its \
+                     config.json (or a .gguf file)"
+                }
+                _ => "not a model directory or a .gguf file",
+            };
+            Err(Error::format(dir, what))
         } else {
             Err(Error::format(
                 dir,

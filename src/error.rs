@@ -6,11 +6,12 @@ use std::path::PathBuf;
 /// Everything that can go wrong while loading a model, running it or talking to the GPU.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
+    // The OS error is said once, in this message: as a `source` too it would be printed a
+    // second time by the front-ends' error chains.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: field `{field}`: {message}")]
     Config {
@@ -42,7 +43,7 @@ impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
 

@@ -130,12 +130,20 @@ fn info_describes_the_model() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let (ok, _, err) = mamba2(&["info", "--model", "/nonexistent/model"]);
-    assert!(!ok);
-    assert!(
-        err.starts_with("error: /nonexistent/model: no config.json or params.json"),
-        "{err}"
-    );
+    let weights = common::fixture("hf_mamba2_g1").join("model.safetensors");
+    let weights = weights.to_str().unwrap();
+    for (model, says) in [
+        ("/nonexistent/model", "no such file or directory"),
+        ("/dev/zero", "not a model directory or a .gguf file"),
+        (weights, "a file of a model directory: pass the directory"),
+    ] {
+        let (ok, _, err) = mamba2(&["info", "--model", model]);
+        assert!(!ok, "{model}");
+        assert!(err.starts_with(&format!("error: {model}: {says}")), "{err}");
+    }
+    // An OS error is said once.
+    let (ok, _, err) = mamba2(&["perplexity", "--device", "cpu", "-f", "/nonexistent/text"]);
+    assert!(!ok && err.matches("os error 2").count() == 1, "{err}");
     let dir = common::fixture("hf_mamba2_g1");
     let (ok, _, err) = mamba2(&[
         "generate",

@@ -485,7 +485,12 @@ impl GgufInfo {
 /// holds no safetensors config (`Ok(None)`: not a GGUF model). Two or more `.gguf` files in
 /// a directory are refused, naming them.
 pub fn gguf_path(path: &Path) -> Result<Option<PathBuf>> {
-    if path.is_file() {
+    // A regular file is a GGUF file, unless it is named as one of a model directory's
+    // files (then `ModelConfig::from_dir` says to pass the directory).
+    let dir_file = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("safetensors") || e.eq_ignore_ascii_case("json"));
+    if path.is_file() && !dir_file {
         return Ok(Some(path.to_path_buf()));
     }
     if !path.is_dir() || path.join("config.json").exists() || path.join("params.json").exists() {
