@@ -141,6 +141,23 @@ fn bad_input_is_a_clear_error() {
         assert!(!ok, "{model}");
         assert!(err.starts_with(&format!("error: {model}: {says}")), "{err}");
     }
+    // The GPU's flags on the CPU reference are said to do nothing.
+    let (ok, _, err) = mamba2(&[
+        "generate",
+        "--device",
+        "cpu",
+        "--dtype",
+        "q8_0",
+        "--no-fuse",
+        "-n",
+        "1",
+        "-p",
+        "hi",
+    ]);
+    assert!(
+        ok && err.contains("note: --dtype, --no-fuse have no effect on the CPU reference"),
+        "{err}"
+    );
     // An OS error is said once.
     let (ok, _, err) = mamba2(&["perplexity", "--device", "cpu", "-f", "/nonexistent/text"]);
     assert!(!ok && err.matches("os error 2").count() == 1, "{err}");

@@ -236,12 +236,36 @@ impl EngineArgs {
         model: &mamba2_wgpu::Model,
         context: Option<usize>,
     ) -> anyhow::Result<Box<dyn mamba2_wgpu::Backend>> {
-        Ok(mamba2_wgpu::open_backend(
+        let mut backend = mamba2_wgpu::open_backend(
             model,
             &self.device.device,
             self.engine_options(model, context),
             &mut |n| eprintln!("note: {n}"),
-        )?)
+        )?;
+        // The CPU reference computes in f32 with its own graph: the GPU's flags change
+        // nothing there, which is said rather than left to look as if they had worked.
+        if backend.gpu().is_none() {
+            let ignored: Vec<&str> = [
+                (self.device.dtype.is_some(), "--dtype"),
+                (self.device.no_fuse, "--no-fuse"),
+                (self.prefill_by_decode, "--prefill-by-decode"),
+                (
+                    self.kv != mamba2_wgpu::gpu::state_store::KvFormat::F16,
+                    "--kv",
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(given, flag)| given.then_some(flag))
+            .collect();
+            if !ignored.is_empty() {
+                eprintln!(
+                    "note: {} {} no effect on the CPU reference (it computes in f32)",
+                    ignored.join(", "),
+                    if ignored.len() == 1 { "has" } else { "have" }
+                );
+            }
+        }
+        Ok(backend)
     }
 }
 
