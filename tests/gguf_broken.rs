@@ -224,6 +224,18 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
     let granite = "granite_moe_hybrid.f32.gguf";
     let cases: Vec<(&str, &str, Edit<'_>, &str)> = vec![
         (
+            moe,
+            "a vocabulary size the embedding contradicts",
+            Box::new(|b| set_u32(b, "nemotron_h_moe.vocab_size", 50)),
+            "nemotron_h_moe.vocab_size`: 50 tokens, but token_embd.weight has 101 rows",
+        ),
+        (
+            granite,
+            "a context of no tokens",
+            Box::new(|b| set_u32(b, "granitehybrid.context_length", 0)),
+            "granitehybrid.context_length`: must be at least 1",
+        ),
+        (
             granite,
             "a dense Granite file",
             Box::new(|b| set_u32(b, "granitehybrid.expert_count", 0)),

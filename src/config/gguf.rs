@@ -58,6 +58,22 @@ impl ModelConfig {
                 )
             })?;
         let has = |name: &str| file.tensors.iter().any(|t| t.name == name);
+        // Keys this engine takes from elsewhere are still checked: a file that contradicts
+        // itself is refused, not run on one of its two answers.
+        if let Some(v) = file.opt_usize(&key("vocab_size"))?
+            && v != embd.shape[0]
+        {
+            return Err(file.key_error(
+                &key("vocab_size"),
+                format!(
+                    "{v} tokens, but token_embd.weight has {} rows",
+                    embd.shape[0]
+                ),
+            ));
+        }
+        if file.opt_usize(&key("context_length"))? == Some(0) {
+            return Err(file.key_error(&key("context_length"), "must be at least 1"));
+        }
         let n_layer = file.usize(&key("block_count"))?;
         let config = ModelConfig {
             format,
