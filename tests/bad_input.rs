@@ -91,6 +91,47 @@ fn reversed_data_offsets_are_named_as_such() {
     );
 }
 
+/// Tensors whose data overlap, or leave bytes between them, are named (the one that does not
+/// fit, the same one every run), not a neighbour the safetensors crate happens to meet.
+#[test]
+fn overlapping_or_gapped_tensors_are_named() {
+    let (dir, _) = saved_model("overlap");
+    let path = dir.join("model.safetensors");
+    let original = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&original[8..8 + n]).unwrap();
+    let rewrite = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut h = header.clone();
+        edit(&mut h);
+        let text = serde_json::to_vec(&h).unwrap();
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(&text);
+        out.extend(&original[8 + n..]);
+        std::fs::write(&path, out).unwrap();
+        load_err(&dir)
+    };
+    let offsets = |h: &serde_json::Value, name: &str| h[name]["data_offsets"].clone();
+    // A second name over the embedding's bytes; a small tensor inside another's.
+    let embedding = "backbone.embeddings.weight";
+    for _ in 0..3 {
+        let e = rewrite(&|h| {
+            let o = offsets(h, embedding);
+            let shape = h[embedding]["shape"].clone();
+            h["zz_alias"] = serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": o});
+        });
+        assert!(
+            e.contains("tensor `zz_alias`") && e.contains("overlap"),
+            "{e}"
+        );
+    }
+    let e = rewrite(&|h| {
+        let start = offsets(h, embedding)[0].as_u64().unwrap();
+        h["junk"] =
+            serde_json::json!({"dtype": "F32", "shape": [1], "data_offsets": [start, start + 4]});
+    });
+    assert!(e.contains("tensor `junk`") && e.contains("overlap"), "{e}");
+}
+
 #[test]
 fn corrupt_header() {
     let (dir, _) = saved_model("corrupt");

@@ -600,6 +600,53 @@ fn first_bad_tensor(json: &str, file_len: usize) -> Option<(String, String)> {
             ));
         }
     }
+    // Together the tensors must tile the data exactly: the later of two that overlap, or
+    // the first after a gap, is named (in offset order, so the same one every run).
+    let mut spans: Vec<(usize, usize, &String)> = map
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .filter_map(|(name, info)| {
+            let o = info.get("data_offsets")?.as_array()?;
+            let start = usize::try_from(o.first()?.as_u64()?).ok()?;
+            let end = usize::try_from(o.get(1)?.as_u64()?).ok()?;
+            Some((start, end, name))
+        })
+        .collect();
+    // (The longer of two spans that start together comes first: one nested in another is
+    // the one named.)
+    spans.sort_by_key(|&(start, end, name)| (start, std::cmp::Reverse(end), name));
+    let mut covered: Option<(usize, &String)> = None;
+    for &(start, end, name) in &spans {
+        let (upto, before) = match covered {
+            Some((upto, before)) => (upto, Some(before)),
+            None => (0, None),
+        };
+        let why = match before {
+            Some(b) if start < upto => Some(format!(
+                "its data_offsets [{start}, {end}] overlap `{b}`'s, which end at byte {upto}"
+            )),
+            Some(b) if start > upto => Some(format!(
+                "its data starts at byte {start}, but `{b}` before it ends at {upto}: bytes \
+                 {upto}..{start} belong to no tensor"
+            )),
+            None if start > 0 => Some(format!(
+                "its data starts at byte {start}: bytes 0..{start} belong to no tensor"
+            )),
+            _ => None,
+        };
+        if let Some(why) = why {
+            return Some((name.clone(), why));
+        }
+        covered = Some((end, name));
+    }
+    if let Some((upto, last)) = covered
+        && upto != data_len
+    {
+        return Some((
+            last.clone(),
+            format!("the last tensor ends at byte {upto}, but the data holds {data_len} bytes"),
+        ));
+    }
     None
 }
 
