@@ -670,6 +670,7 @@ fn serve_prints_its_address_and_answers() {
             &["serve", "--api-key", "a\nb"],
             "--api-key: '\\n' cannot be sent in an Authorization header",
         ),
+        (&["serve", "--name", " "], "--name: empty"),
         (
             &[
                 "serve",

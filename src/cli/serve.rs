@@ -89,6 +89,11 @@ impl ServeArgs {
             );
         }
         check_at_least("--max-prompt", self.max_prompt, 1)?;
+        // Clients name the model in requests and read it in /v1/models: an empty or
+        // blank id could not be named back.
+        if self.name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+            anyhow::bail!("--name: empty (it is the model id clients see)");
+        }
         if let Some(ctx) = self.ctx {
             check_at_least("--ctx", ctx, 2)?;
         }
