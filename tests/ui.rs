@@ -199,16 +199,7 @@ fn chat_streams_stops_and_regenerates() {
 fn chat_shows_its_progress_through_a_long_prompt() {
     use mamba2_wgpu::ui::chat::Message;
     let mut h = chat_harness([900.0, 600.0]);
-    let message = |role, text: &str, id| Message {
-        role,
-        text: text.into(),
-        id,
-        tokens: 0,
-        first_token: None,
-        last_token: None,
-        finish: None,
-        error: None,
-    };
+    let message = |role, text: &str, id| Message::new(role, text.into(), id);
     {
         let a = h.state_mut();
         a.messages.push(message(Role::User, "a long document", 0));

@@ -39,7 +39,8 @@ pub struct Message {
 }
 
 impl Message {
-    fn new(role: Role, text: String, id: u64) -> Self {
+    /// A message with no tokens counted yet (`id`: the reply's, for assistant messages).
+    pub fn new(role: Role, text: String, id: u64) -> Self {
         Message {
             role,
             text,
