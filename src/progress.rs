@@ -54,6 +54,7 @@ pub fn prompt_progress() -> crate::session::PromptProgress {
                     bar = None;
                 }
             }
+            true
         }),
     }
 }

@@ -281,11 +281,16 @@ pub struct Session {
 
 /// Progress through long prompts: `on(0, total)` before the first piece, then `on(fed,
 /// total)` after every piece of about `every` tokens (whole prefill blocks of the device),
-/// the last with `fed == total`, for front-ends that draw a bar.
+/// the last with `fed == total`, for front-ends that draw a bar. `on` returns false to
+/// stop reading: `generate` then fails with `STOPPED_READING` (the state holds the pieces
+/// already fed: a `Chat` turn rolls them back, as after any failed turn).
 pub struct PromptProgress {
     pub every: usize,
-    pub on: Box<dyn FnMut(usize, usize) + Send>,
+    pub on: Box<dyn FnMut(usize, usize) -> bool + Send>,
 }
+
+/// The error of a prompt whose reading `PromptProgress::on` stopped.
+pub const STOPPED_READING: &str = "stopped while the prompt was being read";
 
 impl Session {
     pub fn new(backend: Box<dyn Backend>) -> Self {
@@ -326,10 +331,12 @@ impl Session {
         };
         let total = input.len();
         let mut fed = 0;
+        let stopped = || Error::InvalidInput(STOPPED_READING.into());
         if total >= piece.saturating_mul(2)
             && let Some(p) = self.progress.as_mut()
+            && !(p.on)(0, total)
         {
-            (p.on)(0, total);
+            return Err(stopped());
         }
         let mut pieces = 0usize;
         while total - fed >= piece.saturating_mul(2) {
@@ -338,15 +345,17 @@ impl Session {
             let at = end - (total - fed) as u64;
             self.backend.prefill_sample(part, &Sampling::greedy(), at)?;
             pieces += 1;
-            if let Some(p) = self.progress.as_mut() {
-                (p.on)(fed, total);
+            if let Some(p) = self.progress.as_mut()
+                && !(p.on)(fed, total)
+            {
+                return Err(stopped());
             }
         }
         let token = self.backend.prefill_sample(&input[fed..], sampling, end)?;
         if pieces > 0
             && let Some(p) = self.progress.as_mut()
         {
-            (p.on)(total, total);
+            let _ = (p.on)(total, total);
         }
         Ok(token)
     }

@@ -299,3 +299,40 @@ fn a_sequence_stops_at_the_last_position() {
     let e = s.generate(&[7, 8], &greedy(1, None), |_| true).unwrap_err();
     assert!(e.to_string().contains("past the 2147483647"), "{e}");
 }
+
+/// A long prompt whose reading is stopped between pieces (the app's Stop, through
+/// `PromptProgress`) fails the turn, and the turn is rolled back: the conversation goes on
+/// as if the message had never been sent.
+#[test]
+fn a_turn_stopped_while_its_prompt_is_read_leaves_no_trace() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let mut c = chat(None);
+    let flag = stop.clone();
+    c.session
+        .set_prompt_progress(Some(mamba2_wgpu::PromptProgress {
+            every: 1,
+            // Go on until told to stop, and always past the first report.
+            on: Box::new(move |fed, _| fed == 0 || !flag.load(Ordering::SeqCst)),
+        }));
+    let opts = greedy(4, None);
+    c.say("Tell me a story", &opts, |_| true).unwrap();
+    let (pos, messages) = (c.session.position(), c.messages.len());
+    let long = "and then the wind came over the hills ".repeat(400);
+    stop.store(true, Ordering::SeqCst);
+    let e = c.say(&long, &opts, |_| true).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains(mamba2_wgpu::session::STOPPED_READING),
+        "{e}"
+    );
+    assert_eq!((c.session.position(), c.messages.len()), (pos, messages));
+    // The next turn equals the same turn in a chat that never saw the long message.
+    stop.store(false, Ordering::SeqCst);
+    let next = c.say("Go on", &opts, |_| true).unwrap();
+    let mut d = chat(None);
+    d.say("Tell me a story", &opts, |_| true).unwrap();
+    let want = d.say("Go on", &opts, |_| true).unwrap();
+    assert_eq!(next.text, want.text);
+    assert_eq!(c.session.position(), d.session.position());
+}

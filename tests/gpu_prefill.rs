@@ -333,7 +333,10 @@ fn a_long_prompt_read_in_pieces_with_progress_equals_one_read() {
             let mut pieces = Session::new(cut);
             pieces.set_prompt_progress(Some(mamba2_wgpu::PromptProgress {
                 every: 1,
-                on: Box::new(move |fed, total| log.lock().unwrap().push((fed, total))),
+                on: Box::new(move |fed, total| {
+                    log.lock().unwrap().push((fed, total));
+                    true
+                }),
             }));
             let (got, _) = pieces.generate(&prompt, &opts, |_| true).unwrap();
             let what = format!(

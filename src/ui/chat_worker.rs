@@ -197,6 +197,8 @@ struct Live {
 struct Worker {
     out: Outbox<ChatEvent>,
     stop: Arc<AtomicU64>,
+    /// The reply whose turn is running (its prompt's reading stops when it is stopped).
+    current: Arc<AtomicU64>,
     live: Option<Live>,
     profiling: bool,
     live_state: (bool, f32),
@@ -206,6 +208,7 @@ fn worker_loop(rx: Receiver<ChatCommand>, out: Outbox<ChatEvent>, stop: Arc<Atom
     let mut w = Worker {
         out,
         stop,
+        current: Arc::new(AtomicU64::new(0)),
         live: None,
         profiling: false,
         // Off until the window shows the inspector.
@@ -301,10 +304,13 @@ impl Worker {
         };
         let mut session = Session::new(loaded.backend);
         let out = self.out.clone();
+        let (stop, current) = (self.stop.clone(), self.current.clone());
         session.set_prompt_progress(Some(crate::session::PromptProgress {
             every: crate::progress::PROMPT_STEP,
+            // Stop ends the reading between pieces; the turn then fails and is rolled back.
             on: Box::new(move |fed, total| {
                 out.send(ChatEvent::Reading { fed, total });
+                stop.load(Ordering::SeqCst) < current.load(Ordering::SeqCst)
             }),
         }));
         let out = self.out.clone();
@@ -358,6 +364,7 @@ impl Worker {
             });
             return Ok(());
         }
+        self.current.store(id, Ordering::SeqCst);
         let out = self.out.clone();
         let stop = self.stop.clone();
         let live = self.live.as_mut().ok_or("no model is open")?;
@@ -419,7 +426,9 @@ impl Worker {
         match (result, failure) {
             (Err(e), _) => {
                 let msg = e.to_string();
-                let msg = if msg.contains("device lost") {
+                let msg = if msg.contains(crate::session::STOPPED_READING) {
+                    format!("{msg}: the message was not sent (the conversation is as before it)")
+                } else if msg.contains("device lost") {
                     format!("{msg}: the GPU device was lost; open the model again")
                 } else {
                     msg
