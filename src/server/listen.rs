@@ -26,11 +26,12 @@ pub async fn serve(
     stop: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
-    // Half-closed clients (a request, then shutdown of their write side, as `nc -N` and some
-    // proxies do) still get their reply.
+    // No half-close support: the end of a client's input is taken as the client going
+    // away, which is what cancels a request still waiting in the queue (as nginx takes a
+    // client's close as an abort). A client that half-closes its side after its request
+    // (`nc -N`) is therefore not answered.
     http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        .half_close(true);
+        .header_read_timeout(header_timeout);
     let graceful = GracefulShutdown::new();
     let mut stop = std::pin::pin!(stop);
     loop {
@@ -102,8 +103,7 @@ pub async fn body_deadline(
             &app,
             axum::http::StatusCode::PAYLOAD_TOO_LARGE,
             &format!(
-                "the request body is larger than this server takes ({n} bytes announced, at \
-                 most {})",
+                "the request body is larger than this server takes ({} bytes): {n} announced",
                 app.config.body_limit
             ),
             None,
