@@ -219,8 +219,16 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
             .unwrap();
         bytes[at..at + from.len()].copy_from_slice(to.as_bytes());
     };
+    // Item `i` of an array of i32 (type 9, items of type 5) under `key`.
+    let set_item = |bytes: &mut Vec<u8>, key: &str, i: usize, v: i32| {
+        let at = value_at(bytes, key, 9);
+        assert_eq!(&bytes[at..at + 4], &5u32.to_le_bytes(), "{key}: i32 items");
+        let item = at + 12 + 4 * i;
+        bytes[item..item + 4].copy_from_slice(&v.to_le_bytes());
+    };
     type Edit<'a> = Box<dyn Fn(&mut Vec<u8>) + 'a>;
     let moe = "nemotron_h_moe.f32.gguf";
+    let hybrid = "nemotron_h_hybrid.f32.gguf";
     let granite = "granite_moe_hybrid.f32.gguf";
     let cases: Vec<(&str, &str, Edit<'_>, &str)> = vec![
         (
@@ -344,6 +352,14 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
             "a negative norm epsilon",
             Box::new(|b| set_f32(b, "nemotron_h_moe.attention.layer_norm_rms_epsilon", -1.0)),
             "nemotron_h_moe.attention.layer_norm_rms_epsilon",
+        ),
+        (
+            hybrid,
+            "an attention layer's key/value heads set to 0 (so a Mamba2 layer by the keys)",
+            Box::new(|b| set_item(b, "nemotron_h.attention.head_count_kv", 1, 0)),
+            "they make layer 1 a block of kind `mamba2` (nemotron_h.feed_forward_length[1] = \
+             0, nemotron_h.attention.head_count_kv[1] = 0), but its tensors are of kind \
+             `attention` (blk.1.attn_q.weight)",
         ),
         (
             moe,

@@ -230,6 +230,42 @@ fn nemotron_h_layers(file: &GgufFile, arch: &str, config: ModelConfig) -> Result
             _ => BlockKind::Moe,
         })
         .collect();
+    // The metadata decide each layer's kind; a layer whose tensors are another kind's is a
+    // file that contradicts itself: said by the keys, not as a tensor missing later.
+    let marker = |kind: BlockKind| match kind {
+        BlockKind::Mamba2 => "ssm_in.weight",
+        BlockKind::Attention => "attn_q.weight",
+        BlockKind::Mlp => "ffn_up.weight",
+        BlockKind::Moe => "ffn_gate_inp.weight",
+    };
+    let has = |name: &str| file.tensors.iter().any(|t| t.name == name);
+    for (i, &kind) in blocks.iter().enumerate() {
+        if has(&format!("blk.{i}.{}", marker(kind))) {
+            continue;
+        }
+        let other = [
+            BlockKind::Mamba2,
+            BlockKind::Attention,
+            BlockKind::Mlp,
+            BlockKind::Moe,
+        ]
+        .into_iter()
+        .find(|&k| k != kind && has(&format!("blk.{i}.{}", marker(k))));
+        if let Some(other) = other {
+            return Err(file.key_error(
+                &format!("{ff_key}` / `{kv_key}"),
+                format!(
+                    "they make layer {i} a block of kind `{}` ({ff_key}[{i}] = {}, \
+                     {kv_key}[{i}] = {}), but its tensors are of kind `{}` (blk.{i}.{})",
+                    kind.name(),
+                    ff[i],
+                    kv[i],
+                    other.name(),
+                    marker(other)
+                ),
+            ));
+        }
+    }
     // The feed-forward lengths of the layers of one kind.
     let widths = |kind: BlockKind| -> Vec<usize> {
         ff.iter()
