@@ -595,12 +595,11 @@ impl ModelConfig {
         } else if !dir.exists() {
             Err(Error::format(dir, "no such file or directory"))
         } else if !dir.is_dir() {
-            let what = match dir.extension().and_then(|e| e.to_str()) {
-                Some("safetensors") | Some("json") => {
-                    "a file of a model directory: pass the directory that holds it with its \
-                     config.json (or a .gguf file)"
-                }
-                _ => "not a model directory or a .gguf file",
+            let what = if crate::model::gguf::is_directory_file(dir) {
+                "a file of a model directory: pass the directory that holds it with its \
+                 config.json (or a .gguf file)"
+            } else {
+                "not a model directory or a .gguf file"
             };
             Err(Error::format(dir, what))
         } else {

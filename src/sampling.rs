@@ -86,6 +86,23 @@ impl Sampling {
     }
 }
 
+/// A sampling value read as f64 (a flag, a JSON number) narrowed to the f32 the sampler
+/// takes, or why f32 cannot hold it: beyond its range (it would become inf) or below it
+/// (a silent 0). Infinities and NaN pass through for the range checks (`Sampling::problem`)
+/// to name; callers put the value itself before the reason.
+pub fn narrow_f32(x: f64) -> std::result::Result<f32, String> {
+    if x.is_finite() && x.abs() > f32::MAX as f64 {
+        return Err(format!("is beyond f32's range (at most {:e})", f32::MAX));
+    }
+    if x != 0.0 && x as f32 == 0.0 {
+        return Err(format!(
+            "is below f32's range (the smallest is {:e}; 0 is taken as 0)",
+            f32::from_bits(1)
+        ));
+    }
+    Ok(x as f32)
+}
+
 /// PCG's output permutation as a hash (Jarzynski & Olano 2020); the WGSL kernel has the
 /// same function, so host and device draw the same numbers.
 pub fn pcg_hash(x: u32) -> u32 {

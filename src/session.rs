@@ -338,13 +338,11 @@ impl Session {
         {
             return Err(stopped());
         }
-        let mut pieces = 0usize;
         while total - fed >= piece.saturating_mul(2) {
             let part = &input[fed..fed + piece];
             fed += piece;
             let at = end - (total - fed) as u64;
             self.backend.prefill_sample(part, &Sampling::greedy(), at)?;
-            pieces += 1;
             if let Some(p) = self.progress.as_mut()
                 && !(p.on)(fed, total)
             {
@@ -352,7 +350,7 @@ impl Session {
             }
         }
         let token = self.backend.prefill_sample(&input[fed..], sampling, end)?;
-        if pieces > 0
+        if fed > 0
             && let Some(p) = self.progress.as_mut()
         {
             let _ = (p.on)(total, total);

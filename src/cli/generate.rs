@@ -87,18 +87,16 @@ impl GenerateArgs {
             (Some(ids), _) if ids.is_empty() => bail!("--prompt-ids: no ids given"),
             (Some(_), _) => Ok(()),
             (None, Some("")) => bail!("the prompt is empty"),
-            (None, Some(_)) => self
-                .model
-                .require_tokenizer("pass the prompt as --prompt-ids"),
-            (None, None) if self.prompt_file.is_some() => self
-                .model
-                .require_tokenizer("pass the prompt as --prompt-ids"),
-            (None, None) => {
+            (None, None) if self.prompt_file.is_none() => {
                 bail!(
                     "give a prompt: `generate \"text\"`, --prompt TEXT, --prompt-file FILE or \
                      --prompt-ids 1,2,3"
                 )
             }
+            // Text, inline or in a file.
+            (None, _) => self
+                .model
+                .require_tokenizer("pass the prompt as --prompt-ids"),
         }
     }
 }

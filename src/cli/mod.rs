@@ -324,19 +324,7 @@ pub fn parse_f32(s: &str) -> Result<f32, String> {
         .trim()
         .parse()
         .map_err(|_| format!("`{s}` is not a number"))?;
-    if v.is_finite() && v.abs() > f32::MAX as f64 {
-        return Err(format!(
-            "`{s}` is beyond f32's range (at most {:e})",
-            f32::MAX
-        ));
-    }
-    if v != 0.0 && v as f32 == 0.0 {
-        return Err(format!(
-            "`{s}` is below f32's range (the smallest is {:e}; 0 is taken as 0)",
-            f32::from_bits(1)
-        ));
-    }
-    Ok(v as f32)
+    mamba2_wgpu::sampling::narrow_f32(v).map_err(|why| format!("`{s}` {why}"))
 }
 
 /// Refuses a `--chunk-size` the engine would refuse, before the model is read.

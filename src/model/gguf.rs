@@ -481,16 +481,20 @@ impl GgufInfo {
     }
 }
 
+/// Whether `path` is named as one of a safetensors model directory's own files (its
+/// weights or a JSON config), not a model: such a path asks for its directory.
+pub(crate) fn is_directory_file(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("safetensors") || e.eq_ignore_ascii_case("json"))
+}
+
 /// The GGUF file `path` names: the file itself, or the one `*.gguf` of a directory that
 /// holds no safetensors config (`Ok(None)`: not a GGUF model). Two or more `.gguf` files in
 /// a directory are refused, naming them.
 pub fn gguf_path(path: &Path) -> Result<Option<PathBuf>> {
     // A regular file is a GGUF file, unless it is named as one of a model directory's
     // files (then `ModelConfig::from_dir` says to pass the directory).
-    let dir_file = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("safetensors") || e.eq_ignore_ascii_case("json"));
-    if path.is_file() && !dir_file {
+    if path.is_file() && !is_directory_file(path) {
         return Ok(Some(path.to_path_buf()));
     }
     if !path.is_dir() || path.join("config.json").exists() || path.join("params.json").exists() {

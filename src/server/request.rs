@@ -105,18 +105,9 @@ fn opt_f32(m: &Map<String, Value>, key: &str) -> Parsed<Option<f32>> {
         Some(Value::Number(n)) => match n.as_f64() {
             // Said in the number's own terms where f32 cannot hold it (1e300 would be
             // reported as inf, 1e-300 as 0).
-            Some(x) if x.is_finite() && x.abs() > f32::MAX as f64 => Err(BadRequest::new(
-                key,
-                format!("{x:e} is beyond f32's range (at most {:e})", f32::MAX),
-            )),
-            Some(x) if x != 0.0 && x as f32 == 0.0 => Err(BadRequest::new(
-                key,
-                format!(
-                    "{x:e} is below f32's range (the smallest is {:e})",
-                    f32::from_bits(1)
-                ),
-            )),
-            Some(x) if x.is_finite() => Ok(Some(x as f32)),
+            Some(x) if x.is_finite() => crate::sampling::narrow_f32(x)
+                .map(Some)
+                .map_err(|why| BadRequest::new(key, format!("{x:e} {why}"))),
             _ => Err(BadRequest::new(key, "expected a finite number")),
         },
         Some(_) => Err(BadRequest::new(key, "expected a number")),
