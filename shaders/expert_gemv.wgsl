@@ -4,7 +4,8 @@
 // (block_quant.wgsl's layouts), expert e's M rows at
 // (e − E0)·M. Teams of TEAM invocations own a row, as in gemv.wgsl. Input vectors are XS
 // (KP rounded up to 32) values apart, as the norms and activations write them.
-// UP (grid z = t·KS + s, the token's s-th slot): dst[(t·KS + s)·M + row] = W_id[row] · x_t
+// UP (grid z = t·KS + s, the token's s-th slot): dst[(t·KS + s)·MS + M0 + row] = W_id[row] · x_t
+//   (MS = M, M0 = 0 but where an expert's [gate; up] is two banks, each writing its half)
 //   where x_t is the token's normed input (f32 `src [T][KP]` or q8 blocks); a workgroup whose
 //   expert lives in another bank returns at once. With ROUTE (decode) the pass routes the
 //   token in its prologue (route_select.wgsl, the routing kernel's code) instead of
@@ -361,7 +362,7 @@ fn main(
 #endif
 #else
     if (lane == 0u && row_raw < M) {
-        dst[z * M + row] = total;
+        dst[z * MS + M0 + row] = total;
     }
 #endif
 #endif

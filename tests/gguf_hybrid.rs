@@ -258,7 +258,7 @@ fn quantized_nemotron_h_moe_ggufs_run_as_stored() {
                     } else {
                         GgmlType::Q8_0
                     };
-                    for bank in [up, down] {
+                    for bank in up.iter().chain([down]) {
                         assert_eq!(bank.format.ggml(), Some(want), "{file}: {}", bank.name);
                     }
                 }
@@ -369,14 +369,16 @@ fn attention_qkv_in_three_block_types_runs_as_stored() {
     }
 }
 
-/// A gated MLP, and a shared expert that is not cut into expert slices, whose gate and up a
-/// GGUF stores in different block types go up as stored: two parts, each multiplied into
-/// its own rows of the `[gate; up]` projection (one-token GEMVs, prefill GEMMs). Random
-/// Granite-4.0-H models (dense: every layer's MLP is the shared MLP; MoE: a shared expert
-/// of 24 channels, not a multiple of the experts' 16) with gate in Q4_0 and up in Q8_0
-/// blocks, the other big matrices rounded through the q8_0 the run packs them in. The GPU's
-/// logits equal the CPU reference's on the same blocks: prefill to f32 rounding, the decode
-/// graph within its 8-bit activations.
+/// A gated MLP, a shared expert that is not cut into expert slices, and the routed experts,
+/// whose gate and up a GGUF stores in different block types go up as stored: two parts, each
+/// multiplied into its own rows of the `[gate; up]` projection (one-token GEMVs and expert
+/// GEMVs, prefill GEMMs and grouped expert GEMMs; the experts' gates in one matrix and ups
+/// in another per bank, here banks of 4, 4 and 2 experts). Random Granite-4.0-H models
+/// (dense: every layer's MLP is the shared MLP; MoE: a shared expert of 24 channels, not a
+/// multiple of the experts' 16) with gate in Q4_0 and up in Q8_0 blocks, the other big
+/// matrices rounded through the q8_0 the run packs them in. The GPU's logits equal the CPU
+/// reference's on the same blocks: prefill to f32 rounding, the decode graph within its
+/// 8-bit activations.
 #[test]
 fn gate_and_up_in_two_block_types_run_as_stored() {
     use mamba2_wgpu::gpu::device_weights::DeviceMixer;
@@ -393,19 +395,31 @@ fn gate_and_up_in_two_block_types_run_as_stored() {
         *g = common::in_blocks(g, WeightFormat::Q4_0);
         m.up = common::in_blocks(&m.up, WeightFormat::Q8_0);
     };
-    for (name, experts, shared) in [("dense", 0, 32), ("MoE, whole shared expert", 10, 24)] {
+    let two = |rows: usize| [(WeightFormat::Q4_0, rows), (WeightFormat::Q8_0, rows)];
+    // (name, routed experts, shared width, routed experts in two types too)
+    for (name, experts, shared, routed) in [
+        ("dense", 0, 32, false),
+        ("MoE, whole shared expert", 10, 24, false),
+        ("MoE, routed experts", 10, 24, true),
+    ] {
         json["num_local_experts"] = experts.into();
         json["shared_intermediate_size"] = shared.into();
         let config =
             mamba2_wgpu::ModelConfig::from_json_str(&json.to_string(), std::path::Path::new(name))
                 .unwrap();
+        let width = config.moe.as_ref().map_or(0, |m| m.intermediate);
         let base = Model::synthetic(config, 21);
         let mut model = common::rounded(&base, |k| WeightFormat::Q8_0.for_cols(k));
         let mut changed = 0;
         for l in &mut model.weights.layers {
             match &mut l.mixer {
                 MixerWeights::Mlp(m) => two_types(m),
-                MixerWeights::Moe(m) => two_types(m.shared.as_mut().unwrap()),
+                MixerWeights::Moe(m) => {
+                    two_types(m.shared.as_mut().unwrap());
+                    if routed {
+                        m.experts.iter_mut().for_each(two_types);
+                    }
+                }
                 _ => continue,
             }
             changed += 1;
@@ -415,23 +429,42 @@ fn gate_and_up_in_two_block_types_run_as_stored() {
         let want = cpu_logits(&model, &prompt);
         let range = want.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
         for (prefill, rel) in [(PrefillMode::Chunked, 1e-5), (PrefillMode::Decode, 4e-2)] {
-            let Some(mut b) = q8_gpu(&model, prefill, 64) else {
+            // Banks of 4 experts (sized for q8_0, the largest block format a bank holds).
+            let per_expert = WeightFormat::Q8_0.data_bytes(2 * width.max(1), 64) as u64;
+            let opts = EngineOptions {
+                format: WeightFormat::Q8_0,
+                prefill,
+                context: Some(64),
+                kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+                expert_bank_bytes: routed.then_some(4 * per_expert),
+                ..Default::default()
+            };
+            let Some(mut b) = common::gguf::gpu_with(&model, opts) else {
                 return;
             };
             let mut parted = 0;
             for l in &b.engine.weights.layers {
                 let up = match &l.mixer {
                     DeviceMixer::Mlp { up, .. } => up,
-                    DeviceMixer::Moe(m) => &m.shared.as_ref().expect("a whole shared expert").0,
+                    DeviceMixer::Moe(m) => {
+                        let banks: Vec<_> = m
+                            .banks()
+                            .map(|(_, n, up, _)| {
+                                let got: Vec<_> = up.iter().map(|m| (m.format, m.rows)).collect();
+                                (n, got)
+                            })
+                            .collect();
+                        let want: Vec<_> = match routed {
+                            true => [4, 4, 2].map(|n| (n, two(n * width).to_vec())).to_vec(),
+                            false => vec![(10, vec![(WeightFormat::Q8_0, 10 * 2 * width)])],
+                        };
+                        assert_eq!(banks, want, "{name}: the experts' banks");
+                        &m.shared.as_ref().expect("a whole shared expert").0
+                    }
                     _ => continue,
                 };
                 let got: Vec<_> = up.iter().map(|m| (m.format, m.rows)).collect();
-                assert_eq!(
-                    got,
-                    [(WeightFormat::Q4_0, shared), (WeightFormat::Q8_0, shared)],
-                    "{name}: the parts of {}",
-                    up[0].name
-                );
+                assert_eq!(got, two(shared), "{name}: the parts of {}", up[0].name);
                 parted += 1;
             }
             assert_eq!(parted, changed, "{name}: every gate/up in two parts");
@@ -442,8 +475,53 @@ fn gate_and_up_in_two_block_types_run_as_stored() {
                 e <= rel * range,
                 "{name} on the GPU ({prefill:?}): max |Δlogit| {e:e} of range {range}"
             );
+            if routed && prefill == PrefillMode::Chunked {
+                coop_parts_match(&model, &got);
+            }
         }
     }
+}
+
+/// The tensor-core prefill path (on its stand-ins where the device has no cooperative
+/// matrices) over `model`'s experts in two block types: its grouped GEMMs write each part's
+/// half of the `[gate; up]` rows, so its logits equal the FMA path's `fma` within the
+/// f16-rounded products, at every token but those where the router may have chosen
+/// another expert (at most 3 of 40).
+fn coop_parts_match(model: &Model, fma: &[Vec<f32>]) {
+    use mamba2_wgpu::gpu::engine::{Engine, PrefillMode};
+    let opts = EngineOptions {
+        format: WeightFormat::Q8_0,
+        prefill: PrefillMode::Chunked,
+        chunk_size: Some(64),
+        context: Some(64),
+        kv: mamba2_wgpu::gpu::state_store::KvFormat::F32,
+        ..Default::default()
+    };
+    let Some(ctx) = common::gpu_coop_emulated(&Engine::needs(&model.config, opts.format)) else {
+        return;
+    };
+    let mut coop = GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap();
+    let prompt: Vec<u32> = (0..fma.len() as u32).map(|i| (i * 37 + 5) % 101).collect();
+    let got = coop.prefill_logits(&prompt).unwrap();
+    let per_token: Vec<f64> = got
+        .iter()
+        .zip(fma)
+        .map(|(g, w)| common::nmse(g, w))
+        .collect();
+    let off: Vec<usize> = (0..fma.len())
+        .filter(|&t| per_token[t].is_nan() || per_token[t] > 1e-5)
+        .collect();
+    let worst = per_token.iter().fold(0f64, |m, &v| m.max(v));
+    eprintln!("cooperative path: worst per-token NMSE {worst:.1e}");
+    assert!(
+        off.len() <= 3,
+        "cooperative path: tokens {off:?} off: {per_token:?}"
+    );
+    let built = coop.engine.kernels.built();
+    assert!(
+        built.iter().any(|b| b == "gemm_coop"),
+        "the cooperative GEMM never built ({built:?})"
+    );
 }
 
 /// Granite's residual multiplier is not folded into the values of the projections that end

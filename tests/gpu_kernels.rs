@@ -1608,6 +1608,7 @@ fn experts_down_pass_makes_the_next_pre_norm() {
                         src: &adb,
                         q8: Some((&aqb, &adb)),
                         dst,
+                        dst_at: None,
                         ids: &idb,
                         weights: Some(&wtb),
                         store: false,

@@ -201,6 +201,7 @@ fn up_pass_routing(
             src: &src,
             q8: None,
             dst: &dst,
+            dst_at: None,
             ids: &ids,
             weights: Some(&wts),
             store: false,
@@ -708,7 +709,7 @@ fn moe_block_format_experts_match_the_rounded_cpu_reference() {
                 let DeviceMixer::Moe(m) = &gpu.engine.weights.layers[moe.unwrap()].mixer else {
                     panic!("{what}: not an MoE layer");
                 };
-                for bank in m.up.iter().chain(&m.down) {
+                for bank in m.up.iter().flatten().chain(&m.down) {
                     assert_eq!(bank.format, format, "{what}: {}", bank.name);
                 }
                 let got = gpu.prefill_logits(&toks).unwrap();

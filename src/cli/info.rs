@@ -243,7 +243,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         let requantized = requantized_experts(&model, format);
         if !requantized.is_empty() {
             println!(
-                "requantized to q8_0 (an expert's gate and up in types that differ): layers {}",
+                "requantized to q8_0 (experts whose types differ from one to the next): layers {}",
                 requantized.join(", ")
             );
         }
@@ -268,15 +268,29 @@ fn parted_projections(
     };
     let gate_up = |i: usize, what: &str, m: &MlpWeights| entry(i, what, &ups(m));
     let shared_apart = shared_slots(model) == 0;
-    each_layer(model, |i, mixer| match mixer {
-        MixerWeights::Attention(a) => entry(i, "q/k/v", &[&a.q, &a.k, &a.v]),
-        MixerWeights::Mlp(m) => gate_up(i, "gate/up", m),
-        MixerWeights::Moe(m) if shared_apart => m
-            .shared
-            .as_ref()
-            .and_then(|s| gate_up(i, "shared gate/up", s)),
-        _ => None,
-    })
+    // The routed experts' banks split where every expert's gate is of one block type and
+    // every up of another (`expert_up_split`).
+    let experts = |i: usize, m: &mamba2_wgpu::model::MoeWeights| {
+        let set: Vec<&MlpWeights> = m.experts.iter().collect();
+        let split = mamba2_wgpu::gpu::device_weights::expert_up_split(&set, format);
+        split
+            .then(|| gate_up(i, "experts gate/up", set[0]))
+            .flatten()
+    };
+    let mut out = Vec::new();
+    for (i, l) in model.weights.layers.iter().enumerate() {
+        match &l.mixer {
+            MixerWeights::Attention(a) => out.extend(entry(i, "q/k/v", &[&a.q, &a.k, &a.v])),
+            MixerWeights::Mlp(m) => out.extend(gate_up(i, "gate/up", m)),
+            MixerWeights::Moe(m) => {
+                out.extend(experts(i, m));
+                let shared = m.shared.as_ref().filter(|_| shared_apart);
+                out.extend(shared.and_then(|s| gate_up(i, "shared gate/up", s)));
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// What `f` says of each layer (its index and mixer), where it says something.
@@ -293,15 +307,16 @@ fn shared_slots(model: &mamba2_wgpu::Model) -> usize {
     model.config.moe.as_ref().map_or(0, |m| m.shared_slots())
 }
 
-/// The MoE layers with an expert bank whose blocks mix types (gate beside up, or one
-/// expert beside another): under a quantized `format` such a bank goes up requantized to
-/// q8_0 (the shared expert's slices, stored after the experts, form banks of their own
-/// when their types differ from the experts').
+/// The MoE layers with an expert bank whose blocks mix types in a way that parts cannot
+/// hold (one expert beside another; every gate in one type and every up in another goes up
+/// in two parts, `expert_up_split`): under a quantized `format` such a bank goes up
+/// requantized to q8_0 (the shared expert's slices, stored after the experts, form banks of
+/// their own when their types differ from the experts').
 fn requantized_experts(
     model: &mamba2_wgpu::Model,
     format: mamba2_wgpu::WeightFormat,
 ) -> Vec<String> {
-    use mamba2_wgpu::gpu::device_weights::{mixed_blocks, ups};
+    use mamba2_wgpu::gpu::device_weights::{expert_up_split, mixed_blocks, ups};
     use mamba2_wgpu::model::{DType, MixerWeights, MlpWeights};
     let sliced = shared_slots(model) > 0;
     let mixed = |set: &[&MlpWeights]| {
@@ -310,7 +325,7 @@ fn requantized_experts(
             .flat_map(|e| ups(e).into_iter().map(|t| t.dtype))
             .collect();
         let downs: Vec<DType> = set.iter().map(|e| e.down.dtype).collect();
-        mixed_blocks(&ups) || mixed_blocks(&downs)
+        (mixed_blocks(&ups) && !expert_up_split(set, format)) || mixed_blocks(&downs)
     };
     each_layer(model, |i, mixer| match mixer {
         MixerWeights::Moe(m) if format.reads_q8() => {

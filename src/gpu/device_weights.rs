@@ -77,13 +77,15 @@ pub enum DeviceMixer {
 
 /// An MoE block on the device: the router (always f32: the choice of experts should not
 /// move with the weight format), the experts in banks (each bank one binding within the
-/// adapter's limit; `up[b]` holds the experts from `firsts[b]` on as `[n·up_rows, d]`
-/// (`[gate; up]` per expert when gated), `down[b]` as `[n·d, I]`), the shared expert as an
-/// MLP (its up in parts, as `DeviceMixer::Mlp`'s), and where the correction bias starts in
-/// the layer's parameters (`[norm | bias]`).
+/// adapter's limit; `up[b]` holds the experts from `firsts[b]` on as one matrix
+/// `[n·up_rows, d]` (`[gate; up]` per expert when gated), or where a GGUF stores the
+/// experts' gate and up in block types that differ, as two, gate `[n·I, d]` and up
+/// `[n·I, d]`, each as stored (`expert_up_runs`); `down[b]` as `[n·d, I]`), the shared
+/// expert as an MLP (its up in parts, as `DeviceMixer::Mlp`'s), and where the correction
+/// bias starts in the layer's parameters (`[norm | bias]`).
 pub struct DeviceMoe {
     pub router: DeviceMatrix,
-    pub up: Vec<DeviceMatrix>,
+    pub up: Vec<Vec<DeviceMatrix>>,
     pub down: Vec<DeviceMatrix>,
     /// The first expert of each bank.
     pub firsts: Vec<usize>,
@@ -97,20 +99,20 @@ pub struct DeviceMoe {
 }
 
 impl DeviceMoe {
-    /// The banks as `(first expert, expert count, up bank, down bank)`.
-    pub fn banks(&self) -> impl Iterator<Item = (usize, usize, &DeviceMatrix, &DeviceMatrix)> {
+    /// The banks as `(first expert, expert count, up bank's parts, down bank)`.
+    pub fn banks(&self) -> impl Iterator<Item = (usize, usize, &[DeviceMatrix], &DeviceMatrix)> {
         self.up
             .iter()
             .zip(&self.down)
             .zip(&self.firsts)
-            .map(|((u, d), &first)| (first, d.rows / self.d_model, u, d))
+            .map(|((u, d), &first)| (first, d.rows / self.d_model, u.as_slice(), d))
     }
 }
 
 /// The format of a matrix whose blocks cannot go up as stored (`upload_as`). Quantized
-/// blocks joined with parts of another type (an expert bank's gate and up in different
-/// types; attention's q, k and v and an MLP's gate and up go up in parts instead,
-/// `type_runs`) are requantized to q8_0,
+/// blocks joined with parts of another type (an expert bank whose experts differ in type
+/// from one to the next; attention's q, k and v, an MLP's gate and up and a bank's gates
+/// and ups go up in parts instead, `type_runs`, `expert_up_split`) are requantized to q8_0,
 /// whose 8-bit grid keeps them closest: a second 4/5/6-bit rounding would add about as much
 /// error as the file's own. Everything else takes `format`'s choice for its width.
 fn requantized_format(dtypes: &[DType], format: WeightFormat, cols: usize) -> WeightFormat {
@@ -165,6 +167,28 @@ pub fn type_runs(dtypes: &[DType], format: WeightFormat) -> Vec<std::ops::Range<
         }
     }
     runs
+}
+
+/// Whether an expert bank's up projection (`bank`: its experts, or the shared expert's
+/// slices) goes up under `format` as two GPU matrices, every gate then every up, rather than
+/// one of `[gate; up]` per expert: where a quantized format meets gated experts whose gates
+/// share one block type and ups another (a GGUF's `ffn_gate_exps` and `ffn_up_exps` in
+/// different types), so that both go up as stored. Experts whose types differ among
+/// themselves (no GGUF stacks those) still go up as one matrix, requantized to q8_0
+/// (`requantized_format`).
+pub fn expert_up_split(bank: &[&crate::model::MlpWeights], format: WeightFormat) -> bool {
+    let gates: Option<Vec<DType>> = bank
+        .iter()
+        .map(|e| e.gate.as_ref().map(|g| g.dtype))
+        .collect();
+    let ups: Vec<DType> = bank.iter().map(|e| e.up.dtype).collect();
+    let one_type = |d: &[DType]| d.iter().all(|t| *t == d[0]);
+    match gates {
+        Some(gates) if !bank.is_empty() && one_type(&gates) && one_type(&ups) => {
+            type_runs(&[gates[0], ups[0]], format).len() == 2
+        }
+        _ => false,
+    }
 }
 
 /// An MLP's up projection as the matrices it stacks, in row order: `[gate, up]`, or up
@@ -276,7 +300,7 @@ impl DeviceLayer {
             DeviceMixer::Mlp { up, down, .. } => up.iter().chain([down]).collect(),
             DeviceMixer::Moe(m) => {
                 let mut v = vec![&m.router];
-                v.extend(m.up.iter().chain(&m.down));
+                v.extend(m.up.iter().flatten().chain(&m.down));
                 if let Some((u, d)) = &m.shared {
                     v.extend(u.iter().chain([d]));
                 }
@@ -538,13 +562,22 @@ impl DeviceWeights {
                     for (b, r) in ranges.enumerate() {
                         firsts.push(r.start);
                         let bank = &stored[r];
-                        let parts: Vec<&crate::model::Tensor> =
-                            bank.iter().flat_map(|e| ups(e)).collect();
-                        up.push(upload_as(
-                            &name(&format!("experts.up.bank{b}")),
-                            &parts,
-                            ef,
-                        )?);
+                        let up_name = name(&format!("experts.up.bank{b}"));
+                        up.push(if expert_up_split(bank, ef) {
+                            // (Every expert is gated: `expert_up_split`.)
+                            let gates: Vec<&crate::model::Tensor> =
+                                bank.iter().filter_map(|e| e.gate.as_ref()).collect();
+                            let ups: Vec<&crate::model::Tensor> =
+                                bank.iter().map(|e| &e.up).collect();
+                            vec![
+                                upload_as(&format!("{up_name}.gate"), &gates, ef)?,
+                                upload_as(&format!("{up_name}.up"), &ups, ef)?,
+                            ]
+                        } else {
+                            let parts: Vec<&crate::model::Tensor> =
+                                bank.iter().flat_map(|e| ups(e)).collect();
+                            vec![upload_as(&up_name, &parts, ef)?]
+                        });
                         let parts: Vec<&crate::model::Tensor> =
                             bank.iter().map(|e| &e.down).collect();
                         let bank_name = name(&format!("experts.down.bank{b}"));

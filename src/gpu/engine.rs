@@ -439,7 +439,12 @@ impl Engine {
             match (&l.mixer, &self.config.moe) {
                 // Only the chosen experts' rows are read.
                 (crate::gpu::device_weights::DeviceMixer::Moe(m), Some(mc)) => {
-                    let experts: u64 = m.up.iter().chain(&m.down).map(|x| x.bytes()).sum();
+                    let experts: u64 =
+                        m.up.iter()
+                            .flatten()
+                            .chain(&m.down)
+                            .map(|x| x.bytes())
+                            .sum();
                     b +=
                         experts * mc.slots() as u64 / mc.stored_experts() as u64 + m.router.bytes();
                     if let Some((u, d)) = &m.shared {

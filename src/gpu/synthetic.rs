@@ -221,7 +221,7 @@ impl Engine {
                     for (bank, &first) in firsts.iter().enumerate() {
                         let n_e = per_bank.min(stored - first);
                         let seed = 1000 * (i as u64 + 1) + 2 * bank as u64;
-                        up.push(random_matrix(
+                        up.push(vec![random_matrix(
                             &k,
                             &n(&format!("experts.up.bank{bank}")),
                             n_e * mo.up_rows(),
@@ -229,7 +229,7 @@ impl Engine {
                             ef,
                             in_scale,
                             s(seed),
-                        )?);
+                        )?]);
                         down.push(random_matrix(
                             &k,
                             &n(&format!("experts.down.bank{bank}")),

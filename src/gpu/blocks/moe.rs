@@ -14,7 +14,8 @@ use crate::config::{MlpAct, MlpConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gpu::device_weights::DeviceMoe;
 use crate::gpu::kernels::expert_gemv::{
-    ActFold, Bank, ExpertBuffers, ExpertPass, NormTail, RouteFold, expert_gemv, takes_norm_tail,
+    ActFold, Bank, ExpertBuffers, ExpertPass, NormTail, RouteFold, RowsAt, expert_gemv,
+    takes_norm_tail,
 };
 use crate::gpu::kernels::gemm::{GemmOutput, SortedRows, TILE, expert_gemm, gemm, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, NormOut};
@@ -26,6 +27,7 @@ use crate::gpu::kernels::q8_rows::q8_rows;
 use crate::gpu::kernels::rmsnorm;
 use crate::gpu::kernels::{Dispatch, Section};
 use crate::gpu::prefill::Prefill;
+use crate::gpu::weights::DeviceMatrix;
 use crate::model::quant::WeightFormat;
 
 fn moe_section(d: Dispatch) -> Dispatch {
@@ -319,24 +321,23 @@ pub fn prefill(
         None => (&p.h, b.c.d_model),
     };
     for (first, count, up, _) in w.banks() {
-        d.push(expert_gemm(
-            k,
-            &format!("experts.up[{first}..{}]", first + count),
-            up,
-            Bank {
-                first,
-                count,
-                rows_per_expert: m.up_rows(),
-            },
-            SortedRows {
-                rows,
-                tile_expert: &p.tile_expert,
-                gather: Some((&p.moe_pairs, slots)),
-            },
-            x_in,
-            &p.moe_up,
-            m.up_rows(),
-        )?);
+        for part in up_parts(first, count, up, m.up_rows())? {
+            d.push(expert_gemm(
+                k,
+                &part.name,
+                part.w,
+                part.bank,
+                SortedRows {
+                    rows,
+                    tile_expert: &p.tile_expert,
+                    gather: Some((&p.moe_pairs, slots)),
+                },
+                x_in,
+                &p.moe_up,
+                m.up_rows(),
+                part.at.offset,
+            )?);
+        }
     }
     let e = expert_shape(m);
     d.push(moe_section(mlp_act(
@@ -371,6 +372,7 @@ pub fn prefill(
             &p.moe_mid,
             &p.moe_down,
             w.d_model,
+            0,
         )?);
     }
     let latent = w.latent.as_ref();
@@ -440,7 +442,7 @@ pub fn prefill(
 /// counters).
 fn routes_in_prologue(b: &BlockCtx, w: &DeviceMoe, m: &MoeConfig) -> Result<bool> {
     let buffers = b.k.ctx.device.limits().max_storage_buffers_per_shader_stage;
-    let f16 = w.up.iter().any(|u| u.format == WeightFormat::F16);
+    let f16 = w.up.iter().flatten().any(|u| u.format == WeightFormat::F16);
     Ok(!f16
         && buffers >= 12
         && m.slots() <= gemv::one_token_wg(b.k, gemv::WgKind::Expert)? as usize)
@@ -476,39 +478,41 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
     let mut d = Vec::new();
     let mut route = st.route;
     for (first, count, up, _) in w.banks() {
-        let route = route.take();
-        let name = format!("experts.up[{first}..{}]", first + count);
-        d.push(expert_gemv(
-            k,
-            &if route.is_some() {
-                format!("route+{name}")
-            } else {
-                name
-            },
-            up,
-            Bank {
-                first,
-                count,
-                rows_per_expert: m.up_rows(),
-            },
-            ExpertPass::Up,
-            1,
-            top_k,
-            ExpertBuffers {
-                src: st.h,
-                q8: st.h_q8,
-                dst: st.up,
-                ids: st.ids,
-                store: false,
-                act: fold.then_some(ActFold {
-                    mid: st.mid,
-                    q8: st.mid_q8,
-                }),
-                weights: route.as_ref().map(|_| st.weights),
-                route,
-                norm_tail: None,
-            },
-        )?);
+        let parts = up_parts(first, count, up, m.up_rows())?;
+        let whole = parts.len() == 1;
+        for part in parts {
+            let route = route.take();
+            let name = part.name;
+            d.push(expert_gemv(
+                k,
+                &if route.is_some() {
+                    format!("route+{name}")
+                } else {
+                    name
+                },
+                part.w,
+                part.bank,
+                ExpertPass::Up,
+                1,
+                top_k,
+                ExpertBuffers {
+                    src: st.h,
+                    q8: st.h_q8,
+                    dst: st.up,
+                    dst_at: (!whole).then_some(part.at),
+                    ids: st.ids,
+                    store: false,
+                    // (Only non-gated experts fold it, and those have one part.)
+                    act: fold.then_some(ActFold {
+                        mid: st.mid,
+                        q8: st.mid_q8,
+                    }),
+                    weights: route.as_ref().map(|_| st.weights),
+                    route,
+                    norm_tail: None,
+                },
+            )?);
+        }
     }
     let e = expert_shape(m);
     if !fold {
@@ -557,6 +561,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 src: st.mid,
                 q8: st.mid_q8,
                 dst: st.resid,
+                dst_at: None,
                 ids: st.ids,
                 weights: Some(st.weights),
                 // The first bank writes a latent sum, the others add to it.
@@ -568,6 +573,60 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
         )?);
     }
     Ok(d)
+}
+
+/// One matrix of an expert bank's up projection: its dispatch name, the bank of its rows
+/// and where they go in each choice's `[gate; up]` row.
+struct UpPart<'a> {
+    name: String,
+    w: &'a DeviceMatrix,
+    bank: Bank,
+    at: RowsAt,
+}
+
+/// The up projection of the bank of `count` experts from `first` as the matrices it is
+/// stored in (`DeviceMoe::up`): one of `up_rows` rows per expert, or gate and up of half
+/// as many each, into their halves of the rows. An error unless the parts make up exactly
+/// `up_rows` rows of every expert.
+fn up_parts(
+    first: usize,
+    count: usize,
+    parts: &[DeviceMatrix],
+    up_rows: usize,
+) -> Result<Vec<UpPart<'_>>> {
+    let name = format!("experts.up[{first}..{}]", first + count);
+    let mut offset = 0;
+    let mut out = Vec::with_capacity(parts.len());
+    for w in parts {
+        let rows = w.rows / count.max(1);
+        if rows * count != w.rows {
+            break;
+        }
+        out.push(UpPart {
+            name: match parts.len() {
+                1 => name.clone(),
+                _ => format!("{name}[{offset}..{}]", offset + rows),
+            },
+            w,
+            bank: Bank {
+                first,
+                count,
+                rows_per_expert: rows,
+            },
+            at: RowsAt {
+                stride: up_rows,
+                offset,
+            },
+        });
+        offset += rows;
+    }
+    if offset != up_rows || out.len() != parts.len() {
+        let rows: Vec<usize> = parts.iter().map(|p| p.rows).collect();
+        return Err(Error::Gpu(format!(
+            "{name}: parts of {rows:?} rows do not make {count} experts of {up_rows} rows"
+        )));
+    }
+    Ok(out)
 }
 
 /// The shared expert's dispatches are named as such.

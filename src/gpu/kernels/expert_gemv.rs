@@ -70,6 +70,15 @@ pub struct Bank {
     pub rows_per_expert: usize,
 }
 
+/// Where an up pass's rows go in `dst`: each choice's row of `stride` values, this bank's
+/// from value `offset` on (an expert's `[gate; up]` stored as two banks of different block
+/// types, each writing its half, `DeviceMoe::up`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowsAt {
+    pub stride: usize,
+    pub offset: usize,
+}
+
 /// The buffers besides the bank's matrix.
 pub struct ExpertBuffers<'a> {
     /// f32 inputs (f32/f16 matrices).
@@ -77,6 +86,8 @@ pub struct ExpertBuffers<'a> {
     /// q8 input blocks (the quantized formats: q8_0 and the 4/5/6-bit block formats).
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub dst: &'a wgpu::Buffer,
+    /// `Up`: where the rows go in `dst` (None: rows of the bank's `rows_per_expert` values).
+    pub dst_at: Option<RowsAt>,
     pub ids: &'a wgpu::Buffer,
     /// The routing weights (`Down` only).
     pub weights: Option<&'a wgpu::Buffer>,
@@ -231,7 +242,24 @@ pub fn expert_gemv(
         )));
     }
     check_len(&format!("{name}: ids"), b.ids, tokens * top_k)?;
-    check_len(&format!("{name}: dst"), b.dst, z.max(tokens) * m)?;
+    let at = b.dst_at.unwrap_or(RowsAt {
+        stride: m,
+        offset: 0,
+    });
+    if at.offset + m > at.stride
+        || (b.dst_at.is_some() && (pass != ExpertPass::Up || b.act.is_some()))
+    {
+        return Err(Error::Gpu(format!(
+            "{name}: {m} rows from {} do not fit output rows of {}, or a pass other than an \
+             unfolded up pass was given them",
+            at.offset, at.stride
+        )));
+    }
+    check_len(
+        &format!("{name}: dst"),
+        b.dst,
+        (z.max(tokens) - 1) * at.stride + at.offset + m,
+    )?;
     if !takes(w.format, b.q8.is_some()) {
         return Err(Error::Gpu(format!(
             "{name}: expert banks are f32, f16 or q8_0, or a 4/5/6-bit block format against \
@@ -266,6 +294,8 @@ pub fn expert_gemv(
         ("WG", Const::U32(wg)),
         ("R", Const::U32(wg / team)),
         ("M", u(m)),
+        ("MS", u(at.stride)),
+        ("M0", u(at.offset)),
         ("KP", u(w.kp)),
         ("XS", u(xs)),
         ("KS", u(top_k)),

@@ -343,22 +343,23 @@ pub fn expert_gemm(
     x: &wgpu::Buffer,
     y: &wgpu::Buffer,
     ys: usize,
+    y0: usize,
 ) -> Result<Dispatch> {
     if super::gemm_coop::applies(k, w) {
         let emulate = !k.ctx.caps.coop_matrix;
-        return super::gemm_coop::expert_gemm_coop(k, name, w, bank, sorted, x, y, ys, emulate);
+        return super::gemm_coop::expert_gemm_coop(k, name, w, bank, sorted, x, y, ys, y0, emulate);
     }
     let m = bank.rows_per_expert;
     let rows = sorted.rows;
-    if bank.count * m != w.rows || !rows.is_multiple_of(TILE.1) || m > ys {
+    if bank.count * m != w.rows || !rows.is_multiple_of(TILE.1) || y0 + m > ys {
         return Err(crate::error::Error::Gpu(format!(
-            "{name}: {} experts × {m} rows, {rows} sorted rows and output rows of {ys} do not \
-             fit {} ({} rows) in tiles of {}",
+            "{name}: {} experts × {m} rows from {y0}, {rows} sorted rows and output rows of \
+             {ys} do not fit {} ({} rows) in tiles of {}",
             bank.count, w.name, w.rows, TILE.1
         )));
     }
     let xs = w.cols.next_multiple_of(32);
-    check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
+    check_len(&format!("{name}: y"), y, (rows - 1) * ys + y0 + m)?;
     check_len(
         &format!("{name}: tile experts"),
         sorted.tile_expert,
@@ -370,7 +371,7 @@ pub fn expert_gemm(
         ("KP", u(w.kp)),
         ("XS", u(xs)),
         ("YS", u(ys)),
-        ("Y0", u(0)),
+        ("Y0", u(y0)),
         // (Rows unscaled: `moe_combine` applies the bank's output scale.)
         ("RS", Const::F32(1.0)),
         ("TR", u(rows)),

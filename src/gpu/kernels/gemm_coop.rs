@@ -815,6 +815,7 @@ pub fn expert_gemm_coop(
     x: &wgpu::Buffer,
     y: &wgpu::Buffer,
     ys: usize,
+    y0: usize,
     emulate: bool,
 ) -> Result<Dispatch> {
     let tile = GROUPED_TILE;
@@ -822,18 +823,18 @@ pub fn expert_gemm_coop(
     let rows = sorted.rows;
     check_takes(name, w)?;
     super::require_coop(k, name, emulate)?;
-    if bank.count * m != w.rows || !rows.is_multiple_of(tile.bt) || m > ys {
+    if bank.count * m != w.rows || !rows.is_multiple_of(tile.bt) || y0 + m > ys {
         return Err(Error::Gpu(format!(
-            "{name}: {} experts × {m} rows, {rows} sorted rows and output rows of {ys} do not \
-             fit {} ({} rows) in tiles of {}",
+            "{name}: {} experts × {m} rows from {y0}, {rows} sorted rows and output rows of \
+             {ys} do not fit {} ({} rows) in tiles of {}",
             bank.count, w.name, w.rows, tile.bt
         )));
     }
     // (Rows unscaled: `moe_combine` applies the bank's output scale.)
-    let direct = direct_fits_rows(m, rows, y, ys, 0);
+    let direct = direct_fits_rows(m, rows, y, ys, y0);
     tile.check(w.format, direct)?;
     let xs = w.cols.next_multiple_of(32);
-    check_len(&format!("{name}: y"), y, (rows - 1) * ys + m)?;
+    check_len(&format!("{name}: y"), y, (rows - 1) * ys + y0 + m)?;
     check_len(
         &format!("{name}: tile experts"),
         sorted.tile_expert,
@@ -865,7 +866,7 @@ pub fn expert_gemm_coop(
         w.kp,
         w.cols,
         ys,
-        0,
+        y0,
         1.0,
         GemmOutput::Store,
         tile,
