@@ -2,8 +2,9 @@
 // dispatch never changes; only the chosen experts' rows are read). W is a bank of NE
 // experts starting at expert E0: [NE·M, KP] in f32, f16, q8_0 or a 4/5/6-bit block format
 // (block_quant.wgsl's layouts), expert e's M rows at
-// (e − E0)·M. Teams of TEAM invocations own a row, as in gemv.wgsl. Input vectors are XS
-// (KP rounded up to 32) values apart, as the norms and activations write them.
+// (e − E0)·M. Teams of TEAM invocations own a row, as in gemv.wgsl. Input vectors are XR
+// values apart: XS (KP rounded up to 32), as the norms and activations write them, or for
+// an up pass over a batch's lanes the lane stride (IN_LANES: their q8 blocks too, XL).
 // UP (grid z = t·KS + s, the token's s-th slot): dst[(t·KS + s)·MS + M0 + row] = W_id[row] · x_t
 //   (MS = M, M0 = 0 but where an expert's [gate; up] is two banks, each writing its half)
 //   where x_t is the token's normed input (f32 `src [T][KP]` or q8 blocks); a workgroup whose
@@ -80,9 +81,10 @@ var<workgroup> down_w: array<f32, KS>;
 var<workgroup> tail_last: u32;
 var<workgroup> tail_sq: array<f32, TR>;
 
-// After the workgroup's rows from r0 went into the residual. Call from uniform control
-// flow.
-fn norm_tail(lid: u32, r0: u32) {
+// After the workgroup's rows from r0 of token t (a batch's lane) went into the residual.
+// A lane's q8 blocks lie TL values apart, its sums and counts NB apart. Call from uniform
+// control flow.
+fn norm_tail(lid: u32, r0: u32, t: u32) {
     // Release: the rows this workgroup wrote, before its count (WGSL's atomics are
     // relaxed; the barrier's device-scope fence orders them).
     storageBarrier();
@@ -92,7 +94,7 @@ fn norm_tail(lid: u32, r0: u32) {
     let first = (r0 / TR) * TR;
     if (lid == 0u) {
         let expect = (min(first + TR, M) - first + R - 1u) / R;
-        tail_last = u32(atomicAdd(&ncount[first / 32u], 1u) + 1u == expect);
+        tail_last = u32(atomicAdd(&ncount[t * NB + first / 32u], 1u) + 1u == expect);
     }
     if (workgroupUniformLoad(&tail_last) == 0u) {
         return;
@@ -103,13 +105,13 @@ fn norm_tail(lid: u32, r0: u32) {
     var x = 0.0;
     var v = 0.0;
     if (lid < TR && r < M) {
-        x = bitcast<f32>(atomicLoad(&dst[r]));
+        x = bitcast<f32>(atomicLoad(&dst[t * M + r]));
         v = x * nparams[NW_OFF + r];
     }
     if (lid < TR) {
         tail_sq[lid] = x * x;
     }
-    q8_chunk(v, lid, first, 0u);
+    q8_chunk(v, lid, first, t * TL);
     workgroupBarrier();
     if (lid < TR / 32u) {
         // In row order, whichever workgroup came last: the same bits every token.
@@ -118,11 +120,11 @@ fn norm_tail(lid: u32, r0: u32) {
             s += tail_sq[32u * lid + i];
         }
         if (first / 32u + lid < NB) {
-            npart[first / 32u + lid] = s;
+            npart[t * NB + first / 32u + lid] = s;
         }
     }
     if (lid == 0u) {
-        atomicStore(&ncount[first / 32u], 0u);
+        atomicStore(&ncount[t * NB + first / 32u], 0u);
     }
 }
 #endif
@@ -145,11 +147,20 @@ const NV: u32 = KP / VW;
 #if Q8_IN
 // The q8 input as gemv_units.wgsl reads it (no group norm here).
 fn x_q(i: u32) -> vec4<u32> {
+#if IN_LANES
+    // Vector i / (KP/16) is a batch's lane: lanes lie XL values apart.
+    return xq_in[(i / (KP / 16u)) * (XL / 16u) + i % (KP / 16u)];
+#else
     return xq_in[i];
+#endif
 }
 
 fn x_d(i: u32) -> f32 {
+#if IN_LANES
+    return xd_in[(i / (KP / 32u)) * (XL / 32u) + i % (KP / 32u)];
+#else
     return xd_in[i];
+#endif
 }
 
 fn col_scale(k: u32) -> f32 {
@@ -214,19 +225,19 @@ fn vec_dot(row: u32, x: u32, v: u32) -> f32 {
         let wv = w[base + v];
 #if W_Q8
         // q8_0 weights against f32 inputs (the latent vector, made by a GEMV).
-        let xb = x * (XS / 4u) + 4u * v;
+        let xb = x * (XR / 4u) + 4u * v;
         let sc = unpack2x16float(ws[(row * (KP / 32u) + v / 2u) / 2u])[(row * (KP / 32u) + v / 2u) % 2u];
         acc += sc * (dot(vec4<f32>(unpack4xI8(wv.x)), src[xb]) + dot(vec4<f32>(unpack4xI8(wv.y)), src[xb + 1u])
             + dot(vec4<f32>(unpack4xI8(wv.z)), src[xb + 2u]) + dot(vec4<f32>(unpack4xI8(wv.w)), src[xb + 3u]));
 #endif
 #if W_F16
-        let xa = src[x * (XS / 4u) + 2u * v];
-        let xb = src[x * (XS / 4u) + 2u * v + 1u];
+        let xa = src[x * (XR / 4u) + 2u * v];
+        let xb = src[x * (XR / 4u) + 2u * v + 1u];
         acc += dot(vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y)), xa)
             + dot(vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w)), xb);
 #endif
 #if W_F32
-        acc += dot(wv, src[x * (XS / 4u) + v]);
+        acc += dot(wv, src[x * (XR / 4u) + v]);
 #endif
     }
     return acc;
@@ -296,7 +307,7 @@ fn main(
 #endif
     }
 #if NORM_TAIL
-    norm_tail(lid, (wid.x + wid.y * nwg.x) * R);
+    norm_tail(lid, (wid.x + wid.y * nwg.x) * R, t);
 #endif
 #else
     let z = wid.z;

@@ -1,8 +1,8 @@
 //! Batched decode (lavapipe in CI): sequences in the slots of one batch, joining and
 //! leaving mid-way, greedy and seeded sampling side by side, must give every sequence the
 //! logits and tokens it gets alone — bitwise, at every step and lane count — on the pure
-//! Mamba2 fixture in every weight format and the hybrid in f32 and q8_0 (and with its q, k
-//! and v in three block types), with more lanes
+//! Mamba2 fixture in every weight format, the hybrid in f32 and q8_0 (and with its q, k
+//! and v in three block types) and MoE hybrids (Nemotron-H and Granite), with more lanes
 //! than one workgroup sums (two rows of workgroups), and beside a lane whose context needs
 //! a wider attention tile. A sequence that leaves hands
 //! back exactly the state of the same tokens fed alone.
@@ -115,6 +115,42 @@ const CASES: &[Case] = &[
             common::qkv_in_blocks(&m, types, None)
         },
         format: WeightFormat::Q8_0,
+    },
+    // MoE blocks: the lanes go through the routing and the expert passes as tokens; in
+    // q8_0 the one-token graph folds the routing and relu² into the up pass and makes the
+    // next Mamba2 block's pre-norm in the down pass, which the batch must match bit for bit.
+    Case {
+        name: "nemotron-h moe f32",
+        model: || Model::synthetic(tiny_moe("ME*EM-", false), 15),
+        format: WeightFormat::F32,
+    },
+    Case {
+        name: "nemotron-h moe q8_0",
+        model: || Model::synthetic(tiny_moe("MEME*E", false), 16),
+        format: WeightFormat::Q8_0,
+    },
+    Case {
+        name: "granite moe q8_0",
+        model: || Model::synthetic(tiny_moe("MEM*E", true), 17),
+        format: WeightFormat::Q8_0,
+    },
+    // f16, the default for a safetensors checkpoint: the experts read the f32 pre-norm.
+    Case {
+        name: "granite moe f16",
+        model: || Model::synthetic(tiny_moe("MEM*E", true), 18),
+        format: WeightFormat::F16,
+    },
+    // The Nemotron-H MoE fixture: an MLP layer wider than the shared expert, so a lane's
+    // rows of the up projection's output lie further apart than the shared expert's width.
+    Case {
+        name: "nemotron-h moe fixture f16",
+        model: || Model::load(&common::fixture("nemotron_h_moe")).unwrap(),
+        format: WeightFormat::F16,
+    },
+    Case {
+        name: "nemotron-h moe f16",
+        model: || Model::synthetic(tiny_moe("ME*EM-", false), 19),
+        format: WeightFormat::F16,
     },
 ];
 
@@ -373,12 +409,14 @@ fn more_lanes_than_a_workgroup_sums_stay_exact() {
     // 19 lanes: two lane groups of 16, one after the other; 40: three, side by side
     // (`gemv::side_by_side`).
     for lanes in [19, 40] {
-        more_lanes_exact(lanes);
+        more_lanes_exact(Model::synthetic(tiny_config(2, 16), 12), lanes);
     }
+    // MoE blocks over more lanes than the KV rows in use (prompts of 1…5 tokens): every
+    // lane is routed and goes through the experts.
+    more_lanes_exact(Model::synthetic(tiny_moe("MEM*E", true), 13), 19);
 }
 
-fn more_lanes_exact(lanes: usize) {
-    let model = Model::synthetic(tiny_config(2, 16), 12);
+fn more_lanes_exact(model: Model, lanes: usize) {
     let vocab = model.config.vocab_size;
     let Some(mut be) = backend(&model, WeightFormat::Q8_0) else {
         return;
@@ -476,12 +514,12 @@ fn a_short_lane_beside_a_long_one_keeps_its_bits() {
 
 #[test]
 fn models_a_batch_cannot_run_are_refused_by_name() {
-    let model = Model::synthetic(tiny_moe("M-E-", false), 4);
+    let model = Model::load(&common::fixture("nemotron_h_latent")).unwrap();
     let Some(mut be) = backend(&model, WeightFormat::F32) else {
         return;
     };
     let e = be.enable_batch(4).unwrap_err().to_string();
-    assert!(e.contains("mixture-of-experts"), "{e}");
+    assert!(e.contains("latent mixture-of-experts"), "{e}");
     let model = Model::synthetic(tiny_config(2, 16), 3);
     let Some(mut be) = backend(&model, WeightFormat::F32) else {
         return;

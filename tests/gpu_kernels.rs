@@ -1537,7 +1537,7 @@ const TAIL_CASES: [TailCase; 4] = [
 /// The residual the pass writes is the plain down pass's, bit for bit, and the CPU's sum to
 /// f32 rounding; the q8 blocks are the host's of `x ⊙ w` (x: that residual), the per-block
 /// Σx² the host's in row order, and every block's count is back at 0 for the next token
-/// (checked over two tokens).
+/// (checked over two tokens, then the two as a batch's lanes in one pass: `tail_over_lanes`).
 #[test]
 fn experts_down_pass_makes_the_next_pre_norm() {
     use mamba2_wgpu::gpu::kernels::expert_gemv::{
@@ -1561,6 +1561,8 @@ fn experts_down_pass_makes_the_next_pre_norm() {
             g.zeros(blocks),
             g.zeros(blocks),
         );
+        // Each token's inputs and what its one-token pass wrote, for the lanes run below.
+        let mut runs = Vec::new();
         for token in 0..2u64 {
             let what = format!("{} (token {token})", c.name);
             // Each slot's activation as q8 blocks of KP values.
@@ -1622,6 +1624,7 @@ fn experts_down_pass_makes_the_next_pre_norm() {
                             part: &part,
                             counts: &counts,
                         }),
+                        lane_width: None,
                     },
                 )
                 .unwrap();
@@ -1664,6 +1667,132 @@ fn experts_down_pass_makes_the_next_pre_norm() {
                 bytemuck::cast_slice(&g.ctx().read(&counts, 4 * blocks as u64).unwrap())[..blocks]
                     .to_vec();
             assert!(left.iter().all(|&n| n == 0), "{what}: counts left {left:?}");
+            let got_d = g.read(&xd, blocks);
+            runs.push((aq, ad, ids, wts, resid0, x, got_q, got_d, got_part));
         }
+        tail_over_lanes(&g, &c, &bank, &pbuf, nw_off, &runs);
     }
+}
+
+/// One token's inputs (q8 activations, ids, weights, residual) and its one-token pass's
+/// outputs (residual, tail q8 blocks and scales, Σx² per block).
+type TailRun = (
+    Vec<u32>,
+    Vec<f32>,
+    Vec<u32>,
+    Vec<f32>,
+    Vec<f32>,
+    Vec<f32>,
+    Vec<u32>,
+    Vec<f32>,
+    Vec<f32>,
+);
+
+/// The tokens of `runs` as a batch's lanes in one down pass (lanes a lane width of whole
+/// superblocks apart, as `Scratch` lays them out): each lane's residual, tail q8 blocks and
+/// sums are bitwise its one-token pass's, and the counters are back at 0.
+fn tail_over_lanes(
+    g: &Gpu,
+    c: &TailCase,
+    bank: &mamba2_wgpu::gpu::weights::DeviceMatrix,
+    params: &wgpu::Buffer,
+    nw_off: usize,
+    runs: &[TailRun],
+) {
+    use mamba2_wgpu::gpu::kernels::expert_gemv::{
+        Bank, ExpertBuffers, ExpertPass, NormTail, expert_gemv,
+    };
+    let lanes = runs.len();
+    let blocks = c.rows.div_ceil(32);
+    let lw = c.rows.next_multiple_of(256);
+    let cat_u = |f: fn(&TailRun) -> &Vec<u32>| -> Vec<u32> {
+        runs.iter().flat_map(|r| f(r).iter().copied()).collect()
+    };
+    let cat_f = |f: fn(&TailRun) -> &Vec<f32>| -> Vec<f32> {
+        runs.iter().flat_map(|r| f(r).iter().copied()).collect()
+    };
+    let u32s = |v: &[u32]| {
+        g.ctx()
+            .storage_with("u32s", bytemuck::cast_slice(v))
+            .unwrap()
+    };
+    let aq = u32s(&cat_u(|r| &r.0));
+    let ad = g.buf(&cat_f(|r| &r.1));
+    let ids = u32s(&cat_u(|r| &r.2));
+    let wts = g.buf(&cat_f(|r| &r.3));
+    let resid = g.buf(&cat_f(|r| &r.4));
+    let (xq, xd, part, counts) = (
+        g.zeros(lanes * lw / 4),
+        g.zeros(lanes * lw / 32),
+        g.zeros(lanes * blocks),
+        g.zeros(lanes * blocks),
+    );
+    let d = expert_gemv(
+        &g.k,
+        "down over lanes",
+        bank,
+        Bank {
+            first: 0,
+            count: c.experts,
+            rows_per_expert: c.rows,
+        },
+        ExpertPass::Down,
+        lanes,
+        c.slots,
+        ExpertBuffers {
+            src: &ad,
+            q8: Some((&aq, &ad)),
+            dst: &resid,
+            dst_at: None,
+            ids: &ids,
+            weights: Some(&wts),
+            store: false,
+            act: None,
+            route: None,
+            norm_tail: Some(NormTail {
+                params,
+                nw_off,
+                xq: &xq,
+                xd: &xd,
+                part: &part,
+                counts: &counts,
+            }),
+            lane_width: Some(lw),
+        },
+    )
+    .unwrap();
+    g.run(&d);
+    let x = g.read(&resid, lanes * c.rows);
+    let q: Vec<u32> =
+        bytemuck::cast_slice(&g.ctx().read(&xq, (lanes * lw) as u64).unwrap()).to_vec();
+    let dq = g.read(&xd, lanes * lw / 32);
+    let sums = g.read(&part, lanes * blocks);
+    for (l, r) in runs.iter().enumerate() {
+        let what = format!("{} (lane {l} of {lanes})", c.name);
+        let lane = |v: &[f32], n: usize, at: usize| common::bits(&v[l * at..][..n]);
+        // (Compared whole, reported by name: the vectors run to thousands of values.)
+        assert!(
+            lane(&x, c.rows, c.rows) == common::bits(&r.5),
+            "{what}: residual"
+        );
+        assert!(
+            q[l * lw / 4..][..8 * blocks] == r.6[..],
+            "{what}: q8 blocks"
+        );
+        assert!(
+            lane(&dq, blocks, lw / 32) == common::bits(&r.7),
+            "{what}: q8 scales"
+        );
+        assert!(
+            lane(&sums, blocks, blocks) == common::bits(&r.8),
+            "{what}: Σx²"
+        );
+    }
+    let left: Vec<u32> =
+        bytemuck::cast_slice(&g.ctx().read(&counts, (4 * lanes * blocks) as u64).unwrap()).to_vec();
+    assert!(
+        left.iter().all(|&n| n == 0),
+        "{}: counts left {left:?}",
+        c.name
+    );
 }

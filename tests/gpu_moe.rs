@@ -213,6 +213,7 @@ fn up_pass_routing(
                 counts: Some((&counts, 0)),
             }),
             norm_tail: None,
+            lane_width: None,
         },
     )
     .unwrap();

@@ -79,6 +79,25 @@ fn interleaved_sequences_equal_their_solo_runs_hybrid() {
     interleaved_equals_solo(&model, &tok, None);
 }
 
+#[test]
+fn interleaved_sequences_equal_their_solo_runs_moe() {
+    // Granite-4.0-H's layer (softmax router, gated experts, shared MLP) and Nemotron-H's
+    // (grouped sigmoid router, relu² experts, shared expert): their replies decoded as a
+    // batch, as the log of `serve` says ("batched decode: N slots").
+    let (_, tok) = assets::embedded().unwrap();
+    for fixture in ["granite_moe_hybrid", "nemotron_h_moe"] {
+        let model = Model::load(&common::fixture(fixture)).unwrap();
+        // (What the server's engine does first: with a batch, replies decode together.)
+        let Some(mut b) = gpu_backend(&model) else {
+            return;
+        };
+        let gpu = b.gpu().expect("a GPU backend");
+        gpu.enable_batch(8).unwrap();
+        gpu.batch.as_mut().unwrap().prepare(&gpu.engine).unwrap();
+        interleaved_equals_solo(&model, &tok, None);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // HTTP
 

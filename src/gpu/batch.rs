@@ -1,7 +1,8 @@
 //! Batched decode: `slots` sequences side by side in one state store, advanced together by
 //! one submit per step. Lane l of a step is slot l: the step's GEMVs read each weight once
-//! for all its lanes, and its SSD steps, conv steps, attention and samplers run per lane
-//! with the lane's own state, length, sampling options and seed. A lane's arithmetic is the
+//! for all its lanes, its MoE blocks route the lanes as the tokens of one pass (each lane's
+//! chosen experts read for it), and its SSD steps, conv steps, attention and samplers run
+//! per lane with the lane's own state, length, sampling options and seed. A lane's arithmetic is the
 //! one-sequence graph's, in the same order, so its logits and tokens are bitwise those of
 //! the same sequence decoded alone (`tests/gpu_batch.rs` checks it).
 //!
@@ -59,12 +60,16 @@ fn lanes_for(live: usize, slots: usize) -> usize {
     live.next_power_of_two().min(slots)
 }
 
-/// Why a model cannot decode in batches (MoE layers, or group sizes the fused graph
+/// Why a model cannot decode in batches (latent MoE layers, or group sizes the fused graph
 /// cannot take), or None.
 pub fn unsupported(engine: &Engine) -> Option<String> {
     let c = &engine.config;
-    if c.count(crate::config::BlockKind::Moe) > 0 {
-        return Some("batched decode does not run mixture-of-experts layers yet".into());
+    if c.moe.as_ref().is_some_and(|m| m.latent.is_some()) {
+        return Some(
+            "batched decode does not run latent mixture-of-experts layers (moe_latent_size) \
+             yet"
+            .into(),
+        );
     }
     if c.count(crate::config::BlockKind::Mamba2) > 0 && !mamba2::fusable(c, engine.format) {
         return Some(format!(

@@ -47,6 +47,13 @@ pub fn decode(
         m.intermediate.next_multiple_of(32)
     };
     let up_rows = parts::rows(up);
+    // A batch's lanes of the up projection's output lie as far apart as the widest MLP
+    // needs (`Scratch`): a shared expert narrower than the model's MLP layers reads its
+    // rows from there.
+    let up_stride = match b.lanes.cap {
+        1 => up_rows,
+        _ => crate::gpu::kernels::lane_stride(&s.mlp_up, b.lanes) as usize,
+    };
     let mut d: Vec<Dispatch> = parts::gemvs(b, "up_proj", up, up_rows, &s.h, &s.mlp_up)?
         .into_iter()
         .map(mlp_section)
@@ -57,7 +64,7 @@ pub fn decode(
             "act",
             m.act,
             m.intermediate,
-            up_rows,
+            up_stride,
             b.lanes.n,
             rows,
             ActBuffers {

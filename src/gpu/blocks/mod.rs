@@ -58,7 +58,8 @@ impl BlockCtx<'_> {
 
 /// The decode graph of one token: `fused` picks the Mamba2 recipe (shapes the fused
 /// kernels cannot take run the unfused one), `tail` what ends it. Over several lanes (a
-/// batch): fused Mamba2, attention and MLP blocks only, and the sampler tails.
+/// batch): fused Mamba2, attention, MLP and MoE blocks (not latent) only, and the sampler
+/// tails.
 pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) -> Result<Graph> {
     let (k, c, s) = (b.k, b.c, b.s);
     let batch = b.lanes.cap > 1;
@@ -74,7 +75,9 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
         &s.ctrl,
         &s.resid,
     )?];
-    let tails = norm_tails(b, w, fused && !batch)?;
+    // (A batch's MoE blocks make the next pre-norm as the one-token graph does: the
+    // lanes' bits are those of each sequence alone.)
+    let tails = norm_tails(b, w, fused)?;
     let mut moe_index = 0;
     for (i, (layer, st)) in w.layers.iter().zip(&b.state.layers).enumerate() {
         // Fused, an MoE block's router takes its pre-norm in its prologue, and so do a
@@ -142,11 +145,6 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                 down,
                 mlp_bias(b, &layer.params, *bias, &b.s.resid),
             )?,
-            (DeviceMixer::Moe(_), DeviceLayerState::Stateless) if batch => {
-                return Err(crate::Error::Gpu(
-                    "batched decode does not run mixture-of-experts layers yet".into(),
-                ));
-            }
             (DeviceMixer::Moe(m), DeviceLayerState::Stateless) => {
                 moe_index += 1;
                 moe::decode(
@@ -154,7 +152,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                     m,
                     &layer.params,
                     moe_index - 1,
-                    fused.then_some(norm_off),
+                    (fused && !batch).then_some(norm_off),
                     tails.get(i + 1).is_some_and(|&t| t).then(|| {
                         let next = &w.layers[i + 1];
                         moe::NextNorm {

@@ -95,6 +95,9 @@ fn norm_tail_enabled() -> Result<bool> {
 /// experts take their activation in the up pass: two dispatches fewer. With `next_norm`
 /// (where `tail_takes_next_norm`), the last down pass also makes the next block's
 /// pre-norm: its q8 blocks without the 1/rms into `xq`/`xd`, the sums into `norm_part`.
+/// Over a batch's lanes (unfused; not a latent MoE) the lanes go through the routing and
+/// the expert passes as that many tokens, each lane's arithmetic the one-token graph's
+/// (the folded routing and activation are the same bits as their dispatches).
 pub fn decode(
     b: &BlockCtx,
     w: &DeviceMoe,
@@ -107,6 +110,13 @@ pub fn decode(
     let m = shape(b)?;
     let q8 = b.q8();
     let fused = pre_norm.is_some();
+    let tokens = b.lanes.n;
+    let batch = b.lanes.cap > 1;
+    if batch && (fused || w.latent.is_some()) {
+        return Err(Error::Gpu(
+            "a batch runs MoE blocks unfused, and no latent MoE yet".into(),
+        ));
+    }
     let router = match pre_norm {
         None => gemv::gemv(
             k,
@@ -114,7 +124,10 @@ pub fn decode(
             &w.router,
             GemvInput::Plain,
             GemvOutput::Store,
-            GemvBuffers::plain(&s.h, None, &s.router_logits),
+            GemvBuffers {
+                lanes: b.lanes,
+                ..GemvBuffers::plain(&s.h, None, &s.router_logits)
+            },
         )?,
         Some(nw_off) => gemv::gemv(
             k,
@@ -139,7 +152,9 @@ pub fn decode(
         moe: m,
         logits: &s.router_logits,
         params: w.bias_off.map(|o| (params, o)),
-        counts: Some((&s.expert_counts, index * m.experts)),
+        // (A batch's steps leave the expert load alone: the inspector's view is of one
+        // sequence, and a batch's free lanes route too.)
+        counts: (!batch).then_some((&s.expert_counts, index * m.experts)),
     };
     // Fused, the first up pass routes in its prologue where that pays (one dispatch fewer
     // per layer).
@@ -150,7 +165,7 @@ pub fn decode(
             k,
             "route",
             m,
-            1,
+            tokens,
             RouteBuffers {
                 logits: route.logits,
                 params: route.params,
@@ -472,6 +487,9 @@ struct Stage<'a> {
 fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Dispatch>> {
     let k = b.k;
     let m = shape(b)?;
+    // A batch's lanes are the passes' tokens (their inputs a lane width apart).
+    let tokens = b.lanes.n;
+    let lane_width = (b.lanes.cap > 1).then_some(b.s.lane_width);
     let fold = fused && m.act == MlpAct::Relu2;
     // The chosen experts and the shared expert's slices alike.
     let top_k = m.slots();
@@ -493,7 +511,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 part.w,
                 part.bank,
                 ExpertPass::Up,
-                1,
+                tokens,
                 top_k,
                 ExpertBuffers {
                     src: st.h,
@@ -510,6 +528,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                     weights: route.as_ref().map(|_| st.weights),
                     route,
                     norm_tail: None,
+                    lane_width,
                 },
             )?);
         }
@@ -522,7 +541,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
             e.act,
             e.intermediate,
             m.up_rows(),
-            top_k,
+            top_k * tokens,
             ActBuffers {
                 src: st.up,
                 dst: st.mid,
@@ -555,7 +574,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 rows_per_expert: w.d_model,
             },
             ExpertPass::Down,
-            1,
+            tokens,
             top_k,
             ExpertBuffers {
                 src: st.mid,
@@ -569,6 +588,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 act: None,
                 route: None,
                 norm_tail: tail,
+                lane_width,
             },
         )?);
     }

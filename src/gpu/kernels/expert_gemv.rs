@@ -97,8 +97,12 @@ pub struct ExpertBuffers<'a> {
     pub act: Option<ActFold<'a>>,
     /// `Up`: the routing folded into the prologue (`ids` and `weights` are then written).
     pub route: Option<RouteFold<'a>>,
-    /// `Down`, one token: the next block's pre-norm made in the epilogue.
+    /// `Down`: the next block's pre-norm made in the epilogue.
     pub norm_tail: Option<NormTail<'a>>,
+    /// A batch's lanes as the tokens (`Scratch::lane_width`): an up pass's input vectors and
+    /// their q8 blocks, and a norm tail's q8 blocks, lie this many values apart (the GEMV
+    /// inputs' lane stride), its sums and counts `⌈M/32⌉` apart. None: packed rows.
+    pub lane_width: Option<usize>,
 }
 
 /// The next block's RMS pre-norm, made by the down pass that finishes the residual (one
@@ -286,8 +290,24 @@ pub fn expert_gemv(
         }
         ExpertPass::Down => down_team_and_wg(k, w, m, top_k, b.q8.is_some())?,
     };
-    // Input vectors are padded to 32 values (what norms and activations write).
+    // Input vectors are padded to 32 values (what norms and activations write), or lie a
+    // batch's lane width apart (the up pass; a lane row holds whole k-quant superblocks).
     let xs = w.cols.next_multiple_of(32);
+    // (What a lane holds: the up pass's inputs, the norm tail's rows.)
+    let lane_holds = match pass {
+        ExpertPass::Up => w.kp,
+        ExpertPass::Down => m,
+    };
+    if let Some(lw) = b.lane_width
+        && (!lw.is_multiple_of(256) || lw < lane_holds)
+    {
+        return Err(Error::Gpu(format!(
+            "{name}: lanes {lw} values apart do not hold whole superblocks of {lane_holds} \
+             values"
+        )));
+    }
+    let lanes = b.lane_width.filter(|_| pass == ExpertPass::Up);
+    let xr = lanes.unwrap_or(xs);
     let u = |v: usize| Const::U32(v as u32);
     let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
@@ -297,7 +317,7 @@ pub fn expert_gemv(
         ("MS", u(at.stride)),
         ("M0", u(at.offset)),
         ("KP", u(w.kp)),
-        ("XS", u(xs)),
+        ("XR", u(xr)),
         ("KS", u(top_k)),
         ("E0", u(bank.first)),
         ("NE", u(bank.count)),
@@ -312,13 +332,18 @@ pub fn expert_gemv(
         // Quantized weights take the q8 blocks of their input when there are some (the
         // block formats always do), else f32.
         Some((q, d)) if w.format.reads_q8() => {
-            check_len(&format!("{name}: xq"), q, inputs * w.kp / 4)?;
-            check_len(&format!("{name}: xd"), d, inputs * w.kp / 32)?;
+            let row = lanes.unwrap_or(w.kp);
+            check_len(&format!("{name}: xq"), q, inputs * row / 4)?;
+            check_len(&format!("{name}: xd"), d, inputs * row / 32)?;
             flags.push("Q8_IN");
+            if let Some(lw) = lanes {
+                flags.push("IN_LANES");
+                consts.push(("XL", u(lw)));
+            }
             entries.extend([(3, q), (4, d)]);
         }
         _ => {
-            check_len(&format!("{name}: src"), b.src, inputs * xs)?;
+            check_len(&format!("{name}: src"), b.src, inputs * xr)?;
             entries.push((2, b.src));
         }
     }
@@ -391,18 +416,33 @@ pub fn expert_gemv(
     }
     if let Some(n) = &b.norm_tail {
         let rows = (wg / team) as usize;
-        if pass != ExpertPass::Down || tokens != 1 || b.store || !tiles_blocks(rows) {
+        let lw = b.lane_width.filter(|_| tokens > 1);
+        if pass != ExpertPass::Down
+            || (tokens > 1 && lw.is_none())
+            || b.store
+            || !tiles_blocks(rows)
+        {
             return Err(Error::Gpu(format!(
-                "{name}: only a one-token down pass adding into the residual, with workgroups \
-                 of a divisor or multiple of 32 rows (not {rows}), makes the next pre-norm"
+                "{name}: only a down pass adding into the residual of one token or a batch's \
+                 lanes, with workgroups of a divisor or multiple of 32 rows (not {rows}), \
+                 makes the next pre-norm"
             )));
         }
         let blocks = m.div_ceil(32);
+        let tl = lw.unwrap_or(0);
         check_len(&format!("{name}: norm params"), n.params, n.nw_off + m)?;
-        check_len(&format!("{name}: norm xq"), n.xq, blocks * 8)?;
-        check_len(&format!("{name}: norm xd"), n.xd, blocks)?;
-        check_len(&format!("{name}: norm part"), n.part, blocks)?;
-        check_len(&format!("{name}: norm counts"), n.counts, blocks)?;
+        check_len(
+            &format!("{name}: norm xq"),
+            n.xq,
+            tokens.saturating_sub(1) * tl / 4 + blocks * 8,
+        )?;
+        check_len(
+            &format!("{name}: norm xd"),
+            n.xd,
+            tokens.saturating_sub(1) * tl / 32 + blocks,
+        )?;
+        check_len(&format!("{name}: norm part"), n.part, tokens * blocks)?;
+        check_len(&format!("{name}: norm counts"), n.counts, tokens * blocks)?;
         flags.extend(["NORM_TAIL", "Q8_OUT", "Q8_BLOCK"]);
         if let Some(piece) = k.q8_shuffle() {
             flags.push("Q8_SHUFFLE");
@@ -412,6 +452,7 @@ pub fn expert_gemv(
             ("NB", u(blocks)),
             ("NW_OFF", u(n.nw_off)),
             ("TR", u(rows.max(32))),
+            ("TL", u(tl)),
         ]);
         entries.extend([
             (9, n.xq),
@@ -435,7 +476,8 @@ pub fn expert_gemv(
         section: Section::Moe,
         label: Label::default(),
     };
-    Ok(if tokens > 1 {
+    // (A batch's lanes are no prefill block: its decode graph's token count is KV rows.)
+    Ok(if tokens > 1 && b.lane_width.is_none() {
         d.per_token(2, 1, z / tokens)
     } else {
         d

@@ -75,7 +75,13 @@ pub fn moe_route(
         section: Section::Moe,
         label: Label::default(),
     };
-    Ok(if tokens > 1 { d.per_token(0, 1, 1) } else { d })
+    // (Only a prefill block's tokens size the grid: a batch's lanes are all routed, its
+    // decode graph's token count being KV rows.)
+    Ok(if tokens > 1 && b.ctrl.is_some() {
+        d.per_token(0, 1, 1)
+    } else {
+        d
+    })
 }
 
 /// `route_select.wgsl` specialized for a router: its constants and flags (the includer adds
