@@ -14,7 +14,7 @@
 // DOWN (grid z = t): dst[t·M + row] += Σ_s w[t·KS + s] · W_id(s)[row] · x_(t·KS + s), the
 //   slots' activations as inputs: the weighted sum of the experts goes straight into the
 //   residual (each bank adds the slots it holds); STORE (the first bank of a latent MoE)
-//   writes instead of adding. NORM_TAIL (one token, the last bank): the next block's
+//   writes instead of adding. NORM_TAIL (one token or a batch's lanes, the last bank): the next block's
 //   pre-norm made from the finished residual (see `norm_tail`).
 // Inputs are q8 blocks with Q8_IN (the quantized formats, the usual case: q8_0 here, the
 // 4/5/6-bit blocks through gemv_units.wgsl with block_quant.wgsl's bindings), else f32
@@ -66,7 +66,7 @@ const VW: u32 = 16u;
 var<workgroup> down_id: array<u32, KS>;
 var<workgroup> down_w: array<f32, KS>;
 #if NORM_TAIL
-// The next block's RMS pre-norm, made where the residual is finished (decode, one token):
+// The next block's RMS pre-norm, made where the residual is finished (decode, per token):
 // the q8 blocks of x ⊙ w (norm weights `nparams[NW_OFF..]`) without the 1/rms, which
 // the next GEMV applies (gemv.wgsl's X_GROUP with one group), and Σx² per block of 32
 // rows (`npart`) from which it takes the 1/rms. The rows go in chunks of TR = max(R, 32):

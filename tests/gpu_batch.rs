@@ -140,6 +140,24 @@ const CASES: &[Case] = &[
         model: || Model::synthetic(tiny_moe("MEM*E", true), 18),
         format: WeightFormat::F16,
     },
+    // d_model 640: expert rows of 40 q8_0 vectors (80 f16 ones), wide enough that the up
+    // pass's team depends on whether it folds relu² (the one-token graph does), and a norm
+    // tail of 20 q8 blocks.
+    Case {
+        name: "nemotron-h moe q8_0, d 640",
+        model: || Model::synthetic(wide_moe("MEM*E", false), 20),
+        format: WeightFormat::Q8_0,
+    },
+    Case {
+        name: "nemotron-h moe f16, d 640",
+        model: || Model::synthetic(wide_moe("ME*EM", false), 21),
+        format: WeightFormat::F16,
+    },
+    Case {
+        name: "granite moe q8_0, d 640",
+        model: || Model::synthetic(wide_moe("MEM*E", true), 22),
+        format: WeightFormat::Q8_0,
+    },
     // The Nemotron-H MoE fixture: an MLP layer wider than the shared expert, so a lane's
     // rows of the up projection's output lie further apart than the shared expert's width.
     Case {
@@ -153,6 +171,15 @@ const CASES: &[Case] = &[
         format: WeightFormat::F16,
     },
 ];
+
+/// `tiny_moe(pattern, granite)` at d_model 640 (Mamba2 heads of 160 channels).
+fn wide_moe(pattern: &str, granite: bool) -> ModelConfig {
+    let mut c = tiny_moe(pattern, granite);
+    c.head_dim = 160;
+    c.d_inner = c.n_heads * c.head_dim;
+    c.d_model = c.d_inner / 2;
+    c
+}
 
 /// The tiny Mamba2 config with `d_state` state columns.
 fn wide_state(d_state: usize) -> ModelConfig {

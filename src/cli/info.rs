@@ -282,10 +282,15 @@ fn parted_projections(
         match &l.mixer {
             MixerWeights::Attention(a) => out.extend(entry(i, "q/k/v", &[&a.q, &a.k, &a.v])),
             MixerWeights::Mlp(m) => out.extend(gate_up(i, "gate/up", m)),
+            // The shared expert goes up in parts whole (`type_runs`) or cut into expert
+            // slices (their bank splits as the experts' do).
             MixerWeights::Moe(m) => {
                 out.extend(experts(i, m));
-                let shared = m.shared.as_ref().filter(|_| shared_apart);
-                out.extend(shared.and_then(|s| gate_up(i, "shared gate/up", s)));
+                let what = match shared_apart {
+                    true => "shared gate/up",
+                    false => "shared gate/up (expert slices)",
+                };
+                out.extend(m.shared.as_ref().and_then(|s| gate_up(i, what, s)));
             }
             _ => {}
         }

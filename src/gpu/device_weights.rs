@@ -80,7 +80,7 @@ pub enum DeviceMixer {
 /// adapter's limit; `up[b]` holds the experts from `firsts[b]` on as one matrix
 /// `[n·up_rows, d]` (`[gate; up]` per expert when gated), or where a GGUF stores the
 /// experts' gate and up in block types that differ, as two, gate `[n·I, d]` and up
-/// `[n·I, d]`, each as stored (`expert_up_runs`); `down[b]` as `[n·d, I]`), the shared
+/// `[n·I, d]`, each as stored (`expert_up_split`); `down[b]` as `[n·d, I]`), the shared
 /// expert as an MLP (its up in parts, as `DeviceMixer::Mlp`'s), and where the correction
 /// bias starts in the layer's parameters (`[norm | bias]`).
 pub struct DeviceMoe {

@@ -121,8 +121,9 @@ impl Scratch {
         Self::with_lanes(ctx, c, ssd_blocks, attn_part, 1)
     }
 
-    /// Scratch for `lanes` decode lanes side by side (the MoE, prompt and expert-count
-    /// buffers stay single: a batch runs no MoE layer). One lane is an engine's scratch.
+    /// Scratch for `lanes` decode lanes side by side (the latent MoE, prompt and
+    /// expert-count buffers stay single: a batch runs no latent MoE layer and counts no
+    /// expert load). One lane is an engine's scratch.
     pub fn with_lanes(
         ctx: &GpuContext,
         c: &ModelConfig,

@@ -152,6 +152,7 @@ pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) ->
                     m,
                     &layer.params,
                     moe_index - 1,
+                    fused,
                     (fused && !batch).then_some(norm_off),
                     tails.get(i + 1).is_some_and(|&t| t).then(|| {
                         let next = &w.layers[i + 1];

@@ -90,31 +90,35 @@ fn norm_tail_enabled() -> Result<bool> {
 
 /// One decode token through an MoE block; `index` counts the MoE layers before this one
 /// (its row of the expert-load counters). Unfused, after the pre-norm into `h` and its q8
-/// blocks. Fused (`pre_norm`: the norm weights' offset in `params`), the router GEMV
-/// makes the pre-norm in its prologue and writes `h` for the experts, and non-gated
-/// experts take their activation in the up pass: two dispatches fewer. With `next_norm`
-/// (where `tail_takes_next_norm`), the last down pass also makes the next block's
-/// pre-norm: its q8 blocks without the 1/rms into `xq`/`xd`, the sums into `norm_part`.
-/// Over a batch's lanes (unfused; not a latent MoE) the lanes go through the routing and
-/// the expert passes as that many tokens, each lane's arithmetic the one-token graph's
-/// (the folded routing and activation are the same bits as their dispatches).
+/// blocks. `fused` (the fused graph): non-gated experts take their activation in the up
+/// pass (one dispatch fewer; its workgroups hold whole q8 blocks of rows, so its team
+/// differs from the unfolded pass's: a batch folds it too), and with `pre_norm` (the norm
+/// weights' offset in `params`) the router GEMV makes the pre-norm in its prologue and
+/// writes `h` for the experts, and the first up pass routes. With `next_norm` (where
+/// `tail_takes_next_norm`), the last down pass also makes the next block's pre-norm: its
+/// q8 blocks without the 1/rms into `xq`/`xd`, the sums into `norm_part`.
+/// Over a batch's lanes (the pre-norm made before; not a latent MoE) the lanes go through
+/// the routing and the expert passes as that many tokens, each lane's arithmetic the
+/// one-token graph's (the norm kernel and the routing dispatch are the same bits as their
+/// folds).
 pub fn decode(
     b: &BlockCtx,
     w: &DeviceMoe,
     params: &wgpu::Buffer,
     index: usize,
+    fused: bool,
     pre_norm: Option<usize>,
     next_norm: Option<NextNorm>,
 ) -> Result<Vec<Dispatch>> {
     let (k, s) = (b.k, b.s);
     let m = shape(b)?;
     let q8 = b.q8();
-    let fused = pre_norm.is_some();
+    let folds_norm = fused && pre_norm.is_some();
     let tokens = b.lanes.n;
     let batch = b.lanes.cap > 1;
-    if batch && (fused || w.latent.is_some()) {
+    if batch && (pre_norm.is_some() || w.latent.is_some()) {
         return Err(Error::Gpu(
-            "a batch runs MoE blocks unfused, and no latent MoE yet".into(),
+            "a batch makes its MoE blocks' pre-norm before them, and runs no latent MoE yet".into(),
         ));
     }
     let router = match pre_norm {
@@ -158,7 +162,7 @@ pub fn decode(
     };
     // Fused, the first up pass routes in its prologue where that pays (one dispatch fewer
     // per layer).
-    let route = if fused && routes_in_prologue(b, w, m)? {
+    let route = if folds_norm && routes_in_prologue(b, w, m)? {
         Some(route)
     } else {
         d.push(moe_route(

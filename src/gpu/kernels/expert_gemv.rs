@@ -106,7 +106,8 @@ pub struct ExpertBuffers<'a> {
 }
 
 /// The next block's RMS pre-norm, made by the down pass that finishes the residual (one
-/// token, the last bank, adding into the residual): the q8 blocks of `x ⊙ w`
+/// token, or each of a batch's lanes; the last bank, adding into the residual): the q8
+/// blocks of `x ⊙ w`
 /// (`w = params[nw_off..nw_off + M]`) into `xq [M/32·8]`, `xd [M/32]` without the 1/rms, and
 /// Σx² per block of 32 rows into `part [⌈M/32⌉]`, which the next GEMV turns into the 1/rms
 /// (`GemvInput::Group` with one group of M). `counts [⌈M/32⌉]` (u32, zero between tokens):
@@ -125,7 +126,7 @@ pub struct NormTail<'a> {
 /// scales, its q8 inputs, the residual, ids, weights, and the tail's five.
 const NORM_TAIL_BUFFERS: u32 = 12;
 
-/// Whether a one-token down pass of `w` (`rows_per_expert` rows, `top_k` slots, q8 inputs
+/// Whether a down pass of `w` (`rows_per_expert` rows, `top_k` slots, q8 inputs
 /// with `q8_in`) can make the next pre-norm in its tail: its workgroups' rows tile the q8
 /// blocks and the device binds the buffers it needs.
 pub fn takes_norm_tail(
@@ -332,9 +333,11 @@ pub fn expert_gemv(
         // Quantized weights take the q8 blocks of their input when there are some (the
         // block formats always do), else f32.
         Some((q, d)) if w.format.reads_q8() => {
+            // (The last input needs its KP values only.)
             let row = lanes.unwrap_or(w.kp);
-            check_len(&format!("{name}: xq"), q, inputs * row / 4)?;
-            check_len(&format!("{name}: xd"), d, inputs * row / 32)?;
+            let last = inputs.saturating_sub(1) * row + w.kp;
+            check_len(&format!("{name}: xq"), q, last / 4)?;
+            check_len(&format!("{name}: xd"), d, last / 32)?;
             flags.push("Q8_IN");
             if let Some(lw) = lanes {
                 flags.push("IN_LANES");
