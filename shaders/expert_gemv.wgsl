@@ -11,7 +11,7 @@
 //   expert lives in another bank returns at once. With ROUTE (decode) the pass routes the
 //   token in its prologue (route_select.wgsl, the routing kernel's code) instead of
 //   reading the ids, and writes the ids and weights for the down pass.
-// DOWN (grid z = t): dst[t·M + row] += Σ_s w[t·KS + s] · W_id(s)[row] · x_(t·KS + s), the
+// DOWN (grid z = t): dst[t·MS + row] += Σ_s w[t·KS + s] · W_id(s)[row] · x_(t·KS + s), the
 //   slots' activations as inputs: the weighted sum of the experts goes straight into the
 //   residual (each bank adds the slots it holds); STORE (the first bank of a latent MoE)
 //   writes instead of adding. NORM_TAIL (one token or a batch's lanes, the last bank): the next block's
@@ -296,13 +296,13 @@ fn main(
     let total = RS * team_sum(acc, lid);
     if (lane == 0u && row_raw < M) {
 #if STORE
-        dst[t * M + row] = total;
+        dst[t * MS + row] = total;
 #else
 #if NORM_TAIL
         let i = t * M + row;
         atomicStore(&dst[i], bitcast<u32>(bitcast<f32>(atomicLoad(&dst[i])) + total));
 #else
-        dst[t * M + row] += total;
+        dst[t * MS + row] += total;
 #endif
 #endif
     }

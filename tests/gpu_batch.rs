@@ -2,10 +2,10 @@
 //! leaving mid-way, greedy and seeded sampling side by side, must give every sequence the
 //! logits and tokens it gets alone — bitwise, at every step and lane count — on the pure
 //! Mamba2 fixture in every weight format, the hybrid in f32 and q8_0 (and with its q, k
-//! and v in three block types) and MoE hybrids (Nemotron-H and Granite), with more lanes
-//! than one workgroup sums (two rows of workgroups), and beside a lane whose context needs
-//! a wider attention tile. A sequence that leaves hands
-//! back exactly the state of the same tokens fed alone.
+//! and v in three block types) and MoE hybrids (Nemotron-H, latent too, and Granite), with
+//! more lanes than one workgroup sums (two rows of workgroups), and beside a lane whose
+//! context needs a wider attention tile. A sequence that leaves hands back exactly the
+//! state of the same tokens fed alone.
 
 mod common;
 
@@ -158,6 +158,23 @@ const CASES: &[Case] = &[
         model: || Model::synthetic(wide_moe("MEM*E", true), 22),
         format: WeightFormat::Q8_0,
     },
+    // Latent MoE (the nemotron_h_latent fixture, L = 32; and L = 20, rows padded to 32):
+    // fc1 and fc2 over the lanes, the experts over packed latent rows.
+    Case {
+        name: "nemotron-h latent moe fixture f32",
+        model: || Model::load(&common::fixture("nemotron_h_latent")).unwrap(),
+        format: WeightFormat::F32,
+    },
+    Case {
+        name: "nemotron-h latent moe f16, L = 20",
+        model: || Model::synthetic(latent_moe(20), 23),
+        format: WeightFormat::F16,
+    },
+    Case {
+        name: "nemotron-h latent moe q8_0, L = 20",
+        model: || Model::synthetic(latent_moe(20), 24),
+        format: WeightFormat::Q8_0,
+    },
     // The Nemotron-H MoE fixture: an MLP layer wider than the shared expert, so a lane's
     // rows of the up projection's output lie further apart than the shared expert's width.
     Case {
@@ -171,6 +188,13 @@ const CASES: &[Case] = &[
         format: WeightFormat::F16,
     },
 ];
+
+/// The tiny Nemotron-H MoE with a latent of `l` values around its routed experts.
+fn latent_moe(l: usize) -> ModelConfig {
+    let mut c = tiny_moe("MEM*E", false);
+    c.moe.as_mut().unwrap().latent = Some(l);
+    c
+}
 
 /// `tiny_moe(pattern, granite)` at d_model 640 (Mamba2 heads of 160 channels).
 fn wide_moe(pattern: &str, granite: bool) -> ModelConfig {
@@ -541,12 +565,13 @@ fn a_short_lane_beside_a_long_one_keeps_its_bits() {
 
 #[test]
 fn models_a_batch_cannot_run_are_refused_by_name() {
-    let model = Model::load(&common::fixture("nemotron_h_latent")).unwrap();
-    let Some(mut be) = backend(&model, WeightFormat::F32) else {
+    // Groups of 48 channels: q8_0's fused graph scales groups of 32 at once.
+    let model = Model::synthetic(tiny_config(2, 12), 3);
+    let Some(mut be) = backend(&model, WeightFormat::Q8_0) else {
         return;
     };
     let e = be.enable_batch(4).unwrap_err().to_string();
-    assert!(e.contains("latent mixture-of-experts"), "{e}");
+    assert!(e.contains("fused Mamba2 graph") && e.contains("48"), "{e}");
     let model = Model::synthetic(tiny_config(2, 16), 3);
     let Some(mut be) = backend(&model, WeightFormat::F32) else {
         return;

@@ -82,10 +82,11 @@ fn interleaved_sequences_equal_their_solo_runs_hybrid() {
 #[test]
 fn interleaved_sequences_equal_their_solo_runs_moe() {
     // Granite-4.0-H's layer (softmax router, gated experts, shared MLP) and Nemotron-H's
-    // (grouped sigmoid router, relu² experts, shared expert): their replies decoded as a
-    // batch, as the log of `serve` says ("batched decode: N slots").
+    // (grouped sigmoid router, relu² experts, shared expert; and with a latent around the
+    // experts): their replies decoded as a batch, as the log of `serve` says ("batched
+    // decode: N slots").
     let (_, tok) = assets::embedded().unwrap();
-    for fixture in ["granite_moe_hybrid", "nemotron_h_moe"] {
+    for fixture in ["granite_moe_hybrid", "nemotron_h_moe", "nemotron_h_latent"] {
         let model = Model::load(&common::fixture(fixture)).unwrap();
         // (What the server's engine does first: with a batch, replies decode together.)
         let Some(mut b) = gpu_backend(&model) else {

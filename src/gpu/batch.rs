@@ -60,17 +60,10 @@ fn lanes_for(live: usize, slots: usize) -> usize {
     live.next_power_of_two().min(slots)
 }
 
-/// Why a model cannot decode in batches (latent MoE layers, or group sizes the fused graph
-/// cannot take), or None.
+/// Why a model cannot decode in batches (group sizes the fused graph cannot take), or
+/// None.
 pub fn unsupported(engine: &Engine) -> Option<String> {
     let c = &engine.config;
-    if c.moe.as_ref().is_some_and(|m| m.latent.is_some()) {
-        return Some(
-            "batched decode does not run latent mixture-of-experts layers (moe_latent_size) \
-             yet"
-            .into(),
-        );
-    }
     if c.count(crate::config::BlockKind::Mamba2) > 0 && !mamba2::fusable(c, engine.format) {
         return Some(format!(
             "batched decode needs the fused Mamba2 graph, which {} groups of {} channels \

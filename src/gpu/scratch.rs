@@ -121,9 +121,8 @@ impl Scratch {
         Self::with_lanes(ctx, c, ssd_blocks, attn_part, 1)
     }
 
-    /// Scratch for `lanes` decode lanes side by side (the latent MoE, prompt and
-    /// expert-count buffers stay single: a batch runs no latent MoE layer and counts no
-    /// expert load). One lane is an engine's scratch.
+    /// Scratch for `lanes` decode lanes side by side (the prompt and expert-count buffers
+    /// stay single: a batch counts no expert load). One lane is an engine's scratch.
     pub fn with_lanes(
         ctx: &GpuContext,
         c: &ModelConfig,
@@ -191,10 +190,11 @@ impl Scratch {
             norm_part: ctx.storage_zeroed("norm partials", f32s(c.d_model.div_ceil(32)))?,
             norm_count: ctx.storage_zeroed("norm counts", f32s(c.d_model.div_ceil(32)))?,
             expert_counts: ctx.storage_zeroed("expert counts", single(moe_layers * experts))?,
-            latent: ctx.storage_zeroed("moe latent", single(latent))?,
-            latent_sum: ctx.storage_zeroed("moe latent sum", single(latent))?,
-            latent_xq: ctx.storage_zeroed("moe latent xq", single(latent / 4))?,
-            latent_xd: ctx.storage_zeroed("moe latent xd", single(latent / 32))?,
+            // (GEMV inputs and outputs: a batch's lanes a lane width apart.)
+            latent: ctx.storage_zeroed("moe latent", f32s(input(latent)))?,
+            latent_sum: ctx.storage_zeroed("moe latent sum", f32s(input(latent)))?,
+            latent_xq: ctx.storage_zeroed("moe latent xq", f32s(input(latent) / 4))?,
+            latent_xd: ctx.storage_zeroed("moe latent xd", f32s(input(latent) / 32))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
             // (Only a one-token greedy lm_head writes its workgroups' winners; batches read
             // the logits.)

@@ -116,9 +116,9 @@ pub fn decode(
     let folds_norm = fused && pre_norm.is_some();
     let tokens = b.lanes.n;
     let batch = b.lanes.cap > 1;
-    if batch && (pre_norm.is_some() || w.latent.is_some()) {
+    if batch && pre_norm.is_some() {
         return Err(Error::Gpu(
-            "a batch makes its MoE blocks' pre-norm before them, and runs no latent MoE yet".into(),
+            "a batch makes its MoE blocks' pre-norm before them".into(),
         ));
     }
     let router = match pre_norm {
@@ -192,6 +192,8 @@ pub fn decode(
         mid_q8,
         resid: &s.resid,
         store: false,
+        lane_width: batch.then_some(s.lane_width),
+        sum_at: None,
         route,
         norm_tail: next_norm.map(|n| NormTail {
             params: n.params,
@@ -207,19 +209,27 @@ pub fn decode(
         // Latent MoE: the experts read fc1·h (f32; in a quantized run its q8 blocks, which
         // the expert GEMVs multiply the stored blocks with) and their sum goes through fc2.
         Some((fc1, fc2)) => {
+            // (A batch's lanes of the latent vectors, their q8 blocks and their sums lie a
+            // lane width apart, as every GEMV's input and output lanes.)
+            let l = fc1.rows;
+            let ds = match batch {
+                true => s.lane_width,
+                false => l.next_multiple_of(32),
+            };
             d.push(moe_section(gemv::gemv(
                 k,
                 "fc1_latent_proj",
                 fc1,
                 GemvInput::Plain,
                 GemvOutput::Store,
-                GemvBuffers::plain(&s.h, None, &s.latent),
+                GemvBuffers {
+                    lanes: b.lanes,
+                    ..GemvBuffers::plain(&s.h, None, &s.latent)
+                },
             )?));
             let latent_q8 = q8.map(|_| (&s.latent_xq, &s.latent_xd));
             if let Some(q) = latent_q8 {
-                let l = fc1.rows;
-                let ds = l.next_multiple_of(32);
-                d.push(q8_rows(k, "latent_q8", l, 1, &s.latent, ds, q, ds)?);
+                d.push(q8_rows(k, "latent_q8", l, tokens, &s.latent, ds, q, ds)?);
             }
             d.extend(experts(
                 b,
@@ -229,6 +239,10 @@ pub fn decode(
                     h_q8: latent_q8,
                     resid: &s.latent_sum,
                     store: true,
+                    sum_at: batch.then_some(RowsAt {
+                        stride: ds,
+                        offset: 0,
+                    }),
                     norm_tail: None,
                     ..stage
                 },
@@ -240,7 +254,10 @@ pub fn decode(
                 fc2,
                 GemvInput::Plain,
                 GemvOutput::Add,
-                GemvBuffers::plain(&s.latent_sum, None, &s.resid),
+                GemvBuffers {
+                    lanes: b.lanes,
+                    ..GemvBuffers::plain(&s.latent_sum, None, &s.resid)
+                },
             )?));
         }
     }
@@ -479,6 +496,11 @@ struct Stage<'a> {
     /// Where the weighted sum goes: added into the residual, or stored (a latent sum).
     resid: &'a wgpu::Buffer,
     store: bool,
+    /// A batch's lane stride of `h` (or the latent vector) and its q8 blocks, and of the
+    /// norm tail's q8 blocks (`Scratch::lane_width`); None: one token.
+    lane_width: Option<usize>,
+    /// A batch's rows of the weighted sum (a latent sum's lanes, the fc2 GEMV's stride).
+    sum_at: Option<RowsAt>,
     /// The routing, when the first up pass does it.
     route: Option<RouteFold<'a>>,
     /// The next block's pre-norm, made by the last down pass.
@@ -493,7 +515,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
     let m = shape(b)?;
     // A batch's lanes are the passes' tokens (their inputs a lane width apart).
     let tokens = b.lanes.n;
-    let lane_width = (b.lanes.cap > 1).then_some(b.s.lane_width);
+    let lane_width = st.lane_width;
     let fold = fused && m.act == MlpAct::Relu2;
     // The chosen experts and the shared expert's slices alike.
     let top_k = m.slots();
@@ -584,7 +606,7 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 src: st.mid,
                 q8: st.mid_q8,
                 dst: st.resid,
-                dst_at: None,
+                dst_at: st.sum_at,
                 ids: st.ids,
                 weights: Some(st.weights),
                 // The first bank writes a latent sum, the others add to it.

@@ -86,7 +86,8 @@ pub struct ExpertBuffers<'a> {
     /// q8 input blocks (the quantized formats: q8_0 and the 4/5/6-bit block formats).
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
     pub dst: &'a wgpu::Buffer,
-    /// `Up`: where the rows go in `dst` (None: rows of the bank's `rows_per_expert` values).
+    /// Where the rows go in `dst` (None: rows of the bank's `rows_per_expert` values): an
+    /// up pass's part of `[gate; up]`, or a down pass's rows a batch's lane stride apart.
     pub dst_at: Option<RowsAt>,
     pub ids: &'a wgpu::Buffer,
     /// The routing weights (`Down` only).
@@ -251,12 +252,16 @@ pub fn expert_gemv(
         stride: m,
         offset: 0,
     });
-    if at.offset + m > at.stride
-        || (b.dst_at.is_some() && (pass != ExpertPass::Up || b.act.is_some()))
-    {
+    // (Up: a part's half of the rows; down: a batch's latent sums, rows ⌈L/32⌉·32 apart
+    // as the next GEMV reads its lanes, from 0 and without the norm tail.)
+    let placed = match pass {
+        ExpertPass::Up => b.act.is_none(),
+        ExpertPass::Down => at.offset == 0 && b.norm_tail.is_none(),
+    };
+    if at.offset + m > at.stride || (b.dst_at.is_some() && !placed) {
         return Err(Error::Gpu(format!(
-            "{name}: {m} rows from {} do not fit output rows of {}, or a pass other than an \
-             unfolded up pass was given them",
+            "{name}: {m} rows from {} do not fit output rows of {}, or a folded up pass or a \
+             down pass from a row other than 0 or with the norm tail was given them",
             at.offset, at.stride
         )));
     }
