@@ -159,7 +159,7 @@ const CASES: &[Case] = &[
         format: WeightFormat::Q8_0,
     },
     // Latent MoE (the nemotron_h_latent fixture, L = 32; and L = 20, rows padded to 32):
-    // fc1 and fc2 over the lanes, the experts over packed latent rows.
+    // fc1 and fc2 over the lanes, the experts over latent rows a lane width apart.
     Case {
         name: "nemotron-h latent moe fixture f32",
         model: || Model::load(&common::fixture("nemotron_h_latent")).unwrap(),
@@ -264,6 +264,15 @@ fn prompt(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
 }
 
 fn backend(model: &Model, format: WeightFormat) -> Option<GpuBackend> {
+    backend_banks(model, format, None)
+}
+
+/// `backend` with MoE expert banks of at most `bank_bytes` bytes.
+fn backend_banks(
+    model: &Model,
+    format: WeightFormat,
+    bank_bytes: Option<u64>,
+) -> Option<GpuBackend> {
     let ctx = common::gpu(&Engine::needs(&model.config, format))?;
     let opts = EngineOptions {
         format,
@@ -272,7 +281,7 @@ fn backend(model: &Model, format: WeightFormat) -> Option<GpuBackend> {
         prefill: PrefillMode::Chunked,
         context: Some(256),
         kv: KvFormat::F16,
-        expert_bank_bytes: None,
+        expert_bank_bytes: bank_bytes,
     };
     Some(GpuBackend::new(Engine::new(ctx, model, opts).unwrap()).unwrap())
 }
@@ -465,6 +474,38 @@ fn more_lanes_than_a_workgroup_sums_stay_exact() {
     // MoE blocks over more lanes than the KV rows in use (prompts of 1…5 tokens): every
     // lane is routed and goes through the experts.
     more_lanes_exact(Model::synthetic(tiny_moe("MEM*E", true), 13), 19);
+}
+
+/// A latent MoE whose experts sit in banks of 4 (of 12): the first bank stores each lane's
+/// latent sum at the lane stride, the others add to it.
+#[test]
+fn latent_experts_in_several_banks_stay_exact() {
+    use mamba2_wgpu::gpu::device_weights::DeviceMixer;
+    let model = Model::synthetic(latent_moe(20), 25);
+    let vocab = model.config.vocab_size;
+    // (Sized for q8_0: an expert's up [24, 20] and down [20, 24], a 32-value block a row.)
+    let per_expert = WeightFormat::Q8_0.data_bytes(24, 20) as u64;
+    let Some(mut be) = backend_banks(&model, WeightFormat::Q8_0, Some(4 * per_expert)) else {
+        return;
+    };
+    let banks: Vec<usize> = be
+        .engine
+        .weights
+        .layers
+        .iter()
+        .filter_map(|l| match &l.mixer {
+            DeviceMixer::Moe(m) => Some(m.banks().count()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        banks.iter().all(|&n| n == 3),
+        "banks per MoE layer: {banks:?}"
+    );
+    let prompts: Vec<Vec<u32>> = (0..5)
+        .map(|lane| prompt(2 + 3 * lane, 400 + lane as u64, vocab))
+        .collect();
+    greedy_lanes_equal_alone(&mut be, &prompts, 6);
 }
 
 fn more_lanes_exact(model: Model, lanes: usize) {

@@ -60,8 +60,8 @@ fn lanes_for(live: usize, slots: usize) -> usize {
     live.next_power_of_two().min(slots)
 }
 
-/// Why a model cannot decode in batches (group sizes the fused graph cannot take), or
-/// None.
+/// Why a model cannot decode in batches (group sizes the fused graph cannot take, or an
+/// engine running the unfused graph), or None.
 pub fn unsupported(engine: &Engine) -> Option<String> {
     let c = &engine.config;
     if c.count(crate::config::BlockKind::Mamba2) > 0 && !mamba2::fusable(c, engine.format) {
@@ -71,6 +71,14 @@ pub fn unsupported(engine: &Engine) -> Option<String> {
             engine.format.name(),
             c.group_size()
         ));
+    }
+    // (A batch runs the fused graph: an unfused engine's sequences alone would differ.)
+    if !engine.fused {
+        return Some(
+            "batched decode runs the fused graph, and this engine runs the unfused one \
+             (--no-fuse or MAMBA2_NO_FUSE): its lanes would not equal their runs alone"
+                .into(),
+        );
     }
     None
 }

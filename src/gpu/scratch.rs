@@ -60,7 +60,7 @@ pub struct Scratch {
     /// MoE: how often each expert of each MoE layer was chosen `[MoE layers][E]` (u32).
     pub expert_counts: wgpu::Buffer,
     /// Latent MoE: the latent input of the routed experts and their weighted sum
-    /// (`ceil32(L)` each, zero past L).
+    /// (`ceil32(L)` each, a batch's lanes a lane width apart; zero past L).
     pub latent: wgpu::Buffer,
     pub latent_sum: wgpu::Buffer,
     /// The q8 blocks of `latent`, which block-format experts read (`q8_rows`).
@@ -80,10 +80,13 @@ pub struct Scratch {
 pub fn widest_input(c: &ModelConfig) -> usize {
     let attn = c.attention.as_ref().map_or(0, |a| a.q_width());
     let mlp = mlp_shapes(c).map(|m| m.intermediate).max().unwrap_or(0);
+    // (A latent MoE's fc2 reads the latent sum.)
+    let latent = c.moe.as_ref().and_then(|m| m.latent).unwrap_or(0);
     c.d_model
         .max(c.d_inner)
         .max(attn)
         .max(mlp)
+        .max(latent)
         .next_multiple_of(32)
 }
 
@@ -161,6 +164,9 @@ impl Scratch {
             .as_ref()
             .and_then(|m| m.latent)
             .map_or(0, |l| l.next_multiple_of(32));
+        // (GEMV inputs and outputs: a batch's lanes a lane width apart; none without a
+        // latent MoE.)
+        let latent_lane = if latent > 0 { input(latent) } else { 0 };
         Ok(Scratch {
             lanes,
             lane_width,
@@ -190,11 +196,10 @@ impl Scratch {
             norm_part: ctx.storage_zeroed("norm partials", f32s(c.d_model.div_ceil(32)))?,
             norm_count: ctx.storage_zeroed("norm counts", f32s(c.d_model.div_ceil(32)))?,
             expert_counts: ctx.storage_zeroed("expert counts", single(moe_layers * experts))?,
-            // (GEMV inputs and outputs: a batch's lanes a lane width apart.)
-            latent: ctx.storage_zeroed("moe latent", f32s(input(latent)))?,
-            latent_sum: ctx.storage_zeroed("moe latent sum", f32s(input(latent)))?,
-            latent_xq: ctx.storage_zeroed("moe latent xq", f32s(input(latent) / 4))?,
-            latent_xd: ctx.storage_zeroed("moe latent xd", f32s(input(latent) / 32))?,
+            latent: ctx.storage_zeroed("moe latent", f32s(latent_lane))?,
+            latent_sum: ctx.storage_zeroed("moe latent sum", f32s(latent_lane))?,
+            latent_xq: ctx.storage_zeroed("moe latent xq", f32s(latent_lane / 4))?,
+            latent_xd: ctx.storage_zeroed("moe latent xd", f32s(latent_lane / 32))?,
             logits: ctx.storage_zeroed("logits", f32s(c.vocab_size))?,
             // (Only a one-token greedy lm_head writes its workgroups' winners; batches read
             // the logits.)

@@ -58,8 +58,7 @@ impl BlockCtx<'_> {
 
 /// The decode graph of one token: `fused` picks the Mamba2 recipe (shapes the fused
 /// kernels cannot take run the unfused one), `tail` what ends it. Over several lanes (a
-/// batch): fused Mamba2, attention, MLP and MoE blocks (not latent) only, and the sampler
-/// tails.
+/// batch): fused Mamba2, attention, MLP and MoE blocks only, and the sampler tails.
 pub fn decode_graph(b: &BlockCtx, w: &DeviceWeights, fused: bool, tail: Tail) -> Result<Graph> {
     let (k, c, s) = (b.k, b.c, b.s);
     let batch = b.lanes.cap > 1;

@@ -97,7 +97,7 @@ fn norm_tail_enabled() -> Result<bool> {
 /// writes `h` for the experts, and the first up pass routes. With `next_norm` (where
 /// `tail_takes_next_norm`), the last down pass also makes the next block's pre-norm: its
 /// q8 blocks without the 1/rms into `xq`/`xd`, the sums into `norm_part`.
-/// Over a batch's lanes (the pre-norm made before; not a latent MoE) the lanes go through
+/// Over a batch's lanes (the pre-norm made before) the lanes go through
 /// the routing and the expert passes as that many tokens, each lane's arithmetic the
 /// one-token graph's (the norm kernel and the routing dispatch are the same bits as their
 /// folds).

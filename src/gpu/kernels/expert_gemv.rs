@@ -252,7 +252,7 @@ pub fn expert_gemv(
         stride: m,
         offset: 0,
     });
-    // (Up: a part's half of the rows; down: a batch's latent sums, rows ⌈L/32⌉·32 apart
+    // (Up: a part's half of the rows; down: a batch's latent sums, rows a lane width apart
     // as the next GEMV reads its lanes, from 0 and without the norm tail.)
     let placed = match pass {
         ExpertPass::Up => b.act.is_none(),
