@@ -613,6 +613,19 @@ fn models_a_batch_cannot_run_are_refused_by_name() {
     };
     let e = be.enable_batch(4).unwrap_err().to_string();
     assert!(e.contains("fused Mamba2 graph") && e.contains("48"), "{e}");
+    // An engine running the unfused graph: a batch (the fused graph) would not equal it.
+    let model = Model::synthetic(tiny_config(2, 16), 3);
+    let Some(ctx) = common::gpu(&Engine::needs(&model.config, WeightFormat::F32)) else {
+        return;
+    };
+    let opts = EngineOptions {
+        format: WeightFormat::F32,
+        fused: false,
+        ..Default::default()
+    };
+    let mut be = GpuBackend::new(Engine::new(ctx, &model, opts).unwrap()).unwrap();
+    let e = be.enable_batch(4).unwrap_err().to_string();
+    assert!(e.contains("unfused") && e.contains("--no-fuse"), "{e}");
     let model = Model::synthetic(tiny_config(2, 16), 3);
     let Some(mut be) = backend(&model, WeightFormat::F32) else {
         return;
