@@ -632,8 +632,8 @@ struct UpPart<'a> {
 
 /// The up projection of the bank of `count` experts from `first` as the matrices it is
 /// stored in (`DeviceMoe::up`): one of `up_rows` rows per expert, or gate and up of half
-/// as many each, into their halves of the rows. An error unless the parts make up exactly
-/// `up_rows` rows of every expert.
+/// as many each, into their halves of the rows (`parts::named_per`: an error unless the
+/// parts make up exactly `up_rows` rows of every expert).
 fn up_parts(
     first: usize,
     count: usize,
@@ -641,38 +641,23 @@ fn up_parts(
     up_rows: usize,
 ) -> Result<Vec<UpPart<'_>>> {
     let name = format!("experts.up[{first}..{}]", first + count);
-    let mut offset = 0;
-    let mut out = Vec::with_capacity(parts.len());
-    for w in parts {
-        let rows = w.rows / count.max(1);
-        if rows * count != w.rows {
-            break;
-        }
-        out.push(UpPart {
-            name: match parts.len() {
-                1 => name.clone(),
-                _ => format!("{name}[{offset}..{}]", offset + rows),
-            },
+    let named = super::parts::named_per(&name, parts, up_rows, count)?;
+    Ok(named
+        .into_iter()
+        .map(|(name, offset, w)| UpPart {
+            name,
             w,
             bank: Bank {
                 first,
                 count,
-                rows_per_expert: rows,
+                rows_per_expert: w.rows / count.max(1),
             },
             at: RowsAt {
                 stride: up_rows,
                 offset,
             },
-        });
-        offset += rows;
-    }
-    if offset != up_rows || out.len() != parts.len() {
-        let rows: Vec<usize> = parts.iter().map(|p| p.rows).collect();
-        return Err(Error::Gpu(format!(
-            "{name}: parts of {rows:?} rows do not make {count} experts of {up_rows} rows"
-        )));
-    }
-    Ok(out)
+        })
+        .collect())
 }
 
 /// The shared expert's dispatches are named as such.

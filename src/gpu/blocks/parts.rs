@@ -20,20 +20,35 @@ pub fn named<'a>(
     parts: &'a [DeviceMatrix],
     rows: usize,
 ) -> Result<Vec<(String, usize, &'a DeviceMatrix)>> {
+    named_per(name, parts, rows, 1)
+}
+
+/// `named` for parts that each stack `per` matrices of the same rows (an expert bank's:
+/// one per expert): rows counted per matrix, each part's a whole number of them.
+pub fn named_per<'a>(
+    name: &str,
+    parts: &'a [DeviceMatrix],
+    rows: usize,
+    per: usize,
+) -> Result<Vec<(String, usize, &'a DeviceMatrix)>> {
     let mut row0 = 0;
     let mut out = Vec::with_capacity(parts.len());
     for part in parts {
+        let own = part.rows / per.max(1);
+        if own * per != part.rows {
+            break;
+        }
         let label = match parts.len() {
             1 => name.to_string(),
-            _ => format!("{name}[{row0}..{}]", row0 + part.rows),
+            _ => format!("{name}[{row0}..{}]", row0 + own),
         };
         out.push((label, row0, part));
-        row0 += part.rows;
+        row0 += own;
     }
-    if parts.is_empty() || row0 != rows {
+    if parts.is_empty() || out.len() != parts.len() || row0 != rows {
+        let all: Vec<usize> = parts.iter().map(|p| p.rows).collect();
         return Err(Error::Gpu(format!(
-            "{name}: {} parts of {row0} rows in all for a projection of {rows}",
-            parts.len()
+            "{name}: parts of {all:?} rows do not make {per} × {rows} rows"
         )));
     }
     Ok(out)
