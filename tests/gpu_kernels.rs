@@ -1796,3 +1796,271 @@ fn tail_over_lanes(
         c.name
     );
 }
+
+/// How a case's lanes choose their experts.
+#[derive(Clone, Copy)]
+enum LaneChoice {
+    /// Every lane the same experts (as every lane names the shared expert's slices).
+    Same,
+    /// Lane l the experts l·K … l·K + K − 1: no expert chosen twice.
+    Distinct,
+    /// Each lane K distinct experts drawn with this seed: some shared, some not.
+    Drawn(u64),
+}
+
+/// A batch's up pass over its lanes (`lane_width`), which groups the lanes by expert: each
+/// lane's rows must be its one-token pass's, bit for bit. `banks`: the bank sizes in order.
+struct LaneUpCase {
+    name: &'static str,
+    banks: &'static [usize],
+    rows: usize,
+    cols: usize,
+    slots: usize,
+    lanes: usize,
+    choice: LaneChoice,
+    format: WeightFormat,
+    /// relu² folded into the pass, written with its q8 blocks.
+    fold: bool,
+}
+
+const LANE_UP_CASES: [LaneUpCase; 6] = [
+    LaneUpCase {
+        name: "16 lanes on the same 3 of 6 experts, q8_0",
+        banks: &[6],
+        rows: 100,
+        cols: 96,
+        slots: 3,
+        lanes: 16,
+        choice: LaneChoice::Same,
+        format: WeightFormat::Q8_0,
+        fold: false,
+    },
+    LaneUpCase {
+        name: "19 lanes drawing 4 of 40 experts in banks of 24 and 16 (two words of bits), q8_0",
+        banks: &[24, 16],
+        rows: 72,
+        cols: 64,
+        slots: 4,
+        lanes: 19,
+        choice: LaneChoice::Drawn(5),
+        format: WeightFormat::Q8_0,
+        fold: false,
+    },
+    LaneUpCase {
+        name: "16 lanes × 4 slots, every one of 64 experts chosen once, q8_0",
+        banks: &[64],
+        rows: 40,
+        cols: 32,
+        slots: 4,
+        lanes: 16,
+        choice: LaneChoice::Distinct,
+        format: WeightFormat::Q8_0,
+        fold: false,
+    },
+    LaneUpCase {
+        name: "relu² folded, 5 lanes drawing 8 of 130 experts (five words of bits), q8_0",
+        banks: &[130],
+        rows: 200,
+        cols: 96,
+        slots: 8,
+        lanes: 5,
+        choice: LaneChoice::Drawn(9),
+        format: WeightFormat::Q8_0,
+        fold: true,
+    },
+    LaneUpCase {
+        name: "7 lanes drawing 2 of 5 experts in banks of 3 and 2, q4_k",
+        banks: &[3, 2],
+        rows: 48,
+        cols: 256,
+        slots: 2,
+        lanes: 7,
+        choice: LaneChoice::Drawn(11),
+        format: WeightFormat::Q4_K,
+        fold: false,
+    },
+    LaneUpCase {
+        name: "9 lanes drawing 3 of 12 experts, f16 against f32 inputs",
+        banks: &[12],
+        rows: 33,
+        cols: 80,
+        slots: 3,
+        lanes: 9,
+        choice: LaneChoice::Drawn(13),
+        format: WeightFormat::F16,
+        fold: false,
+    },
+];
+
+/// The K experts lane `l` of `c` chooses, distinct.
+fn lane_choices(c: &LaneUpCase, l: usize) -> Vec<u32> {
+    let experts: usize = c.banks.iter().sum();
+    match c.choice {
+        LaneChoice::Same => (0..c.slots).map(|s| (2 * s % experts) as u32).collect(),
+        LaneChoice::Distinct => (0..c.slots).map(|s| (l * c.slots + s) as u32).collect(),
+        LaneChoice::Drawn(seed) => {
+            let mut ids = Vec::new();
+            let mut i = 0u64;
+            while ids.len() < c.slots {
+                let e = (uniform(seed + l as u64, i) * experts as f32) as u32 % experts as u32;
+                if !ids.contains(&e) {
+                    ids.push(e);
+                }
+                i += 1;
+            }
+            ids
+        }
+    }
+}
+
+/// Each case's lanes through one up pass per bank (`lane_width`: inputs a lane width
+/// apart, grouped by expert) against each lane's one-token passes, bitwise: the rows, or
+/// with the fold the activation and its q8 blocks; and the rows against the host's dot
+/// products of the dequantized values.
+#[test]
+fn experts_up_pass_over_lanes_equals_each_lane_alone() {
+    use mamba2_wgpu::gpu::kernels::expert_gemv::{
+        ActFold, Bank, ExpertBuffers, ExpertPass, expert_gemv,
+    };
+    let Some(g) = Gpu::new() else { return };
+    for c in LANE_UP_CASES {
+        let experts: usize = c.banks.iter().sum();
+        let w = rand(70, experts * c.rows * c.cols, -1.0, 1.0);
+        let mut banks = Vec::new();
+        let mut wf = Vec::new();
+        let mut first = 0;
+        for &count in c.banks {
+            let part = &w[first * c.rows * c.cols..(first + count) * c.rows * c.cols];
+            let (m, f) = matrix(&g, c.format, part, count * c.rows, c.cols);
+            banks.push((first, count, m));
+            wf.extend(f);
+            first += count;
+        }
+        let kp = banks[0].2.kp;
+        let q8 = c.format != WeightFormat::F16;
+        let lw = kp.next_multiple_of(256);
+        // (One token's f32 input is padded to 32 values, what norms and activations write.)
+        let xs = c.cols.next_multiple_of(32).max(kp);
+        let xm = c.rows.next_multiple_of(32);
+        let u32s = |v: &[u32]| {
+            g.ctx()
+                .storage_with("u32s", bytemuck::cast_slice(v))
+                .unwrap()
+        };
+        // One pass per bank over `tokens` tokens whose inputs lie `stride` values apart;
+        // returns the rows (or the activation) and, folded, its q8 words and scales.
+        let run = |tokens: usize, ids: &[u32], x: &[f32], stride: Option<usize>| {
+            let (mut xq, mut xd) = (Vec::new(), Vec::new());
+            let row = stride.unwrap_or(xs);
+            for t in 0..tokens {
+                let (q, d) = q8_blocks(&x[t * row..t * row + kp]);
+                xq.extend(q);
+                xd.extend(d);
+                xq.resize((t + 1) * row / 4, 0);
+                xd.resize((t + 1) * row / 32, 0.0);
+            }
+            let (src, xqb, xdb, idb) = (g.buf(x), u32s(&xq), g.buf(&xd), u32s(ids));
+            let z = tokens * c.slots;
+            let (dst, mid, mq, md) = (
+                g.zeros(z * c.rows),
+                g.zeros(z * xm),
+                g.zeros(z * xm / 4),
+                g.zeros(z * xm / 32),
+            );
+            for (first, count, m) in &banks {
+                let d = expert_gemv(
+                    &g.k,
+                    "up",
+                    m,
+                    Bank {
+                        first: *first,
+                        count: *count,
+                        rows_per_expert: c.rows,
+                    },
+                    ExpertPass::Up,
+                    tokens,
+                    c.slots,
+                    ExpertBuffers {
+                        src: &src,
+                        q8: q8.then_some((&xqb, &xdb)),
+                        dst: &dst,
+                        dst_at: None,
+                        ids: &idb,
+                        weights: None,
+                        store: false,
+                        act: c.fold.then_some(ActFold {
+                            mid: &mid,
+                            q8: Some((&mq, &md)),
+                        }),
+                        route: None,
+                        norm_tail: None,
+                        lane_width: stride,
+                    },
+                )
+                .unwrap();
+                g.run(&d);
+            }
+            if c.fold {
+                let q: Vec<u32> =
+                    bytemuck::cast_slice(&g.ctx().read(&mq, (z * xm) as u64).unwrap()).to_vec();
+                (g.read(&mid, z * xm), q, g.read(&md, z * xm / 32))
+            } else {
+                (g.read(&dst, z * c.rows), Vec::new(), Vec::new())
+            }
+        };
+        let width = if c.fold { xm } else { c.rows };
+        let mut inputs = Vec::new();
+        let mut ids = Vec::new();
+        let mut alone = Vec::new();
+        for l in 0..c.lanes {
+            let mut x = rand(71 + l as u64, c.cols, -2.0, 2.0);
+            x.resize(xs, 0.0);
+            let lane_ids = lane_choices(&c, l);
+            let out = run(1, &lane_ids, &x, None);
+            // The host's rows: each choice's expert against the lane's input (its q8
+            // values where the pass reads those).
+            let xin = if q8 {
+                let (q, d) = q8_blocks(&x[..kp]);
+                dequant(&q, &d, kp)
+            } else {
+                x.clone()
+            };
+            if !c.fold {
+                for (s, &e) in lane_ids.iter().enumerate() {
+                    let want: Vec<f32> = (0..c.rows)
+                        .map(|r| {
+                            let row = &wf[(e as usize * c.rows + r) * c.cols..][..c.cols];
+                            row.iter().zip(&xin).map(|(a, b)| a * b).sum()
+                        })
+                        .collect();
+                    assert_nmse(
+                        &format!("{} lane {l} slot {s}", c.name),
+                        &out.0[s * c.rows..][..c.rows],
+                        &want,
+                        1e-9,
+                    );
+                }
+            }
+            x.resize(lw, 0.0);
+            inputs.extend(x);
+            ids.extend(lane_ids);
+            alone.push(out);
+        }
+        let (rows, q, d) = run(c.lanes, &ids, &inputs, Some(lw));
+        for (l, (a_rows, a_q, a_d)) in alone.iter().enumerate() {
+            let what = format!("{} (lane {l} of {})", c.name, c.lanes);
+            let n = c.slots * width;
+            assert!(
+                common::bits(&rows[l * n..][..n]) == common::bits(a_rows),
+                "{what}: rows"
+            );
+            if c.fold {
+                assert!(q[l * n / 4..][..n / 4] == a_q[..], "{what}: q8 blocks");
+                assert!(
+                    common::bits(&d[l * n / 32..][..n / 32]) == common::bits(a_d),
+                    "{what}: q8 scales"
+                );
+            }
+        }
+    }
+}

@@ -12,6 +12,12 @@
 //! activation dispatch between the passes wrote (its formula, bit for bit). A workgroup
 //! then owns whole q8 blocks of rows (R a multiple of 32).
 //!
+//! `Up` over a batch's lanes (`lane_width`, no `RouteFold`) groups the lanes by expert: a
+//! workgroup takes one distinct chosen expert and computes the rows of every lane that
+//! chose it in turn, so an expert that several lanes chose is read from memory once per
+//! step instead of once per lane (the shared expert's slices: once instead of once per
+//! lane). Each lane's rows stay the one-token expression, bit for bit.
+//!
 //! `Up` with a `RouteFold` (decode) routes the token in its prologue from the router's
 //! logits (`route_select.wgsl`, the routing kernel's code: the same ids and weights bit for
 //! bit) instead of reading `ids`, and writes `ids`, `weights` and the expert load.
@@ -213,6 +219,22 @@ fn team_and_wg(
     Ok((team, wg))
 }
 
+/// The most choices a grouped up pass lists in workgroup memory (4 bytes each): 64 lanes
+/// of 16 slots.
+const GROUP_MAX_CHOICES: usize = 1024;
+
+/// Whether a batch's up pass over `choices` (lane, slot) pairs groups the lanes by expert
+/// (`MAMBA2_GROUP_LANES=0`: each lane reads its own choices, for measuring).
+fn groups_lanes(choices: usize) -> Result<bool> {
+    let on = super::env_switch(
+        "MAMBA2_GROUP_LANES",
+        "each lane reads the experts it chose",
+        "lanes grouped by expert",
+    )?
+    .unwrap_or(true);
+    Ok(on && choices <= GROUP_MAX_CHOICES)
+}
+
 /// Builds one bank's dispatch for `tokens` tokens of `top_k` choices.
 #[allow(clippy::too_many_arguments)]
 pub fn expert_gemv(
@@ -314,6 +336,18 @@ pub fn expert_gemv(
     }
     let lanes = b.lane_width.filter(|_| pass == ExpertPass::Up);
     let xr = lanes.unwrap_or(xs);
+    let group = lanes.is_some() && b.route.is_none() && groups_lanes(tokens * top_k)?;
+    // A batch's down pass runs its lanes of a row block side by side (the same bits: each
+    // workgroup's work is unchanged, only its place in the grid moves).
+    let lanes_inner = pass == ExpertPass::Down
+        && b.lane_width.is_some()
+        && tokens > 1
+        && super::env_switch(
+            "MAMBA2_LANES_INNER",
+            "a batch's down pass runs lane after lane",
+            "its lanes of a row block side by side",
+        )?
+        .unwrap_or(true);
     let u = |v: usize| Const::U32(v as u32);
     let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
@@ -354,6 +388,17 @@ pub fn expert_gemv(
             check_len(&format!("{name}: src"), b.src, inputs * xr)?;
             entries.push((2, b.src));
         }
+    }
+    if lanes_inner {
+        flags.push("LANES_INNER");
+        consts.push(("T", u(tokens)));
+    }
+    if group {
+        flags.push("GROUP_LANES");
+        consts.extend([
+            ("TK", u(tokens * top_k)),
+            ("GLW", u(bank.count.div_ceil(32))),
+        ]);
     }
     if b.store {
         flags.push("STORE");
@@ -473,11 +518,22 @@ pub fn expert_gemv(
     let sources = if b.route.is_some() { ROUTED } else { SOURCES };
     let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, false)?;
     let bind_group = k.bind(&pipeline, name, &entries);
-    let (gx, gy, _) = grid((m as u32).div_ceil(wg / team));
+    let row_blocks = (m as u32).div_ceil(wg / team);
+    let (gx, gy, _) = match lanes_inner {
+        true => grid(row_blocks * tokens as u32),
+        false => grid(row_blocks),
+    };
+    // (Grouped: as many distinct experts as the choices or the bank's experts, whichever
+    // is fewer; workgroups past the step's distinct count return at once.)
+    let gz = match (group, lanes_inner) {
+        (true, _) => z.min(bank.count),
+        (_, true) => 1,
+        _ => z,
+    };
     let d = Dispatch {
         pipeline,
         bind_group,
-        workgroups: (gx, gy, z as u32),
+        workgroups: (gx, gy, gz as u32),
         name: name.to_string(),
         per_token: None,
         shorter: Vec::new(),
