@@ -5,18 +5,16 @@
 // (e − E0)·M. Teams of TEAM invocations own a row, as in gemv.wgsl. Input vectors are XR
 // values apart: XS (KP rounded up to 32), as the norms and activations write them, or for
 // an up pass over a batch's lanes the lane stride (IN_LANES: their q8 blocks too, XL).
+// LANES_INNER (a batch's lanes): grid z's ZN items (the up pass's choices, the down pass's
+// lanes) run side by side for each row block instead, numbered in x and y fastest, so the
+// rows of an expert that several lanes chose are read while they are still in cache.
 // UP (grid z = t·KS + s, the token's s-th slot): dst[(t·KS + s)·MS + M0 + row] = W_id[row] · x_t
 //   (MS = M, M0 = 0 but where an expert's [gate; up] is two banks, each writing its half)
 //   where x_t is the token's normed input (f32 `src [T][KP]` or q8 blocks); a workgroup whose
 //   expert lives in another bank returns at once. With ROUTE (decode) the pass routes the
 //   token in its prologue (route_select.wgsl, the routing kernel's code) instead of
-//   reading the ids, and writes the ids and weights for the down pass. With GROUP_LANES
-//   (a batch's lanes) grid z is instead the z-th distinct expert of this bank that the TK
-//   (lane, slot) choices name, counted from the highest id; its workgroups compute each
-//   choosing lane's rows in turn, so the expert's rows come from memory once for all its
-//   lanes and each lane's rows are the same expression as its run alone.
-// DOWN (grid z = t, or with LANES_INNER a batch's T lanes of a row block next to each
-//   other in x and y): dst[t·MS + row] += Σ_s w[t·KS + s] · W_id(s)[row] · x_(t·KS + s), the
+//   reading the ids, and writes the ids and weights for the down pass.
+// DOWN (grid z = t): dst[t·MS + row] += Σ_s w[t·KS + s] · W_id(s)[row] · x_(t·KS + s), the
 //   slots' activations as inputs: the weighted sum of the experts goes straight into the
 //   residual (each bank adds the slots it holds); STORE (the first bank of a latent MoE)
 //   writes instead of adding. NORM_TAIL (one token or a batch's lanes, the last bank): the next block's
@@ -135,14 +133,6 @@ fn norm_tail(lid: u32, r0: u32, t: u32) {
 #endif
 #else
 var<workgroup> up_id: u32;
-#if GROUP_LANES
-// The bank's experts that some choice names (a bit each, GLW words), the chosen expert,
-// and the choices (indices t·KS + s) that name it.
-var<workgroup> gl_bits: array<atomic<u32>, GLW>;
-var<workgroup> gl_n: atomic<u32>;
-var<workgroup> gl_count: u32;
-var<workgroup> gl_list: array<u32, TK>;
-#endif
 #endif
 #if ACT
 // The folded activation's output: rows of XM values (M rounded up to 32), and with Q8_OUT
@@ -264,20 +254,18 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let lane = lid % TEAM;
+    // Row block rb, item zi of grid z.
 #if LANES_INNER
-    // A batch's T lanes of one row block side by side in the grid (its x and y), so the
-    // rows of an expert that several lanes chose are read while they are still in cache.
-    let rb = (wid.x + wid.y * nwg.x) / T;
-    let t = (wid.x + wid.y * nwg.x) % T;
+    let rb = (wid.x + wid.y * nwg.x) / ZN;
+    let zi = (wid.x + wid.y * nwg.x) % ZN;
 #else
     let rb = wid.x + wid.y * nwg.x;
-#if DOWN
-    let t = wid.z;
-#endif
+    let zi = wid.z;
 #endif
     let row_raw = rb * R + lid / TEAM;
     let row = min(row_raw, M - 1u);
 #if DOWN
+    let t = zi;
     // The token's choices and weights, read once (each load of a weight vector then
     // waits for no other load).
     if (lid < KS) {
@@ -333,7 +321,7 @@ fn main(
     norm_tail(lid, rb * R, t);
 #endif
 #else
-    let z = wid.z;
+    let z = zi;
 #if ROUTE
     // The token's routing, redone by every workgroup of a chosen slot (on the H200 that
     // costs the pass less than a routing dispatch before it costs the token); the first
@@ -348,7 +336,7 @@ fn main(
     } else if (lid == 0u) {
         rt_want_id = E + s - K;
     }
-    if (s == 0u && wid.x == 0u && wid.y == 0u) {
+    if (s == 0u && rb == 0u) {
         workgroupBarrier();
         route_write(z / KS, lid);
     }
@@ -357,7 +345,7 @@ fn main(
     if (s < K) {
         route_select(z / KS, lid);
     }
-    if (s == 0u && wid.x == 0u && wid.y == 0u) {
+    if (s == 0u && rb == 0u) {
         route_write(z / KS, lid);
     }
     if (lid == 0u) {
@@ -366,39 +354,14 @@ fn main(
     let id = workgroupUniformLoad(&up_id);
 #endif
 #else
-#if GROUP_LANES
-    let id = E0 + group_expert(z, lid);
-    if (id >= E0 + NE) {
-        return;
-    }
-    let n = group_choices(id, lid);
-    for (var j = 0u; j < n; j++) {
-        up_rows(id, gl_list[j], lid, wid, nwg);
-        // (The next choice's epilogue reuses the workgroup's arrays.)
-        workgroupBarrier();
-    }
-    return;
-#else
     if (lid == 0u) {
         up_id = ids[z];
     }
     let id = workgroupUniformLoad(&up_id);
 #endif
-#endif
     if (id < E0 || id >= E0 + NE) {
         return;
     }
-    up_rows(id, z, lid, wid, nwg);
-#endif
-}
-
-#if !DOWN
-// The workgroup's rows of choice z (token z / KS) from expert `id`: W_id · x into `dst`, or
-// relu(·)² with ACT. Call from uniform control flow.
-fn up_rows(id: u32, z: u32, lid: u32, wid: vec3<u32>, nwg: vec3<u32>) {
-    let lane = lid % TEAM;
-    let row_raw = (wid.x + wid.y * nwg.x) * R + lid / TEAM;
-    let row = min(row_raw, M - 1u);
     let total = RS * team_sum(lane_dot((id - E0) * M + row, z / KS, lane), lid);
 #if ACT
     // relu(u)² of the workgroup's R rows (a multiple of 32: whole q8 blocks, zero past M),
@@ -407,7 +370,7 @@ fn up_rows(id: u32, z: u32, lid: u32, wid: vec3<u32>, nwg: vec3<u32>) {
         act_rows[lid / TEAM] = total;
     }
     workgroupBarrier();
-    let r0 = (wid.x + wid.y * nwg.x) * R;
+    let r0 = rb * R;
     var a = 0.0;
     if (lid < R && r0 + lid < M) {
         let r = max(act_rows[lid], 0.0);
@@ -424,60 +387,5 @@ fn up_rows(id: u32, z: u32, lid: u32, wid: vec3<u32>, nwg: vec3<u32>) {
         dst[z * MS + M0 + row] = total;
     }
 #endif
-}
 #endif
-
-#if GROUP_LANES
-// The z-th distinct expert of this bank (0-based, from the highest id: the shared expert's
-// slices, which every lane names, start first) among the TK choices, as an offset from E0;
-// NE where fewer are named. Call from uniform control flow.
-fn group_expert(z: u32, lid: u32) -> u32 {
-    for (var i = lid; i < GLW; i += WG) {
-        atomicStore(&gl_bits[i], 0u);
-    }
-    if (lid == 0u) {
-        atomicStore(&gl_n, 0u);
-    }
-    workgroupBarrier();
-    for (var i = lid; i < TK; i += WG) {
-        let id = ids[i];
-        if (id >= E0 && id < E0 + NE) {
-            atomicOr(&gl_bits[(id - E0) / 32u], 1u << ((id - E0) % 32u));
-        }
-    }
-    workgroupBarrier();
-    if (lid == 0u) {
-        var want = z;
-        var found = NE;
-        for (var wi = GLW; wi > 0u; wi--) {
-            var b = atomicLoad(&gl_bits[wi - 1u]);
-            let c = countOneBits(b);
-            if (want < c) {
-                for (var q = 0u; q < want; q++) {
-                    b &= ~(1u << firstLeadingBit(b));
-                }
-                found = (wi - 1u) * 32u + firstLeadingBit(b);
-                break;
-            }
-            want -= c;
-        }
-        gl_count = found;
-    }
-    return workgroupUniformLoad(&gl_count);
 }
-
-// The choices that name expert `id` into `gl_list` (in any order: each choice's rows are
-// its own), and how many. Call from uniform control flow.
-fn group_choices(id: u32, lid: u32) -> u32 {
-    for (var i = lid; i < TK; i += WG) {
-        if (ids[i] == id) {
-            gl_list[atomicAdd(&gl_n, 1u)] = i;
-        }
-    }
-    workgroupBarrier();
-    if (lid == 0u) {
-        gl_count = atomicLoad(&gl_n);
-    }
-    return workgroupUniformLoad(&gl_count);
-}
-#endif

@@ -1808,8 +1808,9 @@ enum LaneChoice {
     Drawn(u64),
 }
 
-/// A batch's up pass over its lanes (`lane_width`), which groups the lanes by expert: each
-/// lane's rows must be its one-token pass's, bit for bit. `banks`: the bank sizes in order.
+/// A batch's up pass over its lanes (`lane_width`: inputs a lane width apart, every lane's
+/// choices of a row block side by side in the grid): each lane's rows must be its one-token
+/// pass's, bit for bit. `banks`: the bank sizes in order.
 struct LaneUpCase {
     name: &'static str,
     banks: &'static [usize],
@@ -1836,7 +1837,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         fold: false,
     },
     LaneUpCase {
-        name: "19 lanes drawing 4 of 40 experts in banks of 24 and 16 (two words of bits), q8_0",
+        name: "19 lanes drawing 4 of 40 experts in banks of 24 and 16, q8_0",
         banks: &[24, 16],
         rows: 72,
         cols: 64,
@@ -1858,7 +1859,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         fold: false,
     },
     LaneUpCase {
-        name: "relu² folded, 5 lanes drawing 8 of 130 experts (five words of bits), q8_0",
+        name: "relu² folded, 5 lanes drawing 8 of 130 experts, q8_0",
         banks: &[130],
         rows: 200,
         cols: 96,
@@ -1914,7 +1915,7 @@ fn lane_choices(c: &LaneUpCase, l: usize) -> Vec<u32> {
 }
 
 /// Each case's lanes through one up pass per bank (`lane_width`: inputs a lane width
-/// apart, grouped by expert) against each lane's one-token passes, bitwise: the rows, or
+/// apart) against each lane's one-token passes, bitwise: the rows, or
 /// with the fold the activation and its q8 blocks; and the rows against the host's dot
 /// products of the dequantized values.
 #[test]

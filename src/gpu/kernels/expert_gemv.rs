@@ -12,11 +12,11 @@
 //! activation dispatch between the passes wrote (its formula, bit for bit). A workgroup
 //! then owns whole q8 blocks of rows (R a multiple of 32).
 //!
-//! `Up` over a batch's lanes (`lane_width`, no `RouteFold`) groups the lanes by expert: a
-//! workgroup takes one distinct chosen expert and computes the rows of every lane that
-//! chose it in turn, so an expert that several lanes chose is read from memory once per
-//! step instead of once per lane (the shared expert's slices: once instead of once per
-//! lane). Each lane's rows stay the one-token expression, bit for bit.
+//! Over a batch's lanes (`lane_width`) both passes run every lane's (and choice's)
+//! workgroups of one row block side by side in the grid, so the rows of an expert that
+//! several lanes chose come from DRAM once and from cache for the others (the shared
+//! expert's slices, which every lane names, above all). Each workgroup's work is the same
+//! as in lane order, so the bits are too.
 //!
 //! `Up` with a `RouteFold` (decode) routes the token in its prologue from the router's
 //! logits (`route_select.wgsl`, the routing kernel's code: the same ids and weights bit for
@@ -219,22 +219,6 @@ fn team_and_wg(
     Ok((team, wg))
 }
 
-/// The most choices a grouped up pass lists in workgroup memory (4 bytes each): 64 lanes
-/// of 16 slots.
-const GROUP_MAX_CHOICES: usize = 1024;
-
-/// Whether a batch's up pass over `choices` (lane, slot) pairs groups the lanes by expert
-/// (`MAMBA2_GROUP_LANES=0`: each lane reads its own choices, for measuring).
-fn groups_lanes(choices: usize) -> Result<bool> {
-    let on = super::env_switch(
-        "MAMBA2_GROUP_LANES",
-        "each lane reads the experts it chose",
-        "lanes grouped by expert",
-    )?
-    .unwrap_or(true);
-    Ok(on && choices <= GROUP_MAX_CHOICES)
-}
-
 /// Builds one bank's dispatch for `tokens` tokens of `top_k` choices.
 #[allow(clippy::too_many_arguments)]
 pub fn expert_gemv(
@@ -336,16 +320,16 @@ pub fn expert_gemv(
     }
     let lanes = b.lane_width.filter(|_| pass == ExpertPass::Up);
     let xr = lanes.unwrap_or(xs);
-    let group = lanes.is_some() && b.route.is_none() && groups_lanes(tokens * top_k)?;
-    // A batch's down pass runs its lanes of a row block side by side (the same bits: each
-    // workgroup's work is unchanged, only its place in the grid moves).
-    let lanes_inner = pass == ExpertPass::Down
-        && b.lane_width.is_some()
+    // A batch's lanes (and choices) of a row block side by side (the same bits: each
+    // workgroup's work is unchanged, only its place in the grid moves). Not with the
+    // routing in the prologue, which only one token's graph folds.
+    let lanes_inner = b.lane_width.is_some()
         && tokens > 1
+        && b.route.is_none()
         && super::env_switch(
             "MAMBA2_LANES_INNER",
-            "a batch's down pass runs lane after lane",
-            "its lanes of a row block side by side",
+            "a batch's expert passes run lane after lane",
+            "their lanes of a row block side by side",
         )?
         .unwrap_or(true);
     let u = |v: usize| Const::U32(v as u32);
@@ -391,14 +375,7 @@ pub fn expert_gemv(
     }
     if lanes_inner {
         flags.push("LANES_INNER");
-        consts.push(("T", u(tokens)));
-    }
-    if group {
-        flags.push("GROUP_LANES");
-        consts.extend([
-            ("TK", u(tokens * top_k)),
-            ("GLW", u(bank.count.div_ceil(32))),
-        ]);
+        consts.push(("ZN", u(z)));
     }
     if b.store {
         flags.push("STORE");
@@ -519,16 +496,23 @@ pub fn expert_gemv(
     let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, false)?;
     let bind_group = k.bind(&pipeline, name, &entries);
     let row_blocks = (m as u32).div_ceil(wg / team);
-    let (gx, gy, _) = match lanes_inner {
-        true => grid(row_blocks * tokens as u32),
-        false => grid(row_blocks),
-    };
-    // (Grouped: as many distinct experts as the choices or the bank's experts, whichever
-    // is fewer; workgroups past the step's distinct count return at once.)
-    let gz = match (group, lanes_inner) {
-        (true, _) => z.min(bank.count),
-        (_, true) => 1,
-        _ => z,
+    let (gx, gy, gz) = match lanes_inner {
+        true => {
+            let n = (row_blocks as usize)
+                .checked_mul(z)
+                .filter(|&n| n <= u32::MAX as usize);
+            let n = n.ok_or_else(|| {
+                Error::Gpu(format!(
+                    "{name}: {row_blocks} row blocks × {z} lanes overflow a grid"
+                ))
+            })?;
+            let (gx, gy, _) = grid(n as u32);
+            (gx, gy, 1)
+        }
+        false => {
+            let (gx, gy, _) = grid(row_blocks);
+            (gx, gy, z)
+        }
     };
     let d = Dispatch {
         pipeline,
