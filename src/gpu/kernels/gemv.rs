@@ -110,15 +110,50 @@ pub fn lane_tiling(
         BatchRole::WideGroupNorm => (4, 8),
         BatchRole::Other => (MAX_LANES, 2),
     };
-    let nl = env("MAMBA2_BATCH_LANES").unwrap_or(nl).clamp(1, 64);
+    let (env_nl, env_rt) = (env("MAMBA2_BATCH_LANES"), env("MAMBA2_BATCH_ROWS"));
+    // A small f32 matrix (an MoE router) takes smaller tiles until its grid has
+    // FEW_WORKGROUPS (where no size is forced): rows per team first, then lanes per
+    // workgroup. (The quantized formats' small matrices keep the tiles measured for them,
+    // runs 105–110.)
+    let (nl, rt) = match (env_nl, env_rt, format) {
+        (None, None, WeightFormat::F32) => spread_small(lanes, rows, team, nl, rt),
+        _ => (nl, rt),
+    };
+    let nl = env_nl.unwrap_or(nl).clamp(1, 64);
     let rt = if simple {
-        env("MAMBA2_BATCH_ROWS").unwrap_or(rt).clamp(1, 16)
+        env_rt.unwrap_or(rt).clamp(1, 16)
     } else {
         1
     };
     // Every lane's group rstd sits in workgroup memory: at most 2048 values.
     let nl = lanes.clamp(1, nl).min((2048 / groups.max(1)).max(1));
     (nl, rt.min(rows.max(1)))
+}
+
+/// Workgroups below which a batched f32 GEMV's tiles shrink (`spread_small`). An MoE router
+/// (64–128 rows of f32, teams of 128–256 lanes: `small_f32_team`) in 16-lane tiles of two
+/// rows per team made grids of 16–64 workgroups. Measured on an H100 (run 227, 16 lanes,
+/// GPU ms per step of the routers, every GEMV's tiles forced; workgroups in brackets):
+/// Nemotron 3 Nano's 0.487 (64) → 0.277 with 4 lanes × 1 row (512), 0.296 with 2 × 1
+/// (1024), 0.303 with 1 × 1 (2048); Granite-4.0-H-Tiny's 0.703 (16) → 0.449 with 4 × 1
+/// (128), 0.438 with 2 × 1 (256), 0.420 with 1 × 1 (512). A limit of 64 (run 228) left
+/// Nano's as they were and gave Granite's 8 × 1 (64): 0.50.
+pub const FEW_WORKGROUPS: usize = 512;
+
+/// `(nl, rt)` shrunk for a matrix of `rows` rows whose grid of `lanes` lanes would be under
+/// `FEW_WORKGROUPS` workgroups: one row per team, then half the lanes per workgroup, until
+/// it is not (or one lane each).
+fn spread_small(lanes: usize, rows: usize, team: u32, nl: usize, rt: usize) -> (usize, usize) {
+    let teams = (WG / team.max(1)).max(1) as usize;
+    let grid = |nl: usize, rt: usize| rows.div_ceil(teams * rt) * lanes.div_ceil(nl.max(1));
+    if grid(nl, rt) >= FEW_WORKGROUPS {
+        return (nl, rt);
+    }
+    let mut nl = nl;
+    while nl > 1 && grid(nl, 1) < FEW_WORKGROUPS {
+        nl /= 2;
+    }
+    (nl, 1)
 }
 
 /// Lanes up to which a q8_0 GEMV of narrow teams takes one row per team (`lane_tiling`).
@@ -1163,7 +1198,7 @@ mod tests {
 
     #[test]
     fn wide_batch_matrices_take_their_tiles_and_order() {
-        use WeightFormat::{F16, Q8_0};
+        use WeightFormat::{F16, F32, Q8_0};
         let group = GemvInput::Group {
             groups: 8,
             group_size: 1024,
@@ -1214,6 +1249,15 @@ mod tests {
             assert_eq!(lane_tiling(4, 1, 10576, Q8_0, narrow, 16), (4, 1));
             assert_eq!(lane_tiling(8, 1, 10576, Q8_0, narrow, 16), (8, 2));
             assert_eq!(lane_tiling(4, 1, 10576, F16, narrow, 16), (4, 2));
+            // Small f32 matrices spread to FEW_WORKGROUPS: Nemotron 3 Nano's and
+            // Granite-4.0-H-Tiny's routers (128 rows in teams of 256, 64 in teams of 128).
+            let other = BatchRole::Other;
+            assert_eq!(lane_tiling(16, 1, 128, F32, other, 256), (4, 1));
+            assert_eq!(lane_tiling(16, 1, 64, F32, other, 128), (1, 1));
+            assert_eq!(lane_tiling(64, 1, 128, F32, other, 256), (16, 1));
+            assert_eq!(lane_tiling(64, 1, 4096, F32, other, 32), (16, 2));
+            // Not the quantized formats: 130m's out_proj (768 rows) at 16 lanes.
+            assert_eq!(lane_tiling(16, 1, 768, Q8_0, other, 32), (16, 2));
         }
         // Two lane groups go side by side only over matrices no L2 holds; three always.
         assert!(!side_by_side(1, 1 << 30));
