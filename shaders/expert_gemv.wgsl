@@ -135,14 +135,16 @@ fn norm_tail(lid: u32, r0: u32, t: u32) {
 var<workgroup> up_id: u32;
 #endif
 #if ACT
-// The folded activation's output: rows of XM values (M rounded up to 32), and with Q8_OUT
+// The folded activation's output: rows of XM values (M, or with ACT_GATED the MH = M/2
+// rows of silu(gate)·up, rounded up to 32), and with Q8_OUT
 // their q8 blocks (what the down pass reads).
 @group(0) @binding(8) var<storage, read_write> mid: array<f32>;
 #if Q8_OUT
 @group(0) @binding(9) var<storage, read_write> xq: array<u32>;
 @group(0) @binding(10) var<storage, read_write> xd: array<f32>;
 #endif
-var<workgroup> act_rows: array<f32, R>;
+// (A total per team: R rows, or R gate rows then R up rows with ACT_GATED.)
+var<workgroup> act_rows: array<f32, WG / TEAM>;
 #endif
 
 const NV: u32 = KP / VW;
@@ -262,7 +264,13 @@ fn main(
     let rb = wid.x + wid.y * nwg.x;
     let zi = wid.z;
 #endif
+#if ACT_GATED
+    // R activation rows a workgroup: its first R teams take the gate rows rb·R + j of
+    // [gate; up], the next R the up rows MH + rb·R + j.
+    let row_raw = select(0u, MH, lid / TEAM >= R) + rb * R + (lid / TEAM) % R;
+#else
     let row_raw = rb * R + lid / TEAM;
+#endif
     let row = min(row_raw, M - 1u);
 #if DOWN
     let t = zi;
@@ -364,18 +372,25 @@ fn main(
     }
     let total = RS * team_sum(lane_dot((id - E0) * M + row, z / KS, lane), lid);
 #if ACT
-    // relu(u)² of the workgroup's R rows (a multiple of 32: whole q8 blocks, zero past M),
-    // as the activation kernel would write them: the dispatch between the passes is gone.
+    // relu(u)² (or silu(g)·u) of the workgroup's R rows (a multiple of 32: whole q8
+    // blocks, zero past M or MH), as the activation kernel would write them: the dispatch
+    // between the passes is gone.
     if (lane == 0u) {
         act_rows[lid / TEAM] = total;
     }
     workgroupBarrier();
     let r0 = rb * R;
     var a = 0.0;
+#if ACT_GATED
+    if (lid < R && r0 + lid < MH) {
+        a = silu(act_rows[lid]) * act_rows[R + lid];
+    }
+#else
     if (lid < R && r0 + lid < M) {
         let r = max(act_rows[lid], 0.0);
         a = r * r;
     }
+#endif
     if (lid < R && r0 + lid < XM) {
         mid[z * XM + r0 + lid] = a;
     }

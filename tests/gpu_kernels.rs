@@ -1823,11 +1823,37 @@ struct LaneUpCase {
     lanes: usize,
     choice: LaneChoice,
     format: WeightFormat,
-    /// relu² folded into the pass, written with its q8 blocks.
+    /// The activation folded into the pass, written with its q8 blocks: relu², or with
+    /// `gated` silu(gate)·up of the rows' two halves.
     fold: bool,
+    gated: bool,
 }
 
-const LANE_UP_CASES: [LaneUpCase; 6] = [
+const LANE_UP_CASES: [LaneUpCase; 8] = [
+    LaneUpCase {
+        name: "silu(g)·u folded, 6 lanes drawing 4 of 9 experts of [gate; up] 2 × 80 rows, q8_0",
+        banks: &[9],
+        rows: 160,
+        cols: 96,
+        slots: 4,
+        lanes: 6,
+        choice: LaneChoice::Drawn(17),
+        format: WeightFormat::Q8_0,
+        fold: true,
+        gated: true,
+    },
+    LaneUpCase {
+        name: "silu(g)·u folded, 3 lanes drawing 2 of 4 experts of [gate; up] 2 × 40 rows, q4_k",
+        banks: &[4],
+        rows: 80,
+        cols: 256,
+        slots: 2,
+        lanes: 3,
+        choice: LaneChoice::Drawn(19),
+        format: WeightFormat::Q4_K,
+        fold: true,
+        gated: true,
+    },
     LaneUpCase {
         name: "16 lanes on the same 3 of 6 experts, q8_0",
         banks: &[6],
@@ -1838,6 +1864,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         choice: LaneChoice::Same,
         format: WeightFormat::Q8_0,
         fold: false,
+        gated: false,
     },
     LaneUpCase {
         name: "19 lanes drawing 4 of 40 experts in banks of 24 and 16, q8_0",
@@ -1849,6 +1876,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         choice: LaneChoice::Drawn(5),
         format: WeightFormat::Q8_0,
         fold: false,
+        gated: false,
     },
     LaneUpCase {
         name: "16 lanes × 4 slots, every one of 64 experts chosen once, q8_0",
@@ -1860,6 +1888,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         choice: LaneChoice::Distinct,
         format: WeightFormat::Q8_0,
         fold: false,
+        gated: false,
     },
     LaneUpCase {
         name: "relu² folded, 5 lanes drawing 8 of 130 experts, q8_0",
@@ -1871,6 +1900,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         choice: LaneChoice::Drawn(9),
         format: WeightFormat::Q8_0,
         fold: true,
+        gated: false,
     },
     LaneUpCase {
         name: "7 lanes drawing 2 of 5 experts in banks of 3 and 2, q4_k",
@@ -1882,6 +1912,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         choice: LaneChoice::Drawn(11),
         format: WeightFormat::Q4_K,
         fold: false,
+        gated: false,
     },
     LaneUpCase {
         name: "9 lanes drawing 3 of 12 experts, f16 against f32 inputs",
@@ -1893,6 +1924,7 @@ const LANE_UP_CASES: [LaneUpCase; 6] = [
         choice: LaneChoice::Drawn(13),
         format: WeightFormat::F16,
         fold: false,
+        gated: false,
     },
 ];
 
@@ -1945,7 +1977,9 @@ fn experts_up_pass_over_lanes_equals_each_lane_alone() {
         let lw = kp.next_multiple_of(256);
         // (One token's f32 input is padded to 32 values, what norms and activations write.)
         let xs = c.cols.next_multiple_of(32).max(kp);
-        let xm = c.rows.next_multiple_of(32);
+        // The activation rows a choice's fold writes (padded to whole q8 blocks).
+        let act_n = if c.gated { c.rows / 2 } else { c.rows };
+        let xm = act_n.next_multiple_of(32);
         let u32s = |v: &[u32]| {
             g.ctx()
                 .storage_with("u32s", bytemuck::cast_slice(v))
@@ -1995,6 +2029,7 @@ fn experts_up_pass_over_lanes_equals_each_lane_alone() {
                         act: c.fold.then_some(ActFold {
                             mid: &mid,
                             q8: Some((&mq, &md)),
+                            gated: c.gated,
                         }),
                         route: None,
                         norm_tail: None,
@@ -2029,21 +2064,28 @@ fn experts_up_pass_over_lanes_equals_each_lane_alone() {
             } else {
                 x.clone()
             };
-            if !c.fold {
-                for (s, &e) in lane_ids.iter().enumerate() {
-                    let want: Vec<f32> = (0..c.rows)
-                        .map(|r| {
-                            let row = &wf[(e as usize * c.rows + r) * c.cols..][..c.cols];
-                            row.iter().zip(&xin).map(|(a, b)| a * b).sum()
-                        })
-                        .collect();
-                    assert_nmse(
-                        &format!("{} lane {l} slot {s}", c.name),
-                        &out.0[s * c.rows..][..c.rows],
-                        &want,
-                        1e-9,
-                    );
-                }
+            for (s, &e) in lane_ids.iter().enumerate() {
+                let rows: Vec<f32> = (0..c.rows)
+                    .map(|r| {
+                        let row = &wf[(e as usize * c.rows + r) * c.cols..][..c.cols];
+                        row.iter().zip(&xin).map(|(a, b)| a * b).sum()
+                    })
+                    .collect();
+                let (want, width) = match (c.fold, c.gated) {
+                    (false, _) => (rows, c.rows),
+                    (true, false) => (rows.iter().map(|u| u.max(0.0).powi(2)).collect(), xm),
+                    (true, true) => {
+                        let (g, u) = rows.split_at(act_n);
+                        let silu = |x: f32| x / (1.0 + (-x).exp());
+                        (g.iter().zip(u).map(|(g, u)| silu(*g) * u).collect(), xm)
+                    }
+                };
+                assert_nmse(
+                    &format!("{} lane {l} slot {s}", c.name),
+                    &out.0[s * width..][..act_n],
+                    &want,
+                    1e-9,
+                );
             }
             x.resize(lw, 0.0);
             inputs.extend(x);

@@ -484,6 +484,17 @@ fn routes_in_prologue(b: &BlockCtx, w: &DeviceMoe, m: &MoeConfig) -> Result<bool
         && m.slots() <= gemv::one_token_wg(b.k, gemv::WgKind::Expert)? as usize)
 }
 
+/// Whether gated experts fold `silu(g)·u` into the up pass (MAMBA2_GATED_FOLD=0 keeps the
+/// activation's own dispatch, for measuring).
+fn gated_fold() -> Result<bool> {
+    Ok(crate::gpu::kernels::env_switch(
+        "MAMBA2_GATED_FOLD",
+        "the gated activation's own dispatch",
+        "silu(g)·u in the up pass",
+    )?
+    .unwrap_or(true))
+}
+
 /// The buffers the routed experts read and write.
 struct Stage<'a> {
     h: &'a wgpu::Buffer,
@@ -508,15 +519,21 @@ struct Stage<'a> {
 }
 
 /// The routed experts of one decode token: up per bank, the activation of every choice,
-/// down per bank into the residual. Fused, non-gated experts take `relu(u)²` in the up
-/// pass's epilogue (one dispatch fewer per layer).
+/// down per bank into the residual. Fused, the up pass's epilogue makes the activation
+/// (one dispatch fewer per layer): `relu(u)²`, or `silu(g)·u` where every bank's
+/// `[gate; up]` is one matrix (`gated_fold`).
 fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Dispatch>> {
     let k = b.k;
     let m = shape(b)?;
     // A batch's lanes are the passes' tokens (their inputs a lane width apart).
     let tokens = b.lanes.n;
     let lane_width = st.lane_width;
-    let fold = fused && m.act == MlpAct::Relu2;
+    let gated = m.act == MlpAct::SiluGated;
+    let fold = fused
+        && match gated {
+            false => true,
+            true => gated_fold()? && w.banks().all(|(_, _, up, _)| up.len() == 1),
+        };
     // The chosen experts and the shared expert's slices alike.
     let top_k = m.slots();
     let mut d = Vec::new();
@@ -546,10 +563,11 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                     dst_at: (!whole).then_some(part.at),
                     ids: st.ids,
                     store: false,
-                    // (Only non-gated experts fold it, and those have one part.)
+                    // (Folded, every bank's up is one part.)
                     act: fold.then_some(ActFold {
                         mid: st.mid,
                         q8: st.mid_q8,
+                        gated,
                     }),
                     weights: route.as_ref().map(|_| st.weights),
                     route,

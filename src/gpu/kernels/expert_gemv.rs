@@ -165,7 +165,7 @@ fn down_team_and_wg(
     let per_row = top_k * w.kp / super::gemv::vector_width(w.format);
     let q8 = q8_in && w.format.reads_q8();
     let unroll = q8.then(|| super::gemv::gemv_unroll(w.format)).transpose()?;
-    team_and_wg(k, m, per_row, false, unroll)
+    team_and_wg(k, m, per_row, None, unroll)
 }
 
 /// What the up pass needs to route its token itself (`route_select.wgsl`, the routing
@@ -181,22 +181,25 @@ pub struct RouteFold<'a> {
 }
 
 /// Where the up pass's folded `relu(u)²` goes: `mid [T·K][XM]` and optionally its q8 blocks
-/// `xq [T·K][XM/4]`, `xd [T·K][XM/32]`.
+/// `xq [T·K][XM/4]`, `xd [T·K][XM/32]`. `gated`: the bank's rows are `[gate; up]` (M/2
+/// each) and the fold writes `silu(g)·u`, M/2 values a row (each workgroup's teams take
+/// the same rows of both halves).
 pub struct ActFold<'a> {
     pub mid: &'a wgpu::Buffer,
     pub q8: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    pub gated: bool,
 }
 
 /// The team and workgroup size of an expert pass: `team_size`'s team (the down pass over
 /// q8 blocks, whose lanes issue `unroll` loads at once, aims at that many times fewer
-/// lanes) and the expert GEMVs' workgroup; with the activation folded, a workgroup of 32
-/// teams at least (whole q8 blocks of rows) of at most 512 invocations, the team halved
-/// to fit.
+/// lanes) and the expert GEMVs' workgroup; with the activation folded (`fold`: the teams
+/// an activation row takes, 1 or 2 for gate and up), a workgroup of 32 activation rows at
+/// least (whole q8 blocks) of at most 512 invocations a row's team, the team halved to fit.
 fn team_and_wg(
     k: &Kernels,
     m: usize,
     per_row: usize,
-    fold: bool,
+    fold: Option<u32>,
     unroll: Option<u32>,
 ) -> Result<(u32, u32)> {
     // (Nano's q8_0 down pass on the H200, run 118: teams of 64 0.440 ms, 128 0.473, 32
@@ -207,16 +210,21 @@ fn team_and_wg(
     };
     let max = k.max_workgroup();
     let mut wg = super::gemv::one_token_wg(k, super::gemv::WgKind::Expert)?.max(team);
-    if fold {
+    if let Some(f) = fold {
         // (32 teams of 16 on the H200, run 116: Nano's up pass 0.471 ms against 0.484 with
         // teams of 32 and 0.493 with 8.) Workgroups of 1024 where the device allows: Nano's
         // up pass 0.531 → 0.516 ms against 512 (run 157, the routing in its prologue).
-        while team > 1 && 32 * team > max.min(512) {
+        while team > 1 && 32 * f * team > max.min(512 * f) {
             team /= 2;
         }
-        wg = wg.max(32 * team).max(max.min(1024)).min(max);
+        wg = wg.max(32 * f * team).max(max.min(1024)).min(max);
     }
     Ok((team, wg))
+}
+
+/// The activation rows a folded up pass of `m` rows an expert writes per choice.
+fn act_rows(m: usize, f: &ActFold) -> usize {
+    if f.gated { m / 2 } else { m }
 }
 
 /// Builds one bank's dispatch for `tokens` tokens of `top_k` choices.
@@ -298,9 +306,15 @@ pub fn expert_gemv(
     let (team, wg) = match pass {
         ExpertPass::Up => {
             let per_row = w.kp / super::gemv::vector_width(w.format);
-            team_and_wg(k, m, per_row, fold.is_some(), None)?
+            team_and_wg(k, m, per_row, fold.map(|f| 1 + f.gated as u32), None)?
         }
         ExpertPass::Down => down_team_and_wg(k, w, m, top_k, b.q8.is_some())?,
+    };
+    // The rows a workgroup makes: a row per team, or with a gated fold one activation row
+    // per two teams (its gate and up rows).
+    let (out_rows, rows_per_wg) = match fold {
+        Some(f) if f.gated => (act_rows(m, f), wg / team / 2),
+        _ => (m, wg / team),
     };
     // Input vectors are padded to 32 values (what norms and activations write), or lie a
     // batch's lane width apart (the up pass; a lane row holds whole k-quant superblocks).
@@ -336,7 +350,7 @@ pub fn expert_gemv(
     let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
         ("WG", Const::U32(wg)),
-        ("R", Const::U32(wg / team)),
+        ("R", Const::U32(rows_per_wg)),
         ("M", u(m)),
         ("MS", u(at.stride)),
         ("M0", u(at.offset)),
@@ -386,9 +400,18 @@ pub fn expert_gemv(
     }
     entries.push((6, b.ids));
     if let Some(f) = fold {
-        let xm = m.next_multiple_of(32);
+        if f.gated && !m.is_multiple_of(2) {
+            return Err(Error::Gpu(format!(
+                "{name}: {m} rows an expert are no [gate; up] pair of halves"
+            )));
+        }
+        let xm = act_rows(m, f).next_multiple_of(32);
         check_len(&format!("{name}: mid"), f.mid, z * xm)?;
         flags.push("ACT");
+        if f.gated {
+            flags.push("ACT_GATED");
+            consts.push(("MH", u(m / 2)));
+        }
         consts.extend([("XM", u(xm)), ("NB", u(xm / 32))]);
         entries.push((8, f.mid));
         if let Some((q, d)) = f.q8 {
@@ -495,7 +518,7 @@ pub fn expert_gemv(
     let sources = if b.route.is_some() { ROUTED } else { SOURCES };
     let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, false)?;
     let bind_group = k.bind(&pipeline, name, &entries);
-    let row_blocks = (m as u32).div_ceil(wg / team);
+    let row_blocks = (out_rows as u32).div_ceil(rows_per_wg);
     let (gx, gy, gz) = match lanes_inner {
         true => {
             let n = (row_blocks as usize)
