@@ -1831,9 +1831,10 @@ struct LaneUpCase {
 
 const LANE_UP_CASES: [LaneUpCase; 8] = [
     LaneUpCase {
-        name: "silu(g)·u folded, 6 lanes drawing 4 of 9 experts of [gate; up] 2 × 80 rows, q8_0",
+        name: "silu(g)·u folded, 6 lanes drawing 4 of 9 experts of [gate; up] 2 × 400 rows \
+               (several row blocks, the last one short), q8_0",
         banks: &[9],
-        rows: 160,
+        rows: 800,
         cols: 96,
         slots: 4,
         lanes: 6,
@@ -1891,9 +1892,9 @@ const LANE_UP_CASES: [LaneUpCase; 8] = [
         gated: false,
     },
     LaneUpCase {
-        name: "relu² folded, 5 lanes drawing 8 of 130 experts, q8_0",
+        name: "relu² folded, 5 lanes drawing 8 of 130 experts of 424 rows, q8_0",
         banks: &[130],
-        rows: 200,
+        rows: 424,
         cols: 96,
         slots: 8,
         lanes: 5,

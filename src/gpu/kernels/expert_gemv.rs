@@ -7,10 +7,12 @@
 //! - `Down`: `dst [T][M] += Σ_k w_k · W_id(k) · x_(t,k)`; inputs one row per choice,
 //!   `src [T·K][KP]` or q8 blocks.
 //!
-//! `Up` with an `ActFold` writes `relu(u)²` instead of `u` (non-gated experts): rows
-//! `mid [T·K][XM]` (XM = M rounded up to 32, zero past M) and their q8 blocks, what the
-//! activation dispatch between the passes wrote (its formula, bit for bit). A workgroup
-//! then owns whole q8 blocks of rows (R a multiple of 32).
+//! `Up` with an `ActFold` writes the activation instead of `u`: `relu(u)²` (non-gated
+//! experts), or `silu(g)·u` of the rows' two halves (gated: `[gate; up]`, M/2 each), rows
+//! `mid [T·K][XM]` (XM = M or M/2 rounded up to 32, zero past it) and their q8 blocks, what
+//! the activation dispatch between the passes wrote (its formula; the rows' sums take the
+//! folded pass's team). A workgroup then owns whole q8 blocks of activation rows (R a
+//! multiple of 32; gated, its teams take R rows of each half).
 //!
 //! Over a batch's lanes (`lane_width`) both passes run every lane's (and choice's)
 //! workgroups of one row block side by side in the grid, so the rows of an expert that
@@ -180,7 +182,7 @@ pub struct RouteFold<'a> {
     pub counts: Option<(&'a wgpu::Buffer, usize)>,
 }
 
-/// Where the up pass's folded `relu(u)²` goes: `mid [T·K][XM]` and optionally its q8 blocks
+/// Where the up pass's folded activation goes: `mid [T·K][XM]` and optionally its q8 blocks
 /// `xq [T·K][XM/4]`, `xd [T·K][XM/32]`. `gated`: the bank's rows are `[gate; up]` (M/2
 /// each) and the fold writes `silu(g)·u`, M/2 values a row (each workgroup's teams take
 /// the same rows of both halves).
@@ -193,8 +195,9 @@ pub struct ActFold<'a> {
 /// The team and workgroup size of an expert pass: `team_size`'s team (the down pass over
 /// q8 blocks, whose lanes issue `unroll` loads at once, aims at that many times fewer
 /// lanes) and the expert GEMVs' workgroup; with the activation folded (`fold`: the teams
-/// an activation row takes, 1 or 2 for gate and up), a workgroup of 32 activation rows at
-/// least (whole q8 blocks) of at most 512 invocations a row's team, the team halved to fit.
+/// an activation row takes, 1, or 2 for its gate and up rows), a workgroup of at least 32
+/// activation rows (whole q8 blocks), the team halved until 32 rows' teams fit in 512
+/// invocations per team of a row.
 fn team_and_wg(
     k: &Kernels,
     m: usize,
@@ -335,8 +338,8 @@ pub fn expert_gemv(
     let lanes = b.lane_width.filter(|_| pass == ExpertPass::Up);
     let xr = lanes.unwrap_or(xs);
     // A batch's lanes (and choices) of a row block side by side (the same bits: each
-    // workgroup's work is unchanged, only its place in the grid moves). Not with the
-    // routing in the prologue, which only one token's graph folds.
+    // workgroup's work is unchanged, only its place in the grid moves). A batch routes in
+    // its own dispatch (moe.rs), so the routing prologue keeps grid z.
     let lanes_inner = b.lane_width.is_some()
         && tokens > 1
         && b.route.is_none()

@@ -110,18 +110,9 @@ pub fn lane_tiling(
         BatchRole::WideGroupNorm => (4, 8),
         BatchRole::Other => (MAX_LANES, 2),
     };
-    let (env_nl, env_rt) = (env("MAMBA2_BATCH_LANES"), env("MAMBA2_BATCH_ROWS"));
-    // A small f32 matrix (an MoE router) takes smaller tiles until its grid has
-    // FEW_WORKGROUPS (where no size is forced): rows per team first, then lanes per
-    // workgroup. (The quantized formats' small matrices keep the tiles measured for them,
-    // runs 105–110.)
-    let (nl, rt) = match (env_nl, env_rt, format) {
-        (None, None, WeightFormat::F32) => spread_small(lanes, rows, team, nl, rt),
-        _ => (nl, rt),
-    };
-    let nl = env_nl.unwrap_or(nl).clamp(1, 64);
+    let nl = env("MAMBA2_BATCH_LANES").unwrap_or(nl).clamp(1, 64);
     let rt = if simple {
-        env_rt.unwrap_or(rt).clamp(1, 16)
+        env("MAMBA2_BATCH_ROWS").unwrap_or(rt).clamp(1, 16)
     } else {
         1
     };
@@ -130,7 +121,10 @@ pub fn lane_tiling(
     (nl, rt.min(rows.max(1)))
 }
 
-/// Workgroups below which a batched f32 GEMV's tiles shrink (`spread_small`). An MoE router
+/// Workgroups below which a batched GEMV of a small f32 matrix (`SMALL_F32`: the MoE
+/// routers) shrinks its tiles (`spread_small`), unless `MAMBA2_BATCH_LANES` or
+/// `MAMBA2_BATCH_ROWS` force them; the quantized formats' small matrices keep the tiles
+/// runs 105–110 measured for them, and big f32 matrices `lane_tiling`'s. An MoE router
 /// (64–128 rows of f32, teams of 128–256 lanes: `small_f32_team`) in 16-lane tiles of two
 /// rows per team made grids of 16–64 workgroups. Measured on an H100 (run 227, 16 lanes,
 /// GPU ms per step of the routers, every GEMV's tiles forced; workgroups in brackets):
@@ -143,7 +137,7 @@ pub const FEW_WORKGROUPS: usize = 512;
 /// `(nl, rt)` shrunk for a matrix of `rows` rows whose grid of `lanes` lanes would be under
 /// `FEW_WORKGROUPS` workgroups: one row per team, then half the lanes per workgroup, until
 /// it is not (or one lane each).
-fn spread_small(lanes: usize, rows: usize, team: u32, nl: usize, rt: usize) -> (usize, usize) {
+pub fn spread_small(lanes: usize, rows: usize, team: u32, nl: usize, rt: usize) -> (usize, usize) {
     let teams = (WG / team.max(1)).max(1) as usize;
     let grid = |nl: usize, rt: usize| rows.div_ceil(teams * rt) * lanes.div_ceil(nl.max(1));
     if grid(nl, rt) >= FEW_WORKGROUPS {
@@ -815,6 +809,15 @@ pub fn gemv(
     let role = BatchRole::of(w.cols, input, output);
     let team = gemv_team(w, matches!(output, GemvOutput::Mixer(_)))?;
     let (nl, rt) = lane_tiling(n, groups, m, w.format, role, team);
+    let forced = ["MAMBA2_BATCH_LANES", "MAMBA2_BATCH_ROWS"]
+        .iter()
+        .any(|v| std::env::var(v).is_ok());
+    let small_f32 =
+        w.format == WeightFormat::F32 && w.rows * (w.kp / vector_width(w.format)) <= SMALL_F32;
+    let (nl, rt) = match small_f32 && !forced {
+        true => spread_small(n, m, team, nl, rt),
+        false => (nl, rt),
+    };
     // The batch kernel's teams own `rt` rows each (the one-token kernel's one).
     let rt = if cap > 1 { rt } else { 1 };
     // A lane's input row: the whole of a one-lane buffer, a multiple of 256 values else.
@@ -1249,16 +1252,16 @@ mod tests {
             assert_eq!(lane_tiling(4, 1, 10576, Q8_0, narrow, 16), (4, 1));
             assert_eq!(lane_tiling(8, 1, 10576, Q8_0, narrow, 16), (8, 2));
             assert_eq!(lane_tiling(4, 1, 10576, F16, narrow, 16), (4, 2));
-            // Small f32 matrices spread to FEW_WORKGROUPS: Nemotron 3 Nano's and
-            // Granite-4.0-H-Tiny's routers (128 rows in teams of 256, 64 in teams of 128).
+            // f32 matrices: lane_tiling's tiles; small ones then spread (below).
             let other = BatchRole::Other;
-            assert_eq!(lane_tiling(16, 1, 128, F32, other, 256), (4, 1));
-            assert_eq!(lane_tiling(16, 1, 64, F32, other, 128), (1, 1));
-            assert_eq!(lane_tiling(64, 1, 128, F32, other, 256), (16, 1));
-            assert_eq!(lane_tiling(64, 1, 4096, F32, other, 32), (16, 2));
-            // Not the quantized formats: 130m's out_proj (768 rows) at 16 lanes.
-            assert_eq!(lane_tiling(16, 1, 768, Q8_0, other, 32), (16, 2));
+            assert_eq!(lane_tiling(16, 1, 128, F32, other, 256), (16, 2));
         }
+        // Small f32 matrices spread to FEW_WORKGROUPS: Nemotron 3 Nano's and
+        // Granite-4.0-H-Tiny's routers (128 rows in teams of 256, 64 in teams of 128).
+        assert_eq!(spread_small(16, 128, 256, 16, 2), (4, 1));
+        assert_eq!(spread_small(16, 64, 128, 16, 2), (1, 1));
+        assert_eq!(spread_small(64, 128, 256, 16, 2), (16, 1));
+        assert_eq!(spread_small(64, 4096, 32, 16, 2), (16, 2));
         // Two lane groups go side by side only over matrices no L2 holds; three always.
         assert!(!side_by_side(1, 1 << 30));
         assert!(!side_by_side(2, 29 << 20));
