@@ -413,7 +413,7 @@ pub fn expert_gemv(
         flags.push("ACT");
         if f.gated {
             flags.push("ACT_GATED");
-            consts.push(("MH", u(m / 2)));
+            consts.push(("MH", u(act_rows(m, f))));
         }
         consts.extend([("XM", u(xm)), ("NB", u(xm / 32))]);
         entries.push((8, f.mid));

@@ -93,11 +93,7 @@ pub fn lane_tiling(
     role: BatchRole,
     team: u32,
 ) -> (usize, usize) {
-    let env = |name: &str| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-    };
+    let env = tile_override;
     let simple = matches!(
         format,
         WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 | WeightFormat::Q8_0
@@ -119,6 +115,14 @@ pub fn lane_tiling(
     // Every lane's group rstd sits in workgroup memory: at most 2048 values.
     let nl = lanes.clamp(1, nl).min((2048 / groups.max(1)).max(1));
     (nl, rt.min(rows.max(1)))
+}
+
+/// A batched GEMV's tile size forced by `name` (`MAMBA2_BATCH_LANES`, `MAMBA2_BATCH_ROWS`):
+/// what `lane_tiling` takes, and what keeps `spread_small` off.
+fn tile_override(name: &str) -> Option<usize> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
 }
 
 /// Workgroups below which a batched GEMV of a small f32 matrix (`SMALL_F32`: the MoE
@@ -544,7 +548,7 @@ pub fn gemv_team(w: &DeviceMatrix, mixer: bool) -> Result<u32> {
     let wide_q8 = w.format == WeightFormat::Q8_0 && w.cols >= 4096;
     Ok(match team_override()? {
         Some(t) => t,
-        None if w.format == WeightFormat::F32 && w.rows * vpr <= SMALL_F32 => small_f32_team(vpr),
+        None if small_f32(w) => small_f32_team(vpr),
         None if mixer && !wide_q8 && 16 * w.rows >= 1 << 17 => team_size(w.rows, vpr).min(16),
         None => team_size(w.rows, vpr),
     })
@@ -554,6 +558,12 @@ pub fn gemv_team(w: &DeviceMatrix, mixer: bool) -> Result<u32> {
 /// routers (Nemotron 3 Nano's 128 × 2688 is 86016), read by few workgroups, whose latency
 /// (not their bytes) is their time.
 pub const SMALL_F32: usize = 1 << 17;
+
+/// Whether `w` is a small f32 matrix (`SMALL_F32`): its teams are `small_f32_team`'s, its
+/// batched tiles spread (`spread_small`).
+fn small_f32(w: &DeviceMatrix) -> bool {
+    w.format == WeightFormat::F32 && w.rows * (w.kp / vector_width(w.format)) <= SMALL_F32
+}
 
 /// Lanes per row of a small f32 matrix: up to a workgroup's `WG` while every lane keeps two
 /// vectors, so rows spread over as many workgroups as they can and each lane's loads are
@@ -811,10 +821,8 @@ pub fn gemv(
     let (nl, rt) = lane_tiling(n, groups, m, w.format, role, team);
     let forced = ["MAMBA2_BATCH_LANES", "MAMBA2_BATCH_ROWS"]
         .iter()
-        .any(|v| std::env::var(v).is_ok());
-    let small_f32 =
-        w.format == WeightFormat::F32 && w.rows * (w.kp / vector_width(w.format)) <= SMALL_F32;
-    let (nl, rt) = match small_f32 && !forced {
+        .any(|v| tile_override(v).is_some());
+    let (nl, rt) = match small_f32(w) && !forced {
         true => spread_small(n, m, team, nl, rt),
         false => (nl, rt),
     };
