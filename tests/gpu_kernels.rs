@@ -47,6 +47,12 @@ impl Gpu {
             .storage_with("test", bytemuck::cast_slice(v))
             .unwrap()
     }
+    /// u32 words (q8 blocks, expert ids) as a storage buffer.
+    fn words(&self, v: &[u32]) -> wgpu::Buffer {
+        self.ctx()
+            .storage_with("words", bytemuck::cast_slice(v))
+            .unwrap()
+    }
     fn zeros(&self, n: usize) -> wgpu::Buffer {
         self.ctx().storage_zeroed("test", 4 * n as u64).unwrap()
     }
@@ -1714,14 +1720,9 @@ fn tail_over_lanes(
     let cat_f = |f: fn(&TailRun) -> &Vec<f32>| -> Vec<f32> {
         runs.iter().flat_map(|r| f(r).iter().copied()).collect()
     };
-    let u32s = |v: &[u32]| {
-        g.ctx()
-            .storage_with("u32s", bytemuck::cast_slice(v))
-            .unwrap()
-    };
-    let aq = u32s(&cat_u(|r| &r.0));
+    let aq = g.words(&cat_u(|r| &r.0));
     let ad = g.buf(&cat_f(|r| &r.1));
-    let ids = u32s(&cat_u(|r| &r.2));
+    let ids = g.words(&cat_u(|r| &r.2));
     let wts = g.buf(&cat_f(|r| &r.3));
     let resid = g.buf(&cat_f(|r| &r.4));
     let (xq, xd, part, counts) = (
@@ -1981,11 +1982,6 @@ fn experts_up_pass_over_lanes_equals_each_lane_alone() {
         // The activation rows a choice's fold writes (padded to whole q8 blocks).
         let act_n = if c.gated { c.rows / 2 } else { c.rows };
         let xm = act_n.next_multiple_of(32);
-        let u32s = |v: &[u32]| {
-            g.ctx()
-                .storage_with("u32s", bytemuck::cast_slice(v))
-                .unwrap()
-        };
         // One pass per bank over `tokens` tokens whose inputs lie `stride` values apart;
         // returns the rows (or the activation) and, folded, its q8 words and scales.
         let run = |tokens: usize, ids: &[u32], x: &[f32], stride: Option<usize>| {
@@ -1998,7 +1994,7 @@ fn experts_up_pass_over_lanes_equals_each_lane_alone() {
                 xq.resize((t + 1) * row / 4, 0);
                 xd.resize((t + 1) * row / 32, 0.0);
             }
-            let (src, xqb, xdb, idb) = (g.buf(x), u32s(&xq), g.buf(&xd), u32s(ids));
+            let (src, xqb, xdb, idb) = (g.buf(x), g.words(&xq), g.buf(&xd), g.words(ids));
             let z = tokens * c.slots;
             let (dst, mid, mq, md) = (
                 g.zeros(z * c.rows),
