@@ -1633,6 +1633,7 @@ fn experts_down_pass_makes_the_next_pre_norm() {
                             part: &part,
                             counts: &counts,
                         }),
+                        rt_reset: None,
                         lane_width: None,
                     },
                 )
@@ -1761,6 +1762,7 @@ fn tail_over_lanes(
                 part: &part,
                 counts: &counts,
             }),
+            rt_reset: None,
             lane_width: Some(lw),
         },
     )
@@ -2030,6 +2032,7 @@ fn experts_up_pass_over_lanes_equals_each_lane_alone() {
                         }),
                         route: None,
                         norm_tail: None,
+                        rt_reset: None,
                         lane_width: stride,
                     },
                 )
@@ -2104,6 +2107,348 @@ fn experts_up_pass_over_lanes_equals_each_lane_alone() {
                     "{what}: q8 scales"
                 );
             }
+        }
+    }
+}
+
+/// The MoE pre-norm and router folded into the up pass that routes one token
+/// (`expert_gemv::RouterFold`, `route_fold.wgsl`) against the norm+router GEMV and the up
+/// pass after it: logits, normed vector and its q8 blocks, ids, weights, activation and its
+/// q8 blocks and the expert load, bit for bit.
+struct RouterFoldCase {
+    name: &'static str,
+    d: usize,
+    experts: usize,
+    top_k: usize,
+    /// Grouped (sigmoid, correction bias): `(n_group, topk_group)`; else softmax top-k.
+    groups: Option<(usize, usize)>,
+    /// The shared expert's slices after the routed experts.
+    shared: usize,
+    /// One expert's activation rows (its up rows: these, or twice these when gated).
+    inter: usize,
+    gated: bool,
+    format: WeightFormat,
+    /// Reads of the router's count before a workgroup makes the logits itself (0: at once).
+    spin: u32,
+}
+
+const ROUTER_FOLD_CASES: [RouterFoldCase; 5] = [
+    RouterFoldCase {
+        name: "grouped 24/4/2 top-3, 2 shared slices, relu² of 40 rows, d 200, q8_0",
+        d: 200,
+        experts: 24,
+        top_k: 3,
+        groups: Some((4, 2)),
+        shared: 2,
+        inter: 40,
+        gated: false,
+        format: WeightFormat::Q8_0,
+        spin: mamba2_wgpu::gpu::kernels::expert_gemv::RT_SPIN,
+    },
+    RouterFoldCase {
+        name: "the same, every routed workgroup making the logits itself",
+        d: 200,
+        experts: 24,
+        top_k: 3,
+        groups: Some((4, 2)),
+        shared: 2,
+        inter: 40,
+        gated: false,
+        format: WeightFormat::Q8_0,
+        spin: 0,
+    },
+    RouterFoldCase {
+        name: "softmax top-4 of 10, silu(g)·u of 2 × 36 rows, d 300 (a router row over \
+               several lanes' vectors), q8_0",
+        d: 300,
+        experts: 10,
+        top_k: 4,
+        groups: None,
+        shared: 0,
+        inter: 36,
+        gated: true,
+        format: WeightFormat::Q8_0,
+        spin: mamba2_wgpu::gpu::kernels::expert_gemv::RT_SPIN,
+    },
+    RouterFoldCase {
+        name: "softmax top-2 of 70 (more logits than a workgroup's router rows), 1 shared \
+               slice, relu² of 32 rows, d 300 (its blocks past d zero), q4_k",
+        d: 300,
+        experts: 70,
+        top_k: 2,
+        groups: None,
+        shared: 1,
+        inter: 32,
+        gated: false,
+        format: WeightFormat::Q4_K,
+        spin: mamba2_wgpu::gpu::kernels::expert_gemv::RT_SPIN,
+    },
+    RouterFoldCase {
+        name: "the same, making the logits itself",
+        d: 300,
+        experts: 70,
+        top_k: 2,
+        groups: None,
+        shared: 1,
+        inter: 32,
+        gated: false,
+        format: WeightFormat::Q4_K,
+        spin: 0,
+    },
+];
+
+#[test]
+fn router_folded_into_the_up_pass_equals_the_router_then_the_pass() {
+    use mamba2_wgpu::config::{MlpAct, MlpConfig, MoeConfig, Router};
+    use mamba2_wgpu::gpu::kernels::expert_gemv::{
+        ActFold, Bank, ExpertBuffers, ExpertPass, RT_EMPTY, RouteFold, RouterFold, empty_logits,
+        expert_gemv, takes_router_fold,
+    };
+    let Some(g) = Gpu::new() else { return };
+    for c in ROUTER_FOLD_CASES {
+        let act = if c.gated {
+            MlpAct::SiluGated
+        } else {
+            MlpAct::Relu2
+        };
+        let m = MoeConfig {
+            experts: c.experts,
+            top_k: c.top_k,
+            intermediate: c.inter,
+            act,
+            router: match c.groups {
+                Some((n_group, topk_group)) => Router::Grouped {
+                    n_group,
+                    topk_group,
+                    norm_topk_prob: true,
+                    routed_scaling_factor: 2.5,
+                },
+                None => Router::SoftmaxTopK,
+            },
+            shared: (c.shared > 0).then_some(MlpConfig {
+                intermediate: c.shared * c.inter,
+                act,
+                bias: false,
+            }),
+            latent: None,
+        };
+        let (slots, stored, up_rows) = (m.slots(), m.stored_experts(), m.up_rows());
+        // Parameters: the correction bias at 0, the norm weights after it.
+        let nw_off = 64;
+        let mut params = rand(80, nw_off, -0.3, 0.3);
+        params.extend(rand(81, c.d, 0.5, 1.5));
+        let pbuf = g.buf(&params);
+        let (router, _) = matrix(
+            &g,
+            WeightFormat::F32,
+            &rand(82, c.experts * c.d, -0.2, 0.2),
+            c.experts,
+            c.d,
+        );
+        let (bank, _) = matrix(
+            &g,
+            c.format,
+            &rand(83, stored * up_rows * c.d, -1.0, 1.0),
+            stored * up_rows,
+            c.d,
+        );
+        assert!(
+            takes_router_fold(&g.k, &bank, up_rows, Some(c.gated), &router, &m, c.d).unwrap(),
+            "{}: the device takes the fold",
+            c.name
+        );
+        let kp = bank.kp;
+        let xm = c.inter.next_multiple_of(32);
+        let bias = m.has_correction_bias().then_some((&pbuf, 0));
+        let eps = 1e-5;
+        // One token through either graph; returns every output as words.
+        let run = |resid: &wgpu::Buffer, fold: bool, logits: &wgpu::Buffer| -> Vec<Vec<u32>> {
+            let (h, hq, hd) = (g.zeros(kp), g.zeros(kp / 4), g.zeros(kp / 32));
+            let (ids, wts, mid, mq, md, counts) = (
+                g.zeros(slots),
+                g.zeros(slots),
+                g.zeros(slots * xm),
+                g.zeros(slots * xm / 4),
+                g.zeros(slots * xm / 32),
+                g.zeros(c.experts),
+            );
+            let up_out = g.zeros(slots * up_rows);
+            let mut ds = Vec::new();
+            if !fold {
+                ds.push(
+                    gemv(
+                        &g.k,
+                        "norm+router",
+                        &router,
+                        GemvInput::Norm {
+                            d: c.d,
+                            eps,
+                            nw_off,
+                            wg: rmsnorm::CHUNK,
+                        },
+                        GemvOutput::Store,
+                        GemvBuffers {
+                            params: Some(&pbuf),
+                            norm_out: Some(NormOut {
+                                h: &h,
+                                q8: Some((&hq, &hd)),
+                            }),
+                            ..GemvBuffers::plain(resid, None, logits)
+                        },
+                    )
+                    .unwrap(),
+                );
+            }
+            ds.push(
+                expert_gemv(
+                    &g.k,
+                    "route+up",
+                    &bank,
+                    Bank {
+                        first: 0,
+                        count: stored,
+                        rows_per_expert: up_rows,
+                    },
+                    ExpertPass::Up,
+                    1,
+                    slots,
+                    ExpertBuffers {
+                        src: &h,
+                        q8: Some((&hq, &hd)),
+                        dst: &up_out,
+                        dst_at: None,
+                        ids: &ids,
+                        weights: Some(&wts),
+                        store: false,
+                        act: Some(ActFold {
+                            mid: &mid,
+                            q8: Some((&mq, &md)),
+                            gated: c.gated,
+                        }),
+                        route: Some(RouteFold {
+                            moe: &m,
+                            logits,
+                            params: bias,
+                            counts: Some((&counts, 0)),
+                            router: fold.then_some(RouterFold {
+                                router: &router,
+                                resid,
+                                params: &pbuf,
+                                nw_off,
+                                eps: eps as f32,
+                                h: &h,
+                                h_q8: (&hq, &hd),
+                                spin: c.spin,
+                            }),
+                        }),
+                        norm_tail: None,
+                        rt_reset: None,
+                        lane_width: None,
+                    },
+                )
+                .unwrap(),
+            );
+            for d in &ds {
+                g.run(d);
+            }
+            let words = |b: &wgpu::Buffer, n: usize| -> Vec<u32> {
+                bytemuck::cast_slice(&g.ctx().read(b, 4 * n as u64).unwrap()[..4 * n]).to_vec()
+            };
+            let nb = c.d.div_ceil(32);
+            vec![
+                words(logits, c.experts),
+                words(&h, c.d),
+                words(&hq, nb * 8),
+                words(&hd, nb),
+                words(&ids, slots),
+                words(&wts, slots),
+                words(&mid, slots * xm),
+                words(&mq, slots * xm / 4),
+                words(&md, slots * xm / 32),
+                words(&counts, c.experts),
+            ]
+        };
+        let names = [
+            "logits",
+            "normed vector",
+            "its q8 values",
+            "its q8 scales",
+            "ids",
+            "weights",
+            "activation",
+            "its q8 values",
+            "its q8 scales",
+            "expert load",
+        ];
+        // The folded router's logits, "not written" between tokens.
+        let folded = g
+            .ctx()
+            .storage_with("logits", &empty_logits(c.experts))
+            .unwrap();
+        let empty = vec![RT_EMPTY; c.experts];
+        // Three tokens: each after a down pass wrote "not written" back.
+        for token in 0..3u64 {
+            let resid = g.buf(&rand(84 + token, c.d, -3.0, 3.0));
+            let want = run(&resid, false, &g.zeros(c.experts));
+            let got = run(&resid, true, &folded);
+            for (i, n) in names.iter().enumerate() {
+                assert!(
+                    got[i] == want[i],
+                    "{} token {token}: {n}: {:?} against {:?}",
+                    c.name,
+                    &got[i][..got[i].len().min(8)],
+                    &want[i][..want[i].len().min(8)]
+                );
+            }
+            // A down pass that writes the logits back to "not written" for the next token.
+            let (down, _) = matrix(
+                &g,
+                WeightFormat::Q8_0,
+                &rand(85, stored * c.d * c.inter, -1.0, 1.0),
+                stored * c.d,
+                c.inter,
+            );
+            let (ids, wts) = (g.words(&got[4]), g.words(&got[5]));
+            let (mq, md) = (g.words(&got[7]), g.words(&got[8]));
+            let sum = g.zeros(c.d);
+            let d = expert_gemv(
+                &g.k,
+                "down",
+                &down,
+                Bank {
+                    first: 0,
+                    count: stored,
+                    rows_per_expert: c.d,
+                },
+                ExpertPass::Down,
+                1,
+                slots,
+                ExpertBuffers {
+                    src: &sum,
+                    q8: Some((&mq, &md)),
+                    dst: &sum,
+                    dst_at: None,
+                    ids: &ids,
+                    weights: Some(&wts),
+                    store: true,
+                    act: None,
+                    route: None,
+                    norm_tail: None,
+                    rt_reset: Some((&folded, c.experts)),
+                    lane_width: None,
+                },
+            )
+            .unwrap();
+            g.run(&d);
+            let left: Vec<u32> = bytemuck::cast_slice(
+                &g.ctx().read(&folded, 4 * c.experts as u64).unwrap()[..4 * c.experts],
+            )
+            .to_vec();
+            assert!(
+                left == empty,
+                "{} token {token}: the down pass wrote the logits back to not written",
+                c.name
+            );
         }
     }
 }
