@@ -757,23 +757,37 @@ pub fn expert_gemv(
     let subgroups = fold_workgroups.is_some();
     let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, subgroups)?;
     let bind_group = k.bind(&pipeline, name, &entries);
-    // Flat grids: a batch's lanes (or choices) of each row block side by side, or one
-    // token's router workgroups and then every slot's row blocks; else grid z counts them.
-    let (gx, gy, gz) = if lanes_inner || fold_workgroups.is_some() {
-        let n = (row_blocks as usize)
-            .checked_mul(z)
-            .and_then(|n| n.checked_add(fold_workgroups.unwrap_or(0) as usize))
-            .filter(|&n| n <= u32::MAX as usize);
-        let n = n.ok_or_else(|| {
-            Error::Gpu(format!(
-                "{name}: {row_blocks} row blocks × {z} lanes or slots overflow a grid"
-            ))
-        })?;
-        let (gx, gy, _) = grid(n as u32);
-        (gx, gy, 1)
-    } else {
-        let (gx, gy, _) = grid(row_blocks);
-        (gx, gy, z)
+    let (gx, gy, gz) = match (fold_workgroups, lanes_inner) {
+        (Some(nrw), _) => {
+            // One token: the router's workgroups, then every slot's row blocks.
+            let n = (row_blocks as usize)
+                .checked_mul(z)
+                .and_then(|n| n.checked_add(nrw as usize))
+                .filter(|&n| n <= u32::MAX as usize);
+            let n = n.ok_or_else(|| {
+                Error::Gpu(format!(
+                    "{name}: {row_blocks} row blocks × {z} slots overflow a grid"
+                ))
+            })?;
+            let (gx, gy, _) = grid(n as u32);
+            (gx, gy, 1)
+        }
+        (None, true) => {
+            let n = (row_blocks as usize)
+                .checked_mul(z)
+                .filter(|&n| n <= u32::MAX as usize);
+            let n = n.ok_or_else(|| {
+                Error::Gpu(format!(
+                    "{name}: {row_blocks} row blocks × {z} lanes overflow a grid"
+                ))
+            })?;
+            let (gx, gy, _) = grid(n as u32);
+            (gx, gy, 1)
+        }
+        (None, false) => {
+            let (gx, gy, _) = grid(row_blocks);
+            (gx, gy, z)
+        }
     };
     let d = Dispatch {
         pipeline,
