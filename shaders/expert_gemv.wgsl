@@ -54,19 +54,9 @@ const VW: u32 = 16u;
 #if ROUTE
 @group(0) @binding(6) var<storage, read_write> ids: array<u32>;
 @group(0) @binding(7) var<storage, read_write> wts: array<f32>;
-#if RT_FOLD
-// (route_fold.wgsl: the router's workgroups write the logits, the routed ones read them.)
-@group(0) @binding(11) var<storage, read_write> logits: array<atomic<u32>>;
-@group(0) @binding(12) var<storage, read> params: array<f32>;
-#else
 @group(0) @binding(11) var<storage, read> logits: array<f32>;
 #if GROUPED
 @group(0) @binding(12) var<storage, read> params: array<f32>;
-#endif
-
-fn rt_logit(i: u32) -> f32 {
-    return logits[i];
-}
 #endif
 #if COUNT
 @group(0) @binding(13) var<storage, read_write> counts: array<atomic<u32>>;
@@ -76,11 +66,6 @@ fn rt_logit(i: u32) -> f32 {
 #endif
 #if DOWN
 @group(0) @binding(7) var<storage, read> wts: array<f32>;
-#if RT_RESET
-// The logits of the router that the up pass before this one folded in (route_fold.wgsl),
-// RT_E of them, back to "not written" for the next token.
-@group(0) @binding(19) var<storage, read_write> rt_logits: array<atomic<u32>>;
-#endif
 var<workgroup> down_id: array<u32, KS>;
 var<workgroup> down_w: array<f32, KS>;
 #if NORM_TAIL
@@ -167,27 +152,19 @@ const NV: u32 = KP / VW;
 #if Q8_IN
 // The q8 input as gemv_units.wgsl reads it (no group norm here).
 fn x_q(i: u32) -> vec4<u32> {
-#if RT_FOLD
-    return xq_loc[i];
-#else
 #if IN_LANES
     // Vector i / (KP/16) is a batch's lane: lanes lie XL values apart.
     return xq_in[(i / (KP / 16u)) * (XL / 16u) + i % (KP / 16u)];
 #else
     return xq_in[i];
 #endif
-#endif
 }
 
 fn x_d(i: u32) -> f32 {
-#if RT_FOLD
-    return xd_loc[i];
-#else
 #if IN_LANES
     return xd_in[(i / (KP / 32u)) * (XL / 32u) + i % (KP / 32u)];
 #else
     return xd_in[i];
-#endif
 #endif
 }
 
@@ -277,40 +254,15 @@ fn main(
     @builtin(local_invocation_index) lid: u32,
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-#if SUBGROUP
-    @builtin(subgroup_invocation_id) sg_lane: u32,
-    @builtin(subgroup_size) sg_size: u32,
-#endif
 ) {
-#if !SUBGROUP
-    let sg_lane = 0u;
-    let sg_size = 1u;
-#endif
     let lane = lid % TEAM;
     // Row block rb, item zi of grid z.
-#if RT_FOLD
-    // The router's NRW workgroups first, then the shared expert's slots (they wait for
-    // nothing), then the routed slots, RB row blocks each.
-    let lin = wid.x + wid.y * nwg.x;
-    if (lin < NRW) {
-        rt_router(lin, lid, sg_lane, sg_size);
-        return;
-    }
-    let rb = (lin - NRW) % RB;
-    let order = (lin - NRW) / RB;
-    // (A grid folded into two rows may have spare workgroups at its end.)
-    if (order >= KS) {
-        return;
-    }
-    let zi = select(order - (KS - K), K + order, order < KS - K);
-#else
 #if LANES_INNER
     let rb = (wid.x + wid.y * nwg.x) / ZN;
     let zi = (wid.x + wid.y * nwg.x) % ZN;
 #else
     let rb = wid.x + wid.y * nwg.x;
     let zi = wid.z;
-#endif
 #endif
 #if ACT_GATED
     // R activation rows a workgroup: its first R teams take the gate rows rb·R + j of
@@ -322,13 +274,6 @@ fn main(
     let row = min(row_raw, M - 1u);
 #if DOWN
     let t = zi;
-#if RT_RESET
-    if (rb == 0u && t == 0u) {
-        for (var e = lid; e < RT_E; e += WG) {
-            atomicStore(&rt_logits[e], 0xffffffffu);
-        }
-    }
-#endif
     // The token's choices and weights, read once (each load of a weight vector then
     // waits for no other load).
     if (lid < KS) {
@@ -391,15 +336,6 @@ fn main(
     // workgroup of the token's first slot writes it out for the down pass and the expert
     // load. The shared expert's slots need none.
     let s = z % KS;
-#if RT_FOLD
-    // The normed input's q8 blocks in this workgroup's memory; a routed slot then waits for
-    // the router's logits.
-    nrm_rstd = norm_rstd(0u, lid, sg_lane, sg_size);
-    rt_q8(lid, true);
-    if (s < K) {
-        rt_wait(lid);
-    }
-#endif
 #if RT_SHUFFLE
     // (route_rank: the counts summed by shuffles, and the slot's id written by the
     // invocation that ranks it: two barriers fewer before the first weight load.)

@@ -4,10 +4,6 @@
 // inspector's expert load). The selection and the weights are route_select.wgsl's.
 
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
-
-fn rt_logit(i: u32) -> f32 {
-    return logits[i];
-}
 @group(0) @binding(2) var<storage, read_write> ids: array<u32>;
 @group(0) @binding(3) var<storage, read_write> wts: array<f32>;
 #if GROUPED

@@ -2,22 +2,13 @@
 // 1/rms of the D values norm_x(base + k): invocation lid sums x[lid + j·WG]² (j < SSL) in
 // order, then `wg_sum`. Every decode pre-norm takes this order (the norm kernel and the
 // router GEMV that folds the MoE pre-norm in, both with WG = 256), so they agree bit for
-// bit. The including shader defines `norm_x`. NORM_WIDE (a workgroup of WG > NWG, the
-// experts' up pass that folds the router in): the first NWG invocations take the sums of
-// a workgroup of NWG and the others add zeros, so `wg_sum` (subgroups of one fixed size)
-// gives the same bits.
-#if NORM_WIDE
-const NSTEP: u32 = NWG;
-#else
-const NSTEP: u32 = WG;
-#endif
-
+// bit. The including shader defines `norm_x`.
 fn norm_rstd(base: u32, lid: u32, sg_lane: u32, sg_size: u32) -> f32 {
     var ss: array<f32, RV>;
 #for j SSL
     {
-        let k = lid + {j}u * NSTEP;
-        if (k < D && lid < NSTEP) {
+        let k = lid + {j}u * WG;
+        if (k < D) {
             let x = norm_x(base + k);
             ss[0] += x * x;
         }

@@ -1,8 +1,7 @@
 // The MoE routing of one token by one workgroup, shared by the routing kernel
 // (moe_route.wgsl) and the decode up pass that routes in its prologue (expert_gemv.wgsl with
 // ROUTE): the same code, so the same ids and weights bit for bit. The including kernel
-// declares `rt_logit(i)` (logit i: `logits[i]`, or its bits through an atomic) and
-// `params` when GROUPED to read, `ids`, `wts` (and `counts` when
+// declares `logits` (and `params` when GROUPED) to read, `ids`, `wts` (and `counts` when
 // COUNT) to write, and the constants WG, E, K (chosen), KS (slots), TPC (invocations per
 // candidate), with GROUPED NG, GS, TG, NORM, RSF, BIAS_OFF, with COUNT COUNT_OFF.
 // The formulas are transformers 5.17's (reference/moe.rs is the oracle, HYBRIDS.md the math):
@@ -118,7 +117,7 @@ fn rt_put(rank: u32, e: u32) {
 // on return. Call from uniform control flow.
 fn rt_scores(t: u32, lid: u32) {
     for (var e = lid; e < E; e += WG) {
-        let l = rt_logit(t * E + e);
+        let l = logits[t * E + e];
 #if GROUPED
         let s = 1.0 / (1.0 + exp(-l));
         rt_prob[e] = s;

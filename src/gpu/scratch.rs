@@ -57,10 +57,6 @@ pub struct Scratch {
     /// zero between tokens).
     pub norm_part: wgpu::Buffer,
     pub norm_count: wgpu::Buffer,
-    /// MoE: the logits of the router folded into the first up pass (`[E]`, all
-    /// `expert_gemv::RT_EMPTY` between tokens; only that pass and the down pass after it
-    /// touch them).
-    pub route_logits: wgpu::Buffer,
     /// MoE: how often each expert of each MoE layer was chosen `[MoE layers][E]` (u32).
     pub expert_counts: wgpu::Buffer,
     /// Latent MoE: the latent input of the routed experts and their weighted sum
@@ -199,10 +195,6 @@ impl Scratch {
             moe_xd: ctx.storage_zeroed("moe xd", f32s(top_k * expert_mid / 32))?,
             norm_part: ctx.storage_zeroed("norm partials", f32s(c.d_model.div_ceil(32)))?,
             norm_count: ctx.storage_zeroed("norm counts", f32s(c.d_model.div_ceil(32)))?,
-            route_logits: ctx.storage_with(
-                "folded router logits",
-                &crate::gpu::kernels::expert_gemv::empty_logits(experts.max(1)),
-            )?,
             expert_counts: ctx.storage_zeroed("expert counts", single(moe_layers * experts))?,
             latent: ctx.storage_zeroed("moe latent", f32s(latent_lane))?,
             latent_sum: ctx.storage_zeroed("moe latent sum", f32s(latent_lane))?,
@@ -251,7 +243,6 @@ impl Scratch {
             &self.moe_xd,
             &self.norm_part,
             &self.norm_count,
-            &self.route_logits,
             &self.expert_counts,
             &self.latent,
             &self.latent_sum,

@@ -1,7 +1,6 @@
 //! The MoE block's dispatches, all static (the host never sees the routing):
 //! router GEMV (f32) → `moe_route` (ids, weights, expert load; fused, over any format but
-//! f16, in the first up pass's prologue instead; one token of q8 inputs folds the pre-norm
-//! and the router GEMV into that pass too, `expert_gemv::RouterFold`) → per bank the chosen experts'
+//! f16, in the first up pass's prologue instead) → per bank the chosen experts'
 //! up projections → the activation over the `K` choices (with their q8 blocks; fused, in
 //! the up pass's epilogue instead, gated experts where every bank's `[gate; up]` is one
 //! matrix) → per bank the weighted down
@@ -16,8 +15,8 @@ use crate::config::{MlpAct, MlpConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gpu::device_weights::DeviceMoe;
 use crate::gpu::kernels::expert_gemv::{
-    ActFold, Bank, ExpertBuffers, ExpertPass, NormTail, RT_SPIN, RouteFold, RouterFold, RowsAt,
-    expert_gemv, takes_norm_tail, takes_router_fold,
+    ActFold, Bank, ExpertBuffers, ExpertPass, NormTail, RouteFold, RowsAt, expert_gemv,
+    takes_norm_tail,
 };
 use crate::gpu::kernels::gemm::{GemmOutput, SortedRows, TILE, expert_gemm, gemm, projection};
 use crate::gpu::kernels::gemv::{self, GemvBuffers, GemvInput, GemvOutput, NormOut};
@@ -123,41 +122,8 @@ pub fn decode(
             "a batch makes its MoE blocks' pre-norm before them".into(),
         ));
     }
-    // Fused, one token of q8 inputs: the first up pass makes the pre-norm and the router's
-    // logits itself where it can (`expert_gemv::RouterFold`), one dispatch fewer a layer.
-    let router_fold = match (pre_norm, q8) {
-        // (A latent MoE's experts read the latent vector, not the normed one.)
-        (Some(nw_off), Some(h_q8))
-            if fused && !batch && w.latent.is_none() && routes_in_prologue(b, w, m)? =>
-        {
-            let first_up = w
-                .banks()
-                .next()
-                .and_then(|(_, count, up, _)| up.first().map(|u| (u, u.rows / count.max(1))));
-            let act = act_folds(w, m, fused)?.then_some(m.act == MlpAct::SiluGated);
-            match first_up {
-                Some((up, rows))
-                    if takes_router_fold(k, up, rows, act, &w.router, m, b.c.d_model)? =>
-                {
-                    Some(RouterFold {
-                        router: &w.router,
-                        resid: &s.resid,
-                        params,
-                        nw_off,
-                        eps: b.c.norm_eps as f32,
-                        h: &s.h,
-                        h_q8,
-                        spin: RT_SPIN,
-                    })
-                }
-                _ => None,
-            }
-        }
-        _ => None,
-    };
     let router = match pre_norm {
-        _ if router_fold.is_some() => None,
-        None => Some(gemv::gemv(
+        None => gemv::gemv(
             k,
             "router",
             &w.router,
@@ -167,8 +133,8 @@ pub fn decode(
                 lanes: b.lanes,
                 ..GemvBuffers::plain(&s.h, None, &s.router_logits)
             },
-        )?),
-        Some(nw_off) => Some(gemv::gemv(
+        )?,
+        Some(nw_off) => gemv::gemv(
             k,
             "norm+router",
             &w.router,
@@ -184,23 +150,16 @@ pub fn decode(
                 norm_out: Some(NormOut { h: &s.h, q8 }),
                 ..GemvBuffers::plain(&s.resid, None, &s.router_logits)
             },
-        )?),
+        )?,
     };
-    // (The folded router writes its own logits buffer, which only its pass and the first
-    // down pass after it touch: RT_EMPTY between tokens.)
-    let rt_reset = router_fold.as_ref().map(|_| (&s.route_logits, m.experts));
-    let mut d: Vec<Dispatch> = router.into_iter().map(moe_section).collect();
+    let mut d = vec![moe_section(router)];
     let route = RouteFold {
         moe: m,
-        logits: match rt_reset {
-            Some((l, _)) => l,
-            None => &s.router_logits,
-        },
+        logits: &s.router_logits,
         params: w.bias_off.map(|o| (params, o)),
         // (A batch's steps leave the expert load alone: the inspector's view is of one
         // sequence, and a batch's free lanes route too.)
         counts: (!batch).then_some((&s.expert_counts, index * m.experts)),
-        router: router_fold,
     };
     // Fused, the first up pass routes in its prologue where that pays (one dispatch fewer
     // per layer). A batch keeps the dispatch: with every up-pass workgroup routing its lane,
@@ -239,7 +198,6 @@ pub fn decode(
         lane_width: batch.then_some(s.lane_width),
         sum_at: None,
         route,
-        rt_reset,
         norm_tail: next_norm.map(|n| NormTail {
             params: n.params,
             nw_off: n.nw_off,
@@ -540,16 +498,6 @@ fn gated_fold() -> Result<bool> {
     .unwrap_or(true))
 }
 
-/// Whether the experts' activation folds into the up pass (`experts`): fused, relu²
-/// always, gated where every bank's `[gate; up]` is one matrix (`gated_fold`).
-fn act_folds(w: &DeviceMoe, m: &MoeConfig, fused: bool) -> Result<bool> {
-    Ok(fused
-        && match m.act {
-            MlpAct::Relu2 => true,
-            MlpAct::SiluGated => gated_fold()? && w.banks().all(|(_, _, up, _)| up.len() == 1),
-        })
-}
-
 /// The buffers the routed experts read and write.
 struct Stage<'a> {
     h: &'a wgpu::Buffer,
@@ -569,9 +517,6 @@ struct Stage<'a> {
     sum_at: Option<RowsAt>,
     /// The routing, when the first up pass does it.
     route: Option<RouteFold<'a>>,
-    /// The router's count, when the first up pass made the logits: the first down pass
-    /// sets it back.
-    rt_reset: Option<(&'a wgpu::Buffer, usize)>,
     /// The next block's pre-norm, made by the last down pass.
     norm_tail: Option<NormTail<'a>>,
 }
@@ -587,7 +532,11 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
     let tokens = b.lanes.n;
     let lane_width = st.lane_width;
     let gated = m.act == MlpAct::SiluGated;
-    let fold = act_folds(w, m, fused)?;
+    let fold = fused
+        && match gated {
+            false => true,
+            true => gated_fold()? && w.banks().all(|(_, _, up, _)| up.len() == 1),
+        };
     // The chosen experts and the shared expert's slices alike.
     let top_k = m.slots();
     let mut d = Vec::new();
@@ -600,10 +549,10 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
             let name = part.name;
             d.push(expert_gemv(
                 k,
-                &match &route {
-                    Some(r) if r.router.is_some() => format!("norm+router+route+{name}"),
-                    Some(_) => format!("route+{name}"),
-                    None => name,
+                &if route.is_some() {
+                    format!("route+{name}")
+                } else {
+                    name
                 },
                 part.w,
                 part.bank,
@@ -626,7 +575,6 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                     weights: route.as_ref().map(|_| st.weights),
                     route,
                     norm_tail: None,
-                    rt_reset: None,
                     lane_width,
                 },
             )?);
@@ -687,7 +635,6 @@ fn experts(b: &BlockCtx, w: &DeviceMoe, st: Stage, fused: bool) -> Result<Vec<Di
                 act: None,
                 route: None,
                 norm_tail: tail,
-                rt_reset: if i == 0 { st.rt_reset } else { None },
                 lane_width,
             },
         )?);

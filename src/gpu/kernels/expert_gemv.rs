@@ -46,16 +46,6 @@ const ROUTED: super::Sources = &[
     GEMV_UNITS,
     EXPERT_GEMV,
 ];
-/// The up pass that also makes its token's pre-norm and router logits.
-const ROUTER_FOLDED: super::Sources = &[
-    super::moe_route::ROUTE_SELECT,
-    include_str!("../../../shaders/norm_sum.wgsl"),
-    include_str!("../../../shaders/route_fold.wgsl"),
-    BLOCK_QUANT,
-    Q8_DOT,
-    GEMV_UNITS,
-    EXPERT_GEMV,
-];
 
 /// Whether a bank of `format` can be multiplied here: f32, f16 and q8_0 against either
 /// input; the 4-, 5- and 6-bit block formats only against q8 input blocks (`q8_input`).
@@ -118,9 +108,6 @@ pub struct ExpertBuffers<'a> {
     pub route: Option<RouteFold<'a>>,
     /// `Down`: the next block's pre-norm made in the epilogue.
     pub norm_tail: Option<NormTail<'a>>,
-    /// `Down`: the logits of the router an up pass before this one folded in
-    /// (`RouteFold::router`) and their count, written back to `RT_EMPTY` for the next token.
-    pub rt_reset: Option<(&'a wgpu::Buffer, usize)>,
     /// A batch's lanes as the tokens (`Scratch::lane_width`): an up pass's input vectors and
     /// their q8 blocks, and a norm tail's q8 blocks, lie this many values apart (the GEMV
     /// inputs' lane stride), its sums and counts `⌈M/32⌉` apart. None: packed rows.
@@ -193,116 +180,6 @@ pub struct RouteFold<'a> {
     pub logits: &'a wgpu::Buffer,
     pub params: Option<(&'a wgpu::Buffer, usize)>,
     pub counts: Option<(&'a wgpu::Buffer, usize)>,
-    /// The block's pre-norm and router made in the same dispatch (`route_fold.wgsl`), the
-    /// pass's first workgroups writing `logits` (`[E]` u32, all `RT_EMPTY` before the
-    /// pass; the first down pass writes that back, `ExpertBuffers::rt_reset`); None: a
-    /// router GEMV before the pass wrote them.
-    pub router: Option<RouterFold<'a>>,
-}
-
-/// The MoE block's pre-norm and router folded into the up pass that routes its token (one
-/// token, q8 inputs): `router` (f32, `[E][d]`) times the residual `resid [d]` through the
-/// RMS norm (weights `params [nw_off..nw_off + d]`, the block's parameters, which also hold
-/// a grouped router's correction bias), in the one-token router GEMV's order, so the logits
-/// are its bits. The normed vector also goes to `h [d]` and its q8 blocks to `h_q8` for the
-/// dispatches after the pass.
-pub struct RouterFold<'a> {
-    pub router: &'a DeviceMatrix,
-    pub resid: &'a wgpu::Buffer,
-    pub params: &'a wgpu::Buffer,
-    pub nw_off: usize,
-    pub eps: f32,
-    pub h: &'a wgpu::Buffer,
-    pub h_q8: (&'a wgpu::Buffer, &'a wgpu::Buffer),
-    /// Reads of a logit a routed workgroup makes before it makes the logits itself:
-    /// `RT_SPIN`, or 0 to make them itself at once (for testing that path).
-    pub spin: u32,
-}
-
-/// A logit of the folded router not written yet (`RouteFold::router`): a NaN that no
-/// arithmetic makes.
-pub const RT_EMPTY: u32 = u32::MAX;
-
-/// The folded router's logits buffer as it must be between tokens: `experts` × `RT_EMPTY`.
-pub fn empty_logits(experts: usize) -> Vec<u8> {
-    vec![0xff; 4 * experts]
-}
-
-/// The storage buffers the up pass with the router folded in binds: the bank's weights and
-/// scales, ids, weights, the activation and its q8 blocks, the logits, the parameters, the
-/// expert load, and the fold's residual, router, normed vector and its q8 blocks.
-const ROUTER_FOLD_BUFFERS: u32 = 15;
-
-/// Reads of a logit a routed workgroup makes before it makes the logits itself
-/// (`route_fold.wgsl`): on a GPU that starts workgroups in grid order the logits are there
-/// after a few; the bound only keeps a device that runs them otherwise from waiting for
-/// ever.
-pub const RT_SPIN: u32 = 1 << 12;
-
-/// Whether the up pass of `up` (its first bank's matrix, `rows` rows an expert; `act`:
-/// Some(gated) where the activation folds into the pass) can fold in the pre-norm and
-/// `router` of `moe`'s `d_model` block: one token, q8 inputs, an f32 router no wider than
-/// the experts' rows, a device whose subgroups are of one size (so the norm's sum in a
-/// wider workgroup is the norm kernel's bits), enough storage buffers and workgroup memory
-/// (`fold_workgroup_bytes`). MAMBA2_ROUTER_FOLD=0 keeps the router GEMV's own dispatch (for
-/// measuring).
-pub fn takes_router_fold(
-    k: &Kernels,
-    up: &DeviceMatrix,
-    rows: usize,
-    act: Option<bool>,
-    router: &DeviceMatrix,
-    moe: &MoeConfig,
-    d_model: usize,
-) -> Result<bool> {
-    let on = super::env_switch(
-        "MAMBA2_ROUTER_FOLD",
-        "the router GEMV's own dispatch",
-        "the router in the first up pass",
-    )?
-    .unwrap_or(true);
-    let caps = &k.ctx.caps;
-    let limits = k.ctx.device.limits();
-    if !on
-        || (caps.subgroups && caps.subgroup_min != caps.subgroup_max)
-        || limits.max_storage_buffers_per_shader_stage < ROUTER_FOLD_BUFFERS
-        || router.format != WeightFormat::F32
-        || !up.format.reads_q8()
-        || router.cols != d_model
-        || router.rows != moe.experts
-        || router.kp > up.kp
-        || d_model > up.kp
-    {
-        return Ok(false);
-    }
-    let per_row = up.kp / super::gemv::vector_width(up.format);
-    let (team, wg) = team_and_wg(k, rows, per_row, act.map(|g| 1 + g as u32), None)?;
-    let rteam = super::gemv::gemv_team(router, false)?;
-    let nwg = super::rmsnorm::CHUNK;
-    Ok((wg as usize).is_multiple_of(nwg)
-        && rteam as usize <= nwg
-        && fold_workgroup_bytes(k, up.kp, moe, wg, team)
-            <= limits.max_compute_workgroup_storage_size as usize)
-}
-
-/// The workgroup memory of the up pass with the router folded in (`wg` invocations, teams
-/// of `team`, inputs of `kp` columns), counted from the arrays its shaders declare, with
-/// some room: the fold's q8 blocks, logits, their flags and the norm's sums
-/// (route_fold.wgsl, `red`), the team sums, the folded activation's rows and its q8 output
-/// (common.wgsl), the routing's arrays (route_select.wgsl).
-fn fold_workgroup_bytes(k: &Kernels, kp: usize, moe: &MoeConfig, wg: u32, team: u32) -> usize {
-    let (wg, team, e) = (wg as usize, team as usize, moe.experts);
-    let fold = kp + kp / 8 + 8 * e + 8 + 4 * wg;
-    let q8 = match k.q8_shuffle() {
-        Some(_) => wg,
-        None => 4 * wg + wg / 8,
-    };
-    let groups = match moe.router {
-        crate::config::Router::Grouped { n_group, .. } => n_group,
-        crate::config::Router::SoftmaxTopK => 0,
-    };
-    let route = 12 * e + 8 * groups + 8 * moe.slots() + 16;
-    fold + 4 * wg + 4 * (wg / team) * 2 + q8 + route + 256
 }
 
 /// Where the up pass's folded activation goes: `mid [T·K][XM]` and optionally its q8 blocks
@@ -346,71 +223,6 @@ fn team_and_wg(
         wg = wg.max(32 * f * team).max(max.min(1024)).min(max);
     }
     Ok((team, wg))
-}
-
-/// The router fold's constants and flags (`route_fold.wgsl`) for an up pass of `wg`
-/// invocations over the bank `w`; returns the router's workgroups. The router's team, its
-/// vectors per lane and the norm's workgroup are the one-token router GEMV's
-/// (`gemv::gemv_team`, `rmsnorm::CHUNK`), so its logits are that GEMV's bits.
-fn fold_router(
-    k: &Kernels,
-    name: &str,
-    w: &DeviceMatrix,
-    f: &RouterFold,
-    moe: &MoeConfig,
-    wg: u32,
-    (consts, flags): (&mut Vec<(&'static str, Const)>, &mut Vec<&'static str>),
-) -> Result<u32> {
-    let r = f.router;
-    let d = r.cols;
-    let nwg = super::rmsnorm::CHUNK;
-    let rteam = super::gemv::gemv_team(r, false)? as usize;
-    if r.format != WeightFormat::F32
-        || r.rows != moe.experts
-        || r.kp > w.kp
-        || d > w.kp
-        || !(wg as usize).is_multiple_of(nwg)
-        || rteam > nwg
-    {
-        return Err(Error::Gpu(format!(
-            "{name}: a router of {} × {d} in {} (teams of {rteam}) does not fold into an up \
-             pass of {} columns and workgroups of {wg} over {} experts",
-            r.rows,
-            r.format.name(),
-            w.kp,
-            moe.experts
-        )));
-    }
-    check_len(&format!("{name}: residual"), f.resid, d)?;
-    check_len(&format!("{name}: norm weights"), f.params, f.nw_off + d)?;
-    check_len(&format!("{name}: normed vector"), f.h, d)?;
-    check_len(
-        &format!("{name}: its q8 values"),
-        f.h_q8.0,
-        d.div_ceil(32) * 8,
-    )?;
-    check_len(&format!("{name}: its q8 scales"), f.h_q8.1, d.div_ceil(32))?;
-    let rpw = wg as usize / rteam;
-    let nrw = r.rows.div_ceil(rpw);
-    let rnv = r.kp / 4;
-    let u = |v: usize| Const::U32(v as u32);
-    consts.extend([
-        ("NRW", u(nrw)),
-        ("RPW", u(rpw)),
-        ("RTEAM", u(rteam)),
-        ("RSUB", Const::U32(k.team_piece(rteam as u32))),
-        ("RNV", u(rnv)),
-        ("RNVT", u(rnv.div_ceil(rteam))),
-        ("D", u(d)),
-        ("NWG", u(nwg)),
-        ("SSL", u(d.div_ceil(nwg))),
-        ("RV", u(1)),
-        ("NW_OFF", u(f.nw_off)),
-        ("EPS", Const::F32(f.eps)),
-        ("RT_SPIN", Const::U32(f.spin)),
-    ]);
-    flags.extend(["RT_FOLD", "NORM_SUM", "NORM_WIDE", "REDUCE"]);
-    Ok(nrw as u32)
 }
 
 /// The activation rows a folded up pass of `m` rows an expert writes per choice.
@@ -538,9 +350,6 @@ pub fn expert_gemv(
         )?
         .unwrap_or(true);
     let u = |v: usize| Const::U32(v as u32);
-    let row_blocks = (out_rows as u32).div_ceil(rows_per_wg);
-    // The router's workgroups before the pass's, where it folds the router in.
-    let mut fold_workgroups: Option<u32> = None;
     let (team_consts, team_flags) = k.team(team);
     let mut consts = vec![
         ("WG", Const::U32(wg)),
@@ -560,10 +369,7 @@ pub fn expert_gemv(
     let mut flags = w.flags();
     flags.extend(team_flags);
     let mut entries = w.bindings();
-    let router = b.route.as_ref().and_then(|r| r.router.as_ref());
     match b.q8 {
-        // (The router fold makes the q8 blocks in each workgroup's memory.)
-        Some(_) if router.is_some() && w.format.reads_q8() => flags.push("Q8_IN"),
         // Quantized weights take the q8 blocks of their input when there are some (the
         // block formats always do), else f32.
         Some((q, d)) if w.format.reads_q8() => {
@@ -653,34 +459,8 @@ pub fn expert_gemv(
             flags.push("RT_SHUFFLE");
         }
         entries.extend([(7, wt), (11, r.logits)]);
-        if router.is_none() {
-            entries.extend(spec.bias.map(|p| (12, p)));
-        }
+        entries.extend(spec.bias.map(|p| (12, p)));
         entries.extend(spec.counts.map(|c| (13, c)));
-        if let Some(f) = router {
-            if tokens != 1 || b.lane_width.is_some() || !w.format.reads_q8() || b.q8.is_none() {
-                return Err(Error::Gpu(format!(
-                    "{name}: the router folds into the up pass of one token's q8 inputs only"
-                )));
-            }
-            if spec.bias.is_some_and(|p| p != f.params) {
-                return Err(Error::Gpu(format!(
-                    "{name}: the folded pre-norm's weights and the router's correction bias \
-                     are in two buffers"
-                )));
-            }
-            let nrw = fold_router(k, name, w, f, r.moe, wg, (&mut consts, &mut flags))?;
-            consts.push(("RB", Const::U32(row_blocks)));
-            entries.extend([
-                (12, f.params),
-                (17, f.resid),
-                (18, &f.router.data),
-                (20, f.h),
-                (21, f.h_q8.0),
-                (22, f.h_q8.1),
-            ]);
-            fold_workgroups = Some(nrw);
-        }
     }
     if pass == ExpertPass::Down {
         let wt = b
@@ -689,16 +469,6 @@ pub fn expert_gemv(
         check_len(&format!("{name}: weights"), wt, tokens * top_k)?;
         flags.push("DOWN");
         entries.push((7, wt));
-        if let Some((l, e)) = b.rt_reset {
-            check_len(&format!("{name}: folded router's logits"), l, e)?;
-            flags.push("RT_RESET");
-            consts.push(("RT_E", Const::U32(e as u32)));
-            entries.push((19, l));
-        }
-    } else if b.rt_reset.is_some() {
-        return Err(Error::Gpu(format!(
-            "{name}: only a down pass sets the router's count back"
-        )));
     }
     if let Some(n) = &b.norm_tail {
         let rows = (wg / team) as usize;
@@ -748,31 +518,12 @@ pub fn expert_gemv(
             (16, n.counts),
         ]);
     }
-    let sources = match (&b.route, fold_workgroups) {
-        (Some(_), Some(_)) => ROUTER_FOLDED,
-        (Some(_), None) => ROUTED,
-        (None, _) => SOURCES,
-    };
-    // (The folded norm sums by subgroups, as the norm kernel does.)
-    let subgroups = fold_workgroups.is_some();
-    let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, subgroups)?;
+    let sources = if b.route.is_some() { ROUTED } else { SOURCES };
+    let pipeline = k.pipeline("expert_gemv", sources, &consts, &flags, false)?;
     let bind_group = k.bind(&pipeline, name, &entries);
-    let (gx, gy, gz) = match (fold_workgroups, lanes_inner) {
-        (Some(nrw), _) => {
-            // One token: the router's workgroups, then every slot's row blocks.
-            let n = (row_blocks as usize)
-                .checked_mul(z)
-                .and_then(|n| n.checked_add(nrw as usize))
-                .filter(|&n| n <= u32::MAX as usize);
-            let n = n.ok_or_else(|| {
-                Error::Gpu(format!(
-                    "{name}: {row_blocks} row blocks × {z} slots overflow a grid"
-                ))
-            })?;
-            let (gx, gy, _) = grid(n as u32);
-            (gx, gy, 1)
-        }
-        (None, true) => {
+    let row_blocks = (out_rows as u32).div_ceil(rows_per_wg);
+    let (gx, gy, gz) = match lanes_inner {
+        true => {
             let n = (row_blocks as usize)
                 .checked_mul(z)
                 .filter(|&n| n <= u32::MAX as usize);
@@ -784,7 +535,7 @@ pub fn expert_gemv(
             let (gx, gy, _) = grid(n as u32);
             (gx, gy, 1)
         }
-        (None, false) => {
+        false => {
             let (gx, gy, _) = grid(row_blocks);
             (gx, gy, z)
         }
