@@ -93,7 +93,6 @@ pub fn lane_tiling(
     role: BatchRole,
     team: u32,
 ) -> (usize, usize) {
-    let env = tile_override;
     let simple = matches!(
         format,
         WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 | WeightFormat::Q8_0
@@ -106,9 +105,9 @@ pub fn lane_tiling(
         BatchRole::WideGroupNorm => (4, 8),
         BatchRole::Other => (MAX_LANES, 2),
     };
-    let nl = env("MAMBA2_BATCH_LANES").unwrap_or(nl).clamp(1, 64);
+    let nl = tile_override(BATCH_LANES).unwrap_or(nl).clamp(1, 64);
     let rt = if simple {
-        env("MAMBA2_BATCH_ROWS").unwrap_or(rt).clamp(1, 16)
+        tile_override(BATCH_ROWS).unwrap_or(rt).clamp(1, 16)
     } else {
         1
     };
@@ -117,12 +116,23 @@ pub fn lane_tiling(
     (nl, rt.min(rows.max(1)))
 }
 
-/// A batched GEMV's tile size forced by `name` (`MAMBA2_BATCH_LANES`, `MAMBA2_BATCH_ROWS`):
-/// what `lane_tiling` takes, and what keeps `spread_small` off.
+/// The variables that force a batched GEMV's lanes and rows per tile (for tuning).
+const BATCH_LANES: &str = "MAMBA2_BATCH_LANES";
+const BATCH_ROWS: &str = "MAMBA2_BATCH_ROWS";
+
+/// A batched GEMV's tile size forced by `name` (`BATCH_LANES`, `BATCH_ROWS`): what
+/// `lane_tiling` takes.
 fn tile_override(name: &str) -> Option<usize> {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
+}
+
+/// Whether either tile size is forced, which keeps `spread_small` off.
+fn tiles_forced() -> bool {
+    [BATCH_LANES, BATCH_ROWS]
+        .iter()
+        .any(|v| tile_override(v).is_some())
 }
 
 /// Workgroups below which a batched GEMV of a small f32 matrix (`SMALL_F32`: the MoE
@@ -141,7 +151,7 @@ pub const FEW_WORKGROUPS: usize = 512;
 /// `(nl, rt)` shrunk for a matrix of `rows` rows whose grid of `lanes` lanes would be under
 /// `FEW_WORKGROUPS` workgroups: one row per team, then half the lanes per workgroup, until
 /// it is not (or one lane each).
-pub fn spread_small(lanes: usize, rows: usize, team: u32, nl: usize, rt: usize) -> (usize, usize) {
+fn spread_small(lanes: usize, rows: usize, team: u32, nl: usize, rt: usize) -> (usize, usize) {
     let teams = (WG / team.max(1)).max(1) as usize;
     let grid = |nl: usize, rt: usize| rows.div_ceil(teams * rt) * lanes.div_ceil(nl.max(1));
     if grid(nl, rt) >= FEW_WORKGROUPS {
@@ -819,10 +829,7 @@ pub fn gemv(
     let role = BatchRole::of(w.cols, input, output);
     let team = gemv_team(w, matches!(output, GemvOutput::Mixer(_)))?;
     let (nl, rt) = lane_tiling(n, groups, m, w.format, role, team);
-    let forced = ["MAMBA2_BATCH_LANES", "MAMBA2_BATCH_ROWS"]
-        .iter()
-        .any(|v| tile_override(v).is_some());
-    let (nl, rt) = match small_f32(w) && !forced {
+    let (nl, rt) = match small_f32(w) && !tiles_forced() {
         true => spread_small(n, m, team, nl, rt),
         false => (nl, rt),
     };
