@@ -1,8 +1,9 @@
 // Flash-decoding, first half: one token's queries against cache rows 0 ..= ctrl.kv_len
 // (the token's own row, stored by kv_store). The rows in use are cut into at most NSEG
 // segments of seg_len(len) keys (multiples of SEGK), so any length spreads over the grid;
-// workgroup (s, y, l) takes segment s of lane l for the R query heads g0 … g0+R of kv
-// head y / NGC, so K and V are read once per R heads. It writes, per head h and segment
+// workgroup (x, y, l) takes segments x, x + X, … (X the grid's width: NSEG, or fewer where
+// the host knows the rows in use fill fewer) of lane l for the R query heads g0 … g0+R of
+// kv head y / NGC, so K and V are read once per R heads. It writes, per head h and segment
 // s, the partial `part [H][NSEG][HD + 2]`: the unnormalized Σ p·v (HD values), then the
 // max score m and the sum l of p = exp(score − m). A segment that starts past the length
 // writes m = −∞ (finite), l = 0 and leaves. attention_combine merges the partials.
@@ -93,11 +94,21 @@ fn seg_len(len: u32) -> u32 {
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
+    @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
-    let s = wid.x;
-    let l = wid.z;
-    let kvh = wid.y / NGC;
-    let g0 = (wid.y % NGC) * R;
+    // Segments wid.x, wid.x + nwg.x, …: the host sizes the grid's x to the segments the
+    // rows in use fill (workgroups past them would only mark their partials empty), and
+    // any narrower grid still covers every segment.
+    for (var s = wid.x; s < NSEG; s += nwg.x) {
+        segment(s, wid.z, wid.y / NGC, (wid.y % NGC) * R, lid);
+        // (The next segment's queries overwrite qs, which the last writes read.)
+        workgroupBarrier();
+    }
+}
+
+// Segment s of lane l for the query heads g0 … g0+R of kv head kvh. Call from uniform
+// control flow.
+fn segment(s: u32, l: u32, kvh: u32, g0: u32, lid: u32) {
     let len = min(ctrl[l].kv_len + 1u, CTX);
     let seg = seg_len(len);
     let k0 = s * seg;

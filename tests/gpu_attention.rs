@@ -138,6 +138,10 @@ impl Gpu {
         self.ctx().storage_zeroed("test", 4 * n as u64).unwrap()
     }
     fn run(&self, ds: &[&Dispatch]) {
+        self.run_rows(ds, None);
+    }
+    /// Records as a decode step with `rows` KV rows in use (None: the longest length).
+    fn run_rows(&self, ds: &[&Dispatch], rows: Option<u32>) {
         let mut enc = self
             .ctx()
             .device
@@ -145,7 +149,7 @@ impl Gpu {
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
             for d in ds {
-                d.record(&mut pass);
+                d.record_tokens(&mut pass, rows);
             }
         }
         self.ctx().queue.submit([enc.finish()]);
@@ -277,6 +281,7 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
             // (The store once: with RoPE it rotates q in place.)
             g.run(&[&store]);
             let nan = vec![f32::NAN; t_cap * os];
+            let part_nan = vec![f32::NAN; decode_partials_len(&ac)];
             // The narrowest pipeline that holds the length: the one a lone sequence runs.
             let mut alone: Option<usize> = None;
             let len = (c.pos0 + c.tokens) as u32;
@@ -291,6 +296,31 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
                     .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
                 g.run(&[d, &comb]);
                 outs.push(g.read(&o, c.tokens * os));
+                // Narrower grids (one workgroup, three, or the one the length alone needs
+                // at segments of 32 keys, and one past it) walk the segments in steps of
+                // their width: the same bits.
+                let full = d.workgroups.0;
+                for x in [1, 3, len.div_ceil(32), len.div_ceil(32) + 1] {
+                    if x >= full {
+                        continue;
+                    }
+                    let mut narrow = d.clone();
+                    narrow.workgroups.0 = x;
+                    // (NaN partials: a segment left out cannot pass on the last run's.)
+                    g.ctx()
+                        .queue
+                        .write_buffer(&part, 0, bytemuck::cast_slice(&part_nan));
+                    g.ctx()
+                        .queue
+                        .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
+                    g.run(&[&narrow, &comb]);
+                    let n = outs.len() - 1;
+                    assert!(
+                        common::bits(&g.read(&o, c.tokens * os)) == common::bits(&outs[n]),
+                        "{}: pipeline {n} on a grid {x} wide (not {full}) gives other bits",
+                        c.name
+                    );
+                }
                 // A batch records the pipeline its longest lane needs, so every pipeline
                 // that holds this length must give the same bits (batched == alone).
                 if len <= most {
@@ -303,6 +333,21 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
                     );
                 }
             }
+            // As a decode step records it for `len` rows in use (the narrowest tile that
+            // holds them, on the grid their segments fill): the lone run's bits.
+            g.ctx()
+                .queue
+                .write_buffer(&part, 0, bytemuck::cast_slice(&part_nan));
+            g.ctx()
+                .queue
+                .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
+            g.run_rows(&[&attn, &comb], Some(len));
+            let a = alone.expect("the widest pipeline holds every length");
+            assert!(
+                common::bits(&g.read(&o, c.tokens * os)) == common::bits(&outs[a]),
+                "{}: recorded for {len} rows: other bits than pipeline {a}",
+                c.name
+            );
         }
         Prefill => {
             let store = kv_store(&g.k, "kv_store", ac, Some(t_cap), &b).unwrap();

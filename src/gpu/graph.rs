@@ -122,7 +122,7 @@ impl Graph {
     /// dispatch and after each (timestamps inside one pass). `tokens` sizes the grids of
     /// prefill kernels for a block of that many tokens; for a decode graph it is the
     /// rows of the KV caches in use after the step (at most), which picks the decode
-    /// attention's tile (`Dispatch::shorter`; decode kernels have no token axis). None
+    /// attention's tile (`Dispatch::shorter`) and its grid's segments. None
     /// records every dispatch for the longest length.
     pub fn record(
         &self,

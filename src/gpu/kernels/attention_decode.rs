@@ -32,7 +32,13 @@ pub fn decode_segment(c: &AttnConsts) -> usize {
     SEGK * c.ctx.div_ceil(SEGK * SEGMENTS).max(1)
 }
 
-/// Segments of the whole cache (the grid's x).
+/// Segments of the whole cache (the grid's x at the longest length). Recorded for a
+/// known number of rows in use (`Dispatch::record_tokens`), the grid's x is the segments
+/// those rows fill, `min(NSEG, ceil(rows / SEGK))`: up to SEGK·NSEG rows a segment is SEGK
+/// keys, past it every segment is in use. A workgroup takes the segments x, x + X, … (X the
+/// grid's width), so a narrower grid than a lane needs is slower, never wrong; the
+/// workgroups it leaves out would only have marked their partials empty (at 1k rows of a
+/// 262 144-row cache, 1 792 of 2 048 in Nemotron 3 Nano's layers).
 pub fn decode_segments(c: &AttnConsts) -> usize {
     c.ctx.div_ceil(decode_segment(c))
 }
@@ -258,7 +264,8 @@ pub fn attention_decode(
             shorter: Vec::new(),
             section: Section::Attn,
             label: Label::default(),
-        })
+        }
+        .per_token(0, SEGK, 1))
     };
     // Contexts whose segments fit a narrower tile take it (segments of `keys` keys up to
     // keys·NSEG rows in use).

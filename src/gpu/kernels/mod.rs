@@ -93,7 +93,8 @@ pub struct Dispatch {
     pub bind_group: wgpu::BindGroup,
     /// The grid for a full block (prefill kernels: for their largest token count).
     pub workgroups: (u32, u32, u32),
-    /// Prefill kernels: which grid axis counts tokens, and how.
+    /// Prefill kernels and the decode attention: which grid axis counts tokens (rows in
+    /// use), and how.
     pub per_token: Option<TokenAxis>,
     /// The same work on other pipelines for shorter blocks (prefill) or contexts (decode
     /// attention), as (most tokens, dispatch), fewest first; `record_tokens` takes the
@@ -120,7 +121,9 @@ pub struct Label {
     pub gemm: Option<(usize, usize)>,
 }
 
-/// A grid axis sized by the number of tokens of a prefill block: `ceil(T / per) · mult`.
+/// A grid axis sized by the number of tokens of a prefill block, or by the KV cache rows in
+/// use of a decode step (the decode attention's segments): `ceil(T / per) · mult`, at most
+/// the recorded grid's.
 #[derive(Clone, Copy, Debug)]
 pub struct TokenAxis {
     /// 0, 1 or 2 for x, y, z.
