@@ -76,6 +76,9 @@ fn nemotron_h_gguf_matches_the_hf_oracle() {
             (101, 2, 12),
             "{file}"
         );
+        // `nemotron_h.context_length` (2^20 in scripts/make_nemotron_h_gguf.py) is the
+        // default KV cache length, as `max_position_embeddings` is for a JSON config.
+        assert_eq!(c.max_context, Some(1 << 20), "{file}");
         let got = cpu_logits(&model, &prompt);
         let e = got
             .iter()

@@ -71,7 +71,10 @@ impl ModelConfig {
                 ),
             ));
         }
-        if file.opt_usize(&key("context_length"))? == Some(0) {
+        // The trained context (llama.cpp's converter writes `max_position_embeddings` here):
+        // the default KV cache length, as a JSON config's is.
+        let max_context = file.opt_usize(&key("context_length"))?;
+        if max_context == Some(0) {
             return Err(file.key_error(&key("context_length"), "must be at least 1"));
         }
         let n_layer = file.usize(&key("block_count"))?;
@@ -90,6 +93,7 @@ impl ModelConfig {
             norm_eps: norm_eps(file, &key)?,
             tie_embeddings: !has("output.weight"),
             conv_bias: has("blk.0.ssm_conv1d.bias"),
+            max_context,
             blocks: Vec::new(),
             ..mamba_only()
         };
