@@ -5,8 +5,8 @@
 // the host knows the rows in use fill fewer) of lane l for the R query heads g0 … g0+R of
 // kv head y / NGC, so K and V are read once per R heads. It writes, per head h and segment
 // s, the partial `part [H][NSEG][HD + 2]`: the unnormalized Σ p·v (HD values), then the
-// max score m and the sum l of p = exp(score − m). A segment that starts past the length
-// writes m = −∞ (finite), l = 0 and leaves. attention_combine merges the partials.
+// max score m and the sum l of p = exp(score − m), for the segments that hold rows only
+// (a workgroup past them has nothing to do). attention_combine merges the partials.
 //
 // The segment's keys go by in tiles of KT. Scores: invocation t owns key j0 + t % KT and
 // reads its K row straight from the cache, CW values per load (eight with K16), against
@@ -96,30 +96,24 @@ fn main(
     @builtin(local_invocation_index) lid: u32,
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
-    // Segments wid.x, wid.x + nwg.x, …: the host sizes the grid's x to the segments the
-    // rows in use fill (workgroups past them would only mark their partials empty), and
-    // any narrower grid still covers every segment.
-    for (var s = wid.x; s < NSEG; s += nwg.x) {
-        segment(s, wid.z, wid.y / NGC, (wid.y % NGC) * R, lid);
+    // The lane's segments with rows (attention_combine reads only those): wid.x, wid.x +
+    // nwg.x, … The host sizes the grid's x to the segments the rows in use fill, and any
+    // narrower grid still covers them.
+    let l = wid.z;
+    let len = min(ctrl[l].kv_len + 1u, CTX);
+    let seg = seg_len(len);
+    let live = (len + seg - 1u) / seg;
+    for (var s = wid.x; s < live; s += nwg.x) {
+        segment(s, l, wid.y / NGC, (wid.y % NGC) * R, lid, len, seg);
         // (The next segment's queries overwrite qs, which the last writes read.)
         workgroupBarrier();
     }
 }
 
-// Segment s of lane l for the query heads g0 … g0+R of kv head kvh. Call from uniform
-// control flow.
-fn segment(s: u32, l: u32, kvh: u32, g0: u32, lid: u32) {
-    let len = min(ctrl[l].kv_len + 1u, CTX);
-    let seg = seg_len(len);
+// Segment s (keys s·seg … of the len in use) of lane l for the query heads g0 … g0+R of
+// kv head kvh. Call from uniform control flow.
+fn segment(s: u32, l: u32, kvh: u32, g0: u32, lid: u32, len: u32, seg: u32) {
     let k0 = s * seg;
-    if (k0 >= len) {
-        if (lid < R && g0 + lid < G) {
-            let at = l * PART_LS + ((kvh * G + g0 + lid) * NSEG + s) * PS;
-            part[at + HD] = NEG;
-            part[at + HD + 1u] = 0.0;
-        }
-        return;
-    }
     let k1 = min(k0 + seg, len);
     // The softmax's share: row sr, keys ≡ sq (mod P).
     let sr = lid / P;

@@ -138,6 +138,7 @@ impl ModelFormat {
             (_, "embedding_multiplier") => "embedding_scale",
             (_, "residual_multiplier") => "residual_scale",
             (_, "logits_scaling") => "logit_scale (the value shown is its inverse)",
+            (_, "max_position_embeddings") => "context_length",
             _ => return format!("{normalized} (not a GGUF key: this engine's default)"),
         };
         format!("{arch}.{key}")

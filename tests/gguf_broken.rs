@@ -244,6 +244,12 @@ fn broken_moe_gguf_files_name_the_key_or_tensor() {
             "granitehybrid.context_length`: must be at least 1",
         ),
         (
+            hybrid,
+            "a context past what the engine counts (2^24 positions)",
+            Box::new(|b| set_u32(b, "nemotron_h.context_length", (1 << 24) + 1)),
+            "nemotron_h.context_length",
+        ),
+        (
             granite,
             "a dense Granite file",
             Box::new(|b| set_u32(b, "granitehybrid.expert_count", 0)),

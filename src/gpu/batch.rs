@@ -193,6 +193,17 @@ impl Batch {
         };
         let ctx = engine.ctx().clone();
         self.stop_lane(&ctx, slot);
+        // The slot as a new batch's: stopped, with no rows (a step spanning it sizes no
+        // attention grid by its old length).
+        let free = Ctrl {
+            stopped: 1,
+            ..Default::default()
+        };
+        ctx.queue.write_buffer(
+            &self.scratch.ctrl,
+            (slot * std::mem::size_of::<Ctrl>()) as u64,
+            bytemuck::bytes_of(&free),
+        );
         if take {
             let mut enc = ctx.device.create_command_encoder(&Default::default());
             self.state
@@ -305,7 +316,7 @@ impl Batch {
                     _ => Tail::Mixed,
                 };
                 let ring = submitted % RING;
-                let rows = self.rows_after(&running, inflight.len());
+                let rows = self.rows_after(inflight.len());
                 let mut enc = ctx.device.create_command_encoder(&Default::default());
                 {
                     let graph = match self.graph(engine, n, tail) {
@@ -394,12 +405,16 @@ impl Batch {
         err
     }
 
-    /// The most KV cache rows any of the `running` lanes has in use after the next step,
-    /// with `ahead` steps already in flight (an upper bound: a stopped step adds none).
-    fn rows_after(&self, running: &[usize], ahead: usize) -> u32 {
-        let longest = running
+    /// The most KV cache rows any lane has in use after the next step, with `ahead` steps
+    /// already in flight (an upper bound: a stopped step adds none). Every live lane counts,
+    /// the stopped ones too: a step runs the attention of each lane it spans, and the
+    /// decode attention's grid is sized by this (a free slot has none: `leave`).
+    fn rows_after(&self, ahead: usize) -> u32 {
+        let longest = self
+            .lanes
             .iter()
-            .map(|&i| self.lanes[i].len)
+            .filter(|s| s.live)
+            .map(|s| s.len)
             .max()
             .unwrap_or(0);
         longest + ahead as u32 + 1
@@ -426,7 +441,7 @@ impl Batch {
         let Some(profiler) = crate::gpu::profiler::Profiler::new(&ctx, graph.len())? else {
             return Ok(None);
         };
-        let rows = self.rows_after(&running, 0);
+        let rows = self.rows_after(0);
         let mut enc = ctx.device.create_command_encoder(&Default::default());
         profiler.record(&mut enc, &graph, Some(rows))?;
         ctx.queue.submit([enc.finish()]);

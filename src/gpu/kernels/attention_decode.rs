@@ -1,7 +1,8 @@
 //! `attention_decode.wgsl`: flash-decoding's first half for one token (per lane).
-//! Cache rows `0 ..= ctrl.kv_len` are cut into segments of `decode_segment` keys; the grid
-//! covers the whole capacity (`ctx`), and workgroups past the length only mark their
-//! partial empty. A workgroup takes a few query heads of one kv head and walks its segment
+//! Cache rows `0 ..= ctrl.kv_len` are cut into at most NSEG segments (`decode_segments`);
+//! the grid's x is the segments the rows in use fill (the whole capacity's where the step's
+//! rows are not known), and a workgroup walks segments x, x + X, … that hold rows. It takes
+//! a few query heads of one kv head and walks each segment
 //! in tiles of keys: one pipeline per tile of `TILES`, the narrower ones in
 //! `Dispatch::shorter` for the context lengths whose segments they fit. Shapes:
 //! `qkv [qkv_stride]` (q of the token, already rotated), the caches (see `attn`), `part

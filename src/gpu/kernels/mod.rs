@@ -159,7 +159,8 @@ impl Dispatch {
         self.record_tokens(pass, None);
     }
 
-    /// Records the dispatch; prefill kernels get a grid for `tokens` tokens only.
+    /// Records the dispatch; prefill kernels get a grid for `tokens` tokens only, the
+    /// decode attention one for `tokens` KV rows in use.
     pub fn record_tokens(&self, pass: &mut wgpu::ComputePass<'_>, tokens: Option<u32>) {
         if let Some(t) = tokens
             && let Some((_, d)) = self.shorter.iter().find(|(most, _)| t <= *most)
@@ -197,7 +198,8 @@ impl Dispatch {
         }
     }
 
-    /// Marks the grid axis that counts tokens (prefill kernels).
+    /// Marks the grid axis that counts tokens (prefill kernels) or KV rows in use (the
+    /// decode attention).
     pub fn per_token(mut self, axis: usize, per: usize, mult: usize) -> Self {
         self.per_token = Some(TokenAxis {
             axis,
