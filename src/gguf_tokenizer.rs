@@ -9,15 +9,19 @@
 //!   unless `tokenizer.ggml.add_space_prefix` is false, and byte fallback `<0xNN>`.
 //!
 //! Token types (llama.cpp's `token_type`): 3 control and 4 user-defined tokens become added
-//! tokens (control ones special). The chat template is `tokenizer.chat_template`.
+//! tokens (control ones special). The chat template is `tokenizer.chat_template`. A text
+//! with a character that no token stands for (a vocabulary without the byte tokens or an
+//! unknown token) is refused, naming the character, rather than tokenized without it.
 
+use std::collections::HashSet;
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::{Value as Json, json};
 
 use crate::error::{Error, Result};
 use crate::model::gguf::{GgufInfo, Value};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{Covers, Tokenizer};
 
 /// The keys without which a GGUF file has no tokenizer of its own.
 const REQUIRED: [&str; 2] = ["tokenizer.ggml.model", "tokenizer.ggml.tokens"];
@@ -314,9 +318,73 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
         "chat_template": template,
     });
     let bytes = serde_json::to_vec(&tok_json).expect("JSON of plain values");
-    Tokenizer::from_bytes(&bytes, Some(&config))
-        .map(Some)
-        .map_err(|e| Error::Tokenizer(format!("{path}: the tokenizer its metadata describes: {e}")))
+    let tok = Tokenizer::from_bytes(&bytes, Some(&config)).map_err(|e| {
+        Error::Tokenizer(format!("{path}: the tokenizer its metadata describes: {e}"))
+    })?;
+    // (A vocabulary without byte tokens or an unknown token leaves out what it has no token
+    // for: refused instead, as llama.cpp's tokenizer fails on it.)
+    Ok(Some(match coverage(model, &tokens, unk.is_some()) {
+        Some(covers) => tok.refusing_uncovered(covers),
+        None => tok,
+    }))
+}
+
+/// Which characters of a text the `model` (`gpt2` or `llama`) over `tokens` can tokenize,
+/// where it cannot tokenize them all (None where it can: every byte has a token, or there
+/// is an unknown token). The BPE model starts from one symbol per character and leaves out
+/// a character that is no token, whose bytes are not all byte tokens, when the vocabulary
+/// has no unknown token: `gpt2` sees each byte of the text as its byte-level character,
+/// `llama` sees spaces as `▁` and falls back to the `<0xNN>` tokens.
+fn coverage(model: &str, tokens: &[String], has_unk: bool) -> Option<Covers> {
+    let vocab: HashSet<&str> = tokens.iter().map(String::as_str).collect();
+    let bytes_of = |c: char| {
+        let mut buf = [0u8; 4];
+        c.encode_utf8(&mut buf).as_bytes().to_vec()
+    };
+    match model {
+        "gpt2" => {
+            let missing: Vec<bool> = (0..=255u8)
+                .map(|b| !vocab.contains(byte_level_char(b).to_string().as_str()))
+                .collect();
+            missing.contains(&true).then(|| -> Covers {
+                Arc::new(move |c| bytes_of(c).iter().all(|&b| !missing[b as usize]))
+            })
+        }
+        _ if has_unk => None,
+        _ => {
+            let byte_tokens: Vec<bool> = (0..=255u8)
+                .map(|b| vocab.contains(format!("<0x{b:02X}>").as_str()))
+                .collect();
+            if !byte_tokens.contains(&false) {
+                return None;
+            }
+            let chars: HashSet<char> = tokens
+                .iter()
+                .filter_map(|t| {
+                    let mut it = t.chars();
+                    match (it.next(), it.next()) {
+                        (Some(c), None) => Some(c),
+                        _ => None,
+                    }
+                })
+                .collect();
+            Some(Arc::new(move |c| {
+                let c = if c == ' ' { '▁' } else { c };
+                chars.contains(&c) || bytes_of(c).iter().all(|&b| byte_tokens[b as usize])
+            }))
+        }
+    }
+}
+
+/// GPT-2's byte-level alphabet: the printable Latin-1 bytes stand for themselves, the
+/// others for 256 + their rank among them (`Ġ` for the space).
+fn byte_level_char(b: u8) -> char {
+    let printable = |b: u8| matches!(b, 33..=126 | 161..=172 | 174..=255);
+    if printable(b) {
+        return b as char;
+    }
+    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + rank).expect("below 0x200")
 }
 
 /// SentencePiece-BPE merges: every split of a normal token into two tokens, ranked by the

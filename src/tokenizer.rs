@@ -113,6 +113,9 @@ fn chat_template(config: Option<&serde_json::Value>) -> Result<Option<String>> {
 /// some malformed tokenizer.json files load and then reach out-of-range slices and
 /// `unwrap`s there (found by tests/fuzz/). The panic hook stays quiet for such calls,
 /// so the user sees one clean error instead of a panic message.
+/// Whether a model has a token for a character of the text (see `Tokenizer::covers`).
+pub type Covers = std::sync::Arc<dyn Fn(char) -> bool + Send + Sync>;
+
 fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
     QUIET_HOOK.call_once(|| {
@@ -180,6 +183,11 @@ pub struct Tokenizer {
     /// The BOS token's text, for templates that use it.
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// Which characters the model has a token (or byte tokens) for, where it leaves out
+    /// the others without a word: a vocabulary rebuilt from GGUF metadata without byte
+    /// tokens or an unknown token. `encode` refuses a text with another character outside
+    /// the added tokens (llama.cpp's tokenizer fails on it too).
+    covers: Option<Covers>,
 }
 
 impl Tokenizer {
@@ -250,7 +258,43 @@ impl Tokenizer {
             eos_token,
             eos,
             inner,
+            covers: None,
         })
+    }
+
+    /// The same tokenizer, refusing a text with a character `covers` says the model has no
+    /// token for (`encode` names the first) instead of leaving it out.
+    pub fn refusing_uncovered(self, covers: Covers) -> Self {
+        Tokenizer {
+            covers: Some(covers),
+            ..self
+        }
+    }
+
+    /// The first character of `text` the model has no token for, with its byte offset,
+    /// outside the added tokens `enc` matched (those never reach the model; their spans
+    /// come from the text as given).
+    fn uncovered(
+        &self,
+        text: &str,
+        enc: &tokenizers::Encoding,
+        covers: &Covers,
+    ) -> Option<(usize, char)> {
+        let mut spans: Option<Vec<(usize, usize)>> = None;
+        text.char_indices()
+            .filter(|&(_, c)| !covers(c))
+            .find(|&(i, _)| {
+                let spans = spans.get_or_insert_with(|| {
+                    let added = self.inner.get_added_tokens_decoder();
+                    enc.get_ids()
+                        .iter()
+                        .zip(enc.get_offsets())
+                        .filter(|(id, _)| added.contains_key(id))
+                        .map(|(_, &span)| span)
+                        .collect()
+                });
+                !spans.iter().any(|&(a, b)| (a..b).contains(&i))
+            })
     }
 
     /// Token ids of `text` (with the special tokens the tokenizer's post-processor adds).
@@ -264,6 +308,15 @@ impl Tokenizer {
                 .inner
                 .encode(text, add_special)
                 .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            if let Some(covers) = &self.covers
+                && let Some((at, c)) = self.uncovered(text, &enc, covers)
+            {
+                return Err(Error::Tokenizer(format!(
+                    "the text's character {c:?} (U+{:04X}, byte {at}) has no token in this \
+                     vocabulary, which has neither byte tokens nor an unknown token for it",
+                    c as u32
+                )));
+            }
             Ok(enc.get_ids().to_vec())
         })
     }

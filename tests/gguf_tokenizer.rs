@@ -223,3 +223,91 @@ fn malformed_tokenizer_metadata_names_the_key_and_item() {
     .unwrap();
     assert_eq!(repeated.encode("aba").unwrap(), vec![3, 1]);
 }
+
+/// A character no token stands for is refused, named, rather than left out (what the
+/// `tokenizers` BPE model does without byte tokens or an unknown token; llama.cpp's
+/// tokenizer fails on it): in a `gpt2` vocabulary without the character's byte, and in a
+/// `llama` one without byte tokens or `<unk>`. With the byte tokens, or with `<unk>`, the same
+/// text is tokenized through them.
+#[test]
+fn a_character_without_a_token_is_refused_not_dropped() {
+    let info = |model: &str, tokens: &[&str], types: &[i32], extra: Vec<(String, Value)>| {
+        let mut metadata = vec![
+            ("tokenizer.ggml.model".into(), Value::Str(model.into())),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(tokens.iter().map(|t| Value::Str(t.to_string())).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type".into(),
+                Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+            ),
+            ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+        ];
+        metadata.extend(extra);
+        GgufInfo {
+            path: "vocab.gguf".into(),
+            version: 3,
+            metadata,
+            types: Vec::new(),
+            tensors: 0,
+            file_len: 0,
+        }
+    };
+    let build = |i: GgufInfo| mamba2_wgpu::gguf_tokenizer::from_gguf(&i).unwrap().unwrap();
+    // gpt2: byte-level `a`, `b` and `Ġ` (the space) only.
+    let gpt2 = build(info(
+        "gpt2",
+        &["<eos>", "a", "b", "Ġ"],
+        &[3, 1, 1, 1],
+        vec![
+            ("tokenizer.ggml.pre".into(), Value::Str("gpt-2".into())),
+            ("tokenizer.ggml.merges".into(), Value::Array(vec![])),
+        ],
+    ));
+    assert_eq!(gpt2.encode("ab a").unwrap(), vec![1, 2, 3, 1]);
+    let e = gpt2.encode("ab c").unwrap_err().to_string();
+    assert!(e.contains("'c' (U+0063, byte 3)"), "{e}");
+    // llama (SentencePiece BPE, no BOS key: none added): `▁`, `a`, `b`; `€` is three bytes.
+    let scores = |n: usize| {
+        (
+            "tokenizer.ggml.scores".to_string(),
+            Value::Array((0..n).map(|i| Value::F32(-(i as f32))).collect()),
+        )
+    };
+    let plain = ["<s>", "</s>", "▁", "a", "b"];
+    let spm = build(info(
+        "llama",
+        &plain,
+        &[3, 3, 1, 1, 1],
+        vec![scores(plain.len())],
+    ));
+    assert_eq!(spm.encode("a b").unwrap(), vec![2, 3, 2, 4]);
+    let e = spm.encode("a€b").unwrap_err().to_string();
+    assert!(e.contains("'€' (U+20AC, byte 1)"), "{e}");
+    // An added token's text never reaches the model: `<`, `/`, `s`, `>` need no tokens.
+    let ids = spm.encode("a</s>b").unwrap();
+    assert!(ids.contains(&1) && ids.contains(&4), "{ids:?}");
+    // With the byte tokens: `€` as <0xE2> <0x82> <0xAC>.
+    let bytes = ["<s>", "</s>", "▁", "a", "b", "<0xE2>", "<0x82>", "<0xAC>"];
+    let spm = build(info(
+        "llama",
+        &bytes,
+        &[3, 3, 1, 1, 1, 6, 6, 6],
+        vec![scores(bytes.len())],
+    ));
+    assert_eq!(spm.encode("a€b").unwrap(), vec![2, 3, 5, 6, 7, 4]);
+    assert_eq!(spm.decode(&[2, 3, 5, 6, 7, 4]).unwrap(), "a€b");
+    // With `<unk>`: `€` as it.
+    let unk = ["<s>", "</s>", "▁", "a", "b", "<unk>"];
+    let spm = build(info(
+        "llama",
+        &unk,
+        &[3, 3, 1, 1, 1, 2],
+        vec![
+            scores(unk.len()),
+            ("tokenizer.ggml.unknown_token_id".into(), Value::U32(5)),
+        ],
+    ));
+    assert_eq!(spm.encode("a€b").unwrap(), vec![2, 3, 5, 4]);
+}
