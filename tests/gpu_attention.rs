@@ -282,6 +282,18 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
             g.run(&[&store]);
             let nan = vec![f32::NAN; t_cap * os];
             let part_nan = vec![f32::NAN; decode_partials_len(&ac)];
+            // o of a run from NaN partials and o (a segment or value the run leaves out
+            // cannot pass on an earlier run's).
+            let run_fresh = |ds: &[&Dispatch], rows: Option<u32>| {
+                g.ctx()
+                    .queue
+                    .write_buffer(&part, 0, bytemuck::cast_slice(&part_nan));
+                g.ctx()
+                    .queue
+                    .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
+                g.run_rows(ds, rows);
+                g.read(&o, c.tokens * os)
+            };
             // The narrowest pipeline that holds the length: the one a lone sequence runs.
             let mut alone: Option<usize> = None;
             let len = (c.pos0 + c.tokens) as u32;
@@ -291,11 +303,7 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
                 .map(|(m, d)| (*m, d))
                 .chain([(u32::MAX, &attn)])
             {
-                g.ctx()
-                    .queue
-                    .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
-                g.run(&[d, &comb]);
-                outs.push(g.read(&o, c.tokens * os));
+                outs.push(run_fresh(&[d, &comb], None));
                 // Narrower grids (one workgroup, three, or the one the length alone needs
                 // at segments of 32 keys, and one past it) walk the segments in steps of
                 // their width: the same bits.
@@ -306,17 +314,9 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
                     }
                     let mut narrow = d.clone();
                     narrow.workgroups.0 = x;
-                    // (NaN partials: a segment left out cannot pass on the last run's.)
-                    g.ctx()
-                        .queue
-                        .write_buffer(&part, 0, bytemuck::cast_slice(&part_nan));
-                    g.ctx()
-                        .queue
-                        .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
-                    g.run(&[&narrow, &comb]);
                     let n = outs.len() - 1;
                     assert!(
-                        common::bits(&g.read(&o, c.tokens * os)) == common::bits(&outs[n]),
+                        common::bits(&run_fresh(&[&narrow, &comb], None)) == common::bits(&outs[n]),
                         "{}: pipeline {n} on a grid {x} wide (not {full}) gives other bits",
                         c.name
                     );
@@ -335,16 +335,9 @@ fn run_case(g: &Gpu, c: &Case) -> f64 {
             }
             // As a decode step records it for `len` rows in use (the narrowest tile that
             // holds them, on the grid their segments fill): the lone run's bits.
-            g.ctx()
-                .queue
-                .write_buffer(&part, 0, bytemuck::cast_slice(&part_nan));
-            g.ctx()
-                .queue
-                .write_buffer(&o, 0, bytemuck::cast_slice(&nan));
-            g.run_rows(&[&attn, &comb], Some(len));
             let a = alone.expect("the widest pipeline holds every length");
             assert!(
-                common::bits(&g.read(&o, c.tokens * os)) == common::bits(&outs[a]),
+                common::bits(&run_fresh(&[&attn, &comb], Some(len))) == common::bits(&outs[a]),
                 "{}: recorded for {len} rows: other bits than pipeline {a}",
                 c.name
             );
