@@ -322,7 +322,7 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
         Error::Tokenizer(format!("{path}: the tokenizer its metadata describes: {e}"))
     })?;
     // (A vocabulary without byte tokens or an unknown token leaves out what it has no token
-    // for: refused instead, as llama.cpp's tokenizer fails on it.)
+    // for: refused instead.)
     Ok(Some(match coverage(model, &tokens, unk.is_some()) {
         Some(covers) => tok.refusing_uncovered(covers),
         None => tok,
@@ -343,8 +343,12 @@ fn coverage(model: &str, tokens: &[String], has_unk: bool) -> Option<Covers> {
     };
     match model {
         "gpt2" => {
+            // (Bytes no UTF-8 text holds, C0, C1 and F5…FF, need no token.)
             let missing: Vec<bool> = (0..=255u8)
-                .map(|b| !vocab.contains(byte_level_char(b).to_string().as_str()))
+                .map(|b| {
+                    !matches!(b, 0xC0 | 0xC1 | 0xF5..=0xFF)
+                        && !vocab.contains(byte_level_char(b).to_string().as_str())
+                })
                 .collect();
             missing.contains(&true).then(|| -> Covers {
                 Arc::new(move |c| bytes_of(c).iter().all(|&b| !missing[b as usize]))

@@ -2,6 +2,7 @@
 //! half a UTF-8 character, the end-of-sequence token and the chat template.
 
 use std::path::Path;
+use tokenizers::{OffsetReferential, OffsetType};
 
 use crate::error::{Error, Result};
 
@@ -113,9 +114,6 @@ fn chat_template(config: Option<&serde_json::Value>) -> Result<Option<String>> {
 /// some malformed tokenizer.json files load and then reach out-of-range slices and
 /// `unwrap`s there (found by tests/fuzz/). The panic hook stays quiet for such calls,
 /// so the user sees one clean error instead of a panic message.
-/// Whether a model has a token for a character of the text (see `Tokenizer::covers`).
-pub type Covers = std::sync::Arc<dyn Fn(char) -> bool + Send + Sync>;
-
 fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
     QUIET_HOOK.call_once(|| {
@@ -172,6 +170,10 @@ impl std::io::Write for CappedOutput {
 /// conversation in a few thousand.
 const TEMPLATE_FUEL: u64 = 1_000_000;
 
+/// Whether a model has a token for a character of a text, where it leaves out those it has
+/// none for (see `Tokenizer::refusing_uncovered`).
+pub type Covers = std::sync::Arc<dyn Fn(char) -> bool + Send + Sync>;
+
 /// A model's tokenizer plus what `tokenizer_config.json` says about it.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -186,7 +188,7 @@ pub struct Tokenizer {
     /// Which characters the model has a token (or byte tokens) for, where it leaves out
     /// the others without a word: a vocabulary rebuilt from GGUF metadata without byte
     /// tokens or an unknown token. `encode` refuses a text with another character outside
-    /// the added tokens (llama.cpp's tokenizer fails on it too).
+    /// the added tokens.
     covers: Option<Covers>,
 }
 
@@ -272,28 +274,24 @@ impl Tokenizer {
     }
 
     /// The first character of `text` the model has no token for, with its byte offset,
-    /// outside the added tokens `enc` matched (those never reach the model; their spans
-    /// come from the text as given).
-    fn uncovered(
-        &self,
-        text: &str,
-        enc: &tokenizers::Encoding,
-        covers: &Covers,
-    ) -> Option<(usize, char)> {
-        let mut spans: Option<Vec<(usize, usize)>> = None;
-        text.char_indices()
-            .filter(|&(_, c)| !covers(c))
-            .find(|&(i, _)| {
-                let spans = spans.get_or_insert_with(|| {
-                    let added = self.inner.get_added_tokens_decoder();
-                    enc.get_ids()
-                        .iter()
-                        .zip(enc.get_offsets())
-                        .filter(|(id, _)| added.contains_key(id))
-                        .map(|(_, &span)| span)
-                        .collect()
-                });
-                !spans.iter().any(|&(a, b)| (a..b).contains(&i))
+    /// outside the added tokens (which never reach the model): the text's splits as the
+    /// tokenizer makes them, redone only where some character is not covered.
+    fn uncovered(&self, text: &str, covers: &Covers) -> Option<(usize, char)> {
+        if text.chars().all(|c| covers(c)) {
+            return None;
+        }
+        let splits = self
+            .inner
+            .get_added_vocabulary()
+            .extract_and_normalize(self.inner.get_normalizer(), text);
+        splits
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .filter(|(_, _, added)| added.is_none())
+            .find_map(|(_, (a, b), _)| {
+                let part = text.get(a..b)?;
+                let (i, c) = part.char_indices().find(|&(_, c)| !covers(c))?;
+                Some((a + i, c))
             })
     }
 
@@ -309,7 +307,7 @@ impl Tokenizer {
                 .encode(text, add_special)
                 .map_err(|e| Error::Tokenizer(e.to_string()))?;
             if let Some(covers) = &self.covers
-                && let Some((at, c)) = self.uncovered(text, &enc, covers)
+                && let Some((at, c)) = self.uncovered(text, covers)
             {
                 return Err(Error::Tokenizer(format!(
                     "the text's character {c:?} (U+{:04X}, byte {at}) has no token in this \

@@ -225,10 +225,11 @@ fn malformed_tokenizer_metadata_names_the_key_and_item() {
 }
 
 /// A character no token stands for is refused, named, rather than left out (what the
-/// `tokenizers` BPE model does without byte tokens or an unknown token; llama.cpp's
-/// tokenizer fails on it): in a `gpt2` vocabulary without the character's byte, and in a
-/// `llama` one without byte tokens or `<unk>`. With the byte tokens, or with `<unk>`, the same
-/// text is tokenized through them.
+/// `tokenizers` BPE model does without byte tokens or an unknown token): in a `gpt2`
+/// vocabulary without the character's byte, and in a `llama` one without byte tokens or
+/// `<unk>`, also where a user-defined token follows it (whose span the dropped character
+/// would shift). With the byte tokens, or with `<unk>`, the same text is tokenized through
+/// them.
 #[test]
 fn a_character_without_a_token_is_refused_not_dropped() {
     let info = |model: &str, tokens: &[&str], types: &[i32], extra: Vec<(String, Value)>| {
@@ -288,6 +289,15 @@ fn a_character_without_a_token_is_refused_not_dropped() {
     // An added token's text never reaches the model: `<`, `/`, `s`, `>` need no tokens.
     let ids = spm.encode("a</s>b").unwrap();
     assert!(ids.contains(&1) && ids.contains(&4), "{ids:?}");
+    // `▁` as a user-defined (added) token after the dropped `€`.
+    let spm = build(info(
+        "llama",
+        &plain,
+        &[3, 3, 4, 1, 1],
+        vec![scores(plain.len())],
+    ));
+    let e = spm.encode("a€ b").unwrap_err().to_string();
+    assert!(e.contains("'€' (U+20AC, byte 1)"), "{e}");
     // With the byte tokens: `€` as <0xE2> <0x82> <0xAC>.
     let bytes = ["<s>", "</s>", "▁", "a", "b", "<0xE2>", "<0x82>", "<0xAC>"];
     let spm = build(info(
