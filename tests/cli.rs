@@ -248,9 +248,7 @@ fn chat_survives_a_line_that_is_not_utf8_and_says_so_in_its_exit_status() {
 /// text as the prompt given inline; an empty, missing or non-UTF-8 file is named.
 #[test]
 fn generate_reads_its_prompt_from_a_file_or_stdin() {
-    let dir = std::env::temp_dir().join(format!("mamba2-prompt-file-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::Scratch::new("prompt-file");
     let text = "Love is patient,\nlove is kind.";
     let file = dir.join("prompt.txt");
     std::fs::write(&file, text).unwrap();
@@ -302,8 +300,7 @@ fn chat_refuses_an_unknown_command_and_sends_a_doubled_slash_as_text() {
         );
     }
     // The conversation a save holds shows what was sent: the line without its first `/`.
-    let dir = std::env::temp_dir().join(format!("mamba2-chat-escape-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::Scratch::new("chat-escape");
     let file = dir.join("talk.safetensors");
     let save = [&flags[..], &["--save", file.to_str().unwrap()]].concat();
     let (ok, escaped, err) = chat(&save, b"//fortune please\n");
@@ -314,7 +311,6 @@ fn chat_refuses_an_unknown_command_and_sends_a_doubled_slash_as_text() {
         "the saved conversation: {}",
         &saved[..saved.len().min(600)]
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Issue class 6: every flag is judged before anything is loaded. Each run names a model
@@ -542,9 +538,7 @@ fn chunk_size_is_checked_on_the_cpu_too() {
 /// saved with another engine format is refused, naming the field.
 #[test]
 fn chat_save_and_resume_continue_the_same_conversation() {
-    let dir = std::env::temp_dir().join(format!("mamba2-chat-save-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::Scratch::new("chat-save");
     let file = dir.join("talk.safetensors");
     let f = file.to_str().unwrap();
     let flags = ["--device", "cpu", "-n", "8", "--temperature", "0"];

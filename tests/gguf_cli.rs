@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::gguf::{dir, scratch, with_key};
 use mamba2_wgpu::model::Model;
@@ -66,10 +66,10 @@ fn cli_runs_a_gguf_file_with_its_own_tokenizer() {
 }
 
 /// A copy of fixture `src` with `edit` applied, as `name`.gguf in a scratch directory.
-fn edited(src: &str, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+fn edited(src: &str, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> common::ScratchFile {
     let mut bytes = std::fs::read(dir().join(src)).unwrap();
     edit(&mut bytes);
-    let path = scratch(name).join(format!("{name}.gguf"));
+    let path = common::ScratchFile::within(scratch(name), &format!("{name}.gguf"));
     std::fs::write(&path, bytes).unwrap();
     path
 }
@@ -266,7 +266,7 @@ fn text_commands_name_the_missing_gguf_tokenizer_keys() {
 #[test]
 fn perplexity_scores_text_through_a_gguf_file() {
     let file = dir().join("k256.q4_k.gguf");
-    let text_file = scratch("ppl").join("text.txt");
+    let text_file = common::ScratchFile::within(scratch("ppl"), "text.txt");
     let text = "the quick brown fox jumps over the lazy dog; \"hi!\" said the fox, twice.";
     std::fs::write(&text_file, text).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_mamba2"))

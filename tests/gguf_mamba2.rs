@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::gguf::{cpu_logits, dir, files, info_at, max_abs, oracle, prompt, scratch, worst};
 use mamba2_wgpu::gpu::engine::EngineOptions;
 use mamba2_wgpu::model::gguf::GgufFile;
@@ -183,7 +181,11 @@ fn f32_gguf_in_every_gpu_format() {
 /// ggml type `ty`, each value written by `encode`, the rest as it was (f32): how llama.cpp's
 /// converter stores a model with `--outtype f16|bf16` (2-D weights halved, norms and
 /// vectors f32). Returns the file and how many tensors changed type.
-fn g1_matrices_as(name: &str, ty: u32, encode: impl Fn(f32) -> Vec<u8>) -> (PathBuf, usize) {
+fn g1_matrices_as(
+    name: &str,
+    ty: u32,
+    encode: impl Fn(f32) -> Vec<u8>,
+) -> (common::ScratchFile, usize) {
     let matrices = ["token_embd.", ".ssm_in.", ".ssm_out."];
     retyped("g1.f32.gguf", name, &matrices, ty, encode)
 }
@@ -198,7 +200,7 @@ fn retyped(
     which: &[&str],
     ty: u32,
     encode: impl Fn(f32) -> Vec<u8>,
-) -> (PathBuf, usize) {
+) -> (common::ScratchFile, usize) {
     let src = dir().join(file);
     let g = GgufFile::open(&src).unwrap();
     let mut bytes = std::fs::read(&src).unwrap();
@@ -221,7 +223,7 @@ fn retyped(
     }
     bytes.truncate(g.data_offset as usize);
     bytes.extend(data);
-    let path = scratch(name).join("retyped.gguf");
+    let path = common::ScratchFile::within(scratch(name), "retyped.gguf");
     std::fs::write(&path, bytes).unwrap();
     (path, changed)
 }

@@ -55,6 +55,7 @@ fn prefix_cache_resumes_a_hybrid_with_its_kv_rows() {
     let base = ids(40, 1);
     let mut longer = base.clone();
     longer.extend(ids(9, 5));
+    let dir = tempdir("hybrid-resume");
     let cfgs = [
         CacheConfig::default(),
         CacheConfig {
@@ -64,7 +65,7 @@ fn prefix_cache_resumes_a_hybrid_with_its_kv_rows() {
         CacheConfig {
             device_bytes: 0,
             host_bytes: 1,
-            dir: Some(tempdir("hybrid-resume")),
+            dir: Some(dir.to_path_buf()),
             ..Default::default()
         },
     ];
@@ -148,7 +149,7 @@ fn prefix_cache_files_survive_a_restart_and_refuse_another_model() {
     };
     let dir = tempdir("cache-files");
     let cfg = CacheConfig {
-        dir: Some(dir.clone()),
+        dir: Some(dir.to_path_buf()),
         ..Default::default()
     };
     let prompt: Vec<u32> = tok.encode("A stitch in time saves nine, and").unwrap();
@@ -349,11 +350,8 @@ fn state_files_round_trip_and_refuse_bad_headers() {
     assert!(err.contains("mamba2.kind"), "{err}");
 }
 
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("mamba2-serve-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tempdir(name: &str) -> common::Scratch {
+    common::Scratch::new(&format!("serve-{name}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -365,7 +363,7 @@ async fn http_api_key_and_cached_prefix_in_usage_across_a_restart() {
         ..Default::default()
     };
     let cache = CacheConfig {
-        dir: Some(dir.clone()),
+        dir: Some(dir.to_path_buf()),
         ..Default::default()
     };
     let Some(srv) = start(&model, &tok, config.clone(), Some(cache.clone())) else {

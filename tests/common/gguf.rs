@@ -65,12 +65,10 @@ pub fn info_at(bytes: &[u8], name: &str) -> usize {
         + key.len()
 }
 
-/// A fresh directory of its own for `name` (no tokenizer.json of /tmp's beside a file).
-pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("mamba2-gguf-{}-{name}", std::process::id()));
-    std::fs::remove_dir_all(&d).ok();
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory of its own for `name` (no tokenizer.json of /tmp's beside a file),
+/// removed when dropped.
+pub fn scratch(name: &str) -> super::Scratch {
+    super::Scratch::new(&format!("gguf-{name}"))
 }
 
 /// `src`'s bytes with metadata key `key` (GGUF value type `ty`, value bytes `value`) added

@@ -3,12 +3,78 @@
 
 pub mod gguf;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use mamba2_wgpu::gpu::context::{DeviceChoice, GpuContext, Needs, pick_adapter};
 use mamba2_wgpu::model::Model;
 use mamba2_wgpu::model::quant::WeightFormat;
+
+/// A directory of the test's own under the system's temp dir, `mamba2-{name}-{pid}`: empty
+/// at first, removed when dropped (a failing test's too, as the panic unwinds). Derefs to
+/// its path; keep it bound for as long as the test uses what it holds.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let d = std::env::temp_dir().join(format!("mamba2-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Scratch(d)
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A path in a `Scratch` directory that goes with it: dropping it removes the directory.
+pub struct ScratchFile {
+    _dir: Scratch,
+    path: PathBuf,
+}
+
+impl ScratchFile {
+    /// `file` inside `dir` (not made here).
+    pub fn within(dir: Scratch, file: &str) -> Self {
+        let path = dir.join(file);
+        ScratchFile { _dir: dir, path }
+    }
+}
+
+impl std::ops::Deref for ScratchFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for ScratchFile {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for ScratchFile {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.path.as_os_str()
+    }
+}
 
 /// The token ids `tensor` (`prompt_ids`, `greedy_ids`) of a fixture's HF oracle
 /// (`oracle.safetensors`, i64).
