@@ -96,7 +96,7 @@ fn nemotron_h_gguf_matches_the_hf_oracle() {
     let mut bytes = std::fs::read(dir().join("nemotron_h_hybrid.f32.gguf")).unwrap();
     let at = bytes.windows(10).position(|w| w == b"nemotron_h").unwrap();
     bytes[at..at + 10].copy_from_slice(b"nemotron_x");
-    let path = std::env::temp_dir().join(format!("nemotron-x-{}.gguf", std::process::id()));
+    let path = common::ScratchFile::within(common::Scratch::new("nemotron-x"), "x.gguf");
     std::fs::write(&path, &bytes).unwrap();
     let err = Model::load(&path).unwrap_err().to_string();
     assert!(
