@@ -34,9 +34,9 @@ fn main(
     let split = lid / 32u;
     let ge = blk * 32u + e;
     let len = min(ctrl[lane].kv_len + 1u, CTX);
-    // The segments attention_decode cut the rows into (its seg_len).
-    let seg = SEGK * max(1u, (len + SEGK * NSEG - 1u) / (SEGK * NSEG));
-    let live = (len + seg - 1u) / seg;
+    // The segments attention_decode cut the rows into.
+    let seg = seg_len(len);
+    let live = live_segments(len, seg);
     var m = NEG;
     var l = 0.0;
     var a = 0.0;

@@ -1,6 +1,6 @@
 // Flash-decoding, first half: one token's queries against cache rows 0 ..= ctrl.kv_len
 // (the token's own row, stored by kv_store). The rows in use are cut into at most NSEG
-// segments of seg_len(len) keys (multiples of SEGK), so any length spreads over the grid;
+// segments of seg_len(len) keys (decode_segments.wgsl), so any length spreads over the grid;
 // workgroup (x, y, l) takes segments x, x + X, … (X the grid's width: NSEG, or fewer where
 // the host knows the rows in use fill fewer) of lane l for the R query heads g0 … g0+R of
 // kv head y / NGC, so K and V are read once per R heads. It writes, per head h and segment
@@ -85,11 +85,6 @@ fn as_cv(w: CR) -> CV {
 #endif
 }
 
-// Keys per segment for `len` rows in use: the rows over NSEG, rounded up to SEGK.
-fn seg_len(len: u32) -> u32 {
-    return SEGK * max(1u, (len + SEGK * NSEG - 1u) / (SEGK * NSEG));
-}
-
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -102,8 +97,8 @@ fn main(
     let l = wid.z;
     let len = min(ctrl[l].kv_len + 1u, CTX);
     let seg = seg_len(len);
-    let live = (len + seg - 1u) / seg;
-    for (var s = wid.x; s < live; s += nwg.x) {
+    let segs = live_segments(len, seg);
+    for (var s = wid.x; s < segs; s += nwg.x) {
         segment(s, l, wid.y / NGC, (wid.y % NGC) * R, lid, len, seg);
         // (The next segment's queries overwrite qs, which the last writes read.)
         workgroupBarrier();

@@ -9,7 +9,10 @@ use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/attention_combine.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/decode_segments.wgsl"),
+    include_str!("../../../shaders/attention_combine.wgsl"),
+];
 
 /// Splits of the segments per output element (32 elements per workgroup).
 const NSPLIT: usize = 8;

@@ -14,7 +14,10 @@ use super::{Dispatch, Kernels, Label, Section, check_len};
 use crate::error::{Error, Result};
 use crate::gpu::shader::Const;
 
-const SOURCES: super::Sources = &[include_str!("../../../shaders/attention_decode.wgsl")];
+const SOURCES: super::Sources = &[
+    include_str!("../../../shaders/decode_segments.wgsl"),
+    include_str!("../../../shaders/attention_decode.wgsl"),
+];
 
 /// Segments the cached rows are cut into (at most): enough workgroups to fill a large GPU
 /// at any length, few enough partials that the combine stays short. The segment length
