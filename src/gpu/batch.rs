@@ -60,6 +60,15 @@ fn lanes_for(live: usize, slots: usize) -> usize {
     live.next_power_of_two().min(slots)
 }
 
+/// A free slot's control block: stopped, so a step that spans it changes nothing there,
+/// and with no rows, so no decode attention grid is sized by a length it once had.
+fn free_slot() -> Ctrl {
+    Ctrl {
+        stopped: 1,
+        ..Default::default()
+    }
+}
+
 /// Why a model cannot decode in batches (group sizes the fused graph cannot take, or an
 /// engine running the unfused graph), or None.
 pub fn unsupported(engine: &Engine) -> Option<String> {
@@ -109,12 +118,7 @@ impl Batch {
                 )
             })
             .collect::<Result<_>>()?;
-        // Every slot starts stopped: a step that spans a free slot changes nothing there.
-        let stopped = Ctrl {
-            stopped: 1,
-            ..Default::default()
-        };
-        let all: Vec<Ctrl> = vec![stopped; slots];
+        let all: Vec<Ctrl> = vec![free_slot(); slots];
         ctx.queue
             .write_buffer(&scratch.ctrl, 0, bytemuck::cast_slice(&all));
         ctx.check()?;
@@ -192,17 +196,11 @@ impl Batch {
             return Err(Error::Gpu(format!("batch slot {slot} holds no sequence")));
         };
         let ctx = engine.ctx().clone();
-        self.stop_lane(&ctx, slot);
-        // The slot as a new batch's: stopped, with no rows (a step spanning it sizes no
-        // attention grid by its old length).
-        let free = Ctrl {
-            stopped: 1,
-            ..Default::default()
-        };
+        // Stopped, and with no rows: as a new batch's slot.
         ctx.queue.write_buffer(
             &self.scratch.ctrl,
             (slot * std::mem::size_of::<Ctrl>()) as u64,
-            bytemuck::bytes_of(&free),
+            bytemuck::bytes_of(&free_slot()),
         );
         if take {
             let mut enc = ctx.device.create_command_encoder(&Default::default());
