@@ -337,22 +337,17 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
 /// `llama` sees spaces as `▁` and falls back to the `<0xNN>` tokens.
 fn coverage(model: &str, tokens: &[String], has_unk: bool) -> Option<Covers> {
     let vocab: HashSet<&str> = tokens.iter().map(String::as_str).collect();
-    let bytes_of = |c: char| {
-        let mut buf = [0u8; 4];
-        c.encode_utf8(&mut buf).as_bytes().to_vec()
-    };
     match model {
         "gpt2" => {
             // (Bytes no UTF-8 text holds, C0, C1 and F5…FF, need no token.)
-            let missing: Vec<bool> = (0..=255u8)
+            let has: Vec<bool> = (0..=255u8)
                 .map(|b| {
-                    !matches!(b, 0xC0 | 0xC1 | 0xF5..=0xFF)
-                        && !vocab.contains(byte_level_char(b).to_string().as_str())
+                    matches!(b, 0xC0 | 0xC1 | 0xF5..=0xFF)
+                        || vocab.contains(byte_level_char(b).to_string().as_str())
                 })
                 .collect();
-            missing.contains(&true).then(|| -> Covers {
-                Arc::new(move |c| bytes_of(c).iter().all(|&b| !missing[b as usize]))
-            })
+            has.contains(&false)
+                .then(|| -> Covers { Arc::new(move |c| bytes_in(c, &has)) })
         }
         _ if has_unk => None,
         _ => {
@@ -374,10 +369,16 @@ fn coverage(model: &str, tokens: &[String], has_unk: bool) -> Option<Covers> {
                 .collect();
             Some(Arc::new(move |c| {
                 let c = if c == ' ' { '▁' } else { c };
-                chars.contains(&c) || bytes_of(c).iter().all(|&b| byte_tokens[b as usize])
+                chars.contains(&c) || bytes_in(c, &byte_tokens)
             }))
         }
     }
+}
+
+/// Whether every UTF-8 byte of `c` is marked in `has` (256 entries, one per byte value).
+fn bytes_in(c: char, has: &[bool]) -> bool {
+    let mut buf = [0u8; 4];
+    c.encode_utf8(&mut buf).bytes().all(|b| has[b as usize])
 }
 
 /// GPT-2's byte-level alphabet: the printable Latin-1 bytes stand for themselves, the
