@@ -285,6 +285,35 @@ mod tests {
     }
 
     #[test]
+    fn a_report_says_how_many_times_faster_or_slower() {
+        // Run 235's Nano on an H100 against the 1.7 ms target and the 4.12 ms peer.
+        let mut r = report(1024, 2.064);
+        r.anchors = vec![
+            (
+                Anchor {
+                    what: "target",
+                    ms_per_token: 1.7,
+                },
+                1.7 / 2.064,
+            ),
+            (
+                Anchor {
+                    what: "peer",
+                    ms_per_token: 4.12,
+                },
+                4.12 / 2.064,
+            ),
+        ];
+        let text = r.text();
+        assert!(
+            text.contains("vs target: 1.700 ms → 1.21× slower"),
+            "{text}"
+        );
+        assert!(text.contains("vs peer: 4.120 ms → 2.00× faster"), "{text}");
+        assert_eq!(versus(1.0), "1.00× faster");
+    }
+
+    #[test]
     fn moe_presets_have_the_published_sizes() {
         // (preset, blocks of each kind [M, *, -, E], total B, active B): NVIDIA's card says
         // 31.6B / 3.2B; IBM's 7B / 1B (tiny) and 32B / 9B (small). Active counts the head,
@@ -911,11 +940,23 @@ impl PrefillReport {
         s += "\n";
         for (a, ratio) in &self.anchors {
             s += &format!(
-                "  vs {}: {:.0} ms → {:.2}×\n",
-                a.what, a.ms_per_token, ratio
+                "  vs {}: {:.0} ms → {}\n",
+                a.what,
+                a.ms_per_token,
+                versus(*ratio)
             );
         }
         s
+    }
+}
+
+/// A speed against an anchor's, `ratio` = the anchor's time over ours: "1.95× faster", or
+/// "1.21× slower" (the anchor's speed over ours, never a "0.82× slower").
+fn versus(ratio: f64) -> String {
+    if ratio >= 1.0 {
+        format!("{ratio:.2}× faster")
+    } else {
+        format!("{:.2}× slower", 1.0 / ratio)
     }
 }
 
@@ -981,11 +1022,10 @@ impl DecodeReport {
         }
         for (a, ratio) in &self.anchors {
             s += &format!(
-                "  vs {}: {:.3} ms → {:.2}× {}\n",
+                "  vs {}: {:.3} ms → {}\n",
                 a.what,
                 a.ms_per_token,
-                ratio,
-                if *ratio >= 1.0 { "faster" } else { "slower" }
+                versus(*ratio)
             );
         }
         s
