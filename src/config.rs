@@ -942,10 +942,16 @@ impl ModelConfig {
                         ),
                     ));
                 }
-                if !(a.scale > 0.0 && a.scale.is_finite()) {
+                // (An f32 in the kernels and the reference, as θ is.)
+                if !(a.scale > 0.0 && (a.scale as f32).is_normal()) {
                     return Err(err(
                         "attention scale",
-                        format!("must be positive, found {}", a.scale),
+                        format!(
+                            "must be positive and an f32 ({:e} to {:e}), found {}",
+                            f32::MIN_POSITIVE,
+                            f32::MAX,
+                            a.scale
+                        ),
                     ));
                 }
             }
@@ -988,10 +994,16 @@ impl ModelConfig {
             ("residual_multiplier", self.scales.residual),
             ("logits_scaling", self.scales.logits),
         ] {
-            if !(v.is_finite() && v != 0.0) {
+            // The kernels and the reference multiply by it as an f32: 1e300 would be inf
+            // there and 1e-50 zero (every logit 0, a silent run of token 0).
+            if !(v as f32).is_normal() {
                 return Err(err(
                     field,
-                    format!("must be finite and non-zero, found {v}"),
+                    format!(
+                        "must be a non-zero f32 (magnitude {:e} to {:e}), found {v}",
+                        f32::MIN_POSITIVE,
+                        f32::MAX
+                    ),
                 ));
             }
         }

@@ -252,7 +252,8 @@ pub fn from_gguf(info: &GgufInfo) -> Result<Option<Tokenizer>> {
                     "missing (a `llama` vocabulary ranks its merges by them)".into(),
                 )
             })?;
-            let merges = spm_merges(&tokens, &scores, &types);
+            let merges = spm_merges(&tokens, &scores, &types)
+                .map_err(|why| err("tokenizer.ggml.tokens", why))?;
             let unk_token = unk.map(|u| tokens[u as usize].clone());
             // llama.cpp (src/llama-vocab.cpp, `llama_vocab::impl::load`) sets
             // `add_space_prefix = true` for SPM vocabularies and then reads
@@ -392,9 +393,33 @@ fn byte_level_char(b: u8) -> char {
     char::from_u32(256 + rank).expect("below 0x200")
 }
 
+/// What `spm_merges` may cost: the sum over normal tokens of their length in bytes squared,
+/// which bounds both the hashing of their splits' pieces and the bytes of the merges that
+/// hold them (a chain of tokens "a", "aa", … of k tokens makes k²/2 merges of k³/3 bytes in
+/// all). Real vocabularies stay far below: 262 144 tokens of mostly under 16 bytes sum to
+/// tens of millions.
+const SPM_SPLIT_BYTES: u64 = 1 << 27;
+
 /// SentencePiece-BPE merges: every split of a normal token into two tokens, ranked by the
-/// merged token's score (best first), then by the pieces' ids.
-fn spm_merges(tokens: &[String], scores: &[f64], types: &[f64]) -> Vec<Json> {
+/// merged token's score (best first), then by the pieces' ids. A vocabulary whose splits
+/// would cost more than `SPM_SPLIT_BYTES` is refused (the error says why).
+fn spm_merges(
+    tokens: &[String],
+    scores: &[f64],
+    types: &[f64],
+) -> std::result::Result<Vec<Json>, String> {
+    let normal = || tokens.iter().zip(types).filter(|(_, t)| **t == 1.0);
+    let cost = normal().fold(0u64, |a, (t, _)| {
+        a.saturating_add((t.len() as u64).saturating_mul(t.len() as u64))
+    });
+    if cost > SPM_SPLIT_BYTES {
+        let longest = normal().map(|(t, _)| t.len()).max().unwrap_or(0);
+        return Err(format!(
+            "the normal tokens' splits into merges would take {cost} bytes (Σ length², the \
+             longest token {longest} bytes), past the {SPM_SPLIT_BYTES} any real \
+             SentencePiece vocabulary needs"
+        ));
+    }
     let ids: std::collections::HashMap<&str, usize> = tokens
         .iter()
         .enumerate()
@@ -413,8 +438,8 @@ fn spm_merges(tokens: &[String], scores: &[f64], types: &[f64]) -> Vec<Json> {
         }
     }
     merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    merges
+    Ok(merges
         .into_iter()
         .map(|(_, l, r)| json!([tokens[l], tokens[r]]))
-        .collect()
+        .collect())
 }

@@ -185,6 +185,7 @@ pub struct Header {
 
 /// Reads and checks the header of `bytes` (the file at `path`) against `key`.
 fn header(path: &Path, bytes: &[u8], key: &StateKey) -> Result<Header> {
+    crate::model::safetensors::check_header(path, bytes)?;
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::format(path, format!("not a safetensors file: {e}")))?;
     let empty = HashMap::new();

@@ -538,6 +538,39 @@ fn moe_checkpoints_and_configs_are_checked() {
             serde_json::json!(0.0),
             "field `logits_scaling`: must be a finite non-zero number",
         ),
+        // Finite in f64 but not an f32, which the kernels and the reference multiply by:
+        // 1e50 made every logit 0 (a silent run of token 0), 1e300 a late numerical fault
+        // naming no key.
+        (
+            "granite_moe_hybrid",
+            "logits_scaling",
+            serde_json::json!(1e50),
+            "field `logits_scaling`: must be a non-zero f32",
+        ),
+        (
+            "granite_moe_hybrid",
+            "embedding_multiplier",
+            serde_json::json!(1e300),
+            "field `embedding_multiplier`: must be a non-zero f32",
+        ),
+        (
+            "granite_moe_hybrid",
+            "residual_multiplier",
+            serde_json::json!(1e-50),
+            "field `residual_multiplier`: must be a non-zero f32",
+        ),
+        (
+            "granite_moe_hybrid",
+            "attention_multiplier",
+            serde_json::json!(1e-50),
+            "field `attention_multiplier`: must be positive and an f32",
+        ),
+        (
+            "nemotron_h_moe",
+            "routed_scaling_factor",
+            serde_json::json!(1e39),
+            "field `routed_scaling_factor`: must be 0 or an f32",
+        ),
     ] {
         let dir = fixture_copy(fixture, "moe_config");
         let path = dir.join("config.json");

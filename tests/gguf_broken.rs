@@ -4,7 +4,7 @@
 //! its header and with random header bytes (loads or clean errors, never a panic);
 //! `nemotron_h_moe` and `granitehybrid` files with one metadata value or tensor name edited
 //! (the error names the key or tensor); and a `granitehybrid` attention scale of 0 (the
-//! default, as llama.cpp reads it).
+//! default, as llama.cpp reads it); a metadata array past the items any vocabulary needs.
 
 mod common;
 
@@ -139,6 +139,24 @@ fn broken_gguf_files_are_refused_with_clear_errors() {
             "{name}: {e}"
         );
     }
+    // A metadata array of 2^23 + 1 u8 items, every one of them in the file (8 MiB): each
+    // item is a 32-byte value once read, so the file's size alone does not bound the
+    // memory (a 1 GiB array asked for 32 GiB and aborted). Refused naming the key.
+    let g1 = dir().join("g1.f32.gguf");
+    let n = (1u64 << 23) + 1;
+    let value = [
+        &0u32.to_le_bytes()[..],
+        &n.to_le_bytes(),
+        &vec![7u8; n as usize],
+    ]
+    .concat();
+    let e = load_error(&broken("big-array", |b| {
+        *b = with_key(&g1, "test.big", 9, &value);
+    }));
+    assert!(
+        e.contains("metadata key `test.big`") && e.contains("past 8388608 items"),
+        "{e}"
+    );
     // Every truncation point of the header: an error, never a panic.
     let bytes = std::fs::read(dir().join("g1.f32.gguf")).unwrap();
     let g = GgufFile::open(&dir().join("g1.f32.gguf")).unwrap();

@@ -321,3 +321,67 @@ fn a_character_without_a_token_is_refused_not_dropped() {
     ));
     assert_eq!(spm.encode("a€b").unwrap(), vec![2, 3, 5, 4]);
 }
+
+/// A `llama` vocabulary whose normal tokens' splits into merges would take more than any
+/// real vocabulary (a chain "a", "aa", …: k²/2 merges of k³/3 bytes; one token of 300 000
+/// bytes: seconds of hashing) is refused naming `tokenizer.ggml.tokens`, before the merges
+/// are built; a short chain builds.
+#[test]
+fn a_llama_vocabulary_too_costly_to_split_is_refused() {
+    let info = |tokens: Vec<String>| {
+        let n = tokens.len();
+        GgufInfo {
+            path: "costly.gguf".into(),
+            version: 3,
+            metadata: vec![
+                ("tokenizer.ggml.model".into(), Value::Str("llama".into())),
+                (
+                    "tokenizer.ggml.tokens".into(),
+                    Value::Array(tokens.into_iter().map(Value::Str).collect()),
+                ),
+                (
+                    "tokenizer.ggml.scores".into(),
+                    Value::Array((0..n).map(|i| Value::F32(-(i as f32))).collect()),
+                ),
+                (
+                    "tokenizer.ggml.token_type".into(),
+                    Value::Array(
+                        (0..n)
+                            .map(|i| Value::I32(if i == 0 { 2 } else { 1 }))
+                            .collect(),
+                    ),
+                ),
+                ("tokenizer.ggml.unknown_token_id".into(), Value::U32(0)),
+                ("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)),
+            ],
+            types: Vec::new(),
+            tensors: 0,
+            file_len: 0,
+        }
+    };
+    let chain = |k: usize| {
+        std::iter::once("<unk>".to_string())
+            .chain((1..=k).map(|j| "a".repeat(j)))
+            .collect::<Vec<_>>()
+    };
+    let short = mamba2_wgpu::gguf_tokenizer::from_gguf(&info(chain(40)))
+        .unwrap()
+        .unwrap();
+    assert_eq!(short.encode("aaaa").unwrap(), vec![4]);
+    for (name, tokens) in [
+        ("chain", chain(800)),
+        ("long", vec!["<unk>".to_string(), "b".repeat(300_000)]),
+    ] {
+        let t0 = std::time::Instant::now();
+        let e = match mamba2_wgpu::gguf_tokenizer::from_gguf(&info(tokens)) {
+            Ok(_) => panic!("{name}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("costly.gguf: metadata key `tokenizer.ggml.tokens`")
+                && e.contains("past the 134217728"),
+            "{name}: {e}"
+        );
+        assert!(t0.elapsed().as_secs() < 5, "{name}: {:?}", t0.elapsed());
+    }
+}

@@ -347,3 +347,60 @@ fn a_cache_directory_s_fifo_and_subdirectory_are_refused_not_waited_on() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A safetensors header whose tensors' offsets run to 2^64 − 8 (eight U8 tensors of 2^61 − 1
+/// values end to end, over 8 bytes of data) is refused naming a tensor, as a saved state
+/// (`chat --resume`) and as a file in a cache directory (`serve --cache-dir` reads every
+/// one at startup). The safetensors crate adds those offsets without checking: a panic with
+/// overflow checks on, before any field of ours was read.
+#[test]
+fn a_state_file_whose_offsets_overflow_is_refused_not_a_panic() {
+    let model = model();
+    let dir = common::Scratch::new("prefix-overflow");
+    let n: u64 = (1 << 61) - 1;
+    let tensors: Vec<String> = (0..8u64)
+        .map(|i| {
+            format!(
+                "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{n}],\"data_offsets\":[{},{}]}}",
+                i * n,
+                (i + 1) * n
+            )
+        })
+        .collect();
+    let header = format!("{{{}}}", tensors.join(","));
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    bytes.extend([0u8; 8]);
+    let file = dir.join("hostile.safetensors");
+    std::fs::write(&file, &bytes).unwrap();
+    let key = StateKey {
+        model: model.fingerprint(),
+        format: "f32".into(),
+        blocks: model.config.pattern(),
+    };
+    let err = mamba2_wgpu::state_file::read_header(&file, &key)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("hostile.safetensors") && err.contains("t0") && err.contains("outside"),
+        "{err}"
+    );
+    let mut notes = Vec::new();
+    let c = PrefixCache::open(
+        key,
+        &model.config,
+        CacheConfig {
+            device_bytes: 0,
+            dir: Some(dir.to_path_buf()),
+            ..Default::default()
+        },
+        &mut |n| notes.push(n),
+    )
+    .unwrap();
+    assert_eq!(c.stats().refused_files, 1, "{notes:?}");
+    assert!(
+        notes.iter().any(|n| n.contains("hostile.safetensors")),
+        "{notes:?}"
+    );
+}

@@ -219,10 +219,12 @@ fn nemotron_h_layers(file: &GgufFile, arch: &str, config: ModelConfig) -> Result
     // `ffn_up` (llama.cpp's loader makes every one an MoE; the converter writes no dense
     // layer into a `nemotron_h_moe` file, but one with a dense layer reads here too).
     let experts = file.opt_usize(&key("expert_count"))?.unwrap_or(0);
-    let dense = |i: usize| {
-        let up = format!("blk.{i}.ffn_up.weight");
-        experts == 0 || file.tensors.iter().any(|t| t.name == up)
-    };
+    // The tensor names once (a layer's checks look up to five names: a scan of the list
+    // each time made a file of 4096 layers and 200 000 tensors take seconds a MB).
+    let names: std::collections::HashSet<&str> =
+        file.tensors.iter().map(|t| t.name.as_str()).collect();
+    let has = |name: &str| names.contains(name);
+    let dense = |i: usize| experts == 0 || has(&format!("blk.{i}.ffn_up.weight"));
     let blocks: Vec<BlockKind> = ff
         .iter()
         .zip(&kv)
@@ -242,7 +244,6 @@ fn nemotron_h_layers(file: &GgufFile, arch: &str, config: ModelConfig) -> Result
         BlockKind::Mlp => "ffn_up.weight",
         BlockKind::Moe => "ffn_gate_inp.weight",
     };
-    let has = |name: &str| file.tensors.iter().any(|t| t.name == name);
     for (i, &kind) in blocks.iter().enumerate() {
         if has(&format!("blk.{i}.{}", marker(kind))) {
             continue;

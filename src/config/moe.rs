@@ -130,11 +130,16 @@ impl MoeConfig {
             routed_scaling_factor: s,
             ..
         } = self.router
-            && !s.is_finite()
+            && !(s == 0.0 || (s as f32).is_normal())
         {
+            // (An f32 in the routing kernel and the reference.)
             return Err((
                 "routed_scaling_factor",
-                format!("must be a finite number, found {s}"),
+                format!(
+                    "must be 0 or an f32 (magnitude {:e} to {:e}), found {s}",
+                    f32::MIN_POSITIVE,
+                    f32::MAX
+                ),
             ));
         }
         if self.intermediate == 0 {

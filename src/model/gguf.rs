@@ -22,6 +22,11 @@ use crate::model::safetensors::{DType, Tensor};
 const MAX_DIMS: u32 = 4;
 /// Arrays inside arrays: real files nest at most once.
 const MAX_NESTING: u32 = 8;
+/// Metadata array items in one file, all arrays together. Each becomes a 32-byte `Value`,
+/// so a file's bytes alone do not bound the memory (a 1 GiB array of u8 would ask for 32
+/// GiB): 2^23 items (256 MiB of values) hold the largest vocabularies with their scores,
+/// types and merges (262 144 tokens: under 10^6 items) many times over.
+const MAX_ARRAY_ITEMS: u64 = 1 << 23;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -157,6 +162,7 @@ impl GgufFile {
             bytes,
             pos: 0,
             path,
+            items: 0,
         };
         let magic = r.take(4, "the magic number")?;
         if magic != b"GGUF" {
@@ -534,6 +540,8 @@ struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
     path: &'a Path,
+    /// Metadata array items read so far (`MAX_ARRAY_ITEMS`).
+    items: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -634,6 +642,17 @@ impl<'a> Reader<'a> {
                 // Strings and arrays take at least 8 bytes each, scalars at least 1.
                 let min = if matches!(item, 8 | 9) { 8 } else { 1 };
                 self.bound(count, min, &format!("items of metadata key `{key}`"))?;
+                self.items = self.items.saturating_add(count);
+                if self.items > MAX_ARRAY_ITEMS {
+                    return Err(Error::format(
+                        self.path,
+                        format!(
+                            "metadata key `{key}`: {count} array items bring the file's \
+                             metadata arrays past {MAX_ARRAY_ITEMS} items, more than any \
+                             model's vocabulary needs"
+                        ),
+                    ));
+                }
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(item, key, depth + 1)?);

@@ -397,21 +397,7 @@ impl TensorStore {
     }
 
     fn add_bytes(&mut self, path: &Path, bytes: Bytes) -> Result<()> {
-        // Look at the header before the crate does: it reads it into a map, which merges a
-        // repeated name silently (and then blames the survivor's offsets), some of its
-        // errors do not name the tensor, and it adds offsets without checking (an end near
-        // 2^64 overflows there).
-        if let Some(header) = header_text(bytes.as_slice()) {
-            if let Some(name) = first_duplicate_key(header) {
-                return Err(Error::tensor(
-                    name,
-                    format!("appears twice in the header of {}", path.display()),
-                ));
-            }
-            if let Some((name, why)) = first_bad_tensor(header, bytes.as_slice().len()) {
-                return Err(Error::tensor(name, format!("{}: {why}", path.display())));
-            }
-        }
+        check_header(path, bytes.as_slice())?;
         let (header_len, metadata) = SafeTensors::read_metadata(bytes.as_slice()).map_err(|e| {
             Error::format(
                 path,
@@ -500,6 +486,28 @@ fn shard_files(index: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// The header JSON of a safetensors buffer, if its length prefix and UTF-8 are sound.
+/// Looks at a safetensors file's header before the crate does, for every reader of such
+/// files (models, saved states, prefix-cache entries): the crate reads it into a map, which
+/// merges a repeated name silently (and then blames the survivor's offsets), some of its
+/// errors do not name the tensor, and it adds offsets without checking (an end near 2^64
+/// overflows there, a panic with overflow checks on). A header it cannot read at all is
+/// left to the crate's own error.
+pub(crate) fn check_header(path: &Path, buffer: &[u8]) -> Result<()> {
+    let Some(header) = header_text(buffer) else {
+        return Ok(());
+    };
+    if let Some(name) = first_duplicate_key(header) {
+        return Err(Error::tensor(
+            name,
+            format!("appears twice in the header of {}", path.display()),
+        ));
+    }
+    if let Some((name, why)) = first_bad_tensor(header, buffer.len()) {
+        return Err(Error::tensor(name, format!("{}: {why}", path.display())));
+    }
+    Ok(())
+}
+
 fn header_text(buffer: &[u8]) -> Option<&str> {
     // The crate refuses headers over 100 MB; do not parse more than it would.
     const MAX_HEADER: u64 = 100_000_000;
