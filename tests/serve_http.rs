@@ -612,3 +612,99 @@ async fn http_answers_half_closed_clients_and_refuses_oversized_bodies_at_once()
     });
     tokio::task::block_in_place(|| srv.stop());
 }
+
+/// With `--api-key`, a request without the key is refused (401) before its body is read: a
+/// client announcing a megabyte and sending none of it gets its answer at once, instead of
+/// the server buffering (or waiting for) a body it will not use. (CPU backend.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_without_the_key_is_refused_before_its_body_is_read() {
+    use std::io::{Read, Write};
+    let (_, tok) = assets::embedded().unwrap();
+    let srv = serve_common::start_cpu(
+        &tok,
+        ServerConfig {
+            api_key: Some("sekrit".into()),
+            ..Default::default()
+        },
+    );
+    let addr = srv.base.trim_start_matches("http://").to_string();
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s.write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Authorization: Bearer sekrix\r\nContent-Length: 1000000\r\n\r\n",
+        )
+        .unwrap();
+        let started = std::time::Instant::now();
+        let mut head = [0u8; 12];
+        let read = s.read_exact(&mut head);
+        (read.map(|_| head), started.elapsed())
+    })
+    .await
+    .unwrap();
+    let (head, took) = answer;
+    assert_eq!(&head.expect("an answer without the body"), b"HTTP/1.1 401");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    srv.stop();
+}
+
+/// A streamed chat reply without any text (a stop string its first token's text starts
+/// with) still names its role: the last chunk's delta carries `role: assistant` when no
+/// chunk before it did. (CPU backend.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_empty_streamed_chat_reply_still_names_its_role() {
+    let (_, tok) = assets::embedded().unwrap();
+    let srv = serve_common::start_cpu(&tok, ServerConfig::default());
+    let ask = |stop: Option<String>, stream: bool| {
+        let mut b = json!({"messages": [{"role": "user", "content": "Tell me a story"}],
+                           "max_tokens": 4, "temperature": 0, "stream": stream});
+        if let Some(s) = stop {
+            b["stop"] = json!([s]);
+        }
+        b
+    };
+    let (status, whole) = srv.post("/v1/chat/completions", ask(None, false)).await;
+    assert_eq!(status, 200, "{whole}");
+    let text = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let first = text.chars().next().expect("a greedy reply with text");
+    let r = srv
+        .client
+        .post(format!("{}/v1/chat/completions", srv.base))
+        .json(&ask(Some(first.to_string()), true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let events = sse(r).await;
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    assert!(
+        deltas
+            .iter()
+            .all(|d| d.get("content").is_none_or(|c| c == "")),
+        "the reply was to be empty: {events:?}"
+    );
+    assert_eq!(
+        deltas.iter().filter(|d| d["role"] == "assistant").count(),
+        1,
+        "{events:?}"
+    );
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop",
+        "{events:?}"
+    );
+    srv.stop();
+}

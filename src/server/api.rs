@@ -7,12 +7,12 @@
 //! and frees the slot.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -79,12 +79,39 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Holds a place in the queue while a request is in flight.
-struct Place(Arc<App>);
+/// A place among the server's slots and queue (`--slots` + `--queue` of them), taken
+/// before a prompt is tokenized (so a full server turns requests away before that work,
+/// and no more prompts are tokenized at once than there are places) and held by the
+/// engine's job until the reply ends. Holds the counter only, not the `App` (whose job
+/// channel holds the jobs).
+pub struct Place(Arc<AtomicUsize>);
+
+impl Place {
+    /// A place, or the 503 that says the server is busy.
+    fn take(app: &App) -> Result<Place, Box<Response>> {
+        let limit = app.config.slots.saturating_add(app.config.queue);
+        if app
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_err()
+        {
+            app.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(Box::new(error(
+                app,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is busy: every slot and queue place is taken; retry shortly",
+                None,
+            )));
+        }
+        Ok(Place(app.in_flight.clone()))
+    }
+}
 
 impl Drop for Place {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -97,6 +124,14 @@ enum Kind {
 
 /// The request body, or the error response: a body over the limit is a 413 in the same
 /// JSON shape as every other error (axum's own rejection is plain text).
+/// The request's body, read once its key has been checked (a client without the key
+/// never makes the server buffer a body), within `DefaultBodyLimit`.
+async fn authorized_body(app: &Arc<App>, request: Request) -> Result<Bytes, Box<Response>> {
+    authorize(app, request.headers())?;
+    let body = Bytes::from_request(request, app).await;
+    read_body(app, body)
+}
+
 fn read_body(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, Box<Response>> {
     body.map_err(|e| {
         let status = e.status();
@@ -112,15 +147,8 @@ fn read_body(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, Bo
     })
 }
 
-pub async fn chat(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    if let Err(r) = authorize(&app, &headers) {
-        return *r;
-    }
-    let body = match read_body(&app, body) {
+pub async fn chat(State(app): State<Arc<App>>, request: Request) -> Response {
+    let body = match authorized_body(&app, request).await {
         Ok(b) => b,
         Err(r) => return *r,
     };
@@ -128,26 +156,24 @@ pub async fn chat(
         Ok(r) => r,
         Err(e) => return bad(&app, e),
     };
+    drop(body);
+    let place = match Place::take(&app) {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
     let messages = req.messages;
     match tokenize(&app, Kind::Chat, move |tok| {
         crate::chat::conversation_tokens(tok, &messages)
     })
     .await
     {
-        Ok(prompt) => run(app, Kind::Chat, prompt, req.common).await,
+        Ok(prompt) => run(app, Kind::Chat, prompt, req.common, place).await,
         Err(r) => *r,
     }
 }
 
-pub async fn completions(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    if let Err(r) = authorize(&app, &headers) {
-        return *r;
-    }
-    let body = match read_body(&app, body) {
+pub async fn completions(State(app): State<Arc<App>>, request: Request) -> Response {
+    let body = match authorized_body(&app, request).await {
         Ok(b) => b,
         Err(r) => return *r,
     };
@@ -155,9 +181,14 @@ pub async fn completions(
         Ok(r) => r,
         Err(e) => return bad(&app, e),
     };
+    drop(body);
+    let place = match Place::take(&app) {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
     let text = req.prompt;
     match tokenize(&app, Kind::Completion, move |tok| tok.encode(&text)).await {
-        Ok(prompt) => run(app, Kind::Completion, prompt, req.common).await,
+        Ok(prompt) => run(app, Kind::Completion, prompt, req.common, place).await,
         Err(r) => *r,
     }
 }
@@ -186,6 +217,8 @@ async fn tokenize(
     encode: impl FnOnce(&crate::tokenizer::Tokenizer) -> crate::Result<Vec<u32>> + Send + 'static,
 ) -> Result<Vec<u32>, Box<Response>> {
     let tok = app.tokenizer.clone();
+    // (The semaphore is never closed.)
+    let _turn = app.tokenizing.acquire().await.ok();
     match tokio::task::spawn_blocking(move || encode(&tok)).await {
         Ok(Ok(ids)) => Ok(ids),
         Ok(Err(e)) => Err(Box::new(bad(
@@ -201,8 +234,8 @@ async fn tokenize(
     }
 }
 
-/// Checks the prompt, takes a place in the queue and answers.
-async fn run(app: Arc<App>, kind: Kind, prompt: Vec<u32>, c: Common) -> Response {
+/// Checks the prompt, hands it to the engine with its place and answers.
+async fn run(app: Arc<App>, kind: Kind, prompt: Vec<u32>, c: Common, place: Place) -> Response {
     let param = prompt_param(kind);
     if prompt.is_empty() {
         return bad(&app, BadRequest::new(param, "the prompt has no tokens"));
@@ -233,24 +266,6 @@ async fn run(app: Arc<App>, kind: Kind, prompt: Vec<u32>, c: Common) -> Response
             ),
         );
     }
-    // A place in the queue, or 503.
-    let limit = app.config.slots + app.config.queue;
-    if app
-        .in_flight
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < limit).then_some(n + 1)
-        })
-        .is_err()
-    {
-        app.metrics.rejected.fetch_add(1, Ordering::Relaxed);
-        return error(
-            &app,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the server is busy: every slot and queue place is taken; retry shortly",
-            None,
-        );
-    }
-    let place = Place(app.clone());
     let (tx, rx) = unbounded_channel();
     let job = Job {
         prompt,
@@ -259,6 +274,7 @@ async fn run(app: Arc<App>, kind: Kind, prompt: Vec<u32>, c: Common) -> Response
         stop_ids: app.stop_ids.clone(),
         stop_text: c.stop.clone(),
         events: tx,
+        place: Some(place),
     };
     let sent = app
         .jobs
@@ -283,9 +299,9 @@ async fn run(app: Arc<App>, kind: Kind, prompt: Vec<u32>, c: Common) -> Response
     );
     if c.stream {
         count(&app, StatusCode::OK);
-        stream(app, kind, id, rx, c.include_usage, place).into_response()
+        stream(app, kind, id, rx, c.include_usage).into_response()
     } else {
-        whole(app, kind, id, rx, place).await
+        whole(app, kind, id, rx).await
     }
 }
 
@@ -304,7 +320,6 @@ async fn whole(
     kind: Kind,
     id: String,
     mut rx: UnboundedReceiver<Event>,
-    _place: Place,
 ) -> Response {
     let mut text = String::new();
     while let Some(ev) = rx.recv().await {
@@ -366,7 +381,6 @@ fn stream(
     id: String,
     rx: UnboundedReceiver<Event>,
     include_usage: bool,
-    place: Place,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, std::convert::Infallible>>> {
     let created = now();
     let model = app.config.model_name.clone();
@@ -399,20 +413,18 @@ fn stream(
         })
     };
     // The state of the stream: the receiver, whether the role chunk went out, what is left
-    // to send after the last event, and the place (released when the stream is dropped).
+    // to send after the last event.
     struct St {
         rx: UnboundedReceiver<Event>,
         first: bool,
         tail: Vec<String>,
         over: bool,
-        _place: Place,
     }
     let st = St {
         rx,
         first: true,
         tail: Vec::new(),
         over: false,
-        _place: place,
     };
     let events = futures_util::stream::unfold(st, move |mut st| {
         let chunk = chunk.clone();
@@ -439,10 +451,9 @@ fn stream(
                         u["usage"] = usage_json(&usage);
                         st.tail.push(u.to_string());
                     }
-                    let mut last = chunk(None, Some(finish), st.first);
-                    if matches!(kind, Kind::Chat) {
-                        last["choices"][0]["delta"] = json!({});
-                    }
+                    // (A reply without text still says whose it is: the role goes in
+                    // the last chunk when no chunk carried it.)
+                    let last = chunk(None, Some(finish), st.first);
                     last.to_string()
                 }
                 Some(Event::Error(e)) => {

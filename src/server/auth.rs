@@ -4,11 +4,16 @@
 
 use axum::http::{HeaderMap, header};
 
-/// Whether `headers` carry `Authorization: Bearer KEY` with the server's `key`.
+/// Whether `headers` carry `Authorization: Bearer KEY` with the server's `key`. The scheme's
+/// name is case-insensitive and may be followed by more than one space (RFC 9110 §11.1:
+/// `bearer KEY` is the same credential).
 pub fn key_matches(headers: &HeaderMap, key: &str) -> bool {
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| {
+        let v = v.as_bytes();
+        let (scheme, rest) = v.split_at_checked(6)?;
+        let token = rest.trim_ascii_start();
+        (scheme.eq_ignore_ascii_case(b"Bearer") && token.len() < rest.len()).then_some(token)
+    });
     match given {
         Some(given) => same_bytes(given, key.as_bytes()),
         None => false,
@@ -68,6 +73,12 @@ mod tests {
             h
         };
         assert!(key_matches(&with(b"Bearer sekrit"), "sekrit"));
+        // The scheme in any case, and more than one space after it.
+        assert!(key_matches(&with(b"bearer sekrit"), "sekrit"));
+        assert!(key_matches(&with(b"BEARER  sekrit"), "sekrit"));
+        assert!(!key_matches(&with(b"Bearersekrit"), "sekrit"));
+        assert!(!key_matches(&with(b"Bearer"), "sekrit"));
+        assert!(!key_matches(&with(b"Bearer sekrit "), "sekrit"));
         assert!(!key_matches(&with(b"Bearer sekrix"), "sekrit"));
         assert!(!key_matches(&with(b"Basic sekrit"), "sekrit"));
         assert!(!key_matches(&with(b"sekrit"), "sekrit"));

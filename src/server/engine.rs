@@ -50,6 +50,11 @@ pub struct Job {
     /// Strings that end the reply (not included in it).
     pub stop_text: Vec<String>,
     pub events: UnboundedSender<Event>,
+    /// The request's place among the server's slots and queue (None for a job made
+    /// outside a server): let go of when the engine drops the job (its reply ended, failed
+    /// or was cancelled), not when the client has read the reply, so a client that stops
+    /// reading a stream holds no place.
+    pub place: Option<super::api::Place>,
 }
 
 /// Why a reply ended, as OpenAI names it.
@@ -630,6 +635,8 @@ impl Engine {
                     "the prompt has {prompt_len} tokens, the context holds {ctx}"
                 )));
             }
+            // Every chunk's time counts as prefill (the metric once took the last only).
+            let t0 = Instant::now();
             if end < prompt_len {
                 // A middle chunk: its sampled token is not used.
                 self.backend
@@ -638,9 +645,11 @@ impl Engine {
                 if every > 0 && end.is_multiple_of(every) {
                     self.remember(&seq.fed);
                 }
+                self.metrics
+                    .prefill_ns
+                    .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 return Ok(false);
             }
-            let t0 = Instant::now();
             let first = self
                 .backend
                 .prefill_sample(&piece, &seq.job.sampling, end as u64)?;

@@ -84,8 +84,12 @@ pub struct App {
     pub tokenizer: Arc<Tokenizer>,
     pub metrics: Arc<Metrics>,
     jobs: Mutex<mpsc::Sender<Job>>,
-    /// Requests queued or running.
-    in_flight: AtomicUsize,
+    /// Requests past their first checks and not yet let go of by the engine: being
+    /// tokenized, queued or running (`api::Place`).
+    in_flight: Arc<AtomicUsize>,
+    /// Prompts being tokenized at once: a 16 MiB prompt takes hundreds of MB while the
+    /// `tokenizers` crate splits it, so no more run together than the cores can serve.
+    tokenizing: tokio::sync::Semaphore,
     next_id: AtomicU64,
     seed: AtomicU64,
     stop_ids: Vec<u32>,
@@ -155,7 +159,10 @@ impl Server {
             tokenizer,
             metrics,
             jobs: Mutex::new(tx),
-            in_flight: AtomicUsize::new(0),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            tokenizing: tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)),
+            ),
             next_id: AtomicU64::new(1),
             seed: AtomicU64::new(started.wrapping_mul(0x2545_f491_4f6c_dd1d)),
             vocab,

@@ -99,6 +99,7 @@ impl Spec {
             stop_ids: self.stop_ids.clone(),
             stop_text: Vec::new(),
             events,
+            place: None,
         };
         (job, heard)
     }
