@@ -953,6 +953,10 @@ impl PrefillReport {
 /// A speed against an anchor's, `ratio` = the anchor's time over ours: "1.95× faster", or
 /// "1.21× slower" (the anchor's speed over ours, never a "0.82× slower").
 fn versus(ratio: f64) -> String {
+    if !(ratio > 0.0 && ratio.is_finite()) {
+        // (No anchor has a time of 0 or none; say what the ratio is rather than "inf×".)
+        return format!("a ratio of {ratio}");
+    }
     if ratio >= 1.0 {
         format!("{ratio:.2}× faster")
     } else {

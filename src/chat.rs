@@ -447,6 +447,25 @@ struct Input {
 /// token). `Chat` feeds this turn by turn; the server, from an empty state, in one piece.
 fn input_after(tok: &Tokenizer, messages: &[(String, String)], read: &Read) -> Result<Input> {
     if let Some(render) = tok.render_chat(messages, true)? {
+        // A template that renders the conversation the same without its last message
+        // (`{{ '' }}`, one that drops what it does not know) would have every turn read
+        // nothing of what was said: refused, not answered blind. (A template that refuses
+        // the shorter conversation, as some do one that does not start with a user,
+        // is not this case.)
+        if let Some(before) = messages.len().checked_sub(1)
+            && tok
+                .render_chat(&messages[..before], true)
+                .ok()
+                .flatten()
+                .as_deref()
+                == Some(render.as_str())
+        {
+            return Err(Error::InvalidInput(format!(
+                "the chat template renders the conversation the same without its last \
+                 message (a `{}` one): the model would not read it",
+                messages[before].0
+            )));
+        }
         let (mut suffix, reread) = match render.strip_prefix(read.text) {
             Some(s) => (s, false),
             None => (render.as_str(), true),
@@ -454,8 +473,11 @@ fn input_after(tok: &Tokenizer, messages: &[(String, String)], read: &Read) -> R
         if !reread
             && let Some(t) = read.ended_on
             && let Some((_, end)) = turn_ends(tok).into_iter().find(|(id, _)| *id == t)
-            && let Some(rest) = suffix.strip_prefix(end.as_str())
+            && let Some(rest) = suffix.trim_start().strip_prefix(end.as_str())
         {
+            // (The spaces some templates write between the reply and its end token go
+            // with it: the generated stop token stands for both, as `template_turn_end`
+            // skips them to find it.)
             suffix = rest;
         }
         let template_bos = tok

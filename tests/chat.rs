@@ -336,3 +336,49 @@ fn a_turn_stopped_while_its_prompt_is_read_leaves_no_trace() {
     assert_eq!(next.text, want.text);
     assert_eq!(c.session.position(), d.session.position());
 }
+
+/// A template that renders the conversation the same without its last message (here one
+/// that renders nothing) is refused naming the template, not answered blind, turn after
+/// turn; the server's prompts go through the same check.
+#[test]
+fn a_template_that_ignores_the_message_is_refused() {
+    let mut c = chat(Some("{{ '' }}"));
+    let e = c
+        .say("Tell me a story", &greedy(4, None), |_| true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the chat template renders the conversation the same without its last"),
+        "{e}"
+    );
+    let msgs = vec![("user".to_string(), "Hello".to_string())];
+    let e = mamba2_wgpu::chat::conversation_tokens(&c.tokenizer, &msgs)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("the chat template renders"), "{e}");
+}
+
+/// A template that writes a space between the reply and its end token (Mistral's shape,
+/// `{{ content }} {{ eos_token }}`): a reply that stopped on that token has it pending in
+/// the state, and the next turn feeds what follows it, not a second one.
+#[test]
+fn a_spaced_end_token_after_a_reply_is_not_fed_twice() {
+    let template = "{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% else %}{{ m.content }} {{ eos_token }}{% endif %}{% endfor %}";
+    let mut c = chat(Some(template));
+    let eos = c.tokenizer.eos.expect("the embedded tokenizer has an EOS");
+    let opts = greedy(200, Some(eos));
+    let r1 = c.say("Tell me a fortune", &opts, |_| true).unwrap();
+    let r2 = c.say("Tell me more", &opts, |_| true).unwrap();
+    // The case this is about: the reply ended on the EOS (the embedded model's greedy
+    // reply here does, within 200 tokens).
+    assert_eq!(r1.finish, mamba2_wgpu::Finish::Stop, "{:?}", r1.text);
+    // Only the next user turn is fed, not the template's " <eos>" again.
+    let after = "[INST] Tell me more [/INST]";
+    assert_eq!(
+        r2.fed,
+        c.tokenizer.encode_with(after, false).unwrap().len(),
+        "first reply {:?} ({:?})",
+        r1.text,
+        r1.finish
+    );
+}

@@ -223,6 +223,36 @@ fn with_stdin(args: &[&str], input: &[u8]) -> (bool, String, String) {
     )
 }
 
+/// A line on stdin longer than a message may be (`chat < /dev/zero`, a file without line
+/// ends) ends the chat with an error naming the limit, instead of taking all the memory
+/// there is; a refused `/regen` does not move the seed of the turns after it (the reply is
+/// the one the same message gets without it).
+#[test]
+fn chat_refuses_an_endless_line_and_a_refused_regen_keeps_the_seed() {
+    let mut endless = vec![b'a'; (16 << 20) + 100];
+    endless.push(b'\n');
+    let (ok, _, err) = chat(&["--device", "cpu", "-n", "2"], &endless);
+    assert!(
+        !ok && err.contains("stdin: a line of more than 16.0 MiB") && !err.contains("panicked"),
+        "{err}"
+    );
+    let flags = [
+        "--device",
+        "cpu",
+        "-n",
+        "8",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "5",
+    ];
+    let (ok, plain, _) = chat(&flags, b"Hello there\n");
+    assert!(ok && !plain.trim().is_empty(), "{plain}");
+    let (ok, after, err) = chat(&flags, b"/regen\nHello there\n");
+    assert!(!ok && err.contains("no reply to regenerate"), "{err}");
+    assert_eq!(after, plain, "{err}");
+}
+
 #[test]
 fn chat_survives_a_line_that_is_not_utf8_and_says_so_in_its_exit_status() {
     let (ok, out, err) = chat(

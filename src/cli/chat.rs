@@ -1,7 +1,7 @@
 //! `mamba2 chat`: a terminal conversation. The state carries between turns, so each turn
 //! feeds only its new tokens; /regen redoes the last reply from a state snapshot.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -87,6 +87,9 @@ impl ChatArgs {
     }
 }
 
+/// The most one line (one message) on stdin may hold: the server's default body limit.
+const MAX_LINE_BYTES: u64 = 16 << 20;
+
 /// The commands a chat line may be.
 const COMMANDS: [&str; 4] = ["/regen", "/reset", "/quit", "/exit"];
 
@@ -132,7 +135,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         eprintln!("(no chat template: each message is continued as plain text)");
     }
     eprintln!("commands: {}  (//text sends /text)", COMMANDS.join("  "));
-    let mut opts = GenerateOptions {
+    let opts = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: args.sampling(),
         stop: chat.tokenizer.eos.into_iter().collect(),
@@ -142,11 +145,26 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     // Lines that were refused or whose turn failed: the conversation goes on, but the
     // session did not do all it was asked, so the exit status says so at the end.
     let mut failed = 0usize;
+    // Regenerations so far: each takes the next seed after the session's.
+    let mut regens = 0u64;
     loop {
         eprint!("> ");
         let mut bytes = Vec::new();
-        if stdin.lock().read_until(b'\n', &mut bytes)? == 0 {
+        if stdin
+            .lock()
+            .take(MAX_LINE_BYTES + 1)
+            .read_until(b'\n', &mut bytes)?
+            == 0
+        {
             break;
+        }
+        if bytes.len() as u64 > MAX_LINE_BYTES {
+            // (`/dev/zero`, or a file without line ends: reading on would take all the
+            // memory there is; what was said before is saved.)
+            bail!(
+                "stdin: a line of more than {} (a message is one line); the chat ends here",
+                mamba2_wgpu::files::human_bytes(MAX_LINE_BYTES)
+            );
         }
         // A line that is not UTF-8 is refused on its own; the conversation goes on.
         let line = match String::from_utf8(bytes) {
@@ -197,8 +215,12 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
                 continue;
             }
             "/regen" => {
-                opts.sampling.seed = opts.sampling.seed.wrapping_add(1);
-                chat.regenerate(&opts, stream)
+                // Another seed for this regeneration only (as the app does): the turns
+                // after it, and a refused /regen, keep the session's seed.
+                regens = regens.wrapping_add(1);
+                let mut again = opts.clone();
+                again.sampling.seed = opts.sampling.seed.wrapping_add(regens);
+                chat.regenerate(&again, stream)
             }
             t if t.starts_with("//") => chat.say(&line.trim_start()[1..], &opts, stream),
             _ => chat.say(line, &opts, stream),

@@ -485,7 +485,6 @@ fn shard_files(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// The header JSON of a safetensors buffer, if its length prefix and UTF-8 are sound.
 /// Looks at a safetensors file's header before the crate does, for every reader of such
 /// files (models, saved states, prefix-cache entries): the crate reads it into a map, which
 /// merges a repeated name silently (and then blames the survivor's offsets), some of its
@@ -508,6 +507,7 @@ pub(crate) fn check_header(path: &Path, buffer: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// The header JSON of a safetensors buffer, if its length prefix and UTF-8 are sound.
 fn header_text(buffer: &[u8]) -> Option<&str> {
     // The crate refuses headers over 100 MB; do not parse more than it would.
     const MAX_HEADER: u64 = 100_000_000;

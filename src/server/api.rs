@@ -122,8 +122,6 @@ enum Kind {
     Completion,
 }
 
-/// The request body, or the error response: a body over the limit is a 413 in the same
-/// JSON shape as every other error (axum's own rejection is plain text).
 /// The request's body, read once its key has been checked (a client without the key
 /// never makes the server buffer a body), within `DefaultBodyLimit`.
 async fn authorized_body(app: &Arc<App>, request: Request) -> Result<Bytes, Box<Response>> {
@@ -132,6 +130,8 @@ async fn authorized_body(app: &Arc<App>, request: Request) -> Result<Bytes, Box<
     read_body(app, body)
 }
 
+/// The request body, or the error response: a body over the limit is a 413 in the same
+/// JSON shape as every other error (axum's own rejection is plain text).
 fn read_body(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Bytes, Box<Response>> {
     body.map_err(|e| {
         let status = e.status();
@@ -162,12 +162,12 @@ pub async fn chat(State(app): State<Arc<App>>, request: Request) -> Response {
         Err(r) => return *r,
     };
     let messages = req.messages;
-    match tokenize(&app, Kind::Chat, move |tok| {
+    match tokenize(&app, Kind::Chat, place, move |tok| {
         crate::chat::conversation_tokens(tok, &messages)
     })
     .await
     {
-        Ok(prompt) => run(app, Kind::Chat, prompt, req.common, place).await,
+        Ok((prompt, place)) => run(app, Kind::Chat, prompt, req.common, place).await,
         Err(r) => *r,
     }
 }
@@ -187,8 +187,8 @@ pub async fn completions(State(app): State<Arc<App>>, request: Request) -> Respo
         Err(r) => return *r,
     };
     let text = req.prompt;
-    match tokenize(&app, Kind::Completion, move |tok| tok.encode(&text)).await {
-        Ok(prompt) => run(app, Kind::Completion, prompt, req.common, place).await,
+    match tokenize(&app, Kind::Completion, place, move |tok| tok.encode(&text)).await {
+        Ok((prompt, place)) => run(app, Kind::Completion, prompt, req.common, place).await,
         Err(r) => *r,
     }
 }
@@ -209,19 +209,27 @@ fn prompt_param(kind: Kind) -> &'static str {
     }
 }
 
-/// Runs `encode` on a blocking thread (a long prompt or a template takes a while): the
-/// token ids, or the error response (400 naming the prompt's field).
+/// Runs `encode` on a blocking thread (a long prompt or a template takes a while), one of
+/// at most `App::tokenizing` at once: the token ids and the request's place, or the error
+/// response (400 naming the prompt's field). The blocking task holds the turn and the
+/// place until it ends, even where the client hangs up and the request's future is
+/// dropped meanwhile (the work goes on, and must still count).
 async fn tokenize(
     app: &Arc<App>,
     kind: Kind,
+    place: Place,
     encode: impl FnOnce(&crate::tokenizer::Tokenizer) -> crate::Result<Vec<u32>> + Send + 'static,
-) -> Result<Vec<u32>, Box<Response>> {
+) -> Result<(Vec<u32>, Place), Box<Response>> {
     let tok = app.tokenizer.clone();
     // (The semaphore is never closed.)
-    let _turn = app.tokenizing.acquire().await.ok();
-    match tokio::task::spawn_blocking(move || encode(&tok)).await {
-        Ok(Ok(ids)) => Ok(ids),
-        Ok(Err(e)) => Err(Box::new(bad(
+    let turn = app.tokenizing.clone().acquire_owned().await.ok();
+    let work = move || {
+        let _turn = turn;
+        (encode(&tok), place)
+    };
+    match tokio::task::spawn_blocking(work).await {
+        Ok((Ok(ids), place)) => Ok((ids, place)),
+        Ok((Err(e), _)) => Err(Box::new(bad(
             app,
             BadRequest::new(prompt_param(kind), e.to_string()),
         ))),

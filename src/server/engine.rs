@@ -51,9 +51,9 @@ pub struct Job {
     pub stop_text: Vec<String>,
     pub events: UnboundedSender<Event>,
     /// The request's place among the server's slots and queue (None for a job made
-    /// outside a server): let go of when the engine drops the job (its reply ended, failed
-    /// or was cancelled), not when the client has read the reply, so a client that stops
-    /// reading a stream holds no place.
+    /// outside a server): let go of when the reply's last event is sent (`Done` or an
+    /// error) or the engine drops the job (cancelled), not when the client has read the
+    /// reply, so a client that stops reading a stream holds no place.
     pub place: Option<super::api::Place>,
 }
 
@@ -323,7 +323,7 @@ impl Engine {
 
     /// Sends `e` to a sequence and ends it.
     fn fail(&self, seq: &mut Seq, e: &crate::Error) {
-        let _ = seq.job.events.send(Event::Error(e.to_string()));
+        seq.error(e.to_string());
         self.metrics.failed.fetch_add(1, Ordering::Relaxed);
         seq.over = true;
         seq.failed = true;
@@ -457,10 +457,10 @@ impl Engine {
                 return false;
             }
             if c.nonfinite != 0 {
-                let _ = seq.job.events.send(Event::Error(format!(
+                seq.error(format!(
                     "the logits at position {} hold a NaN or an infinity",
                     c.kv_len
-                )));
+                ));
                 metrics.failed.fetch_add(1, Ordering::Relaxed);
                 seq.over = true;
                 seq.failed = true;
@@ -540,7 +540,7 @@ impl Engine {
                 Ok(false) => false,
                 Ok(true) => true,
                 Err(e) => {
-                    let _ = active[turn].job.events.send(Event::Error(e.to_string()));
+                    active[turn].error(e.to_string());
                     self.metrics.failed.fetch_add(1, Ordering::Relaxed);
                     // A device error may leave the state anywhere: start the next one afresh.
                     true
@@ -757,7 +757,7 @@ fn handle_token(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bo
     let piece = match seq.decoder.step(tok, t) {
         Ok(p) => p.unwrap_or_default(),
         Err(e) => {
-            let _ = seq.job.events.send(Event::Error(e.to_string()));
+            seq.error(e.to_string());
             metrics.failed.fetch_add(1, Ordering::Relaxed);
             seq.answered = true;
             return true;
@@ -804,6 +804,12 @@ impl Seq {
         }
     }
 
+    /// Ends the reply with an error, and lets its place go.
+    fn error(&mut self, message: String) {
+        let _ = self.job.events.send(Event::Error(message));
+        self.job.place = None;
+    }
+
     /// Ends the reply: the text still held back for the stop strings (none after a stop
     /// string was found), then `Done`.
     fn end(&mut self, why: FinishReason, metrics: &Metrics) {
@@ -815,6 +821,10 @@ impl Seq {
             finish: why,
             usage: self.usage(),
         });
+        // The reply is over: its place goes to the next request at once (this sequence
+        // may stay in `active` for a few more steps, and its slot is only taken by a
+        // newcomer after it leaves).
+        self.job.place = None;
         self.answered = true;
         metrics.completed.fetch_add(1, Ordering::Relaxed);
     }

@@ -89,7 +89,7 @@ pub struct App {
     in_flight: Arc<AtomicUsize>,
     /// Prompts being tokenized at once: a 16 MiB prompt takes hundreds of MB while the
     /// `tokenizers` crate splits it, so no more run together than the cores can serve.
-    tokenizing: tokio::sync::Semaphore,
+    tokenizing: Arc<tokio::sync::Semaphore>,
     next_id: AtomicU64,
     seed: AtomicU64,
     stop_ids: Vec<u32>,
@@ -160,9 +160,9 @@ impl Server {
             metrics,
             jobs: Mutex::new(tx),
             in_flight: Arc::new(AtomicUsize::new(0)),
-            tokenizing: tokio::sync::Semaphore::new(
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)),
-            ),
+            )),
             next_id: AtomicU64::new(1),
             seed: AtomicU64::new(started.wrapping_mul(0x2545_f491_4f6c_dd1d)),
             vocab,
