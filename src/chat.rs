@@ -29,6 +29,13 @@ struct SavedChat {
     fed: String,
     last_finish: Option<Finish>,
     pending: Option<u32>,
+    /// The chat template the state was read with (`template_known`: files of earlier
+    /// builds do not say). The state holds the conversation as that template rendered it;
+    /// another template would render the past otherwise and feed it all again on top.
+    #[serde(default)]
+    template_known: bool,
+    #[serde(default)]
+    template: Option<String>,
 }
 
 /// One finished reply.
@@ -110,6 +117,8 @@ impl Chat {
             fed: self.fed.clone(),
             last_finish: self.last_finish,
             pending: self.session.pending(),
+            template_known: true,
+            template: self.tokenizer.chat_template.clone(),
         };
         Ok(crate::state_file::SavedState {
             state: self.session.backend().state()?,
@@ -138,6 +147,22 @@ impl Chat {
             field: "mamba2.extra".into(),
             message: format!("not a saved conversation: {e}"),
         })?;
+        if chat.template_known && chat.template != self.tokenizer.chat_template {
+            let how = match (&chat.template, &self.tokenizer.chat_template) {
+                (Some(_), Some(_)) => "with another chat template than this model's",
+                (Some(_), None) => "with a chat template, and this model has none",
+                _ => "without a chat template, and this model has one",
+            };
+            return Err(Error::Config {
+                path: path.to_path_buf(),
+                field: "mamba2.extra".into(),
+                message: format!(
+                    "the conversation was read {how}: its state holds the past as written \
+                     then, which this one would feed again on top; resume it with the \
+                     tokenizer files it was saved with, or start a new conversation"
+                ),
+            });
+        }
         // A conversation that fills this run's context (a smaller --ctx than it was saved
         // with) could take no further turn: said now, not at the first message.
         let held = saved.state.len as u64 + u64::from(chat.pending.is_some());

@@ -382,3 +382,64 @@ fn a_spaced_end_token_after_a_reply_is_not_fed_twice() {
         r1.finish
     );
 }
+
+/// Without an end-of-text token, the tokens a reply stops on (what `chat`, the app and the
+/// server all pass as `stop`) still hold the template's end of turn, and a turn stops on
+/// it.
+#[test]
+fn a_tokenizer_without_an_eos_still_stops_at_the_template_s_end_of_turn() {
+    let template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|endoftext|>{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
+    let mut c = chat(Some(template));
+    let end = c.tokenizer.eos.unwrap();
+    c.tokenizer.eos = None;
+    c.tokenizer.eos_token = None;
+    let stop = mamba2_wgpu::chat::stop_ids(&c.tokenizer);
+    assert_eq!(stop, vec![end]);
+    let opts = GenerateOptions {
+        stop,
+        ..greedy(300, None)
+    };
+    let r = c.say("Tell me a fortune", &opts, |_| true).unwrap();
+    assert_eq!(r.finish, mamba2_wgpu::Finish::Stop, "{:?}", r.text);
+}
+
+/// A conversation saved with one chat template (or none) is refused when resumed with
+/// another: its state holds the past as the first wrote it, and the second would render
+/// that past otherwise and feed it all again on top. The same template resumes.
+#[test]
+fn a_conversation_resumed_with_another_template_is_refused() {
+    let template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}";
+    let path = std::path::Path::new("talk.safetensors");
+    let mut plain = chat(None);
+    plain
+        .say("Tell me a story", &greedy(4, None), |_| true)
+        .unwrap();
+    let saved = plain.export().unwrap();
+    let e = chat(Some(template))
+        .import(&saved, path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("talk.safetensors")
+            && e.contains("without a chat template, and this model has one"),
+        "{e}"
+    );
+    let mut templated = chat(Some(template));
+    templated
+        .say("Tell me a story", &greedy(4, None), |_| true)
+        .unwrap();
+    let saved = templated.export().unwrap();
+    let e = chat(Some("{% for m in messages %}{{ m.content }}{% endfor %}"))
+        .import(&saved, path)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("with another chat template"), "{e}");
+    let e = chat(None).import(&saved, path).unwrap_err().to_string();
+    assert!(
+        e.contains("with a chat template, and this model has none"),
+        "{e}"
+    );
+    let mut same = chat(Some(template));
+    same.import(&saved, path).unwrap();
+    same.say("Go on", &greedy(2, None), |_| true).unwrap();
+}

@@ -786,3 +786,36 @@ fn huge_counts_are_refused_not_overflowed() {
         );
     }
 }
+
+/// `generate --prompt-ids` with a model that has a tokenizer (the embedded one) stops at
+/// its end of text as a text prompt does (it used to run on past it: the ids path dropped
+/// the tokenizer, and with it the stop token); `--ignore-eos` still runs on.
+#[test]
+fn generate_prompt_ids_stops_at_the_end_of_text() {
+    let run = |extra: &[&str]| {
+        let args = [
+            &[
+                "generate",
+                "--device",
+                "cpu",
+                "--prompt-ids",
+                "1",
+                "-n",
+                "300",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let (ok, out, err) = mamba2(&args);
+        assert!(ok, "{err}");
+        (out, err)
+    };
+    let (out, err) = run(&[]);
+    assert!(err.contains(", Stop,"), "{err}");
+    let (long, err) = run(&["--ignore-eos"]);
+    assert!(
+        err.contains("300 generated tokens") && err.contains(", Length,"),
+        "{err}"
+    );
+    assert!(long.trim().starts_with(out.trim()), "{out}\n{long}");
+}

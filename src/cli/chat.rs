@@ -138,7 +138,9 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let opts = GenerateOptions {
         max_new_tokens: args.max_tokens,
         sampling: args.sampling(),
-        stop: chat.tokenizer.eos.into_iter().collect(),
+        // The end of text and the template's end of turn, as the server stops on (the
+        // latter even for a tokenizer without an end-of-text token).
+        stop: mamba2_wgpu::chat::stop_ids(&chat.tokenizer),
     };
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();

@@ -117,6 +117,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (model, tokenizer) = args.model.load()?;
     note_unused_ctx(&model, args.ctx);
     let text = file_text.as_deref().or(args.text());
+    // The model's end of text stops the reply whether the prompt came as text or as ids
+    // (which print ids: the tokenizer is not used for them otherwise).
+    let eos = tokenizer.as_ref().and_then(|t| t.eos);
     let (prompt, tokenizer) = match (&args.prompt_ids, text) {
         (Some(ids), _) => (ids.clone(), None),
         (None, text) => {
@@ -131,9 +134,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         bail!("the prompt is empty");
     }
     let sampling = args.sampling();
-    let stop = match (&tokenizer, args.ignore_eos) {
-        (Some(t), false) => t.eos.into_iter().collect(),
-        _ => Vec::new(),
+    let stop = match args.ignore_eos {
+        false => eos.into_iter().collect(),
+        true => Vec::new(),
     };
     let opts = GenerateOptions {
         max_new_tokens: args.max_tokens,

@@ -376,10 +376,12 @@ impl Worker {
         let opts = GenerateOptions {
             max_new_tokens: settings.max_tokens.max(1),
             sampling: settings.sampling(*variation),
+            // The end of text and the template's end of turn, as the server and `chat`
+            // stop on (the latter even without an end-of-text token).
             stop: if settings.ignore_eos {
                 Vec::new()
             } else {
-                chat.tokenizer.eos.into_iter().collect()
+                crate::chat::stop_ids(&chat.tokenizer)
             },
         };
         let start = Instant::now();
