@@ -31,7 +31,8 @@ struct SavedChat {
     pending: Option<u32>,
     /// The chat template the state was read with (`template_known`: files of earlier
     /// builds do not say). The state holds the conversation as that template rendered it;
-    /// another template would render the past otherwise and feed it all again on top.
+    /// resumed without one (or, saved without one, with one) the past would be fed again
+    /// on top.
     #[serde(default)]
     template_known: bool,
     #[serde(default)]
@@ -147,11 +148,15 @@ impl Chat {
             field: "mamba2.extra".into(),
             message: format!("not a saved conversation: {e}"),
         })?;
-        if chat.template_known && chat.template != self.tokenizer.chat_template {
-            let how = match (&chat.template, &self.tokenizer.chat_template) {
-                (Some(_), Some(_)) => "with another chat template than this model's",
-                (Some(_), None) => "with a chat template, and this model has none",
-                _ => "without a chat template, and this model has one",
+        // With a template on one side only, the saved text (the rendering read) cannot be
+        // told from the new rendering's start: the whole past would be fed again on top of
+        // the state. (Two different templates are fine: the next turn finds the past
+        // rendered otherwise and reads the conversation afresh, `input_after`'s reread.)
+        if chat.template_known && chat.template.is_some() != self.tokenizer.chat_template.is_some()
+        {
+            let how = match chat.template {
+                Some(_) => "with a chat template, and this model has none",
+                None => "without a chat template, and this model has one",
             };
             return Err(Error::Config {
                 path: path.to_path_buf(),

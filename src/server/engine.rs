@@ -806,8 +806,10 @@ impl Seq {
 
     /// Ends the reply with an error, and lets its place go.
     fn error(&mut self, message: String) {
-        let _ = self.job.events.send(Event::Error(message));
+        // The place first: a client that sends its next request on hearing the end must
+        // find it free.
         self.job.place = None;
+        let _ = self.job.events.send(Event::Error(message));
     }
 
     /// Ends the reply: the text still held back for the stop strings (none after a stop
@@ -817,14 +819,14 @@ impl Seq {
         if !tail.is_empty() {
             let _ = self.job.events.send(Event::Text(tail));
         }
+        // The reply is over: its place goes to the next request before the client hears
+        // so (this sequence may stay in `active` for a few more steps, and its slot is
+        // only taken by a newcomer after it leaves).
+        self.job.place = None;
         let _ = self.job.events.send(Event::Done {
             finish: why,
             usage: self.usage(),
         });
-        // The reply is over: its place goes to the next request at once (this sequence
-        // may stay in `active` for a few more steps, and its slot is only taken by a
-        // newcomer after it leaves).
-        self.job.place = None;
         self.answered = true;
         metrics.completed.fetch_add(1, Ordering::Relaxed);
     }
