@@ -864,14 +864,12 @@ impl ModelConfig {
             ));
         }
         // The kernels take ε as an f32: a positive normal one (1e300 would be inf there).
-        let eps32 = self.norm_eps as f32;
-        if !(self.norm_eps > 0.0 && eps32.is_finite() && eps32 >= f32::MIN_POSITIVE) {
+        if !(self.norm_eps > 0.0 && f32_normal(self.norm_eps)) {
             return Err(err(
                 "norm_eps",
                 format!(
-                    "must be a positive f32 ({:e} to {:e}), found {:e}",
-                    f32::MIN_POSITIVE,
-                    f32::MAX,
+                    "must be a positive f32 ({}), found {:e}",
+                    f32_range(),
                     self.norm_eps
                 ),
             ));
@@ -931,25 +929,20 @@ impl ModelConfig {
                 // The kernels take θ as an f32: it must stay a positive normal number there
                 // (1e39 would be inf, 1e-50 zero, and either makes every angle NaN).
                 if let Some(t) = a.rope_theta
-                    && !(t > 0.0 && (t as f32).is_normal())
+                    && !(t > 0.0 && f32_normal(t))
                 {
                     return Err(err(
                         "rope_theta",
-                        format!(
-                            "must be positive and an f32 ({:e} to {:e}), found {t}",
-                            f32::MIN_POSITIVE,
-                            f32::MAX
-                        ),
+                        format!("must be positive and an f32 ({}), found {t}", f32_range()),
                     ));
                 }
                 // (An f32 in the kernels and the reference, as θ is.)
-                if !(a.scale > 0.0 && (a.scale as f32).is_normal()) {
+                if !(a.scale > 0.0 && f32_normal(a.scale)) {
                     return Err(err(
                         "attention scale",
                         format!(
-                            "must be positive and an f32 ({:e} to {:e}), found {}",
-                            f32::MIN_POSITIVE,
-                            f32::MAX,
+                            "must be positive and an f32 ({}), found {}",
+                            f32_range(),
                             a.scale
                         ),
                     ));
@@ -996,13 +989,12 @@ impl ModelConfig {
         ] {
             // The kernels and the reference multiply by it as an f32: 1e300 would be inf
             // there and 1e-50 zero (every logit 0, a silent run of token 0).
-            if !(v as f32).is_normal() {
+            if !f32_normal(v) {
                 return Err(err(
                     field,
                     format!(
-                        "must be a non-zero f32 (magnitude {:e} to {:e}), found {v}",
-                        f32::MIN_POSITIVE,
-                        f32::MAX
+                        "must be a non-zero f32 (magnitude {}), found {v}",
+                        f32_range()
                     ),
                 ));
             }
@@ -1012,6 +1004,17 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// Whether a config value is a normal number as the f32 the kernels and the reference
+/// take it in (not 0, subnormal or infinite there: 1e300 would be inf, 1e-50 zero).
+fn f32_normal(v: f64) -> bool {
+    (v as f32).is_normal()
+}
+
+/// The magnitudes `f32_normal` takes, for the errors that refuse others.
+fn f32_range() -> String {
+    format!("{:e} to {:e}", f32::MIN_POSITIVE, f32::MAX)
 }
 
 /// serde_json rejects the bare `Infinity`/`NaN` tokens Python's json writes; quote them

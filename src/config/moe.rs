@@ -130,15 +130,14 @@ impl MoeConfig {
             routed_scaling_factor: s,
             ..
         } = self.router
-            && !(s == 0.0 || (s as f32).is_normal())
+            && !(s == 0.0 || super::f32_normal(s))
         {
             // (An f32 in the routing kernel and the reference.)
             return Err((
                 "routed_scaling_factor",
                 format!(
-                    "must be 0 or an f32 (magnitude {:e} to {:e}), found {s}",
-                    f32::MIN_POSITIVE,
-                    f32::MAX
+                    "must be 0 or an f32 (magnitude {}), found {s}",
+                    super::f32_range()
                 ),
             ));
         }

@@ -157,12 +157,8 @@ pub async fn chat(State(app): State<Arc<App>>, request: Request) -> Response {
         Err(e) => return bad(&app, e),
     };
     drop(body);
-    let place = match Place::take(&app) {
-        Ok(p) => p,
-        Err(r) => return *r,
-    };
     let messages = req.messages;
-    match tokenize(&app, Kind::Chat, place, move |tok| {
+    match tokenize(&app, Kind::Chat, move |tok| {
         crate::chat::conversation_tokens(tok, &messages)
     })
     .await
@@ -182,12 +178,8 @@ pub async fn completions(State(app): State<Arc<App>>, request: Request) -> Respo
         Err(e) => return bad(&app, e),
     };
     drop(body);
-    let place = match Place::take(&app) {
-        Ok(p) => p,
-        Err(r) => return *r,
-    };
     let text = req.prompt;
-    match tokenize(&app, Kind::Completion, place, move |tok| tok.encode(&text)).await {
+    match tokenize(&app, Kind::Completion, move |tok| tok.encode(&text)).await {
         Ok((prompt, place)) => run(app, Kind::Completion, prompt, req.common, place).await,
         Err(r) => *r,
     }
@@ -209,17 +201,18 @@ fn prompt_param(kind: Kind) -> &'static str {
     }
 }
 
-/// Runs `encode` on a blocking thread (a long prompt or a template takes a while), one of
-/// at most `App::tokenizing` at once: the token ids and the request's place, or the error
-/// response (400 naming the prompt's field). The blocking task holds the turn and the
-/// place until it ends, even where the client hangs up and the request's future is
-/// dropped meanwhile (the work goes on, and must still count).
+/// Takes the request's place (or answers 503), then runs `encode` on a blocking thread (a
+/// long prompt or a template takes a while), one of at most `App::tokenizing` at once: the
+/// token ids and the place, or the error response (400 naming the prompt's field). The
+/// blocking task holds the turn and the place until it ends, even where the client hangs
+/// up and the request's future is dropped meanwhile (the work goes on, and must still
+/// count).
 async fn tokenize(
     app: &Arc<App>,
     kind: Kind,
-    place: Place,
     encode: impl FnOnce(&crate::tokenizer::Tokenizer) -> crate::Result<Vec<u32>> + Send + 'static,
 ) -> Result<(Vec<u32>, Place), Box<Response>> {
+    let place = Place::take(app)?;
     let tok = app.tokenizer.clone();
     // (The semaphore is never closed.)
     let turn = app.tokenizing.clone().acquire_owned().await.ok();
