@@ -173,7 +173,7 @@ impl Backend for CpuBackend {
         let room = self.model.context.saturating_sub(self.state.len);
         if room == 0 {
             return Err(Error::InvalidInput(format!(
-                "the context is full: {} tokens (--ctx)",
+                "{CONTEXT_FULL}: {} tokens (--ctx)",
                 self.state.len
             )));
         }
@@ -288,6 +288,10 @@ pub struct PromptProgress {
     pub every: usize,
     pub on: Box<dyn FnMut(usize, usize) -> bool + Send>,
 }
+
+/// How every refusal of tokens past the context (`--ctx`) begins, for front-ends that
+/// say how to go on (a new conversation, a larger context).
+pub const CONTEXT_FULL: &str = "the context is full";
 
 /// The error of a prompt whose reading `PromptProgress::on` stopped.
 pub const STOPPED_READING: &str = "stopped while the prompt was being read";

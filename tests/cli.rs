@@ -819,3 +819,44 @@ fn generate_prompt_ids_stops_at_the_end_of_text() {
     );
     assert!(long.trim().starts_with(out.trim()), "{out}\n{long}");
 }
+
+/// A message that does not fit the context (a hybrid's KV cache, `--ctx`) is not sent, and
+/// the error says how to go on; the conversation then goes on from where it was.
+#[test]
+fn chat_says_how_to_go_on_when_the_context_is_full() {
+    let dir = common::Scratch::new("cli-ctx-full");
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron_h_hybrid");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+    }
+    // A word-level tokenizer of the fixture's 101 tokens.
+    let vocab: serde_json::Map<String, serde_json::Value> = ["<unk>", "a", "b", "c", "d"]
+        .into_iter()
+        .map(String::from)
+        .chain((5..101).map(|i| format!("t{i}")))
+        .enumerate()
+        .map(|(i, w)| (w, i.into()))
+        .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let model = dir.to_str().unwrap();
+    let flags = ["--model", model, "--device", "cpu", "--ctx", "8", "-n", "2"];
+    let (ok, out, err) = chat(&flags, b"a b c d a b c d a b c d\nb a\n");
+    assert!(
+        err.contains("the context is full")
+            && err.contains("nothing was sent: /reset starts a new conversation"),
+        "{err}"
+    );
+    assert!(
+        err.contains("[2 new tokens fed, 2 generated"),
+        "the next message is answered from an empty state: {err}"
+    );
+    assert!(!out.trim().is_empty(), "{err}");
+    assert!(!ok, "a line failed: {err}");
+}

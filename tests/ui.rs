@@ -254,6 +254,137 @@ fn chat_shows_a_bad_model_dir_in_the_window() {
     wait_until(&mut h, "the embedded model", |a| a.ready(), chat_errors);
 }
 
+/// A turn that fails leaves the conversation as before it (`Chat::say_with`), so the
+/// window takes it back: a new message goes back to the input box, a regenerated reply is
+/// the old one again; a Regenerate after it then remakes the reply the chat really holds.
+/// The worker here has no model (its load failed), so every turn fails at once, for real.
+#[test]
+fn chat_takes_back_a_turn_that_failed() {
+    use mamba2_wgpu::ui::chat::Message;
+    let dir = std::env::temp_dir().join(format!("mamba2-ui-none-{}", std::process::id()));
+    let app = ChatApp::new(LoadRequest::new(ModelSource::Dir(dir), DeviceChoice::Cpu));
+    let mut h = Harness::builder()
+        .with_size([900.0, 500.0])
+        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
+    wait_until(
+        &mut h,
+        "the load error",
+        |a| !a.errors.is_empty(),
+        chat_errors,
+    );
+    {
+        let a = h.state_mut();
+        a.errors.clear();
+        // As if a model were open and had answered once (the worker has none).
+        a.model = Some("a model".into());
+        a.messages.push(Message::new(Role::User, "hello".into(), 0));
+        a.messages
+            .push(Message::new(Role::Assistant, "the old reply".into(), 1));
+    }
+
+    h.state_mut().regenerate();
+    wait_until(
+        &mut h,
+        "the failed regeneration",
+        |a| a.ready(),
+        chat_errors,
+    );
+    let a = h.state();
+    assert_eq!(a.messages.len(), 2, "{:?}", a.messages);
+    assert_eq!(a.messages[1].text, "the old reply", "the old reply is back");
+    assert!(a.messages[1].error.is_none(), "{:?}", a.messages[1]);
+    assert!(
+        a.errors.iter().any(|e| e.contains("no model is open")),
+        "{:?}",
+        a.errors
+    );
+
+    h.state_mut().input = "a question".into();
+    h.state_mut().send_input();
+    assert_eq!(h.state().messages.len(), 4, "sent: message and reply shown");
+    assert!(h.state().input.is_empty());
+    wait_until(&mut h, "the failed message", |a| a.ready(), chat_errors);
+    let a = h.state();
+    assert_eq!(
+        a.messages
+            .iter()
+            .map(|m| m.text.as_str())
+            .collect::<Vec<_>>(),
+        ["hello", "the old reply"],
+        "the message that was not sent is not shown as sent"
+    );
+    assert_eq!(a.input, "a question", "its text is back in the input box");
+    assert_eq!(a.errors.len(), 2, "{:?}", a.errors);
+}
+
+/// Stop while a long prompt is being read: the message is not sent (the chat rolls the
+/// read pieces back), the window takes it back into the input box, and Regenerate then
+/// remakes the reply before it, which greedy decoding makes equal to the first. (On the
+/// CPU reference: this is about the window and its worker, and lavapipe takes 100 s to
+/// read the 8192 tokens of a piece, the CPU 15.)
+#[test]
+fn chat_stopped_while_reading_takes_the_message_back() {
+    let app = ChatApp::new(LoadRequest::new(ModelSource::Embedded, DeviceChoice::Cpu));
+    let mut h = Harness::builder()
+        .with_size([1100.0, 700.0])
+        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
+    wait_until(&mut h, "the model to load", |a| a.ready(), chat_errors);
+    {
+        let s = &mut h.state_mut().settings;
+        s.temperature = 0.0;
+        s.max_tokens = 6;
+        s.ignore_eos = true;
+    }
+    type_and_send(&mut h, "The best way to");
+    wait_until(&mut h, "the first reply", |a| a.ready(), chat_errors);
+    let first = h.state().messages[1].text.clone();
+    assert_eq!(h.state().messages[1].tokens, 6);
+
+    // Two prompt pieces or more (`PROMPT_STEP` = 8192 tokens each) report progress and can
+    // be stopped between them.
+    // (15 tokens each: 18 000 tokens, of which the first piece is read.)
+    let long = " The quick brown fox jumps over the lazy dog.".repeat(1200);
+    h.state_mut().input = long.clone();
+    h.get_by_label("Send").click();
+    h.step();
+    wait_until(
+        &mut h,
+        "the long prompt's reading",
+        |a| a.reading.is_some(),
+        chat_errors,
+    );
+    h.get_by_label("Stop").click();
+    h.step();
+    wait_until(&mut h, "the stop", |a| a.ready(), chat_errors);
+    let a = h.state();
+    assert_eq!(a.messages.len(), 2, "the long message is taken back");
+    assert_eq!(a.messages[1].text, first);
+    assert_eq!(
+        a.input,
+        long.trim_end(),
+        "its text is back in the input box"
+    );
+    assert!(
+        a.errors
+            .iter()
+            .any(|e| e.contains("the message was not sent")),
+        "{:?}",
+        a.errors
+    );
+
+    h.state_mut().errors.clear();
+    h.get_by_label("Regenerate").click();
+    h.step();
+    wait_until(&mut h, "the regenerated reply", |a| a.ready(), chat_errors);
+    let a = h.state();
+    assert_eq!(a.messages.len(), 2);
+    assert_eq!(
+        a.messages[1].text, first,
+        "the reply regenerated is the one shown (greedy: the same text)"
+    );
+    assert!(a.errors.is_empty(), "{:?}", a.errors);
+}
+
 /// A Q4_K GGUF opened with no format asked for (what `mamba2 app --model FILE` sends
 /// without --dtype) goes up as stored, like every other command's default, and the
 /// drop-down says so; a format chosen there still wins when the model is reopened.

@@ -243,7 +243,15 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             // A device error leaves the state (and likely the device) unusable: stop.
             Err(e @ mamba2_wgpu::Error::Gpu(_)) => return Err(e.into()),
             Err(e) => {
-                eprintln!("error: {e}");
+                let e = e.to_string();
+                if e.contains(mamba2_wgpu::session::CONTEXT_FULL) {
+                    eprintln!(
+                        "error: {e}; nothing was sent: /reset starts a new conversation (or \
+                         run with a larger --ctx)"
+                    );
+                } else {
+                    eprintln!("error: {e}");
+                }
                 failed += 1;
             }
         }

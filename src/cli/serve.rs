@@ -75,6 +75,11 @@ pub struct ServeArgs {
     /// closes their connections (a client that stopped reading would hold it for ever).
     #[arg(long, default_value_t = 30, value_name = "SECS")]
     shutdown_grace: u64,
+    /// Seconds a write to a client may wait for it to read before its connection is closed
+    /// and its request cancelled (a client that stopped reading a stream); 1 to 86400.
+    #[arg(long, default_value_t = 60, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    write_timeout: u64,
 }
 
 impl ServeArgs {
@@ -162,6 +167,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_prompt: args.max_prompt,
         api_key: args.api_key.clone(),
         shutdown_grace: std::time::Duration::from_secs(args.shutdown_grace),
+        write_timeout: std::time::Duration::from_secs(args.write_timeout),
         ..Default::default()
     };
     let server = Server::start(listener, config, backend, tokenizer, cache)?;

@@ -330,9 +330,11 @@ impl Engine {
     pub fn check_room(&self, n: usize) -> Result<()> {
         if self.state.kv_bytes() > 0 && self.len + n > self.state.ctx {
             return Err(Error::InvalidInput(format!(
-                "the context is full: {} tokens so far + {n} new exceed the {}-token KV cache \
+                "{}: {} tokens so far + {n} new exceed the {}-token KV cache \
                  (--ctx)",
-                self.len, self.state.ctx
+                crate::session::CONTEXT_FULL,
+                self.len,
+                self.state.ctx
             )));
         }
         Ok(())

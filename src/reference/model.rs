@@ -200,8 +200,9 @@ impl<T: Real> CpuModel<T> {
         state.check(c)?;
         if state.len.saturating_add(tokens.len()) > self.context {
             return Err(Error::InvalidInput(format!(
-                "the context is full: {} tokens so far + {} new exceed the {}-token context \
+                "{}: {} tokens so far + {} new exceed the {}-token context \
                  (--ctx)",
+                crate::session::CONTEXT_FULL,
                 state.len,
                 tokens.len(),
                 self.context

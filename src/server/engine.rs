@@ -323,10 +323,7 @@ impl Engine {
 
     /// Sends `e` to a sequence and ends it.
     fn fail(&self, seq: &mut Seq, e: &crate::Error) {
-        seq.error(e.to_string());
-        self.metrics.failed.fetch_add(1, Ordering::Relaxed);
-        seq.over = true;
-        seq.failed = true;
+        fail_with(&self.metrics, seq, e.to_string());
     }
 
     /// Moves a sequence whose prompt was just read (its state the backend's own) into a
@@ -457,13 +454,11 @@ impl Engine {
                 return false;
             }
             if c.nonfinite != 0 {
-                seq.error(format!(
+                let e = format!(
                     "the logits at position {} hold a NaN or an infinity",
                     c.kv_len
-                ));
-                metrics.failed.fetch_add(1, Ordering::Relaxed);
-                seq.over = true;
-                seq.failed = true;
+                );
+                fail_with(&metrics, seq, e);
                 return false;
             }
             if handle_token(seq, c.token, &tok, &metrics) {
@@ -637,27 +632,24 @@ impl Engine {
             }
             // Every chunk's time counts as prefill (the metric once took the last only).
             let t0 = Instant::now();
-            if end < prompt_len {
-                // A middle chunk: its sampled token is not used.
-                self.backend
-                    .prefill_sample(&piece, &Sampling::greedy(), end as u64)?;
-                seq.fed.extend_from_slice(&piece);
-                if every > 0 && end.is_multiple_of(every) {
-                    self.remember(&seq.fed);
-                }
-                self.metrics
-                    .prefill_ns
-                    .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                return Ok(false);
-            }
-            let first = self
-                .backend
-                .prefill_sample(&piece, &seq.job.sampling, end as u64)?;
+            let last = end == prompt_len;
+            // A middle chunk's sampled token is not used.
+            let sampling = if last {
+                seq.job.sampling
+            } else {
+                Sampling::greedy()
+            };
+            let first = self.backend.prefill_sample(&piece, &sampling, end as u64)?;
             seq.fed.extend_from_slice(&piece);
-            self.remember(&seq.fed);
+            if last || (every > 0 && end.is_multiple_of(every)) {
+                self.remember(&seq.fed);
+            }
             self.metrics
                 .prefill_ns
                 .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if !last {
+                return Ok(false);
+            }
             seq.pending = Some(first);
             return Ok(self.emit(seq, first));
         }
@@ -743,6 +735,15 @@ fn no_batch() -> crate::Error {
 
 /// Handles sampled token `t` of `seq`: a stop id, a stop string or a closed client ends
 /// the reply (sending `Done` where the client still listens); else its text goes out.
+/// Sends `message` to a sequence as its error and ends it (`Engine::fail`, and the decode
+/// step's callback, which cannot borrow the engine).
+fn fail_with(metrics: &Metrics, seq: &mut Seq, message: String) {
+    seq.error(message);
+    metrics.failed.fetch_add(1, Ordering::Relaxed);
+    seq.over = true;
+    seq.failed = true;
+}
+
 fn handle_token(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool {
     if seq.job.events.is_closed() {
         seq.cancel(metrics);

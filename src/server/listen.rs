@@ -1,9 +1,12 @@
 //! The HTTP/1 accept loop (in place of `axum::serve`, which sets no timer, so a client
 //! that opens connections and never finishes a request head holds each one for ever: with
 //! enough of them the process runs out of descriptors and nobody else gets in). Here a
-//! connection must send a whole request head within `ServerConfig::header_timeout`, and a
-//! request's body must arrive within `ServerConfig::body_timeout` (`body_deadline`);
-//! replies, streamed or not, take as long as they take.
+//! connection must send a whole request head within `Timers::header`, a request's body
+//! must arrive within `ServerConfig::body_timeout` (`body_deadline`), and a write to the
+//! client may wait at most `Timers::write` for it to read (a client that asked for a long
+//! stream and stopped reading it would otherwise hold its connection, and the events queued
+//! for it, for as long as the process runs). Replies that the client reads take as long as
+//! they take.
 
 use std::time::Duration;
 
@@ -14,15 +17,27 @@ use futures_util::StreamExt;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use tokio_io_timeout::TimeoutStream;
 
-/// Serves `router` on `listener` until `stop` resolves, then waits up to `grace` for the
-/// open connections to finish their requests; those still open are left to be dropped with
-/// the runtime (a client that stops reading a stream would otherwise hold a stop for ever).
+/// The connections' timers (`ServerConfig`'s).
+#[derive(Clone, Copy, Debug)]
+pub struct Timers {
+    /// For a whole request head (also while idle between requests).
+    pub header: Duration,
+    /// For one write to the client to make progress: past it the connection is closed,
+    /// which drops its reply (a stream's request is then cancelled, its slot freed).
+    pub write: Duration,
+    /// How long a stop waits for the open requests.
+    pub grace: Duration,
+}
+
+/// Serves `router` on `listener` until `stop` resolves, then waits up to `timers.grace` for
+/// the open connections to finish their requests; those still open are left to be dropped
+/// with the runtime.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
-    header_timeout: Duration,
-    grace: Duration,
+    timers: Timers,
     stop: impl std::future::Future<Output = ()>,
 ) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -31,7 +46,7 @@ pub async fn serve(
     // client's close as an abort). A client that half-closes its side after its request
     // (`nc -N`) is therefore not answered.
     http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(timers.header);
     let graceful = GracefulShutdown::new();
     let mut stop = std::pin::pin!(stop);
     loop {
@@ -45,21 +60,26 @@ pub async fn serve(
             },
             () = &mut stop => break,
         };
+        // A write still pending after `timers.write` fails with TimedOut, which ends the
+        // connection as a client going away would.
+        let mut stream = TimeoutStream::new(stream);
+        stream.set_write_timeout(Some(timers.write));
+        let io = TokioIo::new(Box::pin(stream));
         let service = TowerToHyperService::new(router.clone());
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let conn = graceful.watch(http.serve_connection(io, service));
         tokio::spawn(async move {
             // A client that goes away or breaks the protocol ends only its connection.
             let _ = conn.await;
         });
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown())
+    if tokio::time::timeout(timers.grace, graceful.shutdown())
         .await
         .is_err()
     {
         tracing::warn!(
             "requests still open {:.1} s after the stop: closing their connections",
-            grace.as_secs_f64()
+            timers.grace.as_secs_f64()
         );
     }
     Ok(())
@@ -134,4 +154,81 @@ pub async fn body_deadline(
     });
     next.run(Request::from_parts(parts, Body::from_stream(timed)))
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+
+    /// Sets its flag when dropped: the reply holding it was let go of.
+    struct Dropped(Arc<AtomicBool>);
+
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A client that asks for an endless reply and reads none of it: once the socket
+    /// buffers are full the server's write waits, and after the write timeout the
+    /// connection is closed and the reply dropped (for a stream, what cancels its request).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_stops_reading_is_let_go_after_the_write_timeout() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let flag = dropped.clone();
+        let router = Router::new().route(
+            "/",
+            axum::routing::get(move || {
+                let guard = Dropped(flag.clone());
+                async move {
+                    let chunk = axum::body::Bytes::from(vec![b'x'; 1 << 16]);
+                    Body::from_stream(futures_util::stream::repeat_with(move || {
+                        let _held = &guard;
+                        Ok::<_, std::io::Error>(chunk.clone())
+                    }))
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let timers = Timers {
+            header: Duration::from_secs(5),
+            write: Duration::from_millis(500),
+            grace: Duration::from_secs(1),
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, router, timers, async move {
+            let _ = stopped.await;
+        }));
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let started = Instant::now();
+        while !dropped.load(Ordering::SeqCst) {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the reply to a client that reads nothing is still held"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(500),
+            "let go after {waited:?}"
+        );
+        // The connection is closed: reading drains what was sent and ends.
+        client
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let drained =
+            tokio::task::block_in_place(|| std::io::copy(&mut client, &mut std::io::sink()));
+        assert!(drained.is_ok(), "still open: {drained:?}");
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
+    }
 }

@@ -54,6 +54,9 @@ pub struct ServerConfig {
     pub header_timeout: std::time::Duration,
     /// How long a request's body may take to arrive once its head has.
     pub body_timeout: std::time::Duration,
+    /// How long a write to a client may wait for it to read before its connection is
+    /// closed (and its request cancelled): a client that stopped reading a stream.
+    pub write_timeout: std::time::Duration,
     /// How long a stop waits for the open requests to finish (a stream to a client that
     /// stopped reading never would) before it closes their connections.
     pub shutdown_grace: std::time::Duration,
@@ -73,6 +76,7 @@ impl Default for ServerConfig {
             prefill_chunk: engine::PREFILL_CHUNK,
             header_timeout: std::time::Duration::from_secs(30),
             body_timeout: std::time::Duration::from_secs(60),
+            write_timeout: std::time::Duration::from_secs(60),
             shutdown_grace: std::time::Duration::from_secs(30),
         }
     }
@@ -168,8 +172,11 @@ impl Server {
             vocab,
             started,
         });
-        let header_timeout = config.header_timeout;
-        let grace = config.shutdown_grace;
+        let timers = listen::Timers {
+            header: config.header_timeout,
+            write: config.write_timeout,
+            grace: config.shutdown_grace,
+        };
         let router = Router::new()
             .route("/v1/chat/completions", post(api::chat))
             .route("/v1/completions", post(api::completions))
@@ -195,7 +202,7 @@ impl Server {
                     .build()?;
                 rt.block_on(async move {
                     let listener = tokio::net::TcpListener::from_std(listener)?;
-                    listen::serve(listener, router, header_timeout, grace, async move {
+                    listen::serve(listener, router, timers, async move {
                         let _ = stop_rx.await;
                     })
                     .await

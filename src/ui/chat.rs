@@ -61,6 +61,17 @@ impl Message {
     }
 }
 
+/// What the window takes back when the turn being made does not enter the conversation
+/// (it failed, or was stopped before it began): the chat leaves the conversation as it
+/// was before such a turn (`Chat::say_with`, `Chat::regenerate_with`), and the window
+/// must show what a next Regenerate or message would continue from.
+enum Undo {
+    /// A new message: it and its reply go; its text returns to the input box.
+    Send(String),
+    /// A regeneration: the old reply comes back.
+    Regenerate(Message),
+}
+
 /// Where the model is, as the settings panel edits it.
 pub struct ModelForm {
     pub path: String,
@@ -80,6 +91,8 @@ pub struct ChatApp {
     pub generating: Option<u64>,
     /// Its long prompt's progress: tokens read of the total (`ChatEvent::Reading`).
     pub reading: Option<(usize, usize)>,
+    /// What to take back if the reply being generated does not enter the conversation.
+    undo: Option<(u64, Undo)>,
     next_id: u64,
     pub loading: Option<String>,
     pub model: Option<String>,
@@ -112,6 +125,7 @@ impl ChatApp {
             form,
             generating: None,
             reading: None,
+            undo: None,
             next_id: 1,
             loading: Some("starting".into()),
             model: None,
@@ -154,6 +168,7 @@ impl ChatApp {
         self.messages
             .push(Message::new(Role::Assistant, String::new(), id));
         self.generating = Some(id);
+        self.undo = Some((id, Undo::Send(text.clone())));
         if !self.worker.send(ChatCommand::Send {
             id,
             text,
@@ -182,7 +197,8 @@ impl ChatApp {
         }
         let id = self.fresh_id();
         if let Some(last) = self.messages.last_mut() {
-            *last = Message::new(Role::Assistant, String::new(), id);
+            let old = std::mem::replace(last, Message::new(Role::Assistant, String::new(), id));
+            self.undo = Some((id, Undo::Regenerate(old)));
         }
         self.generating = Some(id);
         if !self.worker.send(ChatCommand::Regenerate {
@@ -240,67 +256,111 @@ impl ChatApp {
     /// Applies the worker's events.
     pub fn poll(&mut self) {
         while let Ok(ev) = self.worker.try_recv() {
-            match ev {
-                ChatEvent::Loading(what) => self.loading = Some(what),
-                ChatEvent::Loaded(info) => {
-                    self.loading = None;
-                    self.model = Some(format!("{} on {}", info.source, info.device));
-                    self.inspector.set_model(*info);
-                    if self.inspector.profiling {
-                        self.worker.send(ChatCommand::Profiling(true));
+            self.apply(ev);
+        }
+    }
+
+    /// Ends reply `id` if it is the one being generated (a later event about it, such as
+    /// a failure to read the live state after it, changes nothing), taking its turn back
+    /// when it did not enter the conversation.
+    fn end_reply(&mut self, id: u64, in_conversation: bool) {
+        if self.generating != Some(id) {
+            return;
+        }
+        self.generating = None;
+        self.reading = None;
+        let undo = match self.undo.take() {
+            Some((u, undo)) if u == id && !in_conversation => undo,
+            _ => return,
+        };
+        let Some(at) = self
+            .messages
+            .iter()
+            .rposition(|m| m.role == Role::Assistant && m.id == id)
+        else {
+            return;
+        };
+        match undo {
+            Undo::Send(text) => {
+                // The reply and the message before it, which the chat does not hold.
+                let from = match at.checked_sub(1) {
+                    Some(u) if self.messages[u].role == Role::User => u,
+                    _ => at,
+                };
+                self.messages.drain(from..=at);
+                if self.input.trim().is_empty() {
+                    self.input = text;
+                }
+            }
+            Undo::Regenerate(old) => self.messages[at] = old,
+        }
+    }
+
+    /// Applies one of the worker's events (`poll`'s loop).
+    pub fn apply(&mut self, ev: ChatEvent) {
+        match ev {
+            ChatEvent::Loading(what) => self.loading = Some(what),
+            ChatEvent::Loaded(info) => {
+                self.loading = None;
+                self.model = Some(format!("{} on {}", info.source, info.device));
+                self.inspector.set_model(*info);
+                if self.inspector.profiling {
+                    self.worker.send(ChatCommand::Profiling(true));
+                }
+            }
+            ChatEvent::LoadFailed(e) => {
+                self.loading = None;
+                self.model = None;
+                self.errors.push(e);
+            }
+            ChatEvent::Notice(n) => self.notices.push(n),
+            ChatEvent::ReplyStarted { .. } => {}
+            ChatEvent::Reading { fed, total } => {
+                self.reading = (fed < total).then_some((fed, total));
+            }
+            ChatEvent::Token { id, piece, at } => {
+                self.reading = None;
+                self.inspector.timings.token(at);
+                if let Some(m) = self.reply_mut(id) {
+                    m.tokens += 1;
+                    m.first_token.get_or_insert(at);
+                    m.last_token = Some(at);
+                    if let Some(p) = piece {
+                        m.text.push_str(&p);
                     }
                 }
-                ChatEvent::LoadFailed(e) => {
-                    self.loading = None;
+            }
+            ChatEvent::ReplyDone {
+                id,
+                finish,
+                in_conversation,
+                ..
+            } => {
+                if let Some(m) = self.reply_mut(id) {
+                    m.finish = Some(finish);
+                }
+                self.end_reply(id, in_conversation);
+            }
+            ChatEvent::ReplyFailed {
+                id,
+                error,
+                in_conversation,
+            } => {
+                if let Some(m) = self.reply_mut(id) {
+                    m.error = Some(error.clone());
+                }
+                self.end_reply(id, in_conversation);
+                self.errors.push(error);
+            }
+            ChatEvent::Profiles(p) => self.inspector.timings.add_profiles(p),
+            ChatEvent::ExpertLoad(l) => self.inspector.experts = Some(*l),
+            ChatEvent::State(s) => self.inspector.set_summary(*s),
+            ChatEvent::Cleared => self.inspector.timings.clear(),
+            ChatEvent::Error(e) => {
+                if e.contains("the model was closed") {
                     self.model = None;
-                    self.errors.push(e);
                 }
-                ChatEvent::Notice(n) => self.notices.push(n),
-                ChatEvent::ReplyStarted { .. } => {}
-                ChatEvent::Reading { fed, total } => {
-                    self.reading = (fed < total).then_some((fed, total));
-                }
-                ChatEvent::Token { id, piece, at } => {
-                    self.reading = None;
-                    self.inspector.timings.token(at);
-                    if let Some(m) = self.reply_mut(id) {
-                        m.tokens += 1;
-                        m.first_token.get_or_insert(at);
-                        m.last_token = Some(at);
-                        if let Some(p) = piece {
-                            m.text.push_str(&p);
-                        }
-                    }
-                }
-                ChatEvent::ReplyDone { id, finish, .. } => {
-                    if let Some(m) = self.reply_mut(id) {
-                        m.finish = Some(finish);
-                    }
-                    if self.generating == Some(id) {
-                        self.generating = None;
-                        self.reading = None;
-                    }
-                }
-                ChatEvent::ReplyFailed { id, error } => {
-                    if let Some(m) = self.reply_mut(id) {
-                        m.error = Some(error.clone());
-                    }
-                    if self.generating == Some(id) {
-                        self.generating = None;
-                        self.reading = None;
-                    }
-                    self.errors.push(error);
-                }
-                ChatEvent::Profiles(p) => self.inspector.timings.add_profiles(p),
-                ChatEvent::ExpertLoad(l) => self.inspector.experts = Some(*l),
-                ChatEvent::State(s) => self.inspector.set_summary(*s),
-                ChatEvent::Cleared => self.inspector.timings.clear(),
-                ChatEvent::Error(e) => {
-                    if e.contains("the model was closed") {
-                        self.model = None;
-                    }
-                    self.errors.push(e);
-                }
+                self.errors.push(e);
             }
         }
     }

@@ -105,15 +105,23 @@ pub enum ChatEvent {
         piece: Option<String>,
         at: Instant,
     },
+    /// Reply `id` ended; `in_conversation`: whether its turn is part of the conversation
+    /// (false for a turn stopped before it began, which the chat left as it was).
     ReplyDone {
         id: u64,
         finish: Finish,
         tokens: usize,
         seconds: f64,
+        in_conversation: bool,
     },
+    /// Reply `id` failed; `in_conversation`: whether its turn is part of the conversation
+    /// all the same (a reply made, then the live state not read), else the chat is as
+    /// before the turn (`Chat::say_with`, `Chat::regenerate_with`: a new message is not
+    /// in it, a regenerated reply is the old one again).
     ReplyFailed {
         id: u64,
         error: String,
+        in_conversation: bool,
     },
     Profiles(Vec<TokenProfile>),
     /// How often each expert of each MoE layer was chosen so far.
@@ -233,7 +241,14 @@ fn worker_loop(rx: Receiver<ChatCommand>, out: Outbox<ChatEvent>, stop: Arc<Atom
                 e
             };
             match id {
-                Some(id) => w.out.send(ChatEvent::ReplyFailed { id, error: e }),
+                // A failed turn leaves the conversation as before it; a failure after the
+                // reply was done (reading the live state) comes after its ReplyDone, which
+                // the window already took as the turn's end.
+                Some(id) => w.out.send(ChatEvent::ReplyFailed {
+                    id,
+                    error: e,
+                    in_conversation: false,
+                }),
                 None => w.out.send(ChatEvent::Error(e)),
             };
         }
@@ -361,6 +376,7 @@ impl Worker {
                 finish: Finish::Cancelled,
                 tokens: 0,
                 seconds: 0.0,
+                in_conversation: false,
             });
             return Ok(());
         }
@@ -430,15 +446,25 @@ impl Worker {
                 let msg = e.to_string();
                 let msg = if msg.contains(crate::session::STOPPED_READING) {
                     format!("{msg}: the message was not sent (the conversation is as before it)")
+                } else if msg.contains(crate::session::CONTEXT_FULL) {
+                    format!("{msg}: the message was not sent; New chat starts a new conversation")
                 } else if msg.contains("device lost") {
                     format!("{msg}: the GPU device was lost; open the model again")
                 } else {
                     msg
                 };
-                out.send(ChatEvent::ReplyFailed { id, error: msg });
+                out.send(ChatEvent::ReplyFailed {
+                    id,
+                    error: msg,
+                    in_conversation: false,
+                });
             }
             (Ok(_), Some(e)) => {
-                out.send(ChatEvent::ReplyFailed { id, error: e });
+                out.send(ChatEvent::ReplyFailed {
+                    id,
+                    error: e,
+                    in_conversation: true,
+                });
             }
             (Ok(reply), None) => {
                 out.send(ChatEvent::ReplyDone {
@@ -446,6 +472,7 @@ impl Worker {
                     finish: reply.finish,
                     tokens: reply.tokens,
                     seconds,
+                    in_conversation: true,
                 });
             }
         }
