@@ -707,6 +707,17 @@ pub fn decode_cpu(
     let cpu = crate::reference::CpuModel::<f32>::new(config, &model.weights)?;
     drop(model);
     let mut backend = crate::session::CpuBackend::new(cpu);
+    // A hybrid's KV cache ends at its context, where decoding stops short: timings of fewer
+    // tokens than asked (or none) would be reported as the asked ones.
+    let need = warmup.saturating_add(tokens).saturating_add(2);
+    if let Some(ctx) = backend.context()
+        && need > ctx
+    {
+        return Err(Error::InvalidInput(format!(
+            "`{preset_name}` holds {ctx} tokens on the CPU reference (its context): --warmup \
+             {warmup} + --tokens {tokens} need {need}"
+        )));
+    }
     let greedy = Sampling::greedy();
     let first = backend.prefill_sample(&[1], &greedy, 1)?;
     let mut arrivals = Vec::with_capacity(warmup + tokens + 1);
@@ -715,6 +726,13 @@ pub fn decode_cpu(
         arrivals.push(Instant::now());
         true
     })?;
+    if arrivals.len() != warmup + tokens + 1 {
+        return Err(Error::InvalidInput(format!(
+            "`{preset_name}`: the CPU reference decoded {} of the {} tokens asked",
+            arrivals.len() - 1,
+            warmup + tokens
+        )));
+    }
     let mut gaps = gaps_ms(&arrivals, warmup);
     let med = median(&mut gaps);
     Ok(CpuReport {

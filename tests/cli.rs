@@ -692,7 +692,7 @@ fn serve_prints_its_address_and_answers() {
         (&["serve", "--cache-dtype", "f8"], "expected f32 or f16"),
         (
             &["serve", "--api-key", "a\nb"],
-            "--api-key: '\\n' cannot be sent in an Authorization header",
+            "--api-key (or MAMBA2_API_KEY): '\\n' cannot be sent in an Authorization header",
         ),
         (&["serve", "--name", " "], "--name: empty"),
         (
@@ -705,7 +705,11 @@ fn serve_prints_its_address_and_answers() {
                 "--cache-dir",
                 concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
             ],
-            "Cargo.toml: is not a directory",
+            concat!(
+                "--cache-dir: ",
+                env!("CARGO_MANIFEST_DIR"),
+                "/Cargo.toml: is not a directory"
+            ),
         ),
     ] {
         let (ok, _, err) = mamba2(args);
@@ -859,4 +863,79 @@ fn chat_says_how_to_go_on_when_the_context_is_full() {
     );
     assert!(!out.trim().is_empty(), "{err}");
     assert!(!ok, "a line failed: {err}");
+}
+
+/// A command whose output cannot be written (stdout full, or a pipe closed early) fails
+/// with an error naming stdout, not a panic.
+#[test]
+fn output_that_cannot_be_written_is_an_error_not_a_panic() {
+    for args in [
+        &["info"][..],
+        &["devices"],
+        &[
+            "bench", "--device", "cpu", "--config", "tiny", "--tokens", "2",
+        ],
+        &[
+            "bench", "--device", "cpu", "--config", "tiny", "--tokens", "2", "--json",
+        ],
+    ] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_mamba2"))
+            .args(args)
+            .env("XDG_RUNTIME_DIR", "/tmp")
+            .stdout(full)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains("error: writing to stdout: No space left on device")
+                && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// What a command cannot do is said, not skipped: the CPU bench of a hybrid preset refuses
+/// more tokens than its context holds (it stopped short and reported the tokens asked, or
+/// NaN), and `--profile-tokens`, which the CPU has no timestamps for; `generate` notes
+/// sampling flags that greedy decoding ignores.
+#[test]
+fn bench_and_generate_say_what_they_do_not_do() {
+    let bench = |extra: &[&str]| {
+        mamba2(
+            &[
+                &["bench", "--device", "cpu", "--config", "tiny-hybrid"][..],
+                extra,
+            ]
+            .concat(),
+        )
+    };
+    let (ok, _, err) = bench(&["--tokens", "2", "--warmup", "5000"]);
+    assert!(
+        !ok && err.contains("--warmup 5000 + --tokens 2 need 5004"),
+        "{err}"
+    );
+    let (ok, out, err) = bench(&["--tokens", "3", "--warmup", "1"]);
+    assert!(ok && out.contains("median over 3 tokens"), "{out} {err}");
+    let (ok, _, err) = bench(&["--tokens", "2", "--profile-tokens", "5"]);
+    assert!(
+        !ok && err.contains("--profile-tokens: the CPU reference"),
+        "{err}"
+    );
+    let (ok, _, err) = bench(&["--tokens", "2", "--profile-tokens", "0"]);
+    assert!(ok, "asking for no profile is what the CPU does: {err}");
+
+    let (ok, _, err) = mamba2(&[
+        "generate", "--device", "cpu", "-n", "2", "--top-k", "5", "--seed", "3", "Hi",
+    ]);
+    assert!(
+        ok && err.contains("note: --top-k, --seed have no effect at --temperature 0"),
+        "{err}"
+    );
+    let (ok, _, err) = mamba2(&["generate", "--device", "cpu", "-n", "2", "Hi"]);
+    assert!(ok && !err.contains("no effect"), "{err}");
 }

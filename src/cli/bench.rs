@@ -34,9 +34,11 @@ pub struct BenchArgs {
     /// Untimed warm-up tokens.
     #[arg(long, default_value_t = 10)]
     warmup: usize,
-    /// Tokens decoded with GPU timestamps for the per-section split (0 = none).
-    #[arg(long, default_value_t = 20)]
-    profile_tokens: usize,
+    /// Tokens decoded with GPU timestamps for the per-section split (0 = none) [default:
+    /// 20].
+    // An Option so that the CPU reference, which has no timestamps, can refuse it given.
+    #[arg(long)]
+    profile_tokens: Option<usize>,
     /// Benchmark the unfused graph (7 dispatches per layer) instead of the fused one.
     #[arg(long)]
     no_fuse: bool,
@@ -101,7 +103,7 @@ impl BenchArgs {
         let counts = [
             ("--tokens", self.tokens),
             ("--warmup", self.warmup),
-            ("--profile-tokens", self.profile_tokens),
+            ("--profile-tokens", self.profile_tokens()),
             ("--new-tokens", self.new_tokens),
             ("--prefill-runs", self.prefill_runs),
         ];
@@ -150,6 +152,11 @@ impl BenchArgs {
 
     /// The CPU reference times f32 decode from an empty state, nothing else: refuses the
     /// flags it would ignore.
+    /// Tokens decoded with timestamps: 20 unless given.
+    fn profile_tokens(&self) -> usize {
+        self.profile_tokens.unwrap_or(20)
+    }
+
     fn check_cpu_flags(&self) -> anyhow::Result<()> {
         let unused = [
             ("--prefill", !self.prefill.is_empty()),
@@ -161,6 +168,10 @@ impl BenchArgs {
             ("--no-fuse", self.no_fuse),
             ("--both", self.both),
             ("--chunk-size", self.chunk_size.is_some()),
+            (
+                "--profile-tokens",
+                self.profile_tokens.is_some_and(|n| n > 0),
+            ),
         ];
         match unused.iter().find(|(_, given)| *given) {
             Some((flag, _)) => bail!(
@@ -193,11 +204,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         for (name, config) in &configs {
             let r = mamba2_wgpu::bench::decode_cpu(name, config, args.tokens, args.warmup)?;
             if args.json {
-                println!("{}", serde_json::to_string(&r)?);
+                outln!("{}", serde_json::to_string(&r)?);
             } else {
-                println!(
+                outln!(
                     "{} f32 on the CPU reference ({} threads): {:.1} ms/token median over {} tokens = {:.1} tok/s",
-                    r.config, r.threads, r.median_ms, r.tokens, r.tokens_per_s
+                    r.config,
+                    r.threads,
+                    r.median_ms,
+                    r.tokens,
+                    r.tokens_per_s
                 );
             }
         }
@@ -226,7 +241,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let longest = args.ctx.iter().max().copied().unwrap_or(0)
                     + args.warmup
                     + args.tokens
-                    + args.profile_tokens
+                    + args.profile_tokens()
                     + 8;
                 let batched = if args.batch.is_empty() {
                     0
@@ -281,7 +296,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                             name,
                             args.tokens,
                             args.warmup,
-                            args.profile_tokens,
+                            args.profile_tokens(),
                             cached,
                         )?;
                         show(args.json, &report, report.text())?;
@@ -326,9 +341,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// Prints a report: one JSON line with `--json`, else its text.
 fn show(json: bool, report: &impl serde::Serialize, text: String) -> anyhow::Result<()> {
     if json {
-        println!("{}", serde_json::to_string(report)?);
+        outln!("{}", serde_json::to_string(report)?);
     } else {
-        print!("{text}");
+        out!("{text}");
     }
     Ok(())
 }

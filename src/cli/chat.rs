@@ -231,7 +231,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             Ok(r) => {
                 save(&chat)?;
                 let secs = start.elapsed().as_secs_f64();
-                println!();
+                outln!();
                 eprintln!(
                     "[{} new tokens fed, {} generated in {secs:.2} s, {:?}; {} tokens in the state]",
                     r.fed,

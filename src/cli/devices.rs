@@ -10,15 +10,15 @@ pub struct DevicesArgs {}
 pub fn run(_: DevicesArgs) -> anyhow::Result<()> {
     let all = adapters();
     if all.is_empty() {
-        println!("no GPU adapter found: `--device auto` runs on the CPU reference");
-        println!("(on Linux without a GPU: apt-get install mesa-vulkan-drivers for lavapipe)");
+        outln!("no GPU adapter found: `--device auto` runs on the CPU reference");
+        outln!("(on Linux without a GPU: apt-get install mesa-vulkan-drivers for lavapipe)");
         return Ok(());
     }
     for (i, a) in all.iter().enumerate() {
-        println!("{}", adapter_report(i, a));
+        outln!("{}", adapter_report(i, a));
     }
     if all.iter().all(|a| is_software(&a.get_info())) {
-        println!(
+        outln!(
             "only software adapters: `--device auto` runs on the CPU reference (faster on the same cores); `--device gpu` or `gpu:INDEX` runs on one"
         );
     }

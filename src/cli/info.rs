@@ -33,9 +33,9 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     note_unused_ctx(&model, args.ctx);
     let c = &model.config;
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
-    println!("model      {}", args.model.name());
-    println!("format     {}", c.format.name());
-    println!("layers     {}", c.n_layer);
+    outln!("model      {}", args.model.name());
+    outln!("format     {}", c.format.name());
+    outln!("layers     {}", c.n_layer);
     if c.is_hybrid() {
         let kinds: Vec<String> = [
             (BlockKind::Mamba2, "Mamba2"),
@@ -47,7 +47,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         .filter(|&(k, _)| c.count(k) > 0)
         .map(|(k, name)| format!("{} {name} `{}`", c.count(k), k.letter()))
         .collect();
-        println!("pattern    {}  ({})", c.pattern(), kinds.join(", "));
+        outln!("pattern    {}  ({})", c.pattern(), kinds.join(", "));
     }
     if let Some(m) = &c.moe {
         let router = match m.router {
@@ -62,7 +62,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             ),
             mamba2_wgpu::config::Router::SoftmaxTopK => "softmax over the top k".into(),
         };
-        println!(
+        outln!(
             "moe        {} of {} experts per token ({router}), {} wide {}, shared expert {}",
             m.top_k,
             m.experts,
@@ -76,7 +76,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
                 .map_or("none".to_string(), |s| format!("{} wide", s.intermediate)),
         );
         let (active, total) = (c.active_param_count(), c.param_count());
-        println!(
+        outln!(
             "active     {active} of {total} parameters read per token ({:.1}%; the embedding \
              table counts one row)",
             100.0 * active as f64 / total.max(1) as f64
@@ -84,13 +84,15 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     }
     let sc = c.scales;
     if sc != Default::default() {
-        println!(
+        outln!(
             "scales     embedding × {}, residual × {}, logits × {:.4}",
-            sc.embedding, sc.residual, sc.logits
+            sc.embedding,
+            sc.residual,
+            sc.logits
         );
     }
     if let Some(a) = &c.attention {
-        println!(
+        outln!(
             "attention  {} heads, {} key/value heads, head_dim {}, {}, scale {:.4}",
             a.heads,
             a.kv_heads,
@@ -103,7 +105,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(m) = &c.mlp {
-        println!(
+        outln!(
             "mlp        {} wide, {}",
             m.intermediate,
             match m.act {
@@ -112,23 +114,28 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             }
         );
     }
-    println!("d_model    {}", c.d_model);
-    println!(
+    outln!("d_model    {}", c.d_model);
+    outln!(
         "d_inner    {}  ({} heads × head_dim {})",
-        c.d_inner, c.n_heads, c.head_dim
+        c.d_inner,
+        c.n_heads,
+        c.head_dim
     );
-    println!(
+    outln!(
         "groups     {}  (d_state {}, conv kernel {})",
-        c.n_groups, c.d_state, c.d_conv
+        c.n_groups,
+        c.d_state,
+        c.d_conv
     );
-    println!("vocab      {}", c.vocab_size);
-    println!("chunk      {}", c.chunk_size);
-    println!("norm eps   {:e}", c.norm_eps);
-    println!(
+    outln!("vocab      {}", c.vocab_size);
+    outln!("chunk      {}", c.chunk_size);
+    outln!("norm eps   {:e}", c.norm_eps);
+    outln!(
         "dt limit   ({}, {})",
-        c.time_step_limit.0, c.time_step_limit.1
+        c.time_step_limit.0,
+        c.time_step_limit.1
     );
-    println!(
+    outln!(
         "tied head  {}",
         if model.weights.lm_head.is_none() {
             "yes"
@@ -136,23 +143,23 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             "no"
         }
     );
-    println!(
+    outln!(
         "conv dim   {}   in_proj rows {}",
         c.conv_dim(),
         c.d_in_proj()
     );
     let params = model.param_count();
-    println!("parameters {params} ({:.1} M)", params as f64 / 1e6);
+    outln!("parameters {params} ({:.1} M)", params as f64 / 1e6);
     let dtypes: Vec<String> = model
         .dtype_counts()
         .iter()
         .map(|(d, n)| format!("{} ×{n}", d.name()))
         .collect();
-    println!("dtypes     {}", dtypes.join(", "));
+    outln!("dtypes     {}", dtypes.join(", "));
     let weight_bytes: usize = model.weights.all().iter().map(|t| t.bytes().len()).sum();
-    println!("weights    {:.1} MiB on disk", mib(weight_bytes));
+    outln!("weights    {:.1} MiB on disk", mib(weight_bytes));
     let mamba = c.count(BlockKind::Mamba2);
-    println!(
+    outln!(
         "state      {:.2} MiB per sequence (SSM {:.2} MiB + conv {:.3} MiB, f32)",
         mib(c.state_bytes()),
         mib(4 * mamba * c.ssm_state_len()),
@@ -163,7 +170,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         // In f64: any --ctx is described, however large (the run commands refuse what the
         // adapter cannot bind).
         let kv_mib = |elem: usize| ctx as f64 * c.kv_bytes_per_token(elem) as f64 / 1048576.0;
-        println!(
+        outln!(
             "KV cache   {:.1} MiB at {ctx} tokens in f16 ({:.1} KiB per token; f32: {:.1} MiB); \
              state + KV {:.1} MiB",
             kv_mib(2),
@@ -173,7 +180,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         );
     }
     match &tokenizer {
-        Ok(Some(t)) => println!(
+        Ok(Some(t)) => outln!(
             "tokenizer  {} tokens; end of sequence {}; chat template {}",
             t.vocab_size(),
             t.eos_token.as_deref().unwrap_or("none"),
@@ -186,19 +193,19 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             }
         ),
         Ok(None) => match &model.gguf {
-            Some(g) => println!(
+            Some(g) => outln!(
                 "tokenizer  none: {} (use --prompt-ids)",
                 mamba2_wgpu::gguf_tokenizer::missing(g)
             ),
-            None => println!("tokenizer  none (use --prompt-ids)"),
+            None => outln!("tokenizer  none (use --prompt-ids)"),
         },
-        Err(e) => println!(
+        Err(e) => outln!(
             "tokenizer  cannot be built, so text commands refuse this model (use --prompt-ids): \
              {e}"
         ),
     }
     if let Some(g) = &model.gguf {
-        print_gguf(g);
+        print_gguf(g)?;
         let format = model.preferred_format();
         // (Every GGUF block type the reader takes has a GPU format.)
         let held: Vec<&str> = g
@@ -214,7 +221,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         } else {
             format!(" ({} blocks go up as stored)", held.join(", "))
         };
-        println!("gpu        --dtype {} by default{stored}", format.name());
+        outln!("gpu        --dtype {} by default{stored}", format.name());
         // A quantized file's float embedding or head stays in its type (`edge_format`).
         let w = &model.weights;
         let kept: Vec<String> = std::iter::once(("embedding", &w.embedding))
@@ -225,7 +232,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             })
             .collect();
         if !kept.is_empty() {
-            println!(
+            outln!(
                 "kept as stored (float beside the blocks): {}",
                 kept.join(", ")
             );
@@ -235,14 +242,14 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         // part, and for q/k/v no folded pre-norm or K/V store in that layer's decode).
         let parted = parted_projections(&model, format);
         if !parted.is_empty() {
-            println!(
+            outln!(
                 "in parts (types differ, each kept as stored): {}",
                 parted.join(", ")
             );
         }
         let requantized = requantized_experts(&model, format);
         if !requantized.is_empty() {
-            println!(
+            outln!(
                 "requantized to q8_0 (experts whose types differ from one to the next): layers {}",
                 requantized.join(", ")
             );
@@ -370,30 +377,31 @@ fn print_chat_template(
         };
         bail!("{} has no chat template ({where_})", args.name());
     };
-    print!("{template}");
+    out!("{template}");
     if !template.ends_with('\n') {
-        println!();
+        outln!();
     }
     Ok(())
 }
 
 /// A GGUF file's header: version, stored types, and every metadata key (long arrays and
 /// strings shortened).
-fn print_gguf(g: &mamba2_wgpu::model::gguf::GgufInfo) {
+fn print_gguf(g: &mamba2_wgpu::model::gguf::GgufInfo) -> anyhow::Result<()> {
     let types: Vec<String> = g
         .types
         .iter()
         .map(|(d, n)| format!("{} ×{n}", d.name()))
         .collect();
-    println!(
+    outln!(
         "gguf       version {}, {} tensors ({}), {:.1} MiB",
         g.version,
         g.tensors,
         types.join(", "),
         g.file_len as f64 / (1024.0 * 1024.0)
     );
-    println!("metadata   {} keys:", g.metadata.len());
+    outln!("metadata   {} keys:", g.metadata.len());
     for (key, value) in &g.metadata {
-        println!("  {key} = {}", value.summary());
+        outln!("  {key} = {}", value.summary());
     }
+    Ok(())
 }

@@ -1,5 +1,22 @@
 //! clap definitions and dispatch for the `mamba2` binary.
 
+/// `println!` for a command's output that returns an error naming stdout, instead of
+/// panicking, when stdout is closed or full (`mamba2 info | head -1`, `> /dev/full`).
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout(), $($arg)*).map_err($crate::cli::stdout_failed)?
+    }};
+}
+
+/// `print!` as `outln!` does it.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout(), $($arg)*).map_err($crate::cli::stdout_failed)?
+    }};
+}
+
 #[cfg(feature = "ui")]
 mod app;
 mod bench;
@@ -410,6 +427,11 @@ pub fn run() -> ExitCode {
         #[cfg(feature = "ui")]
         Command::Inspect(a) => inspect::run(a),
     };
+    // What `out!` left in stdout's buffer (a last line without its end).
+    let result = result.and_then(|()| {
+        use std::io::Write as _;
+        std::io::stdout().flush().map_err(stdout_failed)
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -417,4 +439,9 @@ pub fn run() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A failed write of a command's output (`outln!`).
+pub(crate) fn stdout_failed(e: std::io::Error) -> anyhow::Error {
+    anyhow!("writing to stdout: {e}")
 }

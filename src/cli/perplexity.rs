@@ -47,9 +47,13 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     })?;
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
-    println!(
+    outln!(
         "perplexity {:.4}  (mean NLL {:.5} nats over {} predicted tokens, {} windows of ≤ {} tokens)",
-        p.ppl, p.nll, p.predicted, p.windows, args.ctx
+        p.ppl,
+        p.nll,
+        p.predicted,
+        p.windows,
+        args.ctx
     );
     eprintln!(
         "[{} tokens in {secs:.1} s = {:.0} tok/s on {}]",

@@ -104,19 +104,19 @@ impl ServeArgs {
         }
         if let Some(key) = &self.api_key {
             if key.trim().is_empty() {
-                anyhow::bail!("--api-key: empty");
+                anyhow::bail!("--api-key (or MAMBA2_API_KEY): empty");
             }
             // A client sends it in an HTTP header, whose value holds no control characters
             // but tab and whose ends are trimmed: such a key could never match.
             if let Some(c) = key.chars().find(|&c| c.is_control() && c != '\t') {
                 anyhow::bail!(
-                    "--api-key: {c:?} cannot be sent in an Authorization header, so no request \
+                    "--api-key (or MAMBA2_API_KEY): {c:?} cannot be sent in an Authorization header, so no request \
                      could match the key"
                 );
             }
             if key.trim_end() != key {
                 anyhow::bail!(
-                    "--api-key: ends in whitespace, which an Authorization header drops, so no \
+                    "--api-key (or MAMBA2_API_KEY): ends in whitespace, which an Authorization header drops, so no \
                      request could match the key"
                 );
             }
@@ -148,7 +148,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             every: args.cache_every,
         },
         &mut |n| eprintln!("note: {n}"),
-    )?;
+    )
+    // (Every error of `open` is about the directory: its files, its lock.)
+    .map_err(|e| match &args.cache_dir {
+        Some(_) => anyhow::anyhow!("--cache-dir: {e}"),
+        None => e.into(),
+    })?;
     let stats = cache.stats();
     let name = args.name.clone().unwrap_or_else(|| {
         args.model
@@ -182,7 +187,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     // Scripts (and the tests) read the address from this line.
-    println!("listening on http://{}", server.addr);
+    outln!("listening on http://{}", server.addr);
     // Ctrl-C or (Unix) SIGTERM, as a service manager sends: stop taking connections, let
     // the open ones finish, write the prefix cache to --cache-dir.
     server.wait(async {
