@@ -277,7 +277,11 @@ impl Chat {
             }
         };
         let old_finish = self.last_finish;
-        self.session.restore(&snapshot)?;
+        if let Err(e) = self.session.restore(&snapshot) {
+            // Nothing was changed: the reply can still be regenerated.
+            self.before_last = Some((snapshot, ids, finish, fed));
+            return Err(e);
+        }
         self.last_finish = finish;
         let last = self.messages.pop();
         let reply = match self.reply(&ids, opts, on) {

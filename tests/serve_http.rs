@@ -708,3 +708,26 @@ async fn an_empty_streamed_chat_reply_still_names_its_role() {
     );
     srv.stop();
 }
+
+/// A write timeout the server's timer cannot hold (past the clock's range, where the timer
+/// would panic the connection's task; or 0, which fails every write that waits) is refused
+/// when the server starts, naming the field.
+#[test]
+fn a_write_timeout_out_of_range_is_refused_at_start() {
+    let (model, tok) = assets::embedded().unwrap();
+    for t in [Duration::ZERO, Duration::MAX, Duration::from_secs(86_401)] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let r = mamba2_wgpu::server::Server::start(
+            listener,
+            ServerConfig {
+                write_timeout: t,
+                ..Default::default()
+            },
+            Box::new(serve_common::cpu_backend(&model)),
+            tok.clone(),
+            serve_common::no_cache(&model),
+        );
+        let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("write_timeout"), "{t:?}: {e}");
+    }
+}

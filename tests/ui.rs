@@ -261,6 +261,7 @@ fn chat_shows_a_bad_model_dir_in_the_window() {
 #[test]
 fn chat_takes_back_a_turn_that_failed() {
     use mamba2_wgpu::ui::chat::Message;
+    use mamba2_wgpu::ui::chat_worker::ChatEvent;
     let dir = std::env::temp_dir().join(format!("mamba2-ui-none-{}", std::process::id()));
     let app = ChatApp::new(LoadRequest::new(ModelSource::Dir(dir), DeviceChoice::Cpu));
     let mut h = Harness::builder()
@@ -303,6 +304,8 @@ fn chat_takes_back_a_turn_that_failed() {
     h.state_mut().send_input();
     assert_eq!(h.state().messages.len(), 4, "sent: message and reply shown");
     assert!(h.state().input.is_empty());
+    // Typed while the turn runs (the window applies the failure at its next frame).
+    h.state_mut().input = "and more".into();
     wait_until(&mut h, "the failed message", |a| a.ready(), chat_errors);
     let a = h.state();
     assert_eq!(
@@ -313,8 +316,30 @@ fn chat_takes_back_a_turn_that_failed() {
         ["hello", "the old reply"],
         "the message that was not sent is not shown as sent"
     );
-    assert_eq!(a.input, "a question", "its text is back in the input box");
+    assert_eq!(
+        a.input, "a question and more",
+        "its text is back in the input box, before what was typed since"
+    );
     assert_eq!(a.errors.len(), 2, "{:?}", a.errors);
+
+    // A failure that comes after its reply ended (reading the live state) leaves the
+    // reply as it ended; a failure that closed the model leaves no conversation shown.
+    let a = h.state_mut();
+    a.apply(ChatEvent::ReplyFailed {
+        id: 1,
+        error: "the live state could not be read".into(),
+        in_conversation: false,
+    });
+    assert_eq!(a.messages.len(), 2);
+    assert!(a.messages[1].error.is_none(), "{:?}", a.messages[1]);
+    a.regenerate();
+    let id = a.generating.expect("a regeneration under way");
+    a.apply(ChatEvent::ReplyFailed {
+        id,
+        error: "internal error: a panic (the model was closed; open it again)".into(),
+        in_conversation: false,
+    });
+    assert!(a.model.is_none() && a.messages.is_empty() && a.generating.is_none());
 }
 
 /// Stop while a long prompt is being read: the message is not sent (the chat rolls the

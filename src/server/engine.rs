@@ -733,8 +733,6 @@ fn no_batch() -> crate::Error {
     crate::Error::Gpu("the batch is gone".into())
 }
 
-/// Handles sampled token `t` of `seq`: a stop id, a stop string or a closed client ends
-/// the reply (sending `Done` where the client still listens); else its text goes out.
 /// Sends `message` to a sequence as its error and ends it (`Engine::fail`, and the decode
 /// step's callback, which cannot borrow the engine).
 fn fail_with(metrics: &Metrics, seq: &mut Seq, message: String) {
@@ -744,6 +742,8 @@ fn fail_with(metrics: &Metrics, seq: &mut Seq, message: String) {
     seq.failed = true;
 }
 
+/// Handles sampled token `t` of `seq`: a stop id, a stop string or a closed client ends
+/// the reply (sending `Done` where the client still listens); else its text goes out.
 fn handle_token(seq: &mut Seq, t: u32, tok: &Tokenizer, metrics: &Metrics) -> bool {
     if seq.job.events.is_closed() {
         seq.cancel(metrics);

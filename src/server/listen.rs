@@ -204,11 +204,12 @@ mod tests {
         let server = tokio::spawn(serve(listener, router, timers, async move {
             let _ = stopped.await;
         }));
+        // (Before the request: the server's timer cannot start before this.)
+        let started = Instant::now();
         let mut client = std::net::TcpStream::connect(addr).unwrap();
         client
             .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             .unwrap();
-        let started = Instant::now();
         while !dropped.load(Ordering::SeqCst) {
             assert!(
                 started.elapsed() < Duration::from_secs(30),

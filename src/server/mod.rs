@@ -127,6 +127,16 @@ impl Server {
         tokenizer: Tokenizer,
         cache: PrefixCache,
     ) -> Result<Server> {
+        // The write timer adds the timeout to the current instant, which panics past the
+        // clock's range; 0 would fail every write that waits at all.
+        const WRITE_TIMEOUT: std::ops::RangeInclusive<std::time::Duration> =
+            std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(86_400);
+        if !WRITE_TIMEOUT.contains(&config.write_timeout) {
+            return Err(Error::InvalidInput(format!(
+                "write_timeout: {:?} is outside 1 ms ..= 1 day",
+                config.write_timeout
+            )));
+        }
         let addr = listener
             .local_addr()
             .map_err(|e| Error::io("listener", e))?;

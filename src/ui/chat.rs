@@ -10,7 +10,7 @@ use egui::{Align, Color32, Key, Layout, RichText, Ui};
 use crate::gpu::DeviceChoice;
 use crate::model::quant::WeightFormat;
 use crate::session::Finish;
-use crate::ui::chat_worker::{ChatCommand, ChatEvent, ChatHandle, GenSettings};
+use crate::ui::chat_worker::{ChatCommand, ChatEvent, ChatHandle, GenSettings, MODEL_CLOSED};
 use crate::ui::inspector::{InspectorPanel, PanelAction};
 use crate::ui::load::{LoadRequest, ModelSource};
 
@@ -288,9 +288,11 @@ impl ChatApp {
                     _ => at,
                 };
                 self.messages.drain(from..=at);
-                if self.input.trim().is_empty() {
-                    self.input = text;
-                }
+                // Before anything typed since, which is kept.
+                self.input = match self.input.trim().is_empty() {
+                    true => text,
+                    false => format!("{text} {}", self.input),
+                };
             }
             Undo::Regenerate(old) => self.messages[at] = old,
         }
@@ -346,10 +348,19 @@ impl ChatApp {
                 error,
                 in_conversation,
             } => {
-                if let Some(m) = self.reply_mut(id) {
+                // (A failure after the reply ended, reading the live state, is not the
+                // reply's: it stays as it ended.)
+                if self.generating == Some(id)
+                    && let Some(m) = self.reply_mut(id)
+                {
                     m.error = Some(error.clone());
                 }
                 self.end_reply(id, in_conversation);
+                if error.contains(MODEL_CLOSED) {
+                    // The worker dropped the chat: no conversation is held any more.
+                    self.model = None;
+                    self.messages.clear();
+                }
                 self.errors.push(error);
             }
             ChatEvent::Profiles(p) => self.inspector.timings.add_profiles(p),
@@ -357,7 +368,7 @@ impl ChatApp {
             ChatEvent::State(s) => self.inspector.set_summary(*s),
             ChatEvent::Cleared => self.inspector.timings.clear(),
             ChatEvent::Error(e) => {
-                if e.contains("the model was closed") {
+                if e.contains(MODEL_CLOSED) {
                     self.model = None;
                 }
                 self.errors.push(e);

@@ -62,6 +62,10 @@ impl GenSettings {
     }
 }
 
+/// What the worker's error says when it dropped the model after a panic (the window then
+/// holds no conversation either).
+pub const MODEL_CLOSED: &str = "the model was closed";
+
 /// What the window asks of the worker.
 pub enum ChatCommand {
     Load(LoadRequest),
@@ -236,7 +240,7 @@ fn worker_loop(rx: Receiver<ChatCommand>, out: Outbox<ChatEvent>, stop: Arc<Atom
             let e = if e.starts_with("internal error") {
                 // The session may be half-updated: drop it; the user reopens the model.
                 w.live = None;
-                format!("{e} (the model was closed; open it again)")
+                format!("{e} ({MODEL_CLOSED}; open it again)")
             } else {
                 e
             };
