@@ -66,6 +66,24 @@ fn chat_harness(size: [f32; 2]) -> Harness<'static, ChatApp> {
     h
 }
 
+/// A chat window whose model (`dir`, not there) failed to load, once it says so.
+fn after_a_failed_load(dir: &std::path::Path) -> Harness<'static, ChatApp> {
+    let app = ChatApp::new(LoadRequest::new(
+        ModelSource::Dir(dir.to_path_buf()),
+        DeviceChoice::Cpu,
+    ));
+    let mut h = Harness::builder()
+        .with_size([900.0, 500.0])
+        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
+    wait_until(
+        &mut h,
+        "the load error",
+        |a| !a.errors.is_empty(),
+        chat_errors,
+    );
+    h
+}
+
 fn type_and_send(h: &mut Harness<'_, ChatApp>, text: &str) {
     h.get_by_label("Message").focus();
     h.step();
@@ -222,19 +240,7 @@ fn chat_shows_its_progress_through_a_long_prompt() {
 #[test]
 fn chat_shows_a_bad_model_dir_in_the_window() {
     let dir = std::env::temp_dir().join(format!("mamba2-ui-missing-{}", std::process::id()));
-    let app = ChatApp::new(LoadRequest::new(
-        ModelSource::Dir(dir.clone()),
-        DeviceChoice::Cpu,
-    ));
-    let mut h = Harness::builder()
-        .with_size([900.0, 500.0])
-        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
-    wait_until(
-        &mut h,
-        "the load error",
-        |a| !a.errors.is_empty(),
-        chat_errors,
-    );
+    let mut h = after_a_failed_load(&dir);
     assert!(
         h.state().errors[0].contains("is not a directory"),
         "{:?}",
@@ -263,16 +269,7 @@ fn chat_takes_back_a_turn_that_failed() {
     use mamba2_wgpu::ui::chat::Message;
     use mamba2_wgpu::ui::chat_worker::ChatEvent;
     let dir = std::env::temp_dir().join(format!("mamba2-ui-none-{}", std::process::id()));
-    let app = ChatApp::new(LoadRequest::new(ModelSource::Dir(dir), DeviceChoice::Cpu));
-    let mut h = Harness::builder()
-        .with_size([900.0, 500.0])
-        .build_ui_state(|ui, app: &mut ChatApp| app.show(ui), app);
-    wait_until(
-        &mut h,
-        "the load error",
-        |a| !a.errors.is_empty(),
-        chat_errors,
-    );
+    let mut h = after_a_failed_load(&dir);
     {
         let a = h.state_mut();
         a.errors.clear();

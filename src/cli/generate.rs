@@ -135,21 +135,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let sampling = args.sampling();
     if sampling.temperature == 0.0 {
-        let unused: Vec<&str> = [
-            (args.top_k != 0, "--top-k"),
-            (args.top_p != 1.0, "--top-p"),
-            (args.seed != 0, "--seed"),
-        ]
-        .into_iter()
-        .filter_map(|(given, flag)| given.then_some(flag))
-        .collect();
-        if !unused.is_empty() {
-            eprintln!(
-                "note: {} {} no effect at --temperature 0 (greedy); give a temperature to sample",
-                unused.join(", "),
-                if unused.len() == 1 { "has" } else { "have" }
-            );
-        }
+        super::note_ignored(
+            [
+                (args.top_k != 0, "--top-k"),
+                (args.top_p != 1.0, "--top-p"),
+                (args.seed != 0, "--seed"),
+            ],
+            "at --temperature 0 (greedy); give a temperature to sample",
+        );
     }
     let stop = match args.ignore_eos {
         false => eos.into_iter().collect(),

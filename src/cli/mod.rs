@@ -262,25 +262,18 @@ impl EngineArgs {
         // The CPU reference computes in f32 with its own graph: the GPU's flags change
         // nothing there, which is said rather than left to look as if they had worked.
         if backend.gpu().is_none() {
-            let ignored: Vec<&str> = [
-                (self.device.dtype.is_some(), "--dtype"),
-                (self.device.no_fuse, "--no-fuse"),
-                (self.prefill_by_decode, "--prefill-by-decode"),
-                (
-                    self.kv != mamba2_wgpu::gpu::state_store::KvFormat::F16,
-                    "--kv",
-                ),
-            ]
-            .into_iter()
-            .filter_map(|(given, flag)| given.then_some(flag))
-            .collect();
-            if !ignored.is_empty() {
-                eprintln!(
-                    "note: {} {} no effect on the CPU reference (it computes in f32)",
-                    ignored.join(", "),
-                    if ignored.len() == 1 { "has" } else { "have" }
-                );
-            }
+            note_ignored(
+                [
+                    (self.device.dtype.is_some(), "--dtype"),
+                    (self.device.no_fuse, "--no-fuse"),
+                    (self.prefill_by_decode, "--prefill-by-decode"),
+                    (
+                        self.kv != mamba2_wgpu::gpu::state_store::KvFormat::F16,
+                        "--kv",
+                    ),
+                ],
+                "on the CPU reference (it computes in f32)",
+            );
         }
         Ok(backend)
     }
@@ -444,4 +437,20 @@ pub fn run() -> ExitCode {
 /// A failed write of a command's output (`outln!`).
 pub(crate) fn stdout_failed(e: std::io::Error) -> anyhow::Error {
     anyhow!("writing to stdout: {e}")
+}
+
+/// Says which of the flags given (`(given, flag)`) have no effect, and `why`, rather than
+/// leave them to look as if they had worked.
+pub(crate) fn note_ignored<const N: usize>(flags: [(bool, &str); N], why: &str) {
+    let given: Vec<&str> = flags
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect();
+    if !given.is_empty() {
+        eprintln!(
+            "note: {} {} no effect {why}",
+            given.join(", "),
+            if given.len() == 1 { "has" } else { "have" }
+        );
+    }
 }
