@@ -150,13 +150,13 @@ impl BenchArgs {
         Ok(configs)
     }
 
-    /// The CPU reference times f32 decode from an empty state, nothing else: refuses the
-    /// flags it would ignore.
     /// Tokens decoded with timestamps: 20 unless given.
     fn profile_tokens(&self) -> usize {
         self.profile_tokens.unwrap_or(20)
     }
 
+    /// The CPU reference times f32 decode from an empty state, nothing else: refuses the
+    /// flags it would ignore.
     fn check_cpu_flags(&self) -> anyhow::Result<()> {
         let unused = [
             ("--prefill", !self.prefill.is_empty()),

@@ -78,7 +78,7 @@ pub struct ServeArgs {
     /// Seconds a write to a client may wait for it to read before its connection is closed
     /// and its request cancelled (a client that stopped reading a stream); 1 to 86400.
     #[arg(long, default_value_t = 60, value_name = "SECS",
-          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+          value_parser = clap::value_parser!(u64).range(1..=mamba2_wgpu::server::MAX_WRITE_TIMEOUT.as_secs()))]
     write_timeout: u64,
 }
 
@@ -103,20 +103,22 @@ impl ServeArgs {
             check_at_least("--ctx", ctx, 2)?;
         }
         if let Some(key) = &self.api_key {
+            // (The key may come from the environment: both are named.)
+            let flag = "--api-key (or MAMBA2_API_KEY)";
             if key.trim().is_empty() {
-                anyhow::bail!("--api-key (or MAMBA2_API_KEY): empty");
+                anyhow::bail!("{flag}: empty");
             }
             // A client sends it in an HTTP header, whose value holds no control characters
             // but tab and whose ends are trimmed: such a key could never match.
             if let Some(c) = key.chars().find(|&c| c.is_control() && c != '\t') {
                 anyhow::bail!(
-                    "--api-key (or MAMBA2_API_KEY): {c:?} cannot be sent in an Authorization header, so no request \
+                    "{flag}: {c:?} cannot be sent in an Authorization header, so no request \
                      could match the key"
                 );
             }
             if key.trim_end() != key {
                 anyhow::bail!(
-                    "--api-key (or MAMBA2_API_KEY): ends in whitespace, which an Authorization header drops, so no \
+                    "{flag}: ends in whitespace, which an Authorization header drops, so no \
                      request could match the key"
                 );
             }

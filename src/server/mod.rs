@@ -27,6 +27,9 @@ use crate::prefix_cache::PrefixCache;
 use crate::session::Backend;
 use crate::tokenizer::Tokenizer;
 
+/// The longest `ServerConfig::write_timeout` (a day; `--write-timeout`'s bound too).
+pub const MAX_WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 /// How the server behaves (the engine's own settings live in `Engine`).
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -129,11 +132,10 @@ impl Server {
     ) -> Result<Server> {
         // The write timer adds the timeout to the current instant, which panics past the
         // clock's range; 0 would fail every write that waits at all.
-        const WRITE_TIMEOUT: std::ops::RangeInclusive<std::time::Duration> =
-            std::time::Duration::from_millis(1)..=std::time::Duration::from_secs(86_400);
-        if !WRITE_TIMEOUT.contains(&config.write_timeout) {
+        let shortest = std::time::Duration::from_millis(1);
+        if !(shortest..=MAX_WRITE_TIMEOUT).contains(&config.write_timeout) {
             return Err(Error::InvalidInput(format!(
-                "write_timeout: {:?} is outside 1 ms ..= 1 day",
+                "write_timeout: {:?} is outside {shortest:?} ..= {MAX_WRITE_TIMEOUT:?}",
                 config.write_timeout
             )));
         }

@@ -91,8 +91,9 @@ pub struct ChatApp {
     pub generating: Option<u64>,
     /// Its long prompt's progress: tokens read of the total (`ChatEvent::Reading`).
     pub reading: Option<(usize, usize)>,
-    /// What to take back if the reply being generated does not enter the conversation.
-    undo: Option<(u64, Undo)>,
+    /// What to take back if the reply being generated (`generating`, set with it) does not
+    /// enter the conversation.
+    undo: Option<Undo>,
     next_id: u64,
     pub loading: Option<String>,
     pub model: Option<String>,
@@ -168,7 +169,7 @@ impl ChatApp {
         self.messages
             .push(Message::new(Role::Assistant, String::new(), id));
         self.generating = Some(id);
-        self.undo = Some((id, Undo::Send(text.clone())));
+        self.undo = Some(Undo::Send(text.clone()));
         if !self.worker.send(ChatCommand::Send {
             id,
             text,
@@ -198,7 +199,7 @@ impl ChatApp {
         let id = self.fresh_id();
         if let Some(last) = self.messages.last_mut() {
             let old = std::mem::replace(last, Message::new(Role::Assistant, String::new(), id));
-            self.undo = Some((id, Undo::Regenerate(old)));
+            self.undo = Some(Undo::Regenerate(old));
         }
         self.generating = Some(id);
         if !self.worker.send(ChatCommand::Regenerate {
@@ -270,7 +271,7 @@ impl ChatApp {
         self.generating = None;
         self.reading = None;
         let undo = match self.undo.take() {
-            Some((u, undo)) if u == id && !in_conversation => undo,
+            Some(undo) if !in_conversation => undo,
             _ => return,
         };
         let Some(at) = self
