@@ -18,8 +18,17 @@ pub struct Chat {
     fed: String,
     /// The rendering of the turn in progress (up to its assistant cue).
     pending_render: String,
-    /// The state before the last turn, with that turn's input.
+    /// The state before the last turn, with that turn's input, the finish before it and
+    /// its rendering up to the assistant cue.
     before_last: Option<(Snapshot, Vec<u32>, Option<Finish>, String)>,
+    /// The template renders past turns otherwise than they were read (reasoning dropped
+    /// from past replies, say): seen once, every turn keeps `at_cue`.
+    rewrites_past: bool,
+    /// The state right after the last turn's rendering up to its assistant cue was read,
+    /// with that text: where the next turn goes on from when the template renders the last
+    /// reply otherwise than it was generated, instead of reading the whole conversation
+    /// again.
+    at_cue: Option<(Snapshot, String)>,
 }
 
 /// What a saved chat keeps beside the state (`mamba2.extra` of its file).
@@ -59,6 +68,8 @@ impl Chat {
             pending_render: String::new(),
             last_finish: None,
             before_last: None,
+            rewrites_past: false,
+            at_cue: None,
         }
     }
 
@@ -73,15 +84,42 @@ impl Chat {
         self.fed.clear();
         self.last_finish = None;
         self.before_last = None;
+        self.at_cue = None;
         self.session.reset()
     }
 
-    /// The tokens a new user message adds: `input_after` the conversation read so far (a
-    /// template that renders the past differently now resets the session: it is read again
-    /// in full).
+    /// The tokens a new user message adds: `input_after` the conversation read so far. A
+    /// template that renders the past differently now goes back to the state at the last
+    /// assistant cue where the new rendering still starts with what was read up to there
+    /// (it rewrote the last reply only), else resets the session: it is read again in full.
     fn turn_input(&mut self, user: &str) -> Result<Vec<u32>> {
         let mut msgs = self.messages.clone();
         msgs.push(("user".into(), user.to_string()));
+        if let Some((snapshot, cue)) = &self.at_cue
+            && let Some(render) = self.tokenizer.render_chat(&msgs, true)?
+            && !render.starts_with(self.fed.as_str())
+            && render.starts_with(cue.as_str())
+        {
+            self.rewrites_past = true;
+            let input = input_after(
+                &self.tokenizer,
+                &msgs,
+                &Read {
+                    text: cue,
+                    messages: self.messages.len(),
+                    at_start: false,
+                    ended_on: None,
+                },
+            )?;
+            if !input.reread {
+                // What the state holds from here on: the rendering up to the last cue.
+                self.session.restore(snapshot)?;
+                self.fed = cue.clone();
+                self.last_finish = None;
+                self.pending_render = input.render;
+                return Ok(input.ids);
+            }
+        }
         // A reply that ended on a stop token left it pending in the session.
         let ended_on = match self.last_finish {
             Some(Finish::Stop) => self.session.pending(),
@@ -98,6 +136,7 @@ impl Chat {
             },
         )?;
         if input.reread {
+            self.rewrites_past = true;
             self.session.reset()?;
             self.last_finish = None;
         }
@@ -184,6 +223,7 @@ impl Chat {
         self.fed = chat.fed;
         self.last_finish = chat.last_finish;
         self.before_last = None;
+        self.at_cue = None;
         self.pending_render.clear();
         Ok(())
     }
@@ -214,7 +254,6 @@ impl Chat {
         if user.trim().is_empty() {
             return Err(Error::InvalidInput("the message is empty".into()));
         }
-        let fed = self.fed.clone();
         self.pending_render.clear();
         let ids = self.turn_input(user)?;
         // The state `ids` are fed from: taken after turn_input, which resets the session
@@ -223,7 +262,12 @@ impl Chat {
         let snapshot = self.session.snapshot()?;
         let finish = self.last_finish;
         let reply = match self.reply(&ids, opts, on) {
-            Ok(reply) => reply,
+            Ok((reply, at_cue)) => {
+                if let Some(s) = at_cue {
+                    self.at_cue = Some((s, self.pending_render.clone()));
+                }
+                reply
+            }
             Err(e) => {
                 // The turn failed midway, its input (and maybe part of a reply) fed: back to
                 // the state it started from, so that the next turn does not read a turn the
@@ -238,7 +282,7 @@ impl Chat {
                 return Err(e);
             }
         };
-        self.before_last = Some((snapshot, ids, finish, fed));
+        self.before_last = Some((snapshot, ids, finish, self.pending_render.clone()));
         self.messages.push(("user".into(), user.to_string()));
         self.messages.push(("assistant".into(), reply.text.clone()));
         self.fed = format!("{}{}", self.pending_render, reply.text);
@@ -264,7 +308,7 @@ impl Chat {
         opts: &GenerateOptions,
         on: impl FnMut(TurnEvent) -> bool,
     ) -> Result<Reply> {
-        let (snapshot, ids, finish, fed) = self
+        let (snapshot, ids, finish, cue) = self
             .before_last
             .take()
             .ok_or_else(|| Error::InvalidInput("there is no reply to regenerate".into()))?;
@@ -272,26 +316,31 @@ impl Chat {
         let after = match self.session.snapshot() {
             Ok(after) => after,
             Err(e) => {
-                self.before_last = Some((snapshot, ids, finish, fed));
+                self.before_last = Some((snapshot, ids, finish, cue));
                 return Err(e);
             }
         };
         let old_finish = self.last_finish;
         if let Err(e) = self.session.restore(&snapshot) {
             // Nothing was changed: the reply can still be regenerated.
-            self.before_last = Some((snapshot, ids, finish, fed));
+            self.before_last = Some((snapshot, ids, finish, cue));
             return Err(e);
         }
         self.last_finish = finish;
         let last = self.messages.pop();
         let reply = match self.reply(&ids, opts, on) {
-            Ok(reply) => reply,
+            Ok((reply, at_cue)) => {
+                if let Some(s) = at_cue {
+                    self.at_cue = Some((s, cue.clone()));
+                }
+                reply
+            }
             Err(e) => {
                 // As if nothing had been asked: the old reply and its state stay.
                 let _ = self.session.restore(&after);
                 self.last_finish = old_finish;
                 self.messages.extend(last);
-                self.before_last = Some((snapshot, ids, finish, fed));
+                self.before_last = Some((snapshot, ids, finish, cue));
                 return Err(e);
             }
         };
@@ -304,7 +353,7 @@ impl Chat {
             );
             self.messages.push((role, reply.text.clone()));
         }
-        self.before_last = Some((snapshot, ids, finish, fed));
+        self.before_last = Some((snapshot, ids, finish, cue));
         Ok(reply)
     }
 
@@ -313,7 +362,7 @@ impl Chat {
         ids: &[u32],
         opts: &GenerateOptions,
         mut on: impl FnMut(TurnEvent) -> bool,
-    ) -> Result<Reply> {
+    ) -> Result<(Reply, Option<Snapshot>)> {
         // A caller that stops at the end of the sequence stops at the end of the turn too:
         // a template's end-of-turn token (`<|im_end|>`) is not always the EOS.
         let mut opts = opts.clone();
@@ -341,9 +390,11 @@ impl Chat {
             fed: ids.len(),
             position,
         });
-        let (tokens, finish) =
+        // A template seen rewriting the past: the state at this turn's cue is kept.
+        let mark = self.rewrites_past && self.has_template();
+        let (tokens, finish, at_cue) =
             self.session
-                .generate(ids, opts, |id| match decoder.step(tok, id) {
+                .generate_marked(ids, opts, mark, |id| match decoder.step(tok, id) {
                     Ok(piece) => {
                         if let Some(p) = &piece {
                             text.push_str(p);
@@ -362,12 +413,13 @@ impl Chat {
             return Err(e);
         }
         self.last_finish = Some(finish);
-        Ok(Reply {
+        let reply = Reply {
             text,
             tokens: tokens.len(),
             finish,
             fed: ids.len(),
-        })
+        };
+        Ok((reply, at_cue))
     }
 }
 

@@ -399,8 +399,39 @@ impl Session {
         &mut self,
         prompt: &[u32],
         opts: &GenerateOptions,
-        mut on_token: impl FnMut(u32) -> bool,
+        on_token: impl FnMut(u32) -> bool,
     ) -> Result<(Vec<u32>, Finish)> {
+        let (reply, finish, _) = self.generate_marked(prompt, opts, false, on_token)?;
+        Ok((reply, finish))
+    }
+
+    /// `generate`, with `mark`: also a snapshot of the state right after the prompt was
+    /// read, nothing pending (the first reply token sampled there is dropped from it), so
+    /// that a later input which extends the prompt's text differently from the reply can
+    /// go on from it (`Chat`: templates that rewrite past replies). None where the snapshot
+    /// failed (the reply goes on: the mark only saves a later re-read).
+    pub fn generate_marked(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mark: bool,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<(Vec<u32>, Finish, Option<Snapshot>)> {
+        let mut marked = None;
+        let mut take_mark = |s: &Self| {
+            if mark {
+                match s.backend.snapshot() {
+                    Ok(state) => {
+                        marked = Some(Snapshot {
+                            state,
+                            pos: s.pos,
+                            pending: None,
+                        })
+                    }
+                    Err(e) => tracing::warn!("no snapshot at the end of the prompt: {e}"),
+                }
+            }
+        };
         opts.sampling.validate()?;
         let mut input: Vec<u32> = self.pending.into_iter().collect();
         input.extend_from_slice(prompt);
@@ -437,21 +468,23 @@ impl Session {
             let _ = self.prefill_sample(&input, &Sampling::greedy(), pos)?;
             self.pos = pos;
             self.pending = None;
-            return Ok((reply, Finish::Length));
+            take_mark(self);
+            return Ok((reply, Finish::Length, marked));
         }
         let first_pos = self.pos + input.len() as u64;
         let first = self.prefill_sample(&input, &opts.sampling, first_pos)?;
         self.pos = first_pos;
         self.pending = Some(first);
+        take_mark(self);
         if opts.stop.contains(&first) {
-            return Ok((reply, Finish::Stop));
+            return Ok((reply, Finish::Stop, marked));
         }
         reply.push(first);
         if !on_token(first) {
-            return Ok((reply, Finish::Cancelled));
+            return Ok((reply, Finish::Cancelled, marked));
         }
         if opts.max_new_tokens == 1 {
-            return Ok((reply, Finish::Length));
+            return Ok((reply, Finish::Length, marked));
         }
         // A prompt that filled the context leaves no room to feed the first token: the
         // reply ends here (a decode would be refused after a token was already given out).
@@ -460,7 +493,7 @@ impl Session {
             .context()
             .is_some_and(|ctx| self.pos >= ctx as u64)
         {
-            return Ok((reply, Finish::ContextFull));
+            return Ok((reply, Finish::ContextFull, marked));
         }
         let mut cancelled = false;
         let mut last = first;
@@ -494,7 +527,7 @@ impl Session {
         } else {
             Finish::Length
         };
-        Ok((reply, finish))
+        Ok((reply, finish, marked))
     }
 
     /// The one check where token ids enter, for every device: each must index the model's

@@ -102,6 +102,69 @@ fn regenerate_after_a_template_that_rereads_the_past() {
     assert_eq!(again.fed, r2.fed, "the same tokens fed");
 }
 
+/// A template that writes past replies otherwise than they were generated (here: in
+/// capitals; real ones drop a reply's reasoning or trim it).
+const REWRITING: &str = "{% for m in messages %}<|endoftext|>{{ m.role }}: {% if m.role == 'assistant' %}{{ m.content | upper }}{% else %}{{ m.content }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}";
+
+/// With a template that rewrites past replies, the turn after the one that found it out
+/// goes on from the state at the last assistant cue and feeds only the rewritten reply and
+/// the new message (not the whole conversation), and replies as a fresh read of the same
+/// tokens does; regenerate and a failed turn keep to that state.
+#[test]
+fn a_template_that_rewrites_the_last_reply_is_read_from_its_cue() {
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut c = wrapped(Some(REWRITING), &fail, None);
+    let opts = greedy(10, None);
+    let tok = c.tokenizer.clone();
+    let render = |msgs: &[(String, String)]| tok.render_chat(msgs, true).unwrap().unwrap();
+    c.say("Tell me a fortune", &opts, |_| true).unwrap();
+    // Turn 2 finds the first reply rewritten: the conversation is read again, whole.
+    let r2 = c.say("Another one", &opts, |_| true).unwrap();
+    let two = render(&c.messages[..3]);
+    assert_eq!(r2.fed, tok.encode_with(&two, true).unwrap().len());
+    let r2_text = r2.text.clone();
+    assert_ne!(r2_text.to_uppercase(), r2_text, "the reply is rewritten");
+    // Turn 3: from turn 2's cue, only the rewritten reply 2 and the new message.
+    let r3 = c.say("And a third", &opts, |_| true).unwrap();
+    let three = render(&c.messages[..5]);
+    let suffix = three
+        .strip_prefix(two.as_str())
+        .expect("the cue's text is a prefix");
+    let from_cue = tok.encode_with(suffix, false).unwrap();
+    assert_eq!(r3.fed, from_cue.len());
+    assert!(r3.fed < tok.encode_with(&three, true).unwrap().len() / 2);
+    // The oracle: a fresh session reading the same tokens from zero.
+    let mut ids = tok.encode_with(&two, true).unwrap();
+    ids.extend(&from_cue);
+    let mut fresh = chat(Some(REWRITING));
+    let (want, _) = fresh.session.generate(&ids, &opts, |_| true).unwrap();
+    assert_eq!(tok.decode(&want).unwrap(), r3.text);
+    assert_eq!(c.session.position(), fresh.session.position());
+    // Regenerate starts from the same cue state.
+    let again = c.regenerate(&opts, |_| true).unwrap();
+    assert_eq!((again.text.as_str(), again.fed), (r3.text.as_str(), r3.fed));
+    // A turn that fails after going back to the cue leaves the chat able to go on: the
+    // same message again gives the reply of a chat that never failed.
+    fail.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(c.say("A fourth", &opts, |_| true).is_err());
+    fail.store(false, std::sync::atomic::Ordering::Relaxed);
+    let r4 = c.say("A fourth", &opts, |_| true).unwrap();
+    let never = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut d = wrapped(Some(REWRITING), &never, None);
+    for m in [
+        "Tell me a fortune",
+        "Another one",
+        "And a third",
+        "A fourth",
+    ] {
+        let r = d.say(m, &opts, |_| true).unwrap();
+        if m == "A fourth" {
+            assert_eq!((r.text.as_str(), r.fed), (r4.text.as_str(), r4.fed));
+        }
+    }
+    assert_eq!(c.session.position(), d.session.position());
+}
+
 /// A CPU backend whose decode fails, when told to, after feeding a few tokens (a device
 /// error midway through a reply), and that reports a context limit when given one (as a
 /// GPU engine's KV caches set one).
