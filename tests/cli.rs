@@ -717,6 +717,54 @@ fn serve_prints_its_address_and_answers() {
     }
 }
 
+/// `serve` says which cache flags do nothing where it runs, and what `--cache-disk 0` does
+/// to the files in `--cache-dir`, rather than start as if they worked.
+#[test]
+fn serve_notes_the_cache_flags_it_cannot_use() {
+    use std::io::{BufRead, BufReader, Read};
+    // Starts the server, waits for its address, stops it: its stderr.
+    let started = |extra: &[&str]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
+            .args(["serve", "--device", "cpu", "--port", "0"])
+            .args(extra)
+            .env("XDG_RUNTIME_DIR", "/tmp")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert!(line.starts_with("listening on http://"), "{line} {err}");
+        err
+    };
+    let err = started(&["--cache-device-mem", "1G", "--cache-disk", "2G"]);
+    assert!(
+        err.contains("note: --cache-device-mem has no effect on the CPU reference")
+            && err.contains("note: --cache-disk has no effect without --cache-dir"),
+        "{err}"
+    );
+    let dir = std::env::temp_dir().join(format!("mamba2-cli-disk0-{}", std::process::id()));
+    let err = started(&["--cache-dir", dir.to_str().unwrap(), "--cache-disk", "0"]);
+    assert!(
+        err.contains("note: --cache-disk 0: no prefix-cache file is kept in"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = started(&[]);
+    assert!(!err.contains("note:"), "{err}");
+}
+
 /// Sizes from flags go through checked arithmetic: a `--ctx` near `usize::MAX` on a hybrid
 /// is refused by a run command and described by `info`, and bench's token counts are
 /// bounded before any sum of them is formed; never an overflow panic.
@@ -928,6 +976,14 @@ fn bench_and_generate_say_what_they_do_not_do() {
     );
     let (ok, _, err) = bench(&["--tokens", "2", "--profile-tokens", "0"]);
     assert!(ok, "asking for no profile is what the CPU does: {err}");
+    assert!(!err.contains("no effect"), "{err}");
+    let (ok, _, err) = bench(&["--tokens", "2", "--prefill-runs", "2", "--new-tokens", "4"]);
+    assert!(
+        ok && err.contains(
+            "note: --prefill-runs has no effect without --prefill, --cached-prefix or --batch"
+        ) && err.contains("note: --new-tokens has no effect without --cached-prefix"),
+        "{err}"
+    );
 
     let (ok, _, err) = mamba2(&[
         "generate", "--device", "cpu", "-n", "2", "--top-k", "5", "--seed", "3", "Hi",

@@ -52,9 +52,10 @@ pub struct BenchArgs {
     /// Also time prompts of these lengths (chunked prefill), e.g. 512,4096.
     #[arg(long, value_delimiter = ',')]
     prefill: Vec<usize>,
-    /// Timed runs per prefill length (after a first run and at least 2 s of warm-up runs).
-    #[arg(long, default_value_t = 3)]
-    prefill_runs: usize,
+    /// Timed runs per prefill length, cached prefix and batch size (after a first run and
+    /// at least 2 s of warm-up runs) [default: 3].
+    #[arg(long)]
+    prefill_runs: Option<usize>,
     /// Skip the decode benchmark (with --prefill).
     #[arg(long)]
     no_decode: bool,
@@ -69,9 +70,9 @@ pub struct BenchArgs {
     /// (restored from a device snapshot and from host memory), e.g. 4096.
     #[arg(long, value_delimiter = ',', value_name = "N")]
     cached_prefix: Vec<usize>,
-    /// New tokens after the cached prefix (with --cached-prefix).
-    #[arg(long, default_value_t = 32)]
-    new_tokens: usize,
+    /// New tokens after the cached prefix (with --cached-prefix) [default: 32].
+    #[arg(long)]
+    new_tokens: Option<usize>,
     /// Also time batched decode: this many sequences advanced together, e.g. 1,4,16,64
     /// (aggregate tokens/s; each lane checked against its run alone).
     #[arg(long, value_delimiter = ',', value_name = "B")]
@@ -104,8 +105,8 @@ impl BenchArgs {
             ("--tokens", self.tokens),
             ("--warmup", self.warmup),
             ("--profile-tokens", self.profile_tokens()),
-            ("--new-tokens", self.new_tokens),
-            ("--prefill-runs", self.prefill_runs),
+            ("--new-tokens", self.new_tokens()),
+            ("--prefill-runs", self.prefill_runs()),
         ];
         let lists = [
             ("--ctx", &self.ctx),
@@ -125,8 +126,10 @@ impl BenchArgs {
         if let Some(0) = self.prefill.iter().copied().min() {
             bail!("--prefill: a prompt length must be at least 1, found 0");
         }
-        if !self.prefill.is_empty() {
-            check_at_least("--prefill-runs", self.prefill_runs, 1)?;
+        let runs =
+            !self.prefill.is_empty() || !self.cached_prefix.is_empty() || !self.batch.is_empty();
+        if runs {
+            check_at_least("--prefill-runs", self.prefill_runs(), 1)?;
         }
         if self.no_decode
             && self.prefill.is_empty()
@@ -138,7 +141,7 @@ impl BenchArgs {
         if let Some(0) = self.cached_prefix.iter().copied().min() {
             bail!("--cached-prefix: a prefix must be at least 1 token, found 0");
         }
-        check_at_least("--new-tokens", self.new_tokens, 1)?;
+        check_at_least("--new-tokens", self.new_tokens(), 1)?;
         if let Some(&b) = self.batch.iter().find(|&&b| !(1..=256).contains(&b)) {
             bail!("--batch: a batch holds 1…256 sequences, found {b}");
         }
@@ -148,6 +151,33 @@ impl BenchArgs {
         }
         check_device("--device", &self.device)?;
         Ok(configs)
+    }
+
+    /// Timed runs of each prefill length, cached prefix and batch: 3 unless given.
+    fn prefill_runs(&self) -> usize {
+        self.prefill_runs.unwrap_or(3)
+    }
+
+    /// Tokens fed after a cached prefix: 32 unless given.
+    fn new_tokens(&self) -> usize {
+        self.new_tokens.unwrap_or(32)
+    }
+
+    /// Notes the flags given without what they apply to.
+    fn note_unused(&self) {
+        let runs =
+            !self.prefill.is_empty() || !self.cached_prefix.is_empty() || !self.batch.is_empty();
+        super::note_ignored(
+            [(self.prefill_runs.is_some() && !runs, "--prefill-runs")],
+            "without --prefill, --cached-prefix or --batch",
+        );
+        super::note_ignored(
+            [(
+                self.new_tokens.is_some() && self.cached_prefix.is_empty(),
+                "--new-tokens",
+            )],
+            "without --cached-prefix",
+        );
     }
 
     /// Tokens decoded with timestamps: 20 unless given.
@@ -184,6 +214,7 @@ impl BenchArgs {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let configs = args.check()?;
+    args.note_unused();
     // `auto` as everywhere: a hardware GPU, else the CPU reference.
     let on_cpu = match &args.device {
         DeviceChoice::Cpu => true,
@@ -246,7 +277,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let batched = if args.batch.is_empty() {
                     0
                 } else {
-                    args.warmup + args.tokens * args.prefill_runs + 8
+                    args.warmup + args.tokens * args.prefill_runs() + 8
                 };
                 let longest = longest
                     .max(batched)
@@ -255,7 +286,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         args.cached_prefix
                             .iter()
                             .max()
-                            .map_or(0, |p| p + args.new_tokens),
+                            .map_or(0, |p| p + args.new_tokens()),
                     );
                 let opts = mamba2_wgpu::EngineOptions {
                     format,
@@ -311,8 +342,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         &mut backend,
                         name,
                         prefix,
-                        args.new_tokens,
-                        args.prefill_runs,
+                        args.new_tokens(),
+                        args.prefill_runs(),
                     )?;
                     show(args.json, &report, report.text())?;
                 }
@@ -323,13 +354,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         b,
                         args.tokens,
                         args.warmup,
-                        args.prefill_runs,
+                        args.prefill_runs(),
                     )?;
                     show(args.json, &report, report.text())?;
                 }
                 for &len in &args.prefill {
                     let report =
-                        mamba2_wgpu::bench::prefill(&mut backend, name, len, args.prefill_runs)?;
+                        mamba2_wgpu::bench::prefill(&mut backend, name, len, args.prefill_runs())?;
                     show(args.json, &report, report.text())?;
                 }
             }

@@ -407,6 +407,7 @@ pub fn read_text_arg(flag: &str, path: &Path) -> anyhow::Result<String> {
 
 pub fn run() -> ExitCode {
     let cli = Cli::parse();
+    log_to_stderr(matches!(cli.command, Command::Serve(_)));
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Info(a) => info::run(a),
@@ -432,6 +433,25 @@ pub fn run() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The library's `tracing` events go to stderr: everyone's warnings (a context capped by
+/// the device, cooperative matrices turned off, a bad `MAMBA2_SHADER_*` value), and for
+/// `serve` its notices too, with the time (batched decode on or off, prefix-cache writes).
+fn log_to_stderr(serve: bool) {
+    let level = match serve {
+        true => tracing::Level::INFO,
+        false => tracing::Level::WARN,
+    };
+    let fmt = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .with_target(false);
+    // (Only fails where a subscriber is already set: none is.)
+    let _ = match serve {
+        true => fmt.try_init(),
+        false => fmt.without_time().try_init(),
+    };
 }
 
 /// A failed write of a command's output (`outln!`).

@@ -53,18 +53,20 @@ pub struct ServeArgs {
     /// Host memory for prefix-cache states (0 turns the host tier off), e.g. 4G.
     #[arg(long, default_value = "4G", value_parser = parse_bytes)]
     cache_mem: u64,
-    /// Device memory for prefix-cache snapshots (0: none), e.g. 8G. Each request leaves up
-    /// to two entries (its prompt's end, its reply's end) of one state each (Codestral: 276 MB);
-    /// an entry moved to host memory is read back while the other requests wait.
-    #[arg(long, default_value = "4G", value_parser = parse_bytes)]
-    cache_device_mem: u64,
+    /// Device memory for prefix-cache snapshots (0: none), e.g. 8G [default: 4G]. Each
+    /// request leaves up to two entries (its prompt's end, its reply's end) of one state
+    /// each (Codestral: 276 MB); an entry moved to host memory is read back while the other
+    /// requests wait. (The CPU reference keeps its snapshots in host memory.)
+    #[arg(long, value_parser = parse_bytes)]
+    cache_device_mem: Option<u64>,
     /// Directory where prefix-cache entries spill and survive restarts (files from another
     /// model or version found there are refused and left alone).
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<PathBuf>,
-    /// Bytes of files in --cache-dir, e.g. 32G.
-    #[arg(long, default_value = "32G", value_parser = parse_bytes)]
-    cache_disk: u64,
+    /// Bytes of files in --cache-dir, e.g. 32G [default: 32G]; 0 keeps no file there (and
+    /// removes this model's files found there).
+    #[arg(long, value_parser = parse_bytes)]
+    cache_disk: Option<u64>,
     /// How host and disk entries store their values: f32 (exact) or f16 (half the bytes).
     #[arg(long, default_value = "f32")]
     cache_dtype: StateDtype,
@@ -137,15 +139,40 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     note_unused_ctx(&model, args.ctx);
     let tokenizer = tokenizer.ok_or_else(|| args.model.no_tokenizer(&model, "serve needs one"))?;
     let mut backend = args.engine.open(&model, args.ctx)?;
+    super::note_ignored(
+        [(
+            args.cache_device_mem.is_some() && backend.gpu().is_none(),
+            "--cache-device-mem",
+        )],
+        "on the CPU reference (its cache entries live in host memory, under --cache-mem)",
+    );
+    super::note_ignored(
+        [(
+            args.cache_disk.is_some() && args.cache_dir.is_none(),
+            "--cache-disk",
+        )],
+        "without --cache-dir",
+    );
+    let defaults = CacheConfig::default();
+    let disk_bytes = args.cache_disk.unwrap_or(defaults.disk_bytes);
+    if disk_bytes == 0
+        && let Some(dir) = &args.cache_dir
+    {
+        eprintln!(
+            "note: --cache-disk 0: no prefix-cache file is kept in {} (this model's files \
+             found there are removed)",
+            dir.display()
+        );
+    }
     let key = state_key(&model, &args.engine, backend.as_mut());
     let cache = PrefixCache::open(
         key,
         &model.config,
         CacheConfig {
-            device_bytes: args.cache_device_mem,
+            device_bytes: args.cache_device_mem.unwrap_or(defaults.device_bytes),
             host_bytes: args.cache_mem,
             dir: args.cache_dir.clone(),
-            disk_bytes: args.cache_disk,
+            disk_bytes,
             dtype: args.cache_dtype,
             every: args.cache_every,
         },

@@ -269,7 +269,7 @@ impl GpuContext {
         let info = adapter.get_info();
         let have = adapter.features();
         let al = adapter.limits();
-        let off = |var: &str| std::env::var_os(var).is_some();
+        let off = super::switched_off;
         let mut features = wgpu::Features::empty();
         for (f, env) in [
             (wgpu::Features::SUBGROUP, "MAMBA2_NO_SUBGROUPS"),

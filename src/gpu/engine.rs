@@ -96,7 +96,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             format: WeightFormat::F16,
-            fused: std::env::var_os("MAMBA2_NO_FUSE").is_none(),
+            fused: !super::switched_off("MAMBA2_NO_FUSE"),
             chunk_size: None,
             prefill: PrefillMode::Auto,
             context: None,

@@ -147,10 +147,9 @@ fn split_slices_over(w: &DeviceMatrix, token_tiles: usize) -> usize {
 /// Fewest K slices for which a block of more than one token tile splits its K loop.
 const BLOCK_SPLIT_MIN: usize = 4;
 
-/// MAMBA2_NO_SPLITK (any value): every prefill GEMM runs whole, short blocks too (for
-/// comparison).
+/// MAMBA2_NO_SPLITK=1: every prefill GEMM runs whole, short blocks too (for comparison).
 fn splitk_off() -> bool {
-    std::env::var_os("MAMBA2_NO_SPLITK").is_some()
+    crate::gpu::switched_off("MAMBA2_NO_SPLITK")
 }
 
 /// The K slices of `w`'s GEMM over a block of `max_tokens` tokens (1: the plain GEMM).
