@@ -228,6 +228,17 @@ impl Chat {
         Ok(())
     }
 
+    /// The tokens `user` would take as a new conversation's only message (through its
+    /// cue), with the context, where they leave no room for a reply: a new conversation
+    /// would not help a message refused for a full context.
+    pub fn too_long_alone(&self, user: &str) -> Option<(usize, usize)> {
+        let ctx = self.session.backend().context()?;
+        let n = conversation_tokens(&self.tokenizer, &[("user".into(), user.to_string())])
+            .ok()?
+            .len();
+        (n >= ctx).then_some((n, ctx))
+    }
+
     /// Sends a user message and streams the reply's text to `on_text` (return false to
     /// stop).
     pub fn say(

@@ -899,15 +899,24 @@ fn chat_says_how_to_go_on_when_the_context_is_full() {
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
     let model = dir.to_str().unwrap();
     let flags = ["--model", model, "--device", "cpu", "--ctx", "8", "-n", "2"];
-    let (ok, out, err) = chat(&flags, b"a b c d a b c d a b c d\nb a\n");
+    // A message longer than the context alone: a new conversation would not help. Then one
+    // that fits alone but not after the first turn.
+    let (ok, out, err) = chat(&flags, b"a b c d a b c d a b c d\nb a\na b c d a\n");
     assert!(
         err.contains("the context is full")
-            && err.contains("nothing was sent: /reset starts a new conversation"),
+            && err.contains(
+                "nothing was sent: this message alone takes 12 tokens and the context holds 8: \
+                 run with a larger --ctx"
+            ),
         "{err}"
     );
     assert!(
         err.contains("[2 new tokens fed, 2 generated"),
         "the next message is answered from an empty state: {err}"
+    );
+    assert!(
+        err.contains("nothing was sent: /reset starts a new conversation"),
+        "{err}"
     );
     assert!(!out.trim().is_empty(), "{err}");
     assert!(!ok, "a line failed: {err}");

@@ -244,11 +244,23 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             Err(e @ mamba2_wgpu::Error::Gpu(_)) => return Err(e.into()),
             Err(e) => {
                 let e = e.to_string();
+                // (The message as sent: /regen's is already in the conversation.)
+                let sent = match text {
+                    "/regen" => None,
+                    t if t.starts_with("//") => Some(&line.trim_start()[1..]),
+                    _ => Some(line),
+                };
                 if e.contains(mamba2_wgpu::session::CONTEXT_FULL) {
-                    eprintln!(
-                        "error: {e}; nothing was sent: /reset starts a new conversation (or \
-                         run with a larger --ctx)"
-                    );
+                    match sent.and_then(|m| chat.too_long_alone(m)) {
+                        Some((n, ctx)) => eprintln!(
+                            "error: {e}; nothing was sent: this message alone takes {n} \
+                             tokens and the context holds {ctx}: run with a larger --ctx"
+                        ),
+                        None => eprintln!(
+                            "error: {e}; nothing was sent: /reset starts a new conversation \
+                             (or run with a larger --ctx)"
+                        ),
+                    }
                 } else {
                     eprintln!("error: {e}");
                 }

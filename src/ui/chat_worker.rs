@@ -445,13 +445,28 @@ impl Worker {
         if let Some(load) = crate::ui::expert_view::read_expert_load(backend) {
             out.send(ChatEvent::ExpertLoad(Box::new(load)));
         }
+        // A message refused for a full context that no new chat would take either.
+        let alone = match &result {
+            Err(e) if e.to_string().contains(crate::session::CONTEXT_FULL) => {
+                user.and_then(|u| chat.too_long_alone(u))
+            }
+            _ => None,
+        };
         match (result, failure) {
             (Err(e), _) => {
                 let msg = e.to_string();
                 let msg = if msg.contains(crate::session::STOPPED_READING) {
                     format!("{msg}: the message was not sent (the conversation is as before it)")
                 } else if msg.contains(crate::session::CONTEXT_FULL) {
-                    format!("{msg}: the message was not sent; New chat starts a new conversation")
+                    match alone {
+                        Some((n, ctx)) => format!(
+                            "{msg}: the message was not sent; it alone takes {n} tokens and \
+                             the context holds {ctx}: open the model with a larger context"
+                        ),
+                        None => format!(
+                            "{msg}: the message was not sent; New chat starts a new conversation"
+                        ),
+                    }
                 } else if msg.contains("device lost") {
                     format!("{msg}: the GPU device was lost; open the model again")
                 } else {
