@@ -92,15 +92,14 @@ impl Chat {
     /// template that renders the past differently now goes back to the state at the last
     /// assistant cue where the new rendering still starts with what was read up to there
     /// (it rewrote the last reply only), else resets the session: it is read again in full.
-    fn turn_input(&mut self, user: &str) -> Result<Vec<u32>> {
+    fn turn_input(&mut self, user: &str) -> Result<(Vec<u32>, Option<Snapshot>)> {
         let mut msgs = self.messages.clone();
         msgs.push(("user".into(), user.to_string()));
-        if let Some((snapshot, cue)) = &self.at_cue
+        if let Some((_, cue)) = &self.at_cue
             && let Some(render) = self.tokenizer.render_chat(&msgs, true)?
             && !render.starts_with(self.fed.as_str())
             && render.starts_with(cue.as_str())
         {
-            self.rewrites_past = true;
             let input = input_after(
                 &self.tokenizer,
                 &msgs,
@@ -112,12 +111,17 @@ impl Chat {
                 },
             )?;
             if !input.reread {
-                // What the state holds from here on: the rendering up to the last cue.
-                self.session.restore(snapshot)?;
-                self.fed = cue.clone();
+                // What the state holds from here on: the rendering up to the last cue. (The
+                // snapshot becomes the turn's own: a copy of it would be the same state.)
+                let (snapshot, cue) = self.at_cue.take().expect("matched above");
+                if let Err(e) = self.session.restore(&snapshot) {
+                    self.at_cue = Some((snapshot, cue));
+                    return Err(e);
+                }
+                self.fed = cue;
                 self.last_finish = None;
                 self.pending_render = input.render;
-                return Ok(input.ids);
+                return Ok((input.ids, Some(snapshot)));
             }
         }
         // A reply that ended on a stop token left it pending in the session.
@@ -141,7 +145,7 @@ impl Chat {
             self.last_finish = None;
         }
         self.pending_render = input.render;
-        Ok(input.ids)
+        Ok((input.ids, None))
     }
 
     /// The tokens that end this chat's turns (`stop_ids`).
@@ -266,13 +270,16 @@ impl Chat {
             return Err(Error::InvalidInput("the message is empty".into()));
         }
         self.pending_render.clear();
-        let ids = self.turn_input(user)?;
+        let (ids, start) = self.turn_input(user)?;
         // The state `ids` are fed from: taken after turn_input, which resets the session
         // when the template renders the past differently (a snapshot from before would make
-        // a regenerated reply read the history twice).
-        let snapshot = self.session.snapshot()?;
+        // a regenerated reply read the history twice), or the cue's it went back to.
+        let snapshot = match start {
+            Some(s) => s,
+            None => self.session.snapshot()?,
+        };
         let finish = self.last_finish;
-        let reply = match self.reply(&ids, opts, on) {
+        let reply = match self.reply(&ids, opts, self.rewrites_past, on) {
             Ok((reply, at_cue)) => {
                 if let Some(s) = at_cue {
                     self.at_cue = Some((s, self.pending_render.clone()));
@@ -339,7 +346,9 @@ impl Chat {
         }
         self.last_finish = finish;
         let last = self.messages.pop();
-        let reply = match self.reply(&ids, opts, on) {
+        // (The state at this cue is kept already unless a failed turn took it.)
+        let mark = self.rewrites_past && self.at_cue.as_ref().is_none_or(|(_, c)| *c != cue);
+        let reply = match self.reply(&ids, opts, mark, on) {
             Ok((reply, at_cue)) => {
                 if let Some(s) = at_cue {
                     self.at_cue = Some((s, cue.clone()));
@@ -355,13 +364,9 @@ impl Chat {
                 return Err(e);
             }
         };
-        if let Some((role, old)) = last {
-            // The rendering up to the cue is what was fed before the old reply.
-            self.fed = format!(
-                "{}{}",
-                self.fed.strip_suffix(old.as_str()).unwrap_or(&self.fed),
-                reply.text
-            );
+        if let Some((role, _)) = last {
+            // The state read the turn's rendering up to its cue, then the new reply.
+            self.fed = format!("{cue}{}", reply.text);
             self.messages.push((role, reply.text.clone()));
         }
         self.before_last = Some((snapshot, ids, finish, cue));
@@ -372,6 +377,7 @@ impl Chat {
         &mut self,
         ids: &[u32],
         opts: &GenerateOptions,
+        mark: bool,
         mut on: impl FnMut(TurnEvent) -> bool,
     ) -> Result<(Reply, Option<Snapshot>)> {
         // A caller that stops at the end of the sequence stops at the end of the turn too:
@@ -401,8 +407,7 @@ impl Chat {
             fed: ids.len(),
             position,
         });
-        // A template seen rewriting the past: the state at this turn's cue is kept.
-        let mark = self.rewrites_past && self.has_template();
+        // `mark`: a template seen rewriting the past; the state at this turn's cue is kept.
         let (tokens, finish, at_cue) =
             self.session
                 .generate_marked(ids, opts, mark, |id| match decoder.step(tok, id) {

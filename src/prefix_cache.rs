@@ -496,7 +496,8 @@ impl PrefixCache {
     /// Writes a memory entry to its file (when there is a directory and none yet) and
     /// leaves it on disk only; without a directory it is dropped.
     fn spill(&mut self, id: u64) -> Result<()> {
-        let Some(dir) = self.cfg.dir.clone() else {
+        // (No file is kept with a disk budget of 0: none is written only to be deleted.)
+        let Some(dir) = self.cfg.dir.clone().filter(|_| self.cfg.disk_bytes > 0) else {
             self.remove(id);
             return Ok(());
         };
@@ -540,7 +541,7 @@ impl PrefixCache {
 
     /// Writes every memory entry to the directory (at shutdown: what a restart finds).
     pub fn persist(&mut self, backend: &mut dyn Backend) -> Result<usize> {
-        if self.cfg.dir.is_none() {
+        if self.cfg.dir.is_none() || self.cfg.disk_bytes == 0 {
             return Ok(0);
         }
         let ids: Vec<u64> = self

@@ -140,15 +140,31 @@ fn a_template_that_rewrites_the_last_reply_is_read_from_its_cue() {
     let (want, _) = fresh.session.generate(&ids, &opts, |_| true).unwrap();
     assert_eq!(tok.decode(&want).unwrap(), r3.text);
     assert_eq!(c.session.position(), fresh.session.position());
+    assert_ne!(r3.text.to_uppercase(), r3.text, "reply 3 is rewritten too");
     // Regenerate starts from the same cue state.
     let again = c.regenerate(&opts, |_| true).unwrap();
     assert_eq!((again.text.as_str(), again.fed), (r3.text.as_str(), r3.fed));
-    // A turn that fails after going back to the cue leaves the chat able to go on: the
-    // same message again gives the reply of a chat that never failed.
+    // A turn that fails after going back to the cue leaves the chat able to go on: a
+    // regenerate of the reply that stands gives it again, and the same message again
+    // gives the reply of a chat that never failed.
     fail.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(c.say("A fourth", &opts, |_| true).is_err());
     fail.store(false, std::sync::atomic::Ordering::Relaxed);
+    let again = c.regenerate(&opts, |_| true).unwrap();
+    assert_eq!((again.text.as_str(), again.fed), (r3.text.as_str(), r3.fed));
     let r4 = c.say("A fourth", &opts, |_| true).unwrap();
+    assert_eq!(
+        r4.fed,
+        tok.encode_with(
+            render(&c.messages[..7])
+                .strip_prefix(render(&c.messages[..5]).as_str())
+                .unwrap(),
+            false
+        )
+        .unwrap()
+        .len(),
+        "turn 4 went on from turn 3's cue"
+    );
     let never = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut d = wrapped(Some(REWRITING), &never, None);
     for m in [
@@ -163,6 +179,11 @@ fn a_template_that_rewrites_the_last_reply_is_read_from_its_cue() {
         }
     }
     assert_eq!(c.session.position(), d.session.position());
+    // A new conversation forgets the cue: its first turn reads from zero.
+    c.reset().unwrap();
+    let first = c.say("Tell me a fortune", &opts, |_| true).unwrap();
+    let alone = render(&c.messages[..1]);
+    assert_eq!(first.fed, tok.encode_with(&alone, true).unwrap().len());
 }
 
 /// A CPU backend whose decode fails, when told to, after feeding a few tokens (a device

@@ -905,8 +905,8 @@ fn chat_says_how_to_go_on_when_the_context_is_full() {
     assert!(
         err.contains("the context is full")
             && err.contains(
-                "nothing was sent: this message alone takes 12 tokens and the context holds 8: \
-                 run with a larger --ctx"
+                "nothing was sent: this message alone takes 12 of the 8-token context, leaving \
+                 no room for a reply: run with a larger --ctx"
             ),
         "{err}"
     );

@@ -201,6 +201,34 @@ fn full_tiers_let_go_of_the_least_recently_used_entry() {
     );
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
+
+    // A disk budget of 0 with a directory: a spilled entry is dropped, not written to be
+    // deleted, and shutdown writes nothing either.
+    let mut c = open(
+        &model,
+        CacheConfig {
+            device_bytes: 0,
+            host_bytes: entry,
+            dir: Some(dir.clone()),
+            disk_bytes: 0,
+            ..Default::default()
+        },
+    );
+    for p in prompts {
+        c.insert(p, &mut feed(p)).unwrap();
+    }
+    assert_eq!(c.stats().entries, [0, 1, 0]);
+    assert_eq!(c.persist(&mut backend(&model)).unwrap(), 0);
+    let files = std::fs::read_dir(&dir).unwrap().count();
+    // (The directory's lock file is all there is.)
+    assert!(files <= 1, "{files} files");
+    assert_eq!(
+        hit(&mut c, prompts[2]),
+        prompts[2].len(),
+        "the newest is in memory"
+    );
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The device tier (a GPU backend's snapshots, here of a hybrid whose state holds KV rows):

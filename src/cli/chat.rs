@@ -254,7 +254,8 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
                     match sent.and_then(|m| chat.too_long_alone(m)) {
                         Some((n, ctx)) => eprintln!(
                             "error: {e}; nothing was sent: this message alone takes {n} \
-                             tokens and the context holds {ctx}: run with a larger --ctx"
+                             of the {ctx}-token context, leaving no room for a reply: run \
+                             with a larger --ctx"
                         ),
                         None => eprintln!(
                             "error: {e}; nothing was sent: /reset starts a new conversation \

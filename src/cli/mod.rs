@@ -435,22 +435,49 @@ pub fn run() -> ExitCode {
     }
 }
 
-/// The library's `tracing` events go to stderr: everyone's warnings (a context capped by
-/// the device, cooperative matrices turned off, a bad `MAMBA2_SHADER_*` value), and for
-/// `serve` its notices too, with the time (batched decode on or off, prefix-cache writes).
+/// This program's `tracing` events go to stderr (not other crates': a windowing library's
+/// chatter is not the user's business): warnings such as a bad `MAMBA2_SHADER_CHECKS` or a
+/// prefix-cache entry `serve` could not keep, and for `serve` its notices too, with the
+/// time (batched decode on or off, prefix-cache files written). `MAMBA2_LOG=off|error|warn|
+/// info|debug|trace` sets the level instead.
 fn log_to_stderr(serve: bool) {
-    let level = match serve {
-        true => tracing::Level::INFO,
-        false => tracing::Level::WARN,
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::prelude::*;
+    let level = match std::env::var("MAMBA2_LOG")
+        .ok()
+        .map(|v| v.trim().to_ascii_lowercase())
+    {
+        Some(v) if v == "off" => LevelFilter::OFF,
+        Some(v) if v == "error" => LevelFilter::ERROR,
+        Some(v) if v == "warn" => LevelFilter::WARN,
+        Some(v) if v == "info" => LevelFilter::INFO,
+        Some(v) if v == "debug" => LevelFilter::DEBUG,
+        Some(v) if v == "trace" => LevelFilter::TRACE,
+        Some(v) => {
+            eprintln!("note: MAMBA2_LOG={v} ignored: want off, error, warn, info, debug or trace");
+            if serve {
+                LevelFilter::INFO
+            } else {
+                LevelFilter::WARN
+            }
+        }
+        None if serve => LevelFilter::INFO,
+        None => LevelFilter::WARN,
     };
-    let fmt = tracing_subscriber::fmt()
+    let ours = Targets::new()
+        .with_target("mamba2_wgpu", level)
+        .with_target("mamba2", level);
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .with_max_level(level)
         .with_target(false);
     // (Only fails where a subscriber is already set: none is.)
     let _ = match serve {
-        true => fmt.try_init(),
-        false => fmt.without_time().try_init(),
+        true => tracing_subscriber::registry()
+            .with(fmt.with_filter(ours))
+            .try_init(),
+        false => tracing_subscriber::registry()
+            .with(fmt.without_time().with_filter(ours))
+            .try_init(),
     };
 }
 

@@ -460,8 +460,9 @@ impl Worker {
                 } else if msg.contains(crate::session::CONTEXT_FULL) {
                     match alone {
                         Some((n, ctx)) => format!(
-                            "{msg}: the message was not sent; it alone takes {n} tokens and \
-                             the context holds {ctx}: open the model with a larger context"
+                            "{msg}: the message was not sent; it alone takes {n} of the \
+                             {ctx}-token context, leaving no room for a reply: open the model \
+                             with a larger context"
                         ),
                         None => format!(
                             "{msg}: the message was not sent; New chat starts a new conversation"
