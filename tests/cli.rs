@@ -647,27 +647,36 @@ fn chat_save_and_resume_continue_the_same_conversation() {
     assert!(made_len > 3, "the link's target was made");
 }
 
-/// `mamba2 serve --port 0` prints the address it bound, answers /health there, and
-/// refuses bad flags before reading the model.
-#[test]
-fn serve_prints_its_address_and_answers() {
-    use std::io::{BufRead, BufReader, Read, Write};
+/// `mamba2 serve --device cpu --port 0` with `extra` flags, started: the process (its
+/// stderr piped) and the address it printed.
+fn serve_on_cpu(extra: &[&str]) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
     let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
         .args(["serve", "--device", "cpu", "--port", "0"])
+        .args(extra)
         .env("XDG_RUNTIME_DIR", "/tmp")
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on http://")
-        .unwrap_or_else(|| panic!("{line}"))
-        .to_string();
+    let Some(addr) = line.trim().strip_prefix("listening on http://") else {
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        panic!("{line} {}", String::from_utf8_lossy(&out.stderr));
+    };
+    (child, addr.to_string())
+}
+
+/// `mamba2 serve --port 0` prints the address it bound, answers /health there, and
+/// refuses bad flags before reading the model.
+#[test]
+fn serve_prints_its_address_and_answers() {
+    use std::io::{Read, Write};
+    let (mut child, addr) = serve_on_cpu(&[]);
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     write!(
         s,
@@ -721,32 +730,11 @@ fn serve_prints_its_address_and_answers() {
 /// to the files in `--cache-dir`, rather than start as if they worked.
 #[test]
 fn serve_notes_the_cache_flags_it_cannot_use() {
-    use std::io::{BufRead, BufReader, Read};
     // Starts the server, waits for its address, stops it: its stderr.
     let started = |extra: &[&str]| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mamba2"))
-            .args(["serve", "--device", "cpu", "--port", "0"])
-            .args(extra)
-            .env("XDG_RUNTIME_DIR", "/tmp")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let (mut child, _) = serve_on_cpu(extra);
         let _ = child.kill();
-        let _ = child.wait();
-        let mut err = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
-        assert!(line.starts_with("listening on http://"), "{line} {err}");
-        err
+        String::from_utf8_lossy(&child.wait_with_output().unwrap().stderr).into_owned()
     };
     let err = started(&["--cache-device-mem", "1G", "--cache-disk", "2G"]);
     assert!(

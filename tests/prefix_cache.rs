@@ -160,16 +160,20 @@ fn full_tiers_let_go_of_the_least_recently_used_entry() {
     };
     let _ = std::fs::remove_dir_all(&dir);
     let disk = file + file / 2;
-    let mut c = open(
-        &model,
-        CacheConfig {
-            device_bytes: 0,
-            host_bytes: entry,
-            dir: Some(dir.clone()),
-            disk_bytes: disk,
-            ..Default::default()
-        },
-    );
+    // Room for one entry in memory, `disk` bytes of files.
+    let tiers = |disk: u64| {
+        open(
+            &model,
+            CacheConfig {
+                device_bytes: 0,
+                host_bytes: entry,
+                dir: Some(dir.clone()),
+                disk_bytes: disk,
+                ..Default::default()
+            },
+        )
+    };
+    let mut c = tiers(disk);
     for p in prompts {
         c.insert(p, &mut feed(p)).unwrap();
     }
@@ -204,16 +208,7 @@ fn full_tiers_let_go_of_the_least_recently_used_entry() {
 
     // A disk budget of 0 with a directory: a spilled entry is dropped, not written to be
     // deleted, and shutdown writes nothing either.
-    let mut c = open(
-        &model,
-        CacheConfig {
-            device_bytes: 0,
-            host_bytes: entry,
-            dir: Some(dir.clone()),
-            disk_bytes: 0,
-            ..Default::default()
-        },
-    );
+    let mut c = tiers(0);
     for p in prompts {
         c.insert(p, &mut feed(p)).unwrap();
     }
