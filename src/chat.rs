@@ -326,10 +326,17 @@ impl Chat {
         opts: &GenerateOptions,
         on: impl FnMut(TurnEvent) -> bool,
     ) -> Result<Reply> {
-        let (snapshot, ids, finish, cue) = self
-            .before_last
-            .take()
-            .ok_or_else(|| Error::InvalidInput("there is no reply to regenerate".into()))?;
+        let Some((snapshot, ids, finish, cue)) = self.before_last.take() else {
+            // A resumed conversation has its replies but not the state before the last.
+            let why = match self.messages.last() {
+                Some((role, _)) if role == "assistant" => {
+                    "the state before the last reply was not saved with the conversation: \
+                     only replies made since it was resumed can be regenerated"
+                }
+                _ => "there is no reply to regenerate",
+            };
+            return Err(Error::InvalidInput(why.into()));
+        };
         // The state after the old reply, to go back to if the new one fails.
         let after = match self.session.snapshot() {
             Ok(after) => after,

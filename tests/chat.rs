@@ -361,7 +361,17 @@ fn a_conversation_resumed_into_a_context_it_fills_is_refused_at_once() {
     let mut roomy = limited(held + 64);
     roomy.import(&saved, path).unwrap();
     assert_eq!(roomy.session.position(), saved.state.len as u64);
-    roomy.say("Go on", &greedy(2, None), |_| true).unwrap();
+    // The reply it came with cannot be regenerated (the state before it was not saved),
+    // and is said so; one made since can.
+    let e = roomy.regenerate(&greedy(2, None), |_| true).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("only replies made since it was resumed"),
+        "{e}"
+    );
+    let go_on = roomy.say("Go on", &greedy(2, None), |_| true).unwrap();
+    let again = roomy.regenerate(&greedy(2, None), |_| true).unwrap();
+    assert_eq!(again.text, go_on.text);
 }
 
 /// A sequence never passes `MAX_POSITION` (the device's 32-bit positions, kept below 2^31):
