@@ -126,16 +126,11 @@ impl BenchArgs {
         if let Some(0) = self.prefill.iter().copied().min() {
             bail!("--prefill: a prompt length must be at least 1, found 0");
         }
-        let runs =
-            !self.prefill.is_empty() || !self.cached_prefix.is_empty() || !self.batch.is_empty();
+        let runs = self.times_runs();
         if runs {
             check_at_least("--prefill-runs", self.prefill_runs(), 1)?;
         }
-        if self.no_decode
-            && self.prefill.is_empty()
-            && self.cached_prefix.is_empty()
-            && self.batch.is_empty()
-        {
+        if self.no_decode && !runs {
             bail!("--no-decode: nothing left to time (add --prefill 512,4096)");
         }
         if let Some(0) = self.cached_prefix.iter().copied().min() {
@@ -153,6 +148,12 @@ impl BenchArgs {
         Ok(configs)
     }
 
+    /// Whether anything besides decode is timed (prefill, cached prefixes, batches: the
+    /// benchmarks `--prefill-runs` counts the runs of).
+    fn times_runs(&self) -> bool {
+        !self.prefill.is_empty() || !self.cached_prefix.is_empty() || !self.batch.is_empty()
+    }
+
     /// Timed runs of each prefill length, cached prefix and batch: 3 unless given.
     fn prefill_runs(&self) -> usize {
         self.prefill_runs.unwrap_or(3)
@@ -165,10 +166,11 @@ impl BenchArgs {
 
     /// Notes the flags given without what they apply to.
     fn note_unused(&self) {
-        let runs =
-            !self.prefill.is_empty() || !self.cached_prefix.is_empty() || !self.batch.is_empty();
         super::note_ignored(
-            [(self.prefill_runs.is_some() && !runs, "--prefill-runs")],
+            [(
+                self.prefill_runs.is_some() && !self.times_runs(),
+                "--prefill-runs",
+            )],
             "without --prefill, --cached-prefix or --batch",
         );
         super::note_ignored(

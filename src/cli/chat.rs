@@ -207,6 +207,11 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             failed += 1;
             continue;
         }
+        // The message as sent (`//text` sends `/text`).
+        let message = match text.starts_with("//") {
+            true => &line.trim_start()[1..],
+            false => line,
+        };
         let reply = match text {
             "" => continue,
             "/quit" | "/exit" => break,
@@ -224,8 +229,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
                 again.sampling.seed = opts.sampling.seed.wrapping_add(regens);
                 chat.regenerate(&again, stream)
             }
-            t if t.starts_with("//") => chat.say(&line.trim_start()[1..], &opts, stream),
-            _ => chat.say(line, &opts, stream),
+            _ => chat.say(message, &opts, stream),
         };
         match reply {
             Ok(r) => {
@@ -244,14 +248,12 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             Err(e @ mamba2_wgpu::Error::Gpu(_)) => return Err(e.into()),
             Err(e) => {
                 let e = e.to_string();
-                // (The message as sent: /regen's is already in the conversation.)
-                let sent = match text {
-                    "/regen" => None,
-                    t if t.starts_with("//") => Some(&line.trim_start()[1..]),
-                    _ => Some(line),
-                };
                 if e.contains(mamba2_wgpu::session::CONTEXT_FULL) {
-                    match sent.and_then(|m| chat.too_long_alone(m)) {
+                    // (/regen's message is already in the conversation.)
+                    let alone = (text != "/regen")
+                        .then(|| chat.too_long_alone(message))
+                        .flatten();
+                    match alone {
                         Some((n, ctx)) => eprintln!(
                             "error: {e}; nothing was sent: this message alone takes {n} \
                              of the {ctx}-token context, leaving no room for a reply: run \

@@ -443,26 +443,17 @@ pub fn run() -> ExitCode {
 fn log_to_stderr(serve: bool) {
     use tracing_subscriber::filter::{LevelFilter, Targets};
     use tracing_subscriber::prelude::*;
-    let level = match std::env::var("MAMBA2_LOG")
-        .ok()
-        .map(|v| v.trim().to_ascii_lowercase())
-    {
-        Some(v) if v == "off" => LevelFilter::OFF,
-        Some(v) if v == "error" => LevelFilter::ERROR,
-        Some(v) if v == "warn" => LevelFilter::WARN,
-        Some(v) if v == "info" => LevelFilter::INFO,
-        Some(v) if v == "debug" => LevelFilter::DEBUG,
-        Some(v) if v == "trace" => LevelFilter::TRACE,
-        Some(v) => {
+    let default = match serve {
+        true => LevelFilter::INFO,
+        false => LevelFilter::WARN,
+    };
+    let level = match std::env::var("MAMBA2_LOG") {
+        Err(_) => default,
+        // (tracing's own names, any case.)
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
             eprintln!("note: MAMBA2_LOG={v} ignored: want off, error, warn, info, debug or trace");
-            if serve {
-                LevelFilter::INFO
-            } else {
-                LevelFilter::WARN
-            }
-        }
-        None if serve => LevelFilter::INFO,
-        None => LevelFilter::WARN,
+            default
+        }),
     };
     let ours = Targets::new()
         .with_target("mamba2_wgpu", level)

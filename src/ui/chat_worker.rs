@@ -445,20 +445,14 @@ impl Worker {
         if let Some(load) = crate::ui::expert_view::read_expert_load(backend) {
             out.send(ChatEvent::ExpertLoad(Box::new(load)));
         }
-        // A message refused for a full context that no new chat would take either.
-        let alone = match &result {
-            Err(e) if e.to_string().contains(crate::session::CONTEXT_FULL) => {
-                user.and_then(|u| chat.too_long_alone(u))
-            }
-            _ => None,
-        };
         match (result, failure) {
             (Err(e), _) => {
                 let msg = e.to_string();
                 let msg = if msg.contains(crate::session::STOPPED_READING) {
                     format!("{msg}: the message was not sent (the conversation is as before it)")
                 } else if msg.contains(crate::session::CONTEXT_FULL) {
-                    match alone {
+                    // (A message that no new chat would take either.)
+                    match user.and_then(|u| chat.too_long_alone(u)) {
                         Some((n, ctx)) => format!(
                             "{msg}: the message was not sent; it alone takes {n} of the \
                              {ctx}-token context, leaving no room for a reply: open the model \
